@@ -1,0 +1,137 @@
+"""Torch reference twins of the attention kernels: readable, per-sequence, no custom ops.
+
+Cache layout (one layer): K and V are `[num_blocks, block_size, num_kv_heads, head_dim]`;
+with an fp8 cache, `k_scale`/`v_scale` are `[num_blocks, block_size, num_kv_heads]` float32
+(one scale per token per KV head, stored beside the block it describes). A token at
+position p of a sequence lives in slot `block_table[p // block_size] * block_size +
+p % block_size`. Slot -1 and block id -1 mean padding and are ignored.
+
+This is the code path the engine uses on CPU. Functions only write the cache tensors passed
+as outputs (`store_kv`); every other input is left untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MIN_SCALE = 1e-12  # guards an all-zero token/head against a zero scale
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., head_dim] -> (fp8 values, float32 scale [...]) with scale = absmax / 448.
+
+    Non-finite values are zeroed before the absmax so one NaN/Inf cannot poison the scale of
+    its token/head (and never touches other tokens' scales: scales are per token)."""
+    xf = x.float()
+    xf = torch.where(torch.isfinite(xf), xf, torch.zeros_like(xf))
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Write key/value `[num_tokens, num_kv_heads, head_dim]` into their slots (quantizing
+    to fp8 with per-token-head scales when the cache is fp8). Slots < 0 are skipped."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    if k_scale is None:
+        flat_k[slot_mapping] = key.to(k_cache.dtype)
+        flat_v[slot_mapping] = value.to(v_cache.dtype)
+        return
+    qk, sk = quantize_fp8(key)
+    qv, sv = quantize_fp8(value)
+    flat_k[slot_mapping] = qk
+    flat_v[slot_mapping] = qv
+    k_scale.view(-1, k_scale.shape[-1])[slot_mapping] = sk
+    v_scale.view(-1, v_scale.shape[-1])[slot_mapping] = sv
+
+
+def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor,
+              num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first `num_tokens` tokens of one sequence, `[num_tokens, num_kv_heads, head_dim]`."""
+    block_size = cache.shape[1]
+    blocks = block_table[: -(-num_tokens // block_size)].clamp_min(0)
+    x = cache[blocks].flatten(0, 1)[:num_tokens]
+    s = None if scale is None else scale[blocks].flatten(0, 1)[:num_tokens]
+    return dequantize(x, s, dtype)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: list[int],
+                      seq_lens: list[int], softmax_scale: float,
+                      k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole cached context.
+
+    q: `[num_tokens, num_heads, head_dim]`, sequences packed back to back; sequence i owns
+    rows `query_start_loc[i]:query_start_loc[i+1]`, which are the last of its `seq_lens[i]`
+    tokens (the ones before are a cached prefix or earlier chunks). The new tokens' K/V must
+    already be stored. Returns `[num_tokens, num_heads, head_dim]`.
+    """
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        num_new = end - start
+        if num_new == 0:
+            continue
+        k = gather_kv(k_cache, k_scale, block_tables[i], seq_len, q.dtype)
+        v = gather_kv(v_cache, v_scale, block_tables[i], seq_len, q.dtype)
+        qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        if num_new == seq_len:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=softmax_scale,
+                                               enable_gqa=True)
+        else:
+            # query j sits at absolute position seq_len - num_new + j and sees keys <= it.
+            qpos = torch.arange(seq_len - num_new, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale,
+                                               enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention: one query token per sequence, `q` `[num_seqs, num_heads, head_dim]`,
+    over `seq_lens[i]` cached tokens (its own K/V included). Rows with seq_len 0 (padding)
+    return zeros. Vectorised over the batch: blocks are gathered to `[num_seqs, max_len]`
+    and positions past each length are masked."""
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    max_len = int(seq_lens.max())
+    tables = block_tables[:, : -(-max_len // block_size)].clamp_min(0)
+    k = dequantize(k_cache[tables], None if k_scale is None else k_scale[tables], q.dtype)
+    v = dequantize(v_cache[tables], None if v_scale is None else v_scale[tables], q.dtype)
+    k = k.flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, Hkv, L, D]
+    v = v.flatten(1, 2)[:, :max_len].transpose(1, 2)
+    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
+    mask = valid[:, None, None, :] | (seq_lens[:, None, None, None] == 0)  # no all-masked rows
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,
+                                       scale=softmax_scale, enable_gqa=True)
+    o = o.squeeze(2)
+    return torch.where((seq_lens > 0)[:, None, None], o, torch.zeros_like(o))
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
+                dst_ids: torch.Tensor) -> None:
+    """dst[:, dst_ids] = src[:, src_ids] for caches whose dim 1 is the block id (all layers at
+    once); used for copy-on-write and for moves between pools / staging buffers."""
+    dst[:, dst_ids] = src[:, src_ids].to(dst.device)

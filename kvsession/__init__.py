@@ -1,0 +1,22 @@
+"""kvsession: an embeddable LLM inference SDK whose KV cache is state, not a cache."""
+
+from kvsession.errors import (
+                              CacheFullError,
+                              ConfigError,
+                              KVSessionError,
+                              ModelLoadError,
+                              RemotePrefillError,
+                              SessionClosedError,
+                              SnapshotError,
+)
+from kvsession.llm import LLM
+from kvsession.metrics import SLO, RequestMetrics, Stats
+from kvsession.outputs import RequestOutput
+from kvsession.params import SamplingParams
+
+__all__ = [
+    "LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "Stats", "SLO",
+    "KVSessionError", "ConfigError", "ModelLoadError", "CacheFullError", "SnapshotError",
+    "SessionClosedError", "RemotePrefillError",
+]
+__version__ = "0.1.0"

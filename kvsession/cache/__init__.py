@@ -1,0 +1,1 @@
+"""The device KV cache: block bookkeeping (BlockPool), hashes, prefix lookup, tensors."""

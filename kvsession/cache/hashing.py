@@ -1,0 +1,55 @@
+"""Chained, process-stable block hashes.
+
+hash(block i) = sha256(hash(block i-1) || token ids of block i as int64 little-endian).
+The chain starts from a root digest of the cache's identity scope (model fingerprint, kv
+dtype, block size, layout version) and the request's optional `cache_salt`, so blocks of
+different models, dtypes or tenants never share a hash. sha256 is fixed and seedless: the
+same tokens hash the same in every process, which snapshots and remote workers rely on.
+(Python's `hash()` is randomised per process and is never used here.)
+
+A hash is only a lookup key: a hit is reused only after its stored tokens are compared
+with the request's (BlockPool.lookup), so a collision is a miss, never wrong output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+LAYOUT_VERSION = 1
+HashFn = Callable[[bytes], bytes]
+
+
+def sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+class BlockHasher:
+    """Computes the hash chain of token blocks. `hash_fn` is replaceable (tests inject a
+    colliding one); everything else is fixed by the scope."""
+
+    def __init__(self, scope: dict, block_size: int, hash_fn: HashFn = sha256):
+        self.block_size = block_size
+        self.hash_fn = hash_fn
+        items = sorted({**scope, "block_size": block_size, "layout": LAYOUT_VERSION}.items())
+        self.scope_digest = sha256(repr(items).encode())
+
+    def root(self, cache_salt: str | None) -> bytes:
+        if cache_salt is None:
+            return self.scope_digest
+        return sha256(self.scope_digest + b"salt:" + cache_salt.encode())
+
+    def block_hash(self, parent: bytes, token_ids: Sequence[int]) -> bytes:
+        return self.hash_fn(parent + np.asarray(token_ids, dtype="<i8").tobytes())
+
+    def extend(self, hashes: list[bytes], token_ids: Sequence[int], num_tokens: int,
+               cache_salt: str | None) -> list[bytes]:
+        """Append to `hashes` the hashes of every full block among the first `num_tokens`
+        tokens that `hashes` does not cover yet; returns `hashes` (mutated)."""
+        bs = self.block_size
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[i - 1] if i else self.root(cache_salt)
+            hashes.append(self.block_hash(parent, token_ids[i * bs:(i + 1) * bs]))
+        return hashes

@@ -1,0 +1,70 @@
+"""The physical KV tensors: one K and one V tensor for all layers, indexed by block id.
+
+Layout: `k[layer, block, slot_in_block, kv_head, head_dim]` (same for `v`). With an fp8 cache,
+`k_scale[layer, block, slot_in_block, kv_head]` (float32, one scale per token per KV head)
+sits beside it, indexed by the same block id, so anything that copies block b (spill,
+snapshot, copy-on-write, remote transfer) copies `k[:, b]`, `v[:, b]` and the scales of b
+together: scales travel with their block by construction.
+
+KVPool holds bytes only. Which block belongs to whom is BlockPool's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+SCALE_DTYPE = torch.float32  # float16 scales lose tiny absmax values (< 6e-8 / 448)
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """Views of one layer's cache; valid as long as the KVPool lives."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: masked-out slots still enter matmuls (x 0), and NaN x 0 = NaN.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if dtype == FP8:
+            self.k_scale = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            self.v_scale = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        """K + V bytes of one token over all layers, scales included."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        per_head = head_dim * elem + (torch.empty((), dtype=SCALE_DTYPE).element_size()
+                                      if dtype == FP8 else 0)
+        return 2 * num_layers * num_kv_heads * per_head
+
+    def layer(self, i: int) -> LayerKV:
+        return LayerKV(self.k[i], self.v[i],
+                       None if self.k_scale is None else self.k_scale[i],
+                       None if self.v_scale is None else self.v_scale[i])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor whose dim 1 is the block id (what a block copy must move)."""
+        out = {"k": self.k, "v": self.v}
+        if self.k_scale is not None:
+            out |= {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        return out
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src` onto block `dst` in every layer, scales included (copy-on-write)."""
+        for t in self.tensors().values():
+            t[:, dst] = t[:, src]

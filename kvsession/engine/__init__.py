@@ -1,0 +1,1 @@
+"""The engine: request queue and loop thread, scheduler, model runner, sampler."""

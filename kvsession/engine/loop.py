@@ -1,0 +1,170 @@
+"""The engine step and the engine thread that drives it.
+
+`Engine.step()` runs one scheduled batch: schedule -> run the model -> sample -> advance ->
+finish. Only the engine thread calls it. `EngineLoop` owns that thread and a request inbox:
+any thread submits sequences (or engine-side calls, e.g. pinning) and gets a
+`concurrent.futures.Future`; the loop batches everything that is pending into shared steps.
+An exception inside a step fails only the requests of that step; the loop survives.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from kvsession.engine.runner import ModelRunner
+from kvsession.engine.sampler import Sampler
+from kvsession.engine.scheduler import Scheduler
+from kvsession.engine.sequence import Sequence
+from kvsession.errors import CacheFullError, EngineClosedError
+from kvsession.metrics import LatencyTracker, RequestMetrics
+
+log = logging.getLogger("kvsession")
+
+OnUpdate = Callable[[Sequence], None]
+
+
+def request_metrics(seq: Sequence) -> RequestMetrics:
+    first = seq.first_token_time or seq.finish_time
+    ttft = first - seq.arrival_time
+    n = seq.num_output_tokens
+    tpot = (seq.finish_time - first) / (n - 1) if n > 1 else 0.0
+    queue = (seq.first_scheduled_time or first) - seq.arrival_time
+    return RequestMetrics(ttft_s=ttft, tpot_s=tpot, e2e_s=seq.finish_time - seq.arrival_time,
+                          queue_s=queue)
+
+
+class Engine:
+    """One step at a time; not thread-safe (the engine thread owns it)."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
+                 decode: Callable[[list[int]], str], latency: LatencyTracker):
+        self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
+        self.decode, self.latency = decode, latency
+        self.futures: dict[int, tuple[Future, OnUpdate | None]] = {}
+        self.num_steps = 0
+
+    def add(self, seq: Sequence, fut: Future, on_update: OnUpdate | None) -> None:
+        self.futures[seq.seq_id] = (fut, on_update)
+        self.scheduler.add(seq)
+
+    def step(self) -> None:
+        batch, failed = self.scheduler.schedule()
+        for seq in failed:
+            self._fail(seq, CacheFullError(
+                f"request of {seq.num_tokens} tokens cannot fit in the KV blocks that are not "
+                f"pinned ({self.scheduler.pool.num_free} free of "
+                f"{self.scheduler.pool.num_blocks})"))
+        if not batch:
+            return
+        try:
+            logits = self.runner.run(batch)
+            sampling = [item.seq for item in batch if item.samples]
+            sampled = self.sampler(logits, sampling)
+        except Exception as e:  # a broken step fails its requests, not the engine
+            log.exception("engine step failed")
+            for item in batch:
+                self._fail(item.seq, e)
+            return
+        self.num_steps += 1
+        self.scheduler.update(batch)
+        for seq, (token, logprobs) in zip(sampling, sampled, strict=True):
+            seq.append_token(token, logprobs)
+            done = seq.check_finished(self.decode)
+            if done:
+                seq.finish_time = time.perf_counter()
+                self.scheduler.finish(seq)
+            fut, on_update = self.futures[seq.seq_id] if not done else self.futures.pop(
+                seq.seq_id)
+            if on_update is not None:
+                self._notify(on_update, seq)
+            if done:
+                m = request_metrics(seq)
+                self.latency.record(seq.arrival_time, seq.finish_time, m, seq.num_output_tokens)
+                fut.set_result(seq)
+
+    @staticmethod
+    def _notify(on_update: OnUpdate, seq: Sequence) -> None:
+        try:
+            on_update(seq)
+        except Exception:  # a caller's callback must not break the engine
+            log.exception("on_update callback failed")
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        self.scheduler.finish(seq)
+        fut, _ = self.futures.pop(seq.seq_id, (None, None))
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._fail(seq, exc)
+
+
+class EngineLoop:
+    """The engine thread. `submit` and `call` are thread-safe and return Futures."""
+
+    def __init__(self, engine: Engine, name: str = "kvsession-engine"):
+        self.engine = engine
+        self._inbox: list[tuple[Callable[[], None], Future]] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, seq: Sequence, on_update: OnUpdate | None = None) -> Future:
+        fut: Future = Future()
+        self._post(lambda: self.engine.add(seq, fut, on_update), fut)
+        return fut
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the engine thread between steps (for anything that touches engine
+        state: pins, session bookkeeping, stats snapshots); its result or exception lands
+        in the Future."""
+        fut: Future = Future()
+
+        def run():
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+
+        self._post(run, fut)
+        return fut
+
+    def _post(self, item: Callable[[], None], fut: Future) -> None:
+        with self._cv:
+            if self._closed:
+                fut.set_exception(EngineClosedError("the LLM is closed"))
+                return
+            self._inbox.append((item, fut))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._inbox and not self.engine.scheduler.has_work():
+                    self._cv.wait()
+                if self._closed:
+                    break
+                items, self._inbox = self._inbox, []
+            for item, _ in items:
+                item()
+            if self.engine.scheduler.has_work():
+                self.engine.step()
+        self.engine.fail_all(EngineClosedError("the LLM was closed while this request ran"))
+        with self._cv:
+            items, self._inbox = self._inbox, []
+        for _, fut in items:  # posted but never started
+            if not fut.done():
+                fut.set_exception(EngineClosedError("the LLM was closed before this call ran"))
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()

@@ -1,0 +1,58 @@
+"""The model runner: turns a scheduled batch into tensors + AttentionMetadata, runs the
+model, and returns logits for the sequences that sample this step."""
+
+from __future__ import annotations
+
+import torch
+
+from kvsession.attention import AttentionMetadata
+from kvsession.cache.kv_pool import KVPool
+from kvsession.config import AttentionBackend
+from kvsession.engine.scheduler import ScheduledSeq
+from kvsession.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVPool, device: torch.device,
+                 backend: AttentionBackend):
+        self.model, self.kv, self.device, self.backend = model, kv, device, backend
+
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor,
+                                                          AttentionMetadata, list[int]]:
+        """(input_ids, positions, metadata, rows whose hidden state is sampled)."""
+        bs = self.kv.block_size
+        ids, pos, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
+        max_blocks = max(len(item.seq.blocks) for item in batch)
+        tables = torch.full((len(batch), max_blocks), -1, dtype=torch.long)
+        for i, item in enumerate(batch):
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            ids += seq.token_ids[start:end]
+            p = torch.arange(start, end)
+            table = torch.tensor(seq.block_ids, dtype=torch.long)
+            tables[i, : len(table)] = table
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            starts.append(starts[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            if item.samples:
+                sample_rows.append(starts[-1] - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev),
+            block_tables=tables.to(dev),
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            decode_only=all(item.num_new_tokens == 1 for item in batch),
+            softmax_scale=self.model.softmax_scale,
+            backend=self.backend,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return input_ids, torch.cat(pos).to(dev), meta, sample_rows
+
+    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Run one step; float32 logits [num sampling sequences, vocab], in batch order."""
+        input_ids, positions, meta, rows = self.prepare(batch)
+        hidden = self.model.forward(input_ids, positions, self.kv, meta)
+        return self.model.logits(hidden[rows])

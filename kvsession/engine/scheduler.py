@@ -1,0 +1,163 @@
+"""The scheduler: the only place that decides what runs in a step.
+
+Continuous batching with chunked prefill, FCFS. Each step has a token budget
+(`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). Running sequences go first,
+in admission order, each taking what it still has to compute (1 token when decoding, a
+chunk of its prompt otherwise); then waiting sequences are admitted while budget, seats and
+blocks last. When blocks run out, the newest running sequence is preempted by recompute:
+its blocks are freed (tail first, content kept, so its full blocks can be hit again when it
+is readmitted) and it goes back to the front of the queue. The oldest sequence therefore
+always progresses: no deadlock, and no request is lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvsession.cache.block_pool import BlockPool
+from kvsession.cache.prefix import PrefixCache
+from kvsession.engine.sequence import Sequence, SequenceStatus
+from kvsession.errors import CacheFullError
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the sequence's tokens, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, prefix: PrefixCache, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.pool, self.prefix = pool, prefix
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[ScheduledSeq], list[Sequence]]:
+        """Pick this step's work. Returns (scheduled, failed): `failed` holds sequences that
+        can never fit (more blocks than the pool can ever free for them); they are removed
+        and their blocks released."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        failed: list[Sequence] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = blocks_for(seq.num_computed_tokens + n, self.pool.block_size) - len(seq.blocks)
+            while need > self.pool.num_free and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+                preempted = True
+            if need > self.pool.num_free:  # alone and still too big: blocks are pinned
+                self.running.pop(i)
+                self._release(seq)
+                failed.append(seq)
+                continue
+            seq.blocks += self.pool.allocate(need)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            item = self._admit(seq, budget)
+            if item is None:
+                if not self.running and not scheduled:  # nothing will ever free a block
+                    self.waiting.popleft()
+                    failed.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            scheduled.append(item)
+            budget -= item.num_new_tokens
+        return scheduled, failed
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        """Look up the prefix, take references, allocate the first chunk's blocks; None (and
+        nothing changed) when the blocks are not there."""
+        hits = []
+        if seq.num_computed_tokens == 0:
+            # leave at least one token to compute, so the sequence gets logits to sample
+            hits = self.prefix.match(seq.token_ids, seq.block_hashes, seq.num_tokens - 1,
+                                     seq.params.cache_salt)
+        num_cached = len(hits) * self.pool.block_size
+        n = min(seq.num_tokens - num_cached, budget)
+        num_new_blocks = blocks_for(num_cached + n, self.pool.block_size) - len(hits)
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # they leave the free queue
+        if num_new_blocks + num_revived > self.pool.num_free:
+            self.prefix.queried_tokens -= seq.num_tokens - 1  # not admitted: not a query
+            self.prefix.hit_tokens -= num_cached
+            return None
+        self.pool.touch(hits)
+        seq.blocks = hits + self.pool.allocate(num_new_blocks)
+        seq.num_computed_tokens = num_cached
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = num_cached
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.perf_counter()
+        return ScheduledSeq(seq, n)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.blocks)
+        seq.blocks = []
+        seq.num_computed_tokens = 0
+
+    def update(self, scheduled: list[ScheduledSeq]) -> None:
+        """After the model ran: advance progress and publish newly full blocks' hashes."""
+        bs = self.pool.block_size
+        for item in scheduled:
+            seq = item.seq
+            before = seq.num_computed_tokens // bs
+            seq.num_computed_tokens += item.num_new_tokens
+            after = seq.num_computed_tokens // bs
+            if after > before and self.pool.enable_caching:
+                self.prefix.hasher.extend(seq.block_hashes, seq.token_ids, after * bs,
+                                          seq.params.cache_salt)
+                for i in range(before, after):
+                    self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i],
+                                               seq.token_ids[i * bs:(i + 1) * bs])
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished (or failed) sequence and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def check_capacity(self, num_tokens: int) -> None:
+        if blocks_for(num_tokens, self.pool.block_size) > self.pool.num_blocks:
+            raise CacheFullError(
+                f"a sequence of {num_tokens} tokens needs more KV blocks than the pool has "
+                f"({self.pool.num_blocks})")

@@ -1,0 +1,93 @@
+"""One request's state while the engine works on it: tokens, blocks, progress, output.
+
+A Sequence is owned by the engine thread: only the scheduler and the loop mutate it.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvsession.cache.block_pool import Block
+from kvsession.params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    token_ids: list[int]
+    params: SamplingParams
+    max_model_len: int
+    eos_token_ids: frozenset[int] = frozenset()
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    blocks: list[Block] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in `blocks`
+    num_cached_tokens: int = -1   # prompt tokens served by the prefix cache (-1: not admitted)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def check_finished(self, decode) -> bool:
+        """Set `finish_reason` if the last appended token ends the request. `decode` maps
+        output token ids to text (needed only for stop strings)."""
+        p, last = self.params, self.token_ids[-1]
+        if last in p.stop_ids or (not p.ignore_eos and last in self.eos_token_ids):
+            self.finish_reason = "stop"
+        elif p.stop_strings:
+            text = decode(self.output_token_ids)
+            cut = [text.find(s) for s in p.stop_strings if s in text]
+            if cut:
+                self.stop_text_len = min(cut)
+                self.finish_reason = "stop"
+        if self.finish_reason is None and (self.num_output_tokens >= p.max_tokens
+                                           or self.num_tokens >= self.max_model_len):
+            self.finish_reason = "length"
+        return self.finish_reason is not None

@@ -1,0 +1,33 @@
+"""The exception hierarchy. Every error kvsession raises on purpose derives from KVSessionError."""
+
+
+class KVSessionError(Exception):
+    """Base class of every kvsession error."""
+
+
+class ConfigError(KVSessionError, ValueError):
+    """A constructor or call argument is invalid; raised before any memory is taken."""
+
+
+class ModelLoadError(KVSessionError):
+    """A checkpoint directory cannot be loaded (missing file, bad tensor, unsupported arch)."""
+
+
+class CacheFullError(KVSessionError):
+    """The KV cache cannot hold what was asked (a pin over budget, a sequence that cannot fit)."""
+
+
+class SnapshotError(KVSessionError):
+    """A session snapshot file is invalid, incompatible or corrupted."""
+
+
+class SessionClosedError(KVSessionError):
+    """A closed session (or a closed LLM) was used."""
+
+
+class RemotePrefillError(KVSessionError):
+    """Remote prefill failed and local fallback was disabled."""
+
+
+class EngineClosedError(SessionClosedError):
+    """The engine was closed while a call was pending or after it was closed."""

@@ -1,0 +1,255 @@
+"""`LLM`: the user's handle on one model in this process.
+
+Construction validates every argument (ConfigError) and sizes the KV cache before any
+memory is taken, then loads the weights and starts the engine thread. Public methods are
+thread-safe: they post work to the engine loop and wait on Futures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from concurrent.futures import Future, as_completed
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from kvsession.cache.block_pool import BlockPool
+from kvsession.cache.hashing import BlockHasher
+from kvsession.cache.kv_pool import KVPool
+from kvsession.cache.prefix import PrefixCache
+from kvsession.config import AttentionBackend, EngineConfig
+from kvsession.engine.loop import Engine, EngineLoop, request_metrics
+from kvsession.engine.runner import ModelRunner
+from kvsession.engine.sampler import Sampler
+from kvsession.engine.scheduler import Scheduler, blocks_for
+from kvsession.engine.sequence import Sequence
+from kvsession.errors import ConfigError, EngineClosedError
+from kvsession.metrics import SLO, LatencyTracker, PrefixStats, RemoteStats, Stats, TierStats
+from kvsession.model.config import ModelSpec, check_sliding_window, load_model_spec
+from kvsession.model.llama import LlamaModel
+from kvsession.model.loader import load_weights, weights_digest
+from kvsession.model.tokenizer import Tokenizer
+from kvsession.outputs import RequestOutput
+from kvsession.params import SamplingParams
+
+log = logging.getLogger("kvsession")
+CPU_DEFAULT_KV_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Facts established at start-up (not configuration)."""
+
+    spec: ModelSpec
+    max_model_len: int
+    num_blocks: int
+    kv_bytes_per_token: int
+    model_fingerprint: str
+
+
+def _weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    h, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    per_layer = h * hd * (2 * spec.num_heads + 2 * spec.num_kv_heads) + 3 * h * inter
+    embed = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
+    return (spec.num_layers * per_layer + embed) * torch.empty((), dtype=dtype).element_size()
+
+
+class LLM:
+    def __init__(self, model, **kwargs):
+        self._loop = None
+        self.config = cfg = EngineConfig.from_args(model, **kwargs)
+        if cfg.attention_backend == AttentionBackend.TRITON:
+            raise ConfigError("attention_backend='triton' is not available in this build; "
+                              "accepted: ['auto', 'torch']")
+        spec = load_model_spec(cfg.model)
+        max_model_len = cfg.max_model_len or spec.max_position_embeddings
+        check_sliding_window(spec, max_model_len)
+        self.tokenizer = Tokenizer(cfg.model)
+        bpt = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                     cfg.kv_cache_dtype)
+        num_blocks = self._num_blocks(cfg, spec, bpt)
+        needed = blocks_for(max_model_len, cfg.block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                f"kv_cache_memory holds {num_blocks} blocks of {cfg.block_size} tokens "
+                f"({num_blocks * cfg.block_size} tokens at {bpt} bytes/token), but one sequence "
+                f"of max_model_len={max_model_len} needs {needed}; raise kv_cache_memory or "
+                f"lower max_model_len")
+        fingerprint = hashlib.sha256(json.dumps(
+            [spec.to_dict(), weights_digest(cfg.model)], sort_keys=True).encode()).hexdigest()
+        self.runtime = RuntimeInfo(spec, max_model_len, num_blocks, bpt, fingerprint)
+
+        weights = load_weights(cfg.model, spec, cfg.dtype, cfg.device)
+        self.model = LlamaModel(spec, weights, max_model_len)
+        self.kv = KVPool(spec.num_layers, num_blocks, cfg.block_size, spec.num_kv_heads,
+                         spec.head_dim, cfg.kv_cache_dtype, cfg.device)
+        self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        hasher = BlockHasher({"model": fingerprint, "kv_dtype": cfg.kv_cache_dtype_name},
+                             cfg.block_size)
+        self.prefix = PrefixCache(self.pool, hasher)
+        self.scheduler = Scheduler(self.pool, self.prefix, cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens)
+        backend = AttentionBackend.TORCH
+        self.latency = LatencyTracker()
+        self.slo = SLO()
+        engine = Engine(self.scheduler, ModelRunner(self.model, self.kv, cfg.device, backend),
+                        Sampler(cfg.seed), self.tokenizer.decode, self.latency)
+        self._loop = EngineLoop(engine)
+        log.info("kvsession: %s on %s, kv %s: %d blocks x %d tokens = %d tokens, %d bytes/token",
+                 spec.architecture, cfg.device, cfg.kv_cache_dtype_name, num_blocks,
+                 cfg.block_size, num_blocks * cfg.block_size, bpt)
+
+    @staticmethod
+    def _num_blocks(cfg: EngineConfig, spec: ModelSpec, bytes_per_token: int) -> int:
+        budget = cfg.kv_cache_memory_bytes
+        if budget is None and cfg.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(cfg.device)
+            used = total - free
+            budget = int(total * cfg.gpu_memory_utilization) - used - _weight_bytes(
+                spec, cfg.dtype)
+            budget = max(budget, 0)
+        elif budget is None:
+            budget = CPU_DEFAULT_KV_BYTES
+        return budget // (bytes_per_token * cfg.block_size)
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine thread (pending calls fail with EngineClosedError) and drop the
+        KV cache. Idempotent."""
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+            self.kv = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _engine_loop(self) -> EngineLoop:
+        if self._loop is None:
+            raise EngineClosedError("this LLM is closed")
+        return self._loop
+
+    # ---- stateless generation --------------------------------------------------------
+
+    def _validate_prompt(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise ConfigError("a prompt must have at least one token")
+        vocab = self.runtime.spec.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.runtime.max_model_len:
+            raise ConfigError(
+                f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
+                f"{self.runtime.max_model_len}")
+        return list(ids)
+
+    def _new_sequence(self, ids: list[int], params: SamplingParams) -> Sequence:
+        return Sequence(token_ids=self._validate_prompt(ids), params=params,
+                        max_model_len=self.runtime.max_model_len,
+                        eos_token_ids=self.tokenizer.eos_token_ids)
+
+    def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        text = self.tokenizer.decode(out_ids)
+        if seq.stop_text_len is not None:
+            text = text[: seq.stop_text_len]
+        return RequestOutput(
+            request_id=seq.seq_id, prompt=prompt, prompt_token_ids=seq.token_ids[
+                : seq.num_prompt_tokens], text=text, token_ids=out_ids,
+            finish_reason=seq.finish_reason, num_cached_tokens=max(seq.num_cached_tokens, 0),
+            metrics=request_metrics(seq),
+            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None)
+
+    def _run_batch(self, prompts: list[str | None], ids: list[list[int]],
+                   params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        seqs = [self._new_sequence(i, p) for i, p in zip(ids, params, strict=True)]
+        loop = self._engine_loop()
+        futures: list[Future] = [loop.submit(s) for s in seqs]
+        if use_tqdm and len(futures) > 1:
+            with tqdm(total=len(futures), desc="generate", unit="req") as bar:
+                for _ in as_completed(futures):
+                    bar.update(1)
+        done = [f.result() for f in futures]
+        return [self._output(s, p) for s, p in zip(done, prompts, strict=True)]
+
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+            raise ConfigError(f"sampling_params must be one SamplingParams or a list of {n}")
+        return params
+
+    def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for a prompt or a batch (strings, or token ids via prompt_token_ids);
+        outputs come back in input order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ConfigError("pass exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            if not all(isinstance(t, str) for t in texts):
+                raise ConfigError("prompts must be a string or a list of strings")
+            ids = [self.tokenizer.encode(t) for t in texts]
+        else:
+            ids = list(prompt_token_ids)
+            if ids and isinstance(ids[0], int):
+                ids = [ids]
+            texts = [None] * len(ids)
+        return self._run_batch(texts, ids, self._params_list(sampling_params, len(ids)),
+                               use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {role, content} dicts) or a list
+        of conversations, rendered with the checkpoint's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [self.tokenizer.render_chat(c, add_generation_prompt) for c in convs]
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self._run_batch(texts, ids, self._params_list(sampling_params, len(ids)),
+                               use_tqdm)
+
+    # ---- observability ---------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        """A consistent snapshot, taken on the engine thread between steps."""
+        return self._engine_loop().call(self._stats_now).result()
+
+    def _stats_now(self) -> Stats:
+        pool, bs = self.pool, self.config.block_size
+        device = TierStats(
+            blocks_total=pool.num_blocks, blocks_used=pool.num_blocks - pool.num_free,
+            blocks_free=pool.num_free, blocks_pinned=0,
+            bytes_per_token=self.runtime.kv_bytes_per_token,
+            tokens_capacity=pool.num_blocks * bs)
+        q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
+        lat, goodput, attainment = self.latency.summary(self.slo)
+        return Stats(
+            tiers={"device": device, "host": TierStats(), "disk": TierStats()},
+            prefix=PrefixStats(queried_tokens=q, hit_tokens=h, hit_rate=h / q if q else 0.0,
+                               evictions=pool.num_evictions, cached_blocks=len(pool.index)),
+            spills={"host": 0, "disk": 0}, restores={"host": 0, "disk": 0}, recomputes=0,
+            remote=RemoteStats(), latency=lat, goodput_tokens_per_s=goodput,
+            slo_attainment=attainment, num_requests=self.latency.num_requests,
+            num_preemptions=self.scheduler.num_preemptions)
+
+    def check_integrity(self) -> None:
+        """Run BlockPool.check_integrity on the engine thread (tests call this)."""
+        self._engine_loop().call(self.pool.check_integrity).result()

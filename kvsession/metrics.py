@@ -1,0 +1,117 @@
+"""Observability: the `Stats` struct of `llm.stats()`, per-request metrics and the SLO
+tracker (latency percentiles, goodput and SLO attainment, DistServe's definitions).
+
+Structs are msgspec Structs so `msgspec.json.encode(llm.stats())` works.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+
+from kvsession.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Per-request latency targets: time to first token and time per output token."""
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.tpot_s > 0):
+            raise ConfigError(f"SLO targets must be > 0, got {self}")
+
+
+class RequestMetrics(msgspec.Struct):
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    queue_s: float
+
+
+class TierStats(msgspec.Struct):
+    blocks_total: int = 0
+    blocks_used: int = 0
+    blocks_free: int = 0
+    blocks_pinned: int = 0
+    bytes_per_token: int = 0
+    tokens_capacity: int = 0
+
+
+class PrefixStats(msgspec.Struct):
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    hit_rate: float = 0.0
+    evictions: int = 0
+    cached_blocks: int = 0
+
+
+class RemoteStats(msgspec.Struct):
+    prefills: int = 0
+    fallbacks: dict[str, int] = msgspec.field(default_factory=dict)
+    bytes: int = 0
+    bandwidth_gbps: float = 0.0
+
+
+class LatencyStats(msgspec.Struct):
+    ttft_p50_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    tpot_p50_s: float = 0.0
+    tpot_p99_s: float = 0.0
+
+
+class Stats(msgspec.Struct):
+    tiers: dict[str, TierStats]
+    prefix: PrefixStats
+    spills: dict[str, int]
+    restores: dict[str, int]
+    recomputes: int
+    remote: RemoteStats
+    latency: LatencyStats
+    goodput_tokens_per_s: float
+    slo_attainment: float
+    num_requests: int
+    num_preemptions: int
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
+    return s[k]
+
+
+class LatencyTracker:
+    """The last `window` finished requests: (arrival, finish, ttft, tpot, output tokens).
+    Thread-safe: the engine thread records, any thread summarises."""
+
+    def __init__(self, window: int = 1024):
+        self._records: deque[tuple[float, float, float, float, int]] = deque(maxlen=window)
+        self._lock = threading.Lock()
+        self.num_requests = 0
+
+    def record(self, arrival: float, finish: float, m: RequestMetrics, num_tokens: int) -> None:
+        with self._lock:
+            self._records.append((arrival, finish, m.ttft_s, m.tpot_s, num_tokens))
+            self.num_requests += 1
+
+    def summary(self, slo: SLO) -> tuple[LatencyStats, float, float]:
+        """(latency percentiles, goodput tokens/s, SLO attainment) over the window."""
+        with self._lock:
+            recs = list(self._records)
+        if not recs:
+            return LatencyStats(), 0.0, 0.0
+        ttfts, tpots = [r[2] for r in recs], [r[3] for r in recs]
+        good = [r for r in recs if r[2] <= slo.ttft_s and r[3] <= slo.tpot_s]
+        wall = max(r[1] for r in recs) - min(r[0] for r in recs)
+        goodput = sum(r[4] for r in good) / wall if wall > 0 else 0.0
+        lat = LatencyStats(percentile(ttfts, 50), percentile(ttfts, 99),
+                           percentile(tpots, 50), percentile(tpots, 99))
+        return lat, goodput, len(good) / len(recs)

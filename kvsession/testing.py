@@ -1,0 +1,180 @@
+"""Deterministic tiny random-weight checkpoints for tests, the demo, examples and benchmarks.
+
+`make_tiny_model(path, arch="llama")` writes a complete HF checkpoint directory: config.json,
+safetensors (optionally sharded with an index), a byte-level BPE tokenizer.json trained with
+the `tokenizers` library on text generated here (so it has real merges), tokenizer_config.json
+with special tokens, a ChatML chat template and generation_config.json. Nothing is downloaded.
+The same arguments always write the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from kvsession.errors import ConfigError
+from kvsession.model.config import load_model_spec
+from kvsession.model.loader import expected_shapes
+
+ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_WORDS = (
+    "the agent reads a file and calls a tool then writes the answer to the user who asked for "
+    "a list of files in the project with tests docs code and data while the model keeps its "
+    "cache of keys and values for every token of the conversation so that the next turn only "
+    "computes new tokens session system prompt you are a helpful coding assistant run python "
+    "script error fix bug function class return value import module path directory open close "
+    "read write json result status ok failed retry search query answer question context memory "
+    "block page table hash prefix reuse spill restore disk host device kernel attention layer "
+    "head token batch step schedule request response stream time cost model weight matrix"
+).split()
+
+
+def _corpus(seed: int, num_lines: int = 3000) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for i in range(num_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 18))]
+        if i % 5 == 0:
+            lines.append(json.dumps({"tool": words[0], "args": words[1:4], "n": rng.randint(0, 999)}))
+        elif i % 7 == 0:
+            lines.append(f"def {words[0]}_{words[1]}(x): return x + {rng.randint(0, 99)}")
+        else:
+            lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ":"]))
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 512, seed: int = 0):
+    """A byte-level BPE `tokenizers.Tokenizer` with ChatML special tokens and real merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(seed), trainer)
+    return tok
+
+
+def _config(arch: str, vocab_size: int, layout: str, overrides: dict) -> dict:
+    architecture, model_type = ARCHS[arch]
+    cfg = {
+        "architectures": [architecture], "model_type": model_type, "vocab_size": vocab_size,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": arch in ("qwen2", "qwen3"), "attention_bias": False,
+        "bos_token_id": 0, "eos_token_id": 2, "initializer_range": 0.02,
+    }
+    if arch == "mistral":
+        cfg["sliding_window"] = None
+    if arch in ("qwen2", "qwen3"):
+        cfg["use_sliding_window"] = False
+    rope_theta = overrides.pop("rope_theta", 10000.0)
+    rope_scaling = overrides.pop("rope_scaling", None)
+    cfg.update(overrides)
+    if layout == "classic":
+        cfg |= {"rope_theta": rope_theta, "torch_dtype": "float32"}
+        if rope_scaling:
+            cfg["rope_scaling"] = rope_scaling
+    else:
+        params = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
+        cfg |= {"rope_parameters": params, "dtype": "float32"}
+    return cfg
+
+
+def _random_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    spec = load_model_spec(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_shapes(spec).items():
+        if name.endswith("norm.weight"):  # near 1, so the norms matter for parity tests
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith("bias"):
+            t = 0.05 * torch.randn(shape, generator=gen)
+        else:
+            t = 0.08 * torch.randn(shape, generator=gen)
+        tensors[name] = t.contiguous()
+    return tensors
+
+
+def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "current",
+                    num_shards: int = 1, tokenizer_vocab_size: int = 512,
+                    **config_overrides) -> Path:
+    """Write a deterministic random checkpoint of `arch` to `path`; returns the path.
+
+    layout: "current" (rope_parameters, dtype, chat_template.jinja, merges as pairs) or
+    "classic" (rope_theta/rope_scaling, torch_dtype, chat_template in tokenizer_config.json,
+    merges as space-joined strings). config_overrides replace config.json fields (e.g.
+    hidden_size=512, num_hidden_layers=8, vocab_size=32000, rope_scaling={...}); a vocab_size
+    above the tokenizer's size leaves the extra ids without text.
+    """
+    if arch not in ARCHS:
+        raise ConfigError(f"arch={arch!r} is not supported; accepted: {sorted(ARCHS)}")
+    if layout not in ("current", "classic"):
+        raise ConfigError(f"layout={layout!r}; accepted: ['classic', 'current']")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(tokenizer_vocab_size, seed=0)
+    tok_json = json.loads(tok.to_str())
+    if layout == "classic":
+        tok_json["model"]["merges"] = [" ".join(m) for m in tok_json["model"]["merges"]]
+    (out / "tokenizer.json").write_text(json.dumps(tok_json, ensure_ascii=False))
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    overrides = dict(config_overrides)
+    overrides.setdefault("vocab_size", vocab)
+    if overrides["vocab_size"] < vocab:
+        raise ConfigError(f"vocab_size must be >= the tokenizer's {vocab}")
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    overrides.setdefault("bos_token_id", ids["<|endoftext|>"])
+    overrides.setdefault("eos_token_id", ids["<|im_end|>"])
+    (out / "config.json").write_text(json.dumps(_config(arch, vocab, layout, overrides), indent=2))
+    tcfg = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+            "model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast"}
+    if layout == "classic":
+        tcfg["chat_template"] = CHATML_TEMPLATE
+    else:
+        (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+         "bos_token_id": ids["<|endoftext|>"]}, indent=2))
+    _write_weights(out, _random_weights(out, seed), num_shards)
+    return out
+
+
+def _write_weights(out: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("*.index.json")):
+        stale.unlink()
+    meta = {"format": "pt"}
+    if num_shards <= 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+        return
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(num_shards):
+        fname = f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::num_shards]}
+        save_file(part, str(out / fname), metadata=meta)
+        weight_map |= {n: fname for n in part}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
