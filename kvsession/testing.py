@@ -51,7 +51,8 @@ def _corpus(seed: int, num_lines: int = 3000) -> list[str]:
     for i in range(num_lines):
         words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 18))]
         if i % 5 == 0:
-            lines.append(json.dumps({"tool": words[0], "args": words[1:4], "n": rng.randint(0, 999)}))
+            call = {"tool": words[0], "args": words[1:4], "n": rng.randint(0, 999)}
+            lines.append(json.dumps(call))
         elif i % 7 == 0:
             lines.append(f"def {words[0]}_{words[1]}(x): return x + {rng.randint(0, 99)}")
         else:

@@ -46,6 +46,8 @@ class Engine:
         self.decode, self.latency = decode, latency
         self.futures: dict[int, tuple[Future, OnUpdate | None]] = {}
         self.num_steps = 0
+        # Called on the engine thread after every step (debug checks, tests, tracing).
+        self.step_observers: list[Callable[[], None]] = []
 
     def add(self, seq: Sequence, fut: Future, on_update: OnUpdate | None) -> None:
         self.futures[seq.seq_id] = (fut, on_update)
@@ -85,6 +87,8 @@ class Engine:
                 m = request_metrics(seq)
                 self.latency.record(seq.arrival_time, seq.finish_time, m, seq.num_output_tokens)
                 fut.set_result(seq)
+        for observe in self.step_observers:
+            observe()
 
     @staticmethod
     def _notify(on_update: OnUpdate, seq: Sequence) -> None:
@@ -154,7 +158,11 @@ class EngineLoop:
             for item, _ in items:
                 item()
             if self.engine.scheduler.has_work():
-                self.engine.step()
+                try:
+                    self.engine.step()
+                except Exception as e:  # engine bookkeeping broke: fail what is in flight
+                    log.exception("engine step raised outside the model run")
+                    self.engine.fail_all(e)
         self.engine.fail_all(EngineClosedError("the LLM was closed while this request ran"))
         with self._cv:
             items, self._inbox = self._inbox, []

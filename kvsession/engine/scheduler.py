@@ -69,9 +69,13 @@ class Scheduler:
             while need > self.pool.num_free and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
                 preempted = True
-            if need > self.pool.num_free:  # alone and still too big: blocks are pinned
-                self.running.pop(i)
-                self._release(seq)
+            if need > self.pool.num_free:
+                self.running.pop(i)  # seq is the newest left
+                if i > 0:  # older sequences hold the blocks: wait for them
+                    self._preempt(seq)
+                    preempted = True
+                    break
+                self._release(seq)  # oldest and alone, still too big: pins hold the rest
                 failed.append(seq)
                 continue
             seq.blocks += self.pool.allocate(need)

@@ -1,0 +1,3 @@
+from kvsession.cli import main
+
+raise SystemExit(main())

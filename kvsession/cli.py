@@ -1,0 +1,118 @@
+"""Command line: `python -m kvsession {demo,generate,make-tiny-model}`.
+
+Errors print one line (no traceback) and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from kvsession.errors import KVSessionError
+
+DEMO_SYSTEM = ("You are a coding agent. Tools: list_files(path), read_file(path), "
+               "run_tests(). Answer with one tool call per turn.")
+
+
+def default_model_dir() -> Path:
+    root = Path(os.environ.get("KVSESSION_CACHE", Path.home() / ".cache" / "kvsession"))
+    return root / "tiny-llama"
+
+
+def ensure_tiny_model(path: Path) -> Path:
+    from kvsession.testing import make_tiny_model
+
+    if not (path / "config.json").is_file():
+        print(f"building the built-in tiny model in {path} ...")
+        make_tiny_model(path, arch="llama", hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32)
+    return path
+
+
+def cmd_demo(args) -> int:
+    from kvsession import LLM, SamplingParams
+
+    model = Path(args.model) if args.model else ensure_tiny_model(default_model_dir())
+    requests = [[{"role": "system", "content": DEMO_SYSTEM},
+                 {"role": "user", "content": f"Task {i}: find the failing test in module {i}"}]
+                for i in range(args.sessions)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    with LLM(model, kv_cache_memory="64MiB", max_model_len=1024) as llm:
+        print(f"model: {model} ({llm.runtime.spec.architecture}, "
+              f"{llm.runtime.spec.num_layers} layers)")
+        t0 = time.perf_counter()
+        outs = llm.chat(requests, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        for i, o in enumerate(outs):
+            print(f"agent {i}: {len(o.prompt_token_ids)} prompt tokens "
+                  f"({o.num_cached_tokens} from cache), ttft {o.metrics.ttft_s * 1e3:.1f} ms, "
+                  f"{len(o.token_ids)} tokens: {o.text[:60]!r}")
+        st = llm.stats()
+        dev = st.tiers["device"]
+        total = sum(len(o.token_ids) for o in outs)
+        print(f"\n{len(outs)} requests, {total} tokens in {wall:.2f} s "
+              f"({total / wall:.0f} tok/s); prefix hit rate {st.prefix.hit_rate:.0%}; "
+              f"KV pool {dev.blocks_total} blocks x {llm.config.block_size} tokens, "
+              f"{dev.bytes_per_token} bytes/token; ttft p50 {st.latency.ttft_p50_s * 1e3:.1f} ms")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from kvsession import LLM, SamplingParams
+
+    with LLM(args.model, kv_cache_memory=args.kv_cache_memory,
+             max_model_len=args.max_model_len) as llm:
+        out = llm.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens,
+                                                       temperature=args.temperature),
+                           use_tqdm=False)[0]
+    print(out.text)
+    return 0
+
+
+def cmd_make_tiny_model(args) -> int:
+    from kvsession.testing import make_tiny_model
+
+    path = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, layout=args.layout)
+    print(f"wrote a tiny {args.arch} checkpoint to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvsession",
+                                description="kvsession: LLM sessions whose KV cache is state")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="agent demo on a built-in tiny model")
+    d.add_argument("--model", help="a HF checkpoint directory (default: built-in tiny model)")
+    d.add_argument("--sessions", type=int, default=4, help="concurrent agents")
+    d.add_argument("--max-tokens", type=int, default=24)
+    d.set_defaults(fn=cmd_demo)
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("--model", required=True, help="a HF checkpoint directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.set_defaults(fn=cmd_generate)
+    m = sub.add_parser("make-tiny-model", help="write a tiny random checkpoint")
+    m.add_argument("dir")
+    m.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--layout", default="current", choices=["current", "classic"])
+    m.set_defaults(fn=cmd_make_tiny_model)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except KVSessionError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,33 @@
+"""Test helpers: the transformers oracle and random prompts (importable: pythonpath=tests)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The oracle: transformers' greedy generate, one prompt at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    # ignore eos like SamplingParams(ignore_eos=True); min_new_tokens would instead *suppress*
+    # eos logits and change the argmax
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                               do_sample=False, pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]

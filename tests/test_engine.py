@@ -1,0 +1,78 @@
+"""The engine under load: integrity after every step, chat, outputs, metrics, stats."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+
+from kvsession import LLM, SamplingParams
+
+
+def test_stress_random_requests_keep_pool_consistent(llama_dir):
+    rng = random.Random(0)
+    # 40 blocks of 8 tokens for up to 20 concurrent sequences: constant preemption
+    with LLM(llama_dir, kv_cache_memory=40 * 8 * 512, block_size=8, max_model_len=256,
+             max_num_seqs=20, max_num_batched_tokens=64) as llm:
+        steps = []
+        engine = llm._loop.engine
+        engine.step_observers.append(llm.pool.check_integrity)
+        engine.step_observers.append(lambda: steps.append(1))
+        shared = [rng.randrange(500) for _ in range(40)]
+        prompts, params = [], []
+        for i in range(60):
+            own = [rng.randrange(500) for _ in range(rng.randint(1, 120))]
+            prompts.append(shared[: rng.randint(0, 40)] + own)
+            params.append(SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True,
+                                         temperature=rng.choice([0.0, 0.7]), seed=i))
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+        assert all(o.finish_reason == "length" for o in outs)
+        assert llm.scheduler.num_preemptions > 0 and len(steps) > 60
+        st = llm.stats()
+        assert st.tiers["device"].blocks_free == st.tiers["device"].blocks_total == 40
+        assert st.num_requests == 60
+
+
+def test_chat_renders_template_and_outputs_in_order(llama_dir):
+    convs = [[{"role": "system", "content": "You are terse."},
+              {"role": "user", "content": f"List {n} files"}] for n in range(3)]
+    with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256) as llm:
+        outs = llm.chat(convs, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+        single = llm.chat(convs[1], SamplingParams(max_tokens=5, temperature=0.0,
+                                                   ignore_eos=True), use_tqdm=False)
+        ids = llm.tokenizer.encode_chat(convs[1])
+        direct = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+            max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert outs[1].prompt.startswith("<|im_start|>system\nYou are terse.<|im_end|>")
+    assert outs[1].prompt.endswith("<|im_start|>assistant\n")
+    assert outs[1].token_ids == single[0].token_ids == direct[0].token_ids
+    assert [o.prompt_token_ids for o in outs] != [outs[0].prompt_token_ids] * 3
+
+
+def test_metrics_and_stats_are_consistent(llama_dir):
+    with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256) as llm:
+        outs = llm.generate(["one two three", "four"], SamplingParams(max_tokens=8,
+                            temperature=0.0, ignore_eos=True), use_tqdm=False)
+        st = llm.stats()
+    for o in outs:
+        m = o.metrics
+        assert 0 < m.ttft_s <= m.e2e_s and m.tpot_s > 0 and 0 <= m.queue_s <= m.ttft_s
+        assert abs(m.ttft_s + 7 * m.tpot_s - m.e2e_s) < 1e-6
+    assert st.num_requests == 2 and st.latency.ttft_p99_s >= st.latency.ttft_p50_s > 0
+    assert 0 < st.slo_attainment <= 1 and st.goodput_tokens_per_s > 0
+    decoded = msgspec.json.decode(msgspec.json.encode(st))
+    assert decoded["tiers"]["device"]["bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+
+
+def test_closed_llm_fails_clearly(llama_dir):
+    import pytest
+
+    from kvsession import SessionClosedError
+
+    llm = LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=128)
+    llm.close()
+    llm.close()
+    with pytest.raises(SessionClosedError, match="closed"):
+        llm.generate("hi", use_tqdm=False)
