@@ -1,0 +1,55 @@
+"""Shared helpers for the benchmark scripts: the mid-size model, timing, JSON results."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from kvsession.testing import make_tiny_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MID_SIZE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+                max_position_embeddings=4096)
+
+
+def mid_model(root: Path | None = None) -> Path:
+    """The mid-size random Llama checkpoint every CPU benchmark uses (built once)."""
+    path = (root or Path.home() / ".cache" / "kvsession") / "bench-mid-llama"
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, arch="llama", **MID_SIZE)
+    return path
+
+
+def timed(fn, repeat: int = 3) -> float:
+    """Best wall time of `repeat` runs (after one warm-up)."""
+    return compare([fn], repeat)[0]
+
+
+def compare(fns, repeat: int = 3) -> list[float]:
+    """Best wall time of each function over `repeat` rounds, run interleaved (one warm-up
+    each) so that machine noise hits all of them alike."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
+
+
+def write_result(name: str, data: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    data = {"benchmark": name, "machine": platform.machine(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **data}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2))
+    print(f"wrote {path}")
+    return path
