@@ -9,13 +9,13 @@ from kvsession.errors import (
                               SessionClosedError,
                               SnapshotError,
 )
-from kvsession.llm import LLM
+from kvsession.llm import LLM, PinnedPrefix
 from kvsession.metrics import SLO, RequestMetrics, Stats
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "Stats", "SLO",
+    "LLM", "PinnedPrefix", "SamplingParams", "RequestOutput", "RequestMetrics", "Stats", "SLO",
     "KVSessionError", "ConfigError", "ModelLoadError", "CacheFullError", "SnapshotError",
     "SessionClosedError", "RemotePrefillError",
 ]

@@ -26,7 +26,7 @@ from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler
 from kvsession.engine.scheduler import Scheduler, blocks_for
 from kvsession.engine.sequence import Sequence
-from kvsession.errors import ConfigError, EngineClosedError
+from kvsession.errors import CacheFullError, ConfigError, EngineClosedError
 from kvsession.metrics import SLO, LatencyTracker, PrefixStats, RemoteStats, Stats, TierStats
 from kvsession.model.config import ModelSpec, check_sliding_window, load_model_spec
 from kvsession.model.llama import LlamaModel
@@ -89,7 +89,8 @@ class LLM:
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         hasher = BlockHasher({"model": fingerprint, "kv_dtype": cfg.kv_cache_dtype_name},
                              cfg.block_size)
-        self.prefix = PrefixCache(self.pool, hasher)
+        self.prefix = PrefixCache(self.pool, hasher,
+                                  int(cfg.max_pinned_fraction * num_blocks))
         self.scheduler = Scheduler(self.pool, self.prefix, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens)
         backend = AttentionBackend.TORCH
@@ -226,6 +227,56 @@ class LLM:
         return self._run_batch(texts, ids, self._params_list(sampling_params, len(ids)),
                                use_tqdm)
 
+    # ---- pinned prefixes -------------------------------------------------------------
+
+    def pin(self, prefix, ttl_s: float | None = None) -> PinnedPrefix:
+        """Compute `prefix` (text or token ids) into the cache if absent and hold its full
+        blocks: they are never evicted until `unpin()` or `ttl_s` seconds without a hit.
+        Raises CacheFullError (nothing already pinned is affected) past max_pinned_fraction."""
+        ids = self.tokenizer.encode(prefix) if isinstance(prefix, str) else list(prefix)
+        ids = self._validate_prompt(ids)
+        bs = self.config.block_size
+        num_blocks = len(ids) // bs
+        if num_blocks == 0:
+            raise ConfigError(f"a pinned prefix needs at least block_size={bs} tokens, "
+                              f"got {len(ids)}")
+        if not self.config.enable_prefix_caching:
+            raise ConfigError("pin() needs enable_prefix_caching=True")
+        if ttl_s is not None and not ttl_s > 0:
+            raise ConfigError(f"ttl_s must be None or > 0, got {ttl_s!r}")
+        loop = self._engine_loop()
+        pins = self.prefix.pins
+        loop.call(lambda: pins.check_budget(num_blocks - self._num_pinned_among(ids))).result()
+        seq = Sequence(token_ids=ids, params=SamplingParams(max_tokens=1, temperature=0.0),
+                       max_model_len=self.runtime.max_model_len, retain_blocks=True)
+        loop.submit(seq).result()
+        pin = loop.call(lambda: self._hold_pin(seq, num_blocks, ttl_s)).result()
+        return PinnedPrefix(self, pin)
+
+    def _num_pinned_among(self, ids: list[int]) -> int:
+        hashes = self.prefix.hasher.extend([], ids, len(ids), None)
+        blocks = self.prefix.lookup_blocks(ids, hashes, len(hashes))
+        return len(blocks) - self.prefix.pins.num_new_blocks(blocks)
+
+    def _hold_pin(self, seq: Sequence, num_blocks: int, ttl_s: float | None):
+        """Engine thread: move the prefill's references onto the indexed copy of each full
+        block (a recomputed duplicate is not what lookups find), then register the pin."""
+        bs, pool = self.config.block_size, self.pool
+        keep = []
+        for i in range(num_blocks):
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            pool.cache_full_block(seq.blocks[i], seq.block_hashes[i], tokens)
+            keep.append(pool.lookup(seq.block_hashes[i], tokens))
+        pool.touch(keep)
+        pool.free(seq.blocks)
+        seq.blocks = []
+        try:
+            return self.prefix.pins.add(seq.token_ids[: num_blocks * bs], keep, ttl_s,
+                                        self.prefix.clock())
+        except CacheFullError:
+            pool.free(keep)
+            raise
+
     # ---- observability ---------------------------------------------------------------
 
     def stats(self) -> Stats:
@@ -236,7 +287,7 @@ class LLM:
         pool, bs = self.pool, self.config.block_size
         device = TierStats(
             blocks_total=pool.num_blocks, blocks_used=pool.num_blocks - pool.num_free,
-            blocks_free=pool.num_free, blocks_pinned=0,
+            blocks_free=pool.num_free, blocks_pinned=self.prefix.pins.num_pinned_blocks,
             bytes_per_token=self.runtime.kv_bytes_per_token,
             tokens_capacity=pool.num_blocks * bs)
         q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
@@ -244,7 +295,11 @@ class LLM:
         return Stats(
             tiers={"device": device, "host": TierStats(), "disk": TierStats()},
             prefix=PrefixStats(queried_tokens=q, hit_tokens=h, hit_rate=h / q if q else 0.0,
-                               evictions=pool.num_evictions, cached_blocks=len(pool.index)),
+                               evictions=pool.num_evictions, cached_blocks=len(pool.index),
+                               pinned_blocks=self.prefix.pins.num_pinned_blocks,
+                               pinned_bytes=self.prefix.pins.num_pinned_blocks * bs
+                               * self.runtime.kv_bytes_per_token,
+                               num_pins=len(self.prefix.pins.pins)),
             spills={"host": 0, "disk": 0}, restores={"host": 0, "disk": 0}, recomputes=0,
             remote=RemoteStats(), latency=lat, goodput_tokens_per_s=goodput,
             slo_attainment=attainment, num_requests=self.latency.num_requests,
@@ -253,3 +308,30 @@ class LLM:
     def check_integrity(self) -> None:
         """Run BlockPool.check_integrity on the engine thread (tests call this)."""
         self._engine_loop().call(self.pool.check_integrity).result()
+
+
+class PinnedPrefix:
+    """A handle on a pinned prefix. `num_tokens` / `num_blocks`: what is held (whole blocks;
+    a trailing partial block is not pinned)."""
+
+    def __init__(self, llm: LLM, pin):
+        self._llm, self._pin = llm, pin
+        self.token_ids = list(pin.token_ids)
+        self.num_tokens = len(pin.token_ids)
+        self.num_blocks = len(pin.blocks)
+        self.ttl_s = pin.ttl_s
+
+    @property
+    def active(self) -> bool:
+        """False once unpinned or expired."""
+        return self._pin.active
+
+    def unpin(self) -> None:
+        """Release the pin's references (idempotent); the blocks stay cached until evicted."""
+        if self._llm._loop is not None:
+            pins = self._llm.prefix.pins
+            self._llm._loop.call(lambda: pins.remove(self._pin)).result()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "released"
+        return f"PinnedPrefix({self.num_tokens} tokens, {self.num_blocks} blocks, {state})"

@@ -49,6 +49,9 @@ class PrefixStats(msgspec.Struct):
     hit_rate: float = 0.0
     evictions: int = 0
     cached_blocks: int = 0
+    pinned_blocks: int = 0
+    pinned_bytes: int = 0
+    num_pins: int = 0
 
 
 class RemoteStats(msgspec.Struct):

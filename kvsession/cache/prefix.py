@@ -6,15 +6,27 @@ because a chained hash after a missing block can never match.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from kvsession.cache.block_pool import Block, BlockPool
 from kvsession.cache.hashing import BlockHasher
+from kvsession.errors import CacheFullError
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, hasher: BlockHasher):
+    """Lookup, pins and the in-flight map. Mutated only on the engine thread.
+
+    `pending` maps the hash of a block that a running sequence is computing right now (its
+    tokens are known, its KV not yet) to that sequence's id: a request that would compute
+    the same block waits for it instead, so concurrent requests with a common prefix share
+    blocks rather than computing them twice."""
+
+    def __init__(self, pool: BlockPool, hasher: BlockHasher, max_pinned_blocks: int = 0):
         self.pool, self.hasher = pool, hasher
+        self.pins = PinRegistry(pool, max_pinned_blocks)
+        self.pending: dict[bytes, int] = {}
+        self.clock = time.monotonic  # pin TTLs are measured on it (replaceable in tests)
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -25,14 +37,118 @@ class PrefixCache:
         computed. Takes no references: the caller touches the blocks it keeps. Counts the
         query in the hit-rate statistics."""
         bs = self.pool.block_size
-        self.hasher.extend(hashes, token_ids, max_tokens - max_tokens % bs, cache_salt)
         hits: list[Block] = []
         if self.pool.enable_caching:
-            for i in range(max_tokens // bs):
-                b = self.pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs])
-                if b is None:
-                    break
-                hits.append(b)
+            self.hasher.extend(hashes, token_ids, max_tokens - max_tokens % bs, cache_salt)
+            hits = self.lookup_blocks(token_ids, hashes, max_tokens // bs)
         self.queried_tokens += max_tokens
         self.hit_tokens += len(hits) * bs
+        self.pins.note_hits(hits, self.clock())
         return hits
+
+    def lookup_blocks(self, token_ids: Sequence[int], hashes: list[bytes],
+                      num_blocks: int) -> list[Block]:
+        """The verified cached blocks of the first `num_blocks` blocks, up to the first miss
+        (no statistics, no references)."""
+        bs, hits = self.pool.block_size, []
+        for i in range(num_blocks):
+            b = self.pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs])
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def mark_pending(self, seq_id: int, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.pending.setdefault(h, seq_id)
+
+    def clear_pending(self, seq_id: int, hashes: list[bytes]) -> None:
+        for h in hashes:
+            if self.pending.get(h) == seq_id:
+                del self.pending[h]
+
+
+class Pin:
+    """A pinned prefix: one held reference on each of its full blocks (so eviction needs no
+    special case), an optional idle TTL, and the time of its last hit."""
+
+    def __init__(self, pin_id: int, token_ids: list[int], blocks: list[Block],
+                 ttl_s: float | None, now: float):
+        self.pin_id, self.token_ids, self.blocks = pin_id, token_ids, blocks
+        self.ttl_s, self.last_hit = ttl_s, now
+        self.active = True
+
+    def expired(self, now: float) -> bool:
+        return self.ttl_s is not None and now - self.last_hit > self.ttl_s
+
+
+class PinRegistry:
+    """Pinned prefixes. Mutated only on the engine thread; references go through BlockPool.
+
+    Budget: the distinct blocks held by pins never exceed `max_pinned_blocks`; a pin over
+    budget is refused (CacheFullError) and existing pins are untouched."""
+
+    def __init__(self, pool: BlockPool, max_pinned_blocks: int):
+        self.pool, self.max_pinned_blocks = pool, max_pinned_blocks
+        self.pins: dict[int, Pin] = {}
+        self.block_pins: dict[int, int] = {}  # block id -> number of pins holding it
+        self._next_id = 0
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self.block_pins)
+
+    def num_new_blocks(self, blocks: list[Block]) -> int:
+        return sum(1 for b in blocks if b.block_id not in self.block_pins)
+
+    def check_budget(self, num_new_blocks: int) -> None:
+        if self.num_pinned_blocks + num_new_blocks > self.max_pinned_blocks:
+            raise CacheFullError(
+                f"pinning {num_new_blocks} more blocks would exceed the pin budget: "
+                f"asked {num_new_blocks}, pinned {self.num_pinned_blocks}, limit "
+                f"{self.max_pinned_blocks} blocks (max_pinned_fraction of the device pool)")
+
+    def add(self, token_ids: list[int], blocks: list[Block], ttl_s: float | None,
+            now: float) -> Pin:
+        """Pin `blocks`, which the caller already holds one reference on each of (the
+        reference is handed over to the pin). Raises CacheFullError, changing nothing,
+        when over budget: the caller still owns its references then."""
+        self.check_budget(self.num_new_blocks(blocks))
+        pin = Pin(self._next_id, token_ids, blocks, ttl_s, now)
+        self._next_id += 1
+        self.pins[pin.pin_id] = pin
+        for b in blocks:
+            self.block_pins[b.block_id] = self.block_pins.get(b.block_id, 0) + 1
+        return pin
+
+    def remove(self, pin: Pin) -> None:
+        if not pin.active:
+            return
+        pin.active = False
+        del self.pins[pin.pin_id]
+        for b in pin.blocks:
+            n = self.block_pins[b.block_id] - 1
+            if n:
+                self.block_pins[b.block_id] = n
+            else:
+                del self.block_pins[b.block_id]
+        self.pool.free(pin.blocks)
+
+    def note_hits(self, blocks: list[Block], now: float) -> None:
+        """A lookup hit these blocks: refresh the TTL of pins that hold them."""
+        if not self.pins or not blocks:
+            return
+        hit = {b.block_id for b in blocks if b.block_id in self.block_pins}
+        for pin in self.pins.values():
+            if pin.blocks and pin.blocks[0].block_id in hit:
+                pin.last_hit = now
+
+    def expire(self, now: float) -> list[Pin]:
+        gone = [p for p in self.pins.values() if p.expired(now)]
+        for p in gone:
+            self.remove(p)
+        return gone
+
+    def next_deadline(self) -> float | None:
+        ttls = [p.last_hit + p.ttl_s for p in self.pins.values() if p.ttl_s is not None]
+        return min(ttls) if ttls else None

@@ -49,6 +49,15 @@ class Engine:
         # Called on the engine thread after every step (debug checks, tests, tracing).
         self.step_observers: list[Callable[[], None]] = []
 
+    def housekeeping(self) -> float | None:
+        """Timed work between steps (pin expiry). Returns seconds until the next deadline,
+        or None when nothing is timed."""
+        pins = self.scheduler.prefix.pins
+        now = self.scheduler.prefix.clock()
+        pins.expire(now)
+        deadline = pins.next_deadline()
+        return None if deadline is None else max(deadline - now, 0.0) + 1e-3
+
     def add(self, seq: Sequence, fut: Future, on_update: OnUpdate | None) -> None:
         self.futures[seq.seq_id] = (fut, on_update)
         self.scheduler.add(seq)
@@ -78,7 +87,7 @@ class Engine:
             done = seq.check_finished(self.decode)
             if done:
                 seq.finish_time = time.perf_counter()
-                self.scheduler.finish(seq)
+                self.scheduler.finish(seq, release=not seq.retain_blocks)
             fut, on_update = self.futures[seq.seq_id] if not done else self.futures.pop(
                 seq.seq_id)
             if on_update is not None:
@@ -149,9 +158,11 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
+            timeout = self.engine.housekeeping()
             with self._cv:
-                while not self._closed and not self._inbox and not self.engine.scheduler.has_work():
-                    self._cv.wait()
+                if not self._closed and not self._inbox and not self.engine.scheduler.has_work():
+                    self._cv.wait(timeout)  # woken by a post, or at the next deadline
+                    continue
                 if self._closed:
                     break
                 items, self._inbox = self._inbox, []

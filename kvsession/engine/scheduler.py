@@ -33,6 +33,9 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+DEFERRED = object()  # _admit's answer when the sequence should wait for an in-flight block
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -82,17 +85,21 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
-        while (self.waiting and budget > 0 and not preempted
+        i = 0
+        while (i < len(self.waiting) and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[i]
             item = self._admit(seq, budget)
+            if item is DEFERRED:  # its next block is being computed by another sequence
+                i += 1
+                continue
             if item is None:
                 if not self.running and not scheduled:  # nothing will ever free a block
-                    self.waiting.popleft()
+                    del self.waiting[i]
                     failed.append(seq)
                     continue
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.running.append(seq)
             scheduled.append(item)
             budget -= item.num_new_tokens
@@ -107,14 +114,19 @@ class Scheduler:
             hits = self.prefix.match(seq.token_ids, seq.block_hashes, seq.num_tokens - 1,
                                      seq.params.cache_salt)
         num_cached = len(hits) * self.pool.block_size
+        nxt = len(hits)
+        if nxt < len(seq.block_hashes) and self.prefix.pending.get(
+                seq.block_hashes[nxt], seq.seq_id) != seq.seq_id:
+            self._unquery(seq, num_cached)
+            return DEFERRED
         n = min(seq.num_tokens - num_cached, budget)
         num_new_blocks = blocks_for(num_cached + n, self.pool.block_size) - len(hits)
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # they leave the free queue
         if num_new_blocks + num_revived > self.pool.num_free:
-            self.prefix.queried_tokens -= seq.num_tokens - 1  # not admitted: not a query
-            self.prefix.hit_tokens -= num_cached
+            self._unquery(seq, num_cached)
             return None
         self.pool.touch(hits)
+        self.prefix.mark_pending(seq.seq_id, seq.block_hashes[len(hits):])
         seq.blocks = hits + self.pool.allocate(num_new_blocks)
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
@@ -124,6 +136,12 @@ class Scheduler:
             seq.first_scheduled_time = time.perf_counter()
         return ScheduledSeq(seq, n)
 
+    def _unquery(self, seq: Sequence, num_cached: int) -> None:
+        """A lookup that did not lead to admission is not counted as a query."""
+        if seq.num_computed_tokens == 0:
+            self.prefix.queried_tokens -= seq.num_tokens - 1
+            self.prefix.hit_tokens -= num_cached
+
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
@@ -132,6 +150,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
+        self.prefix.clear_pending(seq.seq_id, seq.block_hashes)
         self.pool.free(seq.blocks)
         seq.blocks = []
         seq.num_computed_tokens = 0
@@ -150,14 +169,20 @@ class Scheduler:
                 for i in range(before, after):
                     self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i],
                                                seq.token_ids[i * bs:(i + 1) * bs])
+                self.prefix.clear_pending(seq.seq_id, seq.block_hashes[before:after])
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished (or failed) sequence and release its blocks."""
+    def finish(self, seq: Sequence, release: bool = True) -> None:
+        """Remove a finished (or failed) sequence. Its blocks are released, unless
+        `release` is False: then its references pass to whoever holds the sequence (a pin,
+        a session), which must free them later through BlockPool.free."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        if release:
+            self._release(seq)
+        else:
+            self.prefix.clear_pending(seq.seq_id, seq.block_hashes)
         seq.status = SequenceStatus.FINISHED
 
     def check_capacity(self, num_tokens: int) -> None:

@@ -37,6 +37,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in `blocks`
     num_cached_tokens: int = -1   # prompt tokens served by the prefix cache (-1: not admitted)
     num_preemptions: int = 0
+    retain_blocks: bool = False  # on finish, hand the block references to the caller
     generator: torch.Generator | None = None
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
