@@ -13,9 +13,11 @@ from kvsession.llm import LLM, PinnedPrefix
 from kvsession.metrics import SLO, RequestMetrics, Stats
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
+from kvsession.session import Reply, Session, SessionStats, StreamChunk
 
 __all__ = [
-    "LLM", "PinnedPrefix", "SamplingParams", "RequestOutput", "RequestMetrics", "Stats", "SLO",
+    "LLM", "PinnedPrefix", "SamplingParams", "Session", "Reply", "StreamChunk", "SessionStats",
+    "RequestOutput", "RequestMetrics", "Stats", "SLO",
     "KVSessionError", "ConfigError", "ModelLoadError", "CacheFullError", "SnapshotError",
     "SessionClosedError", "RemotePrefillError",
 ]

@@ -34,6 +34,7 @@ from kvsession.model.loader import load_weights, weights_digest
 from kvsession.model.tokenizer import Tokenizer
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
+from kvsession.session import Session
 
 log = logging.getLogger("kvsession")
 CPU_DEFAULT_KV_BYTES = 2**30
@@ -98,6 +99,8 @@ class LLM:
         self.slo = SLO()
         engine = Engine(self.scheduler, ModelRunner(self.model, self.kv, cfg.device, backend),
                         Sampler(cfg.seed), self.tokenizer.decode, self.latency)
+        self._sessions: dict[str, Session] = {}
+        self._system_pins: dict[tuple[int, ...], list] = {}  # ids -> [PinnedPrefix, users]
         self._loop = EngineLoop(engine)
         log.info("kvsession: %s on %s, kv %s: %d blocks x %d tokens = %d tokens, %d bytes/token",
                  spec.architecture, cfg.device, cfg.kv_cache_dtype_name, num_blocks,
@@ -119,8 +122,10 @@ class LLM:
     # ---- lifecycle -------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the engine thread (pending calls fail with EngineClosedError) and drop the
-        KV cache. Idempotent."""
+        """Stop the engine thread (pending calls fail with EngineClosedError), close every
+        session and drop the KV cache. Idempotent."""
+        for sess in list(getattr(self, "_sessions", {}).values()):
+            sess._closed = True
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -276,6 +281,74 @@ class LLM:
         except CacheFullError:
             pool.free(keep)
             raise
+
+    # ---- sessions --------------------------------------------------------------------
+
+    def session(self, system: str | None = None, session_id: str | None = None,
+                pin_system: bool = True, sampling: SamplingParams | None = None) -> Session:
+        """A multi-turn conversation whose KV stays cached between turns. The system prompt
+        is pinned (once, shared by every session with the same system prompt)."""
+        key = None
+        if system is not None and pin_system and self.config.enable_prefix_caching:
+            ids = self.tokenizer.encode_chat([{"role": "system", "content": system}],
+                                             add_generation_prompt=False)
+            if len(ids) >= self.config.block_size:
+                key = tuple(ids)
+        sess = self._new_session(session_id, system, sampling, key)
+        return sess
+
+    def _new_session(self, session_id, system, sampling, system_key) -> Session:
+        self._engine_loop()
+        if session_id is not None and session_id in self._sessions:
+            raise ConfigError(f"session_id {session_id!r} is already in use by a live session")
+        sess = Session(self, session_id, system, sampling, None)
+        if system_key is not None:
+            entry = self._system_pins.get(system_key)
+            if entry is None:
+                try:
+                    entry = self._system_pins[system_key] = [self.pin(list(system_key)), 0]
+                except CacheFullError as e:
+                    log.warning("system prompt not pinned: %s", e)
+            if entry is not None:
+                entry[1] += 1
+                sess._system_key = system_key
+        self._sessions[sess.session_id] = sess
+        return sess
+
+    def _close_session(self, sess: Session) -> None:
+        self._sessions.pop(sess.session_id, None)
+        blocks, sess._blocks, sess._tokens, sess._hashes = sess._blocks, [], [], []
+        if self._loop is not None and blocks:
+            self._loop.call(lambda: self.pool.free(blocks)).result()
+        entry = self._system_pins.get(sess._system_key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._system_pins[sess._system_key]
+                entry[0].unpin()
+
+    def _attach_blocks(self, blocks: list, num_tokens: int) -> tuple[list, int]:
+        """Engine thread: keep the blocks holding a session's first `num_tokens` tokens for
+        its next turn and release the rest. A partial last block is written in place only
+        if nothing else can see it (one reference, not published); otherwise it is copied
+        first (copy-on-write), or dropped and recomputed when no block is free. Returns
+        (blocks, number of tokens whose KV they hold)."""
+        bs, pool = self.config.block_size, self.pool
+        num_full = num_tokens // bs
+        keep, rest, valid = blocks[:num_full], blocks[num_full:], num_full * bs
+        if num_tokens % bs and rest:
+            tail = rest[0]
+            if tail.ref_cnt == 1 and tail.block_hash is None:
+                keep, rest, valid = keep + [tail], rest[1:], num_tokens
+            elif pool.num_free:
+                (fresh,) = pool.allocate(1)
+                self.kv.copy_block(tail.block_id, fresh.block_id)
+                keep, valid = keep + [fresh], num_tokens
+        pool.free(rest)
+        return keep, valid
+
+    def sessions_live(self) -> list[Session]:
+        return list(self._sessions.values())
 
     # ---- observability ---------------------------------------------------------------
 

@@ -128,9 +128,23 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, seq: Sequence, on_update: OnUpdate | None = None) -> Future:
+    def submit(self, seq: Sequence, on_update: OnUpdate | None = None,
+               prepare: Callable[[], None] | None = None) -> Future:
+        """Queue `seq`; the Future resolves to it when finished. `prepare` runs first on the
+        engine thread (e.g. attaching a session's blocks); if it raises, the Future fails
+        and the sequence never runs."""
         fut: Future = Future()
-        self._post(lambda: self.engine.add(seq, fut, on_update), fut)
+
+        def add():
+            if prepare is not None:
+                try:
+                    prepare()
+                except Exception as e:
+                    fut.set_exception(e)
+                    return
+            self.engine.add(seq, fut, on_update)
+
+        self._post(add, fut)
         return fut
 
     def call(self, fn: Callable[[], object]) -> Future:

@@ -107,27 +107,37 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         """Look up the prefix, take references, allocate the first chunk's blocks; None (and
-        nothing changed) when the blocks are not there."""
+        nothing changed) when the blocks are not there.
+
+        A sequence may arrive with blocks already attached (a session's next turn: its
+        references on the KV of its first `num_computed_tokens` tokens); then there is
+        nothing to look up and only the rest is allocated."""
+        attached = bool(seq.blocks)
         hits = []
-        if seq.num_computed_tokens == 0:
+        if not attached:
             # leave at least one token to compute, so the sequence gets logits to sample
             hits = self.prefix.match(seq.token_ids, seq.block_hashes, seq.num_tokens - 1,
                                      seq.params.cache_salt)
-        num_cached = len(hits) * self.pool.block_size
-        nxt = len(hits)
-        if nxt < len(seq.block_hashes) and self.prefix.pending.get(
-                seq.block_hashes[nxt], seq.seq_id) != seq.seq_id:
-            self._unquery(seq, num_cached)
-            return DEFERRED
+            num_cached = len(hits) * self.pool.block_size
+            nxt = len(hits)
+            if nxt < len(seq.block_hashes) and self.prefix.pending.get(
+                    seq.block_hashes[nxt], seq.seq_id) != seq.seq_id:
+                self._unquery(seq, num_cached)
+                return DEFERRED
+        else:
+            num_cached = seq.num_computed_tokens
+        held = seq.blocks if attached else hits
         n = min(seq.num_tokens - num_cached, budget)
-        num_new_blocks = blocks_for(num_cached + n, self.pool.block_size) - len(hits)
+        num_new_blocks = blocks_for(num_cached + n, self.pool.block_size) - len(held)
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # they leave the free queue
         if num_new_blocks + num_revived > self.pool.num_free:
-            self._unquery(seq, num_cached)
+            if not attached:
+                self._unquery(seq, num_cached)
             return None
         self.pool.touch(hits)
-        self.prefix.mark_pending(seq.seq_id, seq.block_hashes[len(hits):])
-        seq.blocks = hits + self.pool.allocate(num_new_blocks)
+        num_full = num_cached // self.pool.block_size
+        self.prefix.mark_pending(seq.seq_id, seq.block_hashes[num_full:])
+        seq.blocks = held + self.pool.allocate(max(num_new_blocks, 0))
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached
@@ -161,6 +171,8 @@ class Scheduler:
         for item in scheduled:
             seq = item.seq
             before = seq.num_computed_tokens // bs
+            seq.num_prompt_computed += max(0, min(
+                seq.num_prompt_tokens - seq.num_computed_tokens, item.num_new_tokens))
             seq.num_computed_tokens += item.num_new_tokens
             after = seq.num_computed_tokens // bs
             if after > before and self.pool.enable_caching:

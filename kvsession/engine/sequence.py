@@ -36,6 +36,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in `blocks`
     num_cached_tokens: int = -1   # prompt tokens served by the prefix cache (-1: not admitted)
+    num_prompt_computed: int = 0  # prompt tokens computed, recomputation after preemption too
     num_preemptions: int = 0
     retain_blocks: bool = False  # on finish, hand the block references to the caller
     generator: torch.Generator | None = None

@@ -1,0 +1,318 @@
+"""Sessions: multi-turn conversations whose KV cache outlives each turn.
+
+Between turns a Session holds references on the blocks of every token it has computed
+(prompt and generated), so nothing it needs is evicted while it is idle. A turn hands those
+references to the turn's Sequence (attached blocks) and takes them back when it finishes:
+at any moment exactly one of them owns the references. All block work happens on the engine
+thread (posted `prepare` / `call` functions); the caller's thread only renders and tokenizes.
+
+Exactness: each turn re-renders the whole conversation with the chat template and compares
+it to the cached tokens. KV is reused only for the longest common token prefix; from the
+first differing position on it is recomputed (`Reply.diverged_at`). A turn therefore yields
+exactly what `llm.chat` gives for the same full history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+from kvsession.cache.block_pool import Block
+from kvsession.engine.scheduler import blocks_for
+from kvsession.engine.sequence import Sequence
+from kvsession.errors import ConfigError, SessionClosedError
+from kvsession.metrics import RequestMetrics
+from kvsession.params import SamplingParams
+
+
+@dataclass
+class Reply:
+    """One turn's answer. prefill_tokens: prompt tokens computed this turn; cached_tokens:
+    prompt tokens whose KV was reused; restored_from: where that KV came from;
+    diverged_at: first position where the re-rendered history differed from the cache."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: RequestMetrics
+    prefill_tokens: int
+    cached_tokens: int
+    restored_from: str | None
+    diverged_at: int | None
+    logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+
+
+@dataclass
+class StreamChunk:
+    """Incremental output of `Session.stream`; the last chunk carries the Reply."""
+
+    text: str
+    token_ids: list[int]
+    reply: Reply | None = None
+
+
+@dataclass
+class SessionStats:
+    turns: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    ttfts_s: list[float] = field(default_factory=list)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Session:
+    """A conversation handle. Thread-safe; sends to one session run in call order."""
+
+    def __init__(self, llm, session_id: str | None, system: str | None,
+                 sampling: SamplingParams | None, system_key=None):
+        self._llm = llm
+        self.session_id = session_id or uuid.uuid4().hex
+        self.sampling = sampling or SamplingParams(max_tokens=256, temperature=0.0)
+        self._messages: list[dict] = ([{"role": "system", "content": system}]
+                                      if system is not None else [])
+        self._system_key = system_key
+        # KV state, owned by the session between turns (block refs move on the engine thread)
+        self._tokens: list[int] = []
+        self._blocks: list[Block] = []
+        self._hashes: list[bytes] = []
+        self._closed = False
+        self._lock = threading.Lock()
+        self._last_turn: Future | None = None
+        self._in_flight = 0
+        self.stats = SessionStats()
+
+    # ---- state -------------------------------------------------------------------------
+
+    @property
+    def messages(self) -> list[dict]:
+        return [dict(m) for m in self._messages]
+
+    @property
+    def state(self) -> str:
+        if self._closed:
+            return "closed"
+        return "active" if self._in_flight else "idle"
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens whose KV this session holds right now."""
+        return len(self._tokens)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError(f"session {self.session_id!r} is closed")
+
+    def _enqueue_turn(self) -> tuple[Future, Future | None]:
+        """Take a place in this session's queue: returns (mine, the one before me)."""
+        with self._lock:
+            self._check_open()
+            mine: Future = Future()
+            prev, self._last_turn = self._last_turn, mine
+            self._in_flight += 1
+            return mine, prev
+
+    def _leave_turn(self, mine: Future) -> None:
+        with self._lock:
+            self._in_flight -= 1
+        mine.set_result(None)
+
+    # ---- one turn ----------------------------------------------------------------------
+
+    @staticmethod
+    def _normalize(message) -> list[dict]:
+        if isinstance(message, str):
+            return [{"role": "user", "content": message}]
+        if isinstance(message, dict):
+            return [message]
+        msgs = list(message) if isinstance(message, (list, tuple)) else []
+        if not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise ConfigError("send() takes a string, a message dict or a list of them")
+        return msgs
+
+    def _start(self, message, overrides: dict, on_update=None):
+        """Render, diff against the cache, submit. Returns (seq, new messages, diverged_at,
+        future). Runs in the caller's thread, after the previous turn finished."""
+        self._check_open()
+        llm = self._llm
+        new_msgs = self._normalize(message)
+        params = replace(self.sampling, **overrides) if overrides else self.sampling
+        ids = llm._validate_prompt(llm.tokenizer.encode_chat(self._messages + new_msgs))
+        common = min(common_prefix_len(self._tokens, ids), len(ids) - 1)
+        diverged_at = common if common < len(self._tokens) else None
+        seq = Sequence(token_ids=ids, params=params, max_model_len=llm.runtime.max_model_len,
+                       eos_token_ids=llm.tokenizer.eos_token_ids, retain_blocks=True)
+
+        def prepare():  # engine thread: hand the session's KV to the sequence
+            blocks, hashes = self._blocks, self._hashes
+            self._blocks, self._hashes, self._tokens = [], [], []
+            seq.blocks, seq.num_computed_tokens = llm._attach_blocks(blocks, common)
+            seq.block_hashes = hashes[: seq.num_computed_tokens // llm.config.block_size]
+
+        fut = llm._engine_loop().submit(seq, on_update=on_update, prepare=prepare)
+        return seq, new_msgs, diverged_at, fut
+
+    def _finish(self, seq: Sequence, new_msgs: list[dict], diverged_at: int | None) -> Reply:
+        """Take the finished turn's KV back and record the turn (caller's thread; the
+        engine no longer touches `seq`)."""
+        llm = self._llm
+        bs = llm.config.block_size
+        n = seq.num_computed_tokens
+        self._tokens = seq.token_ids[:n]
+        self._blocks = seq.blocks[: blocks_for(n, bs)]
+        self._hashes = seq.block_hashes[: n // bs]
+        extra = seq.blocks[blocks_for(n, bs):]
+        if extra:
+            llm._engine_loop().call(lambda: llm.pool.free(extra)).result()
+        out = llm._output(seq, prompt=None)
+        self._messages += new_msgs + [{"role": "assistant", "content": out.text}]
+        cached = max(seq.num_cached_tokens, 0)
+        reply = Reply(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+                      metrics=out.metrics, prefill_tokens=seq.num_prompt_computed,
+                      cached_tokens=cached, restored_from="device" if cached else None,
+                      diverged_at=diverged_at, logprobs=out.logprobs)
+        st = self.stats
+        st.turns += 1
+        st.prompt_tokens += seq.num_prompt_tokens
+        st.generated_tokens += len(out.token_ids)
+        st.cached_tokens += cached
+        st.computed_tokens += seq.num_prompt_computed
+        st.ttfts_s.append(out.metrics.ttft_s)
+        return reply
+
+    def _failed(self) -> None:
+        # The engine released the turn's blocks: this session holds no KV now; the next
+        # turn recomputes. Messages were not changed.
+        self._tokens, self._blocks, self._hashes = [], [], []
+
+    def send(self, message, **sampling_overrides) -> Reply:
+        """Add `message` (a string is a user message; or a dict / list of dicts) and
+        generate the assistant's reply. Blocks until done."""
+        mine, prev = self._enqueue_turn()
+        try:
+            if prev is not None:
+                prev.result()
+            seq, new_msgs, diverged_at, fut = self._start(message, sampling_overrides)
+            try:
+                seq = fut.result()
+            except BaseException:
+                self._failed()
+                raise
+            return self._finish(seq, new_msgs, diverged_at)
+        finally:
+            self._leave_turn(mine)
+
+    async def asend(self, message, **sampling_overrides) -> Reply:
+        """`send` for asyncio: awaits the engine without blocking the event loop."""
+        mine, prev = self._enqueue_turn()
+        try:
+            if prev is not None:
+                await asyncio.wrap_future(prev)
+            seq, new_msgs, diverged_at, fut = self._start(message, sampling_overrides)
+            try:
+                seq = await asyncio.wrap_future(fut)
+            except BaseException:
+                self._failed()
+                raise
+            return self._finish(seq, new_msgs, diverged_at)
+        finally:
+            self._leave_turn(mine)
+
+    def stream(self, message, **sampling_overrides) -> Iterator[StreamChunk]:
+        """Like `send`, yielding text as it is generated; the last chunk has `.reply`."""
+        mine, prev = self._enqueue_turn()
+        try:
+            if prev is not None:
+                prev.result()
+            updates: queue.SimpleQueue = queue.SimpleQueue()
+            seq, new_msgs, diverged_at, fut = self._start(
+                message, sampling_overrides, on_update=lambda s: updates.put(s.num_tokens))
+            fut.add_done_callback(lambda f: updates.put(None))
+            decode = self._llm.tokenizer.decode
+            hold = max((len(s) for s in seq.params.stop_strings), default=1) - 1
+            sent_text, sent_tokens = "", 0
+            while (n := updates.get()) is not None:
+                ids = seq.token_ids[seq.num_prompt_tokens:n]
+                text = decode(ids)
+                safe = text[: len(text) - hold] if hold else text
+                if safe.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
+                    continue
+                if len(safe) > len(sent_text) or len(ids) > sent_tokens:
+                    yield StreamChunk(safe[len(sent_text):], ids[sent_tokens:])
+                    sent_text, sent_tokens = safe, len(ids)
+            try:
+                seq = fut.result()
+            except BaseException:
+                self._failed()
+                raise
+            reply = self._finish(seq, new_msgs, diverged_at)
+            tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
+            yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)
+        finally:
+            self._leave_turn(mine)
+
+    def add(self, role: str, content: str) -> None:
+        """Append a message (e.g. a tool result) without generating."""
+        mine, prev = self._enqueue_turn()
+        try:
+            if prev is not None:
+                prev.result()
+            self._messages.append({"role": role, "content": content})
+        finally:
+            self._leave_turn(mine)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def fork(self, session_id: str | None = None) -> Session:
+        """A new session sharing every block so far (references, no copy); the first write
+        into a shared partial block copies it. Parent and child then evolve independently."""
+        mine, prev = self._enqueue_turn()
+        try:
+            if prev is not None:
+                prev.result()
+            llm = self._llm
+            child = llm._new_session(session_id, None, self.sampling, self._system_key)
+            child._messages = self.messages
+            child._tokens, child._hashes = list(self._tokens), list(self._hashes)
+            blocks = list(self._blocks)
+            llm._engine_loop().call(lambda: llm.pool.touch(blocks)).result()
+            child._blocks = blocks
+            return child
+        finally:
+            self._leave_turn(mine)
+
+    def close(self) -> None:
+        """Release this session's KV (idempotent). Using it afterwards raises
+        SessionClosedError."""
+        with self._lock:
+            if self._closed:
+                return
+            prev = self._last_turn
+        if prev is not None:
+            prev.result()
+        with self._lock:
+            self._closed = True
+        self._llm._close_session(self)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Session({self.session_id!r}, state={self.state}, turns={self.stats.turns}, "
+                f"messages={len(self._messages)}, cached_tokens={len(self._tokens)})")
