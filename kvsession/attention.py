@@ -36,6 +36,7 @@ class AttentionMetadata:
     decode_only: bool
     softmax_scale: float
     backend: AttentionBackend = AttentionBackend.TORCH
+    workspace: reference.Workspace | None = None  # the runner's reusable gather buffers
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: LayerKV,
@@ -47,7 +48,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: Layer
     if meta.decode_only:
         return reference.paged_attention(q, layer_kv.k, layer_kv.v, meta.block_tables,
                                          meta.seq_lens_tensor, meta.softmax_scale,
-                                         layer_kv.k_scale, layer_kv.v_scale)
+                                         layer_kv.k_scale, layer_kv.v_scale, meta.workspace)
     return reference.prefill_attention(q, layer_kv.k, layer_kv.v, meta.block_tables,
                                        meta.query_start_loc, meta.seq_lens,
-                                       meta.softmax_scale, layer_kv.k_scale, layer_kv.v_scale)
+                                       meta.softmax_scale, layer_kv.k_scale, layer_kv.v_scale,
+                                       meta.workspace)

@@ -9,6 +9,7 @@ from kvsession.attention import AttentionMetadata
 from kvsession.cache.kv_pool import KVPool
 from kvsession.config import AttentionBackend
 from kvsession.engine.scheduler import ScheduledSeq
+from kvsession.kernels.reference import Workspace
 from kvsession.model.llama import LlamaModel
 
 
@@ -16,6 +17,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVPool, device: torch.device,
                  backend: AttentionBackend):
         self.model, self.kv, self.device, self.backend = model, kv, device, backend
+        self.workspace = Workspace()
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor,
                                                           AttentionMetadata, list[int]]:
@@ -47,6 +49,7 @@ class ModelRunner:
             decode_only=all(item.num_new_tokens == 1 for item in batch),
             softmax_scale=self.model.softmax_scale,
             backend=self.backend,
+            workspace=self.workspace,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos).to(dev), meta, sample_rows

@@ -46,7 +46,8 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           contiguous: bool = True) -> torch.Tensor:
     """x @ w.T (+ b), x: [rows, in], w: [out, in].
 
     On CPU the product is written as (w @ x.T).T: for the skinny batches of decode, MKL's
@@ -59,7 +60,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if x.device.type != "cpu" or x.dim() != 2 or rows > 64:
         return F.linear(x, w, b)
     xs = x if rows > 1 else x.repeat(2, 1)
-    y = torch.mm(w, xs.t()).t()[:rows].contiguous()  # contiguous: SDPA's fast path needs it
+    y = torch.mm(w, xs.t()).t()[:rows]
+    if contiguous:  # views and SDPA's fast path downstream need it; logits do not
+        y = y.contiguous()
     return y if b is None else y + b
 
 
@@ -160,4 +163,4 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the rows that sample."""
-        return linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head, contiguous=False).float()
