@@ -21,21 +21,13 @@ import threading
 import time
 
 import torch
-from common import RESULTS, mid_model, write_result
+from common import RESULTS, mid_model, text_of, write_result
 
 from kvsession import LLM, SamplingParams
 from kvsession.metrics import percentile
 from kvsession.session import common_prefix_len
-from kvsession.testing import _WORDS
 
 NEW_TOKENS = 32
-
-
-def text_of(tokenizer, rng: random.Random, num_tokens: int) -> str:
-    words = []
-    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) < num_tokens:
-        words.append(rng.choice(_WORDS))
-    return " ".join(words)
 
 
 def turn_messages(tokenizer, sessions: int, turns: int) -> list[list[dict]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kvsession.testing import make_tiny_model
+from kvsession.testing import _WORDS, make_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MID_SIZE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
@@ -53,3 +53,13 @@ def write_result(name: str, data: dict) -> Path:
     path.write_text(json.dumps(data, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def text_of(tokenizer, rng, num_tokens: int) -> str:
+    """Words from the tiny tokenizer's corpus vocabulary, about `num_tokens` tokens long."""
+    words: list[str] = []
+    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) < num_tokens:
+        words.extend(rng.choice(_WORDS) for _ in range(max(1, (num_tokens - len(words)) // 3)))
+    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) > num_tokens:
+        words.pop()
+    return " ".join(words)

@@ -49,16 +49,24 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, workspace: Workspac
     return torch.index_select(cache, 0, blocks, out=out)
 
 
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., head_dim] -> (fp8 values, float32 scale [...]) with scale = absmax / 448.
+def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = torch.float16
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., head_dim] -> (fp8 values, scale [...] in `scale_dtype`), scale = absmax / 448
+    over the finite values of each row (one row = one token's head).
 
-    Non-finite values are zeroed before the absmax so one NaN/Inf cannot poison the scale of
-    its token/head (and never touches other tokens' scales: scales are per token)."""
+    Values are divided by the *stored* scale (after its rounding to `scale_dtype`), so
+    dequantization reproduces exactly what was quantized. Non-finite values cannot poison
+    the scale (it ignores them, and it is per token, so other tokens never see them): NaN is
+    stored as 0 and +-Inf saturates to +-448 * scale."""
     xf = x.float()
-    xf = torch.where(torch.isfinite(xf), xf, torch.zeros_like(xf))
-    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
-    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    finite = torch.isfinite(xf)
+    absmax = torch.where(finite, xf, torch.zeros_like(xf)).abs().amax(dim=-1)
+    tiny = 2.0**-24 if scale_dtype == torch.float16 else MIN_SCALE  # fp16: min subnormal
+    # beyond the scale dtype's range (absmax > 2.9e7 for float16) values saturate at +-448
+    scale = (absmax / FP8_MAX).clamp(tiny, torch.finfo(scale_dtype).max).to(scale_dtype)
+    scaled = xf / scale.float().unsqueeze(-1)
+    scaled = torch.nan_to_num(scaled, nan=0.0).clamp(-FP8_MAX, FP8_MAX)
+    return scaled.to(torch.float8_e4m3fn), scale
 
 
 def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -81,8 +89,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         flat_k[slot_mapping] = key.to(k_cache.dtype)
         flat_v[slot_mapping] = value.to(v_cache.dtype)
         return
-    qk, sk = quantize_fp8(key)
-    qv, sv = quantize_fp8(value)
+    qk, sk = quantize_fp8(key, k_scale.dtype)
+    qv, sv = quantize_fp8(value, v_scale.dtype)
     flat_k[slot_mapping] = qk
     flat_v[slot_mapping] = qv
     k_scale.view(-1, k_scale.shape[-1])[slot_mapping] = sk
