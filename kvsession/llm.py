@@ -34,7 +34,10 @@ from kvsession.model.loader import load_weights, weights_digest
 from kvsession.model.tokenizer import Tokenizer
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
-from kvsession.session import Session
+from kvsession.session_store import SessionStore
+from kvsession.tiers.disk import DiskTier
+from kvsession.tiers.host import HostPool
+from kvsession.tiers.policy import TierPolicy
 
 log = logging.getLogger("kvsession")
 CPU_DEFAULT_KV_BYTES = 2**30
@@ -58,7 +61,7 @@ def _weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
     return (spec.num_layers * per_layer + embed) * torch.empty((), dtype=dtype).element_size()
 
 
-class LLM:
+class LLM(SessionStore):
     def __init__(self, model, **kwargs):
         self._loop = None
         self.config = cfg = EngineConfig.from_args(model, **kwargs)
@@ -93,14 +96,21 @@ class LLM:
         self.prefix = PrefixCache(self.pool, hasher,
                                   int(cfg.max_pinned_fraction * num_blocks))
         self.scheduler = Scheduler(self.pool, self.prefix, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens)
+                                   cfg.max_num_batched_tokens,
+                                   reclaim=lambda n: self.policy.reclaim(n))
         backend = AttentionBackend.TORCH
         self.latency = LatencyTracker()
         self.slo = SLO()
         engine = Engine(self.scheduler, ModelRunner(self.model, self.kv, cfg.device, backend),
                         Sampler(cfg.seed), self.tokenizer.decode, self.latency)
-        self._sessions: dict[str, Session] = {}
-        self._system_pins: dict[tuple[int, ...], list] = {}  # ids -> [PinnedPrefix, users]
+        host_blocks = cfg.host_cache_memory_bytes // (bpt * cfg.block_size)
+        self.host = HostPool(self.kv, host_blocks) if host_blocks > 0 else None
+        self.disk = DiskTier(cfg.session_dir) if cfg.session_dir is not None else None
+        self.policy = TierPolicy(
+            self.pool, self.kv, self.prefix, self.host, self.disk, self._header_fields, bpt,
+            engine.prefill_tps, engine.queue_depth, cfg.spill_after_s)
+        engine.timers.append(self.policy.housekeeping)
+        self._init_sessions()
         self._loop = EngineLoop(engine)
         log.info("kvsession: %s on %s, kv %s: %d blocks x %d tokens = %d tokens, %d bytes/token",
                  spec.architecture, cfg.device, cfg.kv_cache_dtype_name, num_blocks,
@@ -122,8 +132,11 @@ class LLM:
     # ---- lifecycle -------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the engine thread (pending calls fail with EngineClosedError), close every
-        session and drop the KV cache. Idempotent."""
+        """Persist live sessions to session_dir (when set), stop the engine thread (pending
+        calls fail with EngineClosedError), close every session and drop the KV cache.
+        Idempotent."""
+        if self._loop is not None:
+            self._persist_sessions()
         for sess in list(getattr(self, "_sessions", {}).values()):
             sess._closed = True
         if self._loop is not None:
@@ -282,74 +295,6 @@ class LLM:
             pool.free(keep)
             raise
 
-    # ---- sessions --------------------------------------------------------------------
-
-    def session(self, system: str | None = None, session_id: str | None = None,
-                pin_system: bool = True, sampling: SamplingParams | None = None) -> Session:
-        """A multi-turn conversation whose KV stays cached between turns. The system prompt
-        is pinned (once, shared by every session with the same system prompt)."""
-        key = None
-        if system is not None and pin_system and self.config.enable_prefix_caching:
-            ids = self.tokenizer.encode_chat([{"role": "system", "content": system}],
-                                             add_generation_prompt=False)
-            if len(ids) >= self.config.block_size:
-                key = tuple(ids)
-        sess = self._new_session(session_id, system, sampling, key)
-        return sess
-
-    def _new_session(self, session_id, system, sampling, system_key) -> Session:
-        self._engine_loop()
-        if session_id is not None and session_id in self._sessions:
-            raise ConfigError(f"session_id {session_id!r} is already in use by a live session")
-        sess = Session(self, session_id, system, sampling, None)
-        if system_key is not None:
-            entry = self._system_pins.get(system_key)
-            if entry is None:
-                try:
-                    entry = self._system_pins[system_key] = [self.pin(list(system_key)), 0]
-                except CacheFullError as e:
-                    log.warning("system prompt not pinned: %s", e)
-            if entry is not None:
-                entry[1] += 1
-                sess._system_key = system_key
-        self._sessions[sess.session_id] = sess
-        return sess
-
-    def _close_session(self, sess: Session) -> None:
-        self._sessions.pop(sess.session_id, None)
-        blocks, sess._blocks, sess._tokens, sess._hashes = sess._blocks, [], [], []
-        if self._loop is not None and blocks:
-            self._loop.call(lambda: self.pool.free(blocks)).result()
-        entry = self._system_pins.get(sess._system_key)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._system_pins[sess._system_key]
-                entry[0].unpin()
-
-    def _attach_blocks(self, blocks: list, num_tokens: int) -> tuple[list, int]:
-        """Engine thread: keep the blocks holding a session's first `num_tokens` tokens for
-        its next turn and release the rest. A partial last block is written in place only
-        if nothing else can see it (one reference, not published); otherwise it is copied
-        first (copy-on-write), or dropped and recomputed when no block is free. Returns
-        (blocks, number of tokens whose KV they hold)."""
-        bs, pool = self.config.block_size, self.pool
-        num_full = num_tokens // bs
-        keep, rest, valid = blocks[:num_full], blocks[num_full:], num_full * bs
-        if num_tokens % bs and rest:
-            tail = rest[0]
-            if tail.ref_cnt == 1 and tail.block_hash is None:
-                keep, rest, valid = keep + [tail], rest[1:], num_tokens
-            elif pool.num_free:
-                (fresh,) = pool.allocate(1)
-                self.kv.copy_block(tail.block_id, fresh.block_id)
-                keep, valid = keep + [fresh], num_tokens
-        pool.free(rest)
-        return keep, valid
-
-    def sessions_live(self) -> list[Session]:
-        return list(self._sessions.values())
-
     # ---- observability ---------------------------------------------------------------
 
     def stats(self) -> Stats:
@@ -365,15 +310,26 @@ class LLM:
             tokens_capacity=pool.num_blocks * bs)
         q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
         lat, goodput, attainment = self.latency.summary(self.slo)
+        host = TierStats(bytes_per_token=self.runtime.kv_bytes_per_token)
+        if self.host is not None:
+            hp = self.host
+            host = TierStats(blocks_total=hp.num_blocks, blocks_used=hp.num_blocks - hp.num_free,
+                             blocks_free=hp.num_free, bytes_per_token=host.bytes_per_token,
+                             tokens_capacity=hp.num_blocks * bs)
+        on_disk = sum(-(-len(s.tokens) // bs) for s in self.policy.sessions
+                      if s.tier.value == "disk")
+        disk = TierStats(blocks_used=on_disk, bytes_per_token=self.runtime.kv_bytes_per_token)
+        policy = self.policy
         return Stats(
-            tiers={"device": device, "host": TierStats(), "disk": TierStats()},
+            tiers={"device": device, "host": host, "disk": disk},
             prefix=PrefixStats(queried_tokens=q, hit_tokens=h, hit_rate=h / q if q else 0.0,
                                evictions=pool.num_evictions, cached_blocks=len(pool.index),
                                pinned_blocks=self.prefix.pins.num_pinned_blocks,
                                pinned_bytes=self.prefix.pins.num_pinned_blocks * bs
                                * self.runtime.kv_bytes_per_token,
                                num_pins=len(self.prefix.pins.pins)),
-            spills={"host": 0, "disk": 0}, restores={"host": 0, "disk": 0}, recomputes=0,
+            spills=dict(policy.spills), restores=dict(policy.restores),
+            recomputes=policy.recomputes,
             remote=RemoteStats(), latency=lat, goodput_tokens_per_s=goodput,
             slo_attainment=attainment, num_requests=self.latency.num_requests,
             num_preemptions=self.scheduler.num_preemptions)

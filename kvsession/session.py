@@ -22,12 +22,12 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from kvsession.cache.block_pool import Block
 from kvsession.engine.scheduler import blocks_for
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError, SessionClosedError
 from kvsession.metrics import RequestMetrics
 from kvsession.params import SamplingParams
+from kvsession.tiers.policy import SessionKV
 
 
 @dataclass
@@ -66,6 +66,10 @@ class SessionStats:
     ttfts_s: list[float] = field(default_factory=list)
 
 
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                   "stop_token_ids", "ignore_eos", "logprobs", "cache_salt")
+
+
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -82,18 +86,21 @@ class Session:
         self._llm = llm
         self.session_id = session_id or uuid.uuid4().hex
         self.sampling = sampling or SamplingParams(max_tokens=256, temperature=0.0)
+        self.system = system
         self._messages: list[dict] = ([{"role": "system", "content": system}]
                                       if system is not None else [])
         self._system_key = system_key
-        # KV state, owned by the session between turns (block refs move on the engine thread)
-        self._tokens: list[int] = []
-        self._blocks: list[Block] = []
-        self._hashes: list[bytes] = []
+        # the KV (tokens, blocks, tier): mutated only on the engine thread
+        self._kv = SessionKV(self.session_id, meta=self._snapshot_meta)
         self._closed = False
         self._lock = threading.Lock()
         self._last_turn: Future | None = None
         self._in_flight = 0
         self.stats = SessionStats()
+
+    def _snapshot_meta(self) -> dict:
+        return {"messages": self.messages, "system": self.system,
+                "sampling": {k: getattr(self.sampling, k) for k in SAMPLING_FIELDS}}
 
     # ---- state -------------------------------------------------------------------------
 
@@ -103,14 +110,19 @@ class Session:
 
     @property
     def state(self) -> str:
+        """"active" (a turn is running), "idle" (KV on the device), "host", "disk" (KV
+        spilled there) or "closed"."""
         if self._closed:
             return "closed"
-        return "active" if self._in_flight else "idle"
+        if self._in_flight:
+            return "active"
+        tier = self._kv.tier.value
+        return "idle" if tier == "device" else tier
 
     @property
     def num_cached_tokens(self) -> int:
-        """Tokens whose KV this session holds right now."""
-        return len(self._tokens)
+        """Tokens whose KV this session holds (in any tier)."""
+        return len(self._kv.tokens)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -144,46 +156,54 @@ class Session:
         return msgs
 
     def _start(self, message, overrides: dict, on_update=None):
-        """Render, diff against the cache, submit. Returns (seq, new messages, diverged_at,
-        future). Runs in the caller's thread, after the previous turn finished."""
+        """Render and submit. Returns (seq, new messages, turn info, future). Runs in the
+        caller's thread, after the previous turn of this session finished."""
         self._check_open()
         llm = self._llm
         new_msgs = self._normalize(message)
         params = replace(self.sampling, **overrides) if overrides else self.sampling
         ids = llm._validate_prompt(llm.tokenizer.encode_chat(self._messages + new_msgs))
-        common = min(common_prefix_len(self._tokens, ids), len(ids) - 1)
-        diverged_at = common if common < len(self._tokens) else None
         seq = Sequence(token_ids=ids, params=params, max_model_len=llm.runtime.max_model_len,
                        eos_token_ids=llm.tokenizer.eos_token_ids, retain_blocks=True)
+        info: dict = {}
+        kv, policy, bs = self._kv, llm.policy, llm.config.block_size
 
-        def prepare():  # engine thread: hand the session's KV to the sequence
-            blocks, hashes = self._blocks, self._hashes
-            self._blocks, self._hashes, self._tokens = [], [], []
+        def finished(seq: Sequence, ok: bool):  # engine thread: the session takes it back
+            if not ok:  # the engine released the blocks; the next turn recomputes
+                policy.checkin(kv, [], [], [])
+                return
+            n = seq.num_computed_tokens
+            keep = blocks_for(n, bs)
+            llm.pool.free(seq.blocks[keep:])
+            policy.checkin(kv, seq.token_ids[:n], seq.blocks[:keep], seq.block_hashes[: n // bs])
+            seq.blocks = []
+
+        def prepare():  # engine thread: bring the KV back, hand it to the sequence
+            history = common_prefix_len(kv.tokens, ids)
+            info["diverged_at"] = history if history < len(kv.tokens) else None
+            source = policy.checkout(kv)
+            common = min(common_prefix_len(kv.tokens, ids), len(ids) - 1)
+            blocks, hashes = kv.blocks, kv.hashes
+            kv.blocks, kv.hashes, kv.tokens = [], [], []
             seq.blocks, seq.num_computed_tokens = llm._attach_blocks(blocks, common)
-            seq.block_hashes = hashes[: seq.num_computed_tokens // llm.config.block_size]
+            seq.block_hashes = hashes[: seq.num_computed_tokens // bs]
+            info["restored_from"] = source if seq.num_computed_tokens else None
+            seq.on_finish = finished
 
         fut = llm._engine_loop().submit(seq, on_update=on_update, prepare=prepare)
-        return seq, new_msgs, diverged_at, fut
+        return seq, new_msgs, info, fut
 
-    def _finish(self, seq: Sequence, new_msgs: list[dict], diverged_at: int | None) -> Reply:
-        """Take the finished turn's KV back and record the turn (caller's thread; the
-        engine no longer touches `seq`)."""
-        llm = self._llm
-        bs = llm.config.block_size
-        n = seq.num_computed_tokens
-        self._tokens = seq.token_ids[:n]
-        self._blocks = seq.blocks[: blocks_for(n, bs)]
-        self._hashes = seq.block_hashes[: n // bs]
-        extra = seq.blocks[blocks_for(n, bs):]
-        if extra:
-            llm._engine_loop().call(lambda: llm.pool.free(extra)).result()
-        out = llm._output(seq, prompt=None)
+    def _finish(self, seq: Sequence, new_msgs: list[dict], info: dict) -> Reply:
+        """Record the finished turn (caller's thread; the KV went back on the engine
+        thread)."""
+        out = self._llm._output(seq, prompt=None)
         self._messages += new_msgs + [{"role": "assistant", "content": out.text}]
         cached = max(seq.num_cached_tokens, 0)
         reply = Reply(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
                       metrics=out.metrics, prefill_tokens=seq.num_prompt_computed,
-                      cached_tokens=cached, restored_from="device" if cached else None,
-                      diverged_at=diverged_at, logprobs=out.logprobs)
+                      cached_tokens=cached,
+                      restored_from=info.get("restored_from") if cached else None,
+                      diverged_at=info.get("diverged_at"), logprobs=out.logprobs)
         st = self.stats
         st.turns += 1
         st.prompt_tokens += seq.num_prompt_tokens
@@ -193,11 +213,6 @@ class Session:
         st.ttfts_s.append(out.metrics.ttft_s)
         return reply
 
-    def _failed(self) -> None:
-        # The engine released the turn's blocks: this session holds no KV now; the next
-        # turn recomputes. Messages were not changed.
-        self._tokens, self._blocks, self._hashes = [], [], []
-
     def send(self, message, **sampling_overrides) -> Reply:
         """Add `message` (a string is a user message; or a dict / list of dicts) and
         generate the assistant's reply. Blocks until done."""
@@ -205,13 +220,8 @@ class Session:
         try:
             if prev is not None:
                 prev.result()
-            seq, new_msgs, diverged_at, fut = self._start(message, sampling_overrides)
-            try:
-                seq = fut.result()
-            except BaseException:
-                self._failed()
-                raise
-            return self._finish(seq, new_msgs, diverged_at)
+            seq, new_msgs, info, fut = self._start(message, sampling_overrides)
+            return self._finish(fut.result(), new_msgs, info)
         finally:
             self._leave_turn(mine)
 
@@ -221,13 +231,8 @@ class Session:
         try:
             if prev is not None:
                 await asyncio.wrap_future(prev)
-            seq, new_msgs, diverged_at, fut = self._start(message, sampling_overrides)
-            try:
-                seq = await asyncio.wrap_future(fut)
-            except BaseException:
-                self._failed()
-                raise
-            return self._finish(seq, new_msgs, diverged_at)
+            seq, new_msgs, info, fut = self._start(message, sampling_overrides)
+            return self._finish(await asyncio.wrap_future(fut), new_msgs, info)
         finally:
             self._leave_turn(mine)
 
@@ -238,7 +243,7 @@ class Session:
             if prev is not None:
                 prev.result()
             updates: queue.SimpleQueue = queue.SimpleQueue()
-            seq, new_msgs, diverged_at, fut = self._start(
+            seq, new_msgs, info, fut = self._start(
                 message, sampling_overrides, on_update=lambda s: updates.put(s.num_tokens))
             fut.add_done_callback(lambda f: updates.put(None))
             decode = self._llm.tokenizer.decode
@@ -253,12 +258,7 @@ class Session:
                 if len(safe) > len(sent_text) or len(ids) > sent_tokens:
                     yield StreamChunk(safe[len(sent_text):], ids[sent_tokens:])
                     sent_text, sent_tokens = safe, len(ids)
-            try:
-                seq = fut.result()
-            except BaseException:
-                self._failed()
-                raise
-            reply = self._finish(seq, new_msgs, diverged_at)
+            reply = self._finish(fut.result(), new_msgs, info)
             tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
             yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)
         finally:
@@ -276,27 +276,52 @@ class Session:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def fork(self, session_id: str | None = None) -> Session:
-        """A new session sharing every block so far (references, no copy); the first write
-        into a shared partial block copies it. Parent and child then evolve independently."""
+    def _exclusive(self, fn):
+        """Run fn() on the engine thread once this session's queued turns are done."""
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
                 prev.result()
-            llm = self._llm
-            child = llm._new_session(session_id, None, self.sampling, self._system_key)
-            child._messages = self.messages
-            child._tokens, child._hashes = list(self._tokens), list(self._hashes)
-            blocks = list(self._blocks)
-            llm._engine_loop().call(lambda: llm.pool.touch(blocks)).result()
-            child._blocks = blocks
-            return child
+            return self._llm._engine_loop().call(fn).result()
         finally:
             self._leave_turn(mine)
 
-    def close(self) -> None:
-        """Release this session's KV (idempotent). Using it afterwards raises
-        SessionClosedError."""
+    def fork(self, session_id: str | None = None) -> Session:
+        """A new session sharing every block so far (references, no copy); the first write
+        into a shared partial block copies it. Parent and child then evolve independently."""
+        llm = self._llm
+        child = llm._new_session(session_id, self.system, self.sampling, self._system_key)
+        child._messages = self.messages
+
+        def share():
+            llm.policy.restore(self._kv)  # a spilled parent comes back first
+            kv = self._kv
+            llm.pool.touch(kv.blocks)
+            llm.policy.checkin(child._kv, list(kv.tokens), list(kv.blocks), list(kv.hashes))
+
+        self._exclusive(share)
+        return child
+
+    def save(self, path) -> None:
+        """Write this session (messages, tokens, KV with fp8 scales) to a `.kvs` snapshot,
+        atomically. `llm.restore(path)` continues exactly where this session is."""
+        self._exclusive(lambda: self._llm._save_session(self, path))
+
+    def suspend(self, expected_idle_s: float | None = None) -> str:
+        """The session is waiting (tool call, human). The engine decides, by expected waste,
+        to keep its KV on the device, spill it to host or disk, or drop it for recompute.
+        Returns the decision: "keep" | "host" | "disk" | "drop"."""
+        return self._exclusive(lambda: self._llm.policy.suspend(self._kv, expected_idle_s))
+
+    def prefetch(self) -> Future:
+        """Start bringing a spilled session back to the device ahead of its next send;
+        returns a Future that resolves when done (or when recompute was chosen)."""
+        self._check_open()
+        return self._llm._engine_loop().call(lambda: self._llm.policy.restore(self._kv))
+
+    def close(self, delete: bool = False) -> None:
+        """Release this session's KV in every tier (idempotent); delete=True also removes its
+        snapshot file from session_dir. Using it afterwards raises SessionClosedError."""
         with self._lock:
             if self._closed:
                 return
@@ -305,7 +330,7 @@ class Session:
             prev.result()
         with self._lock:
             self._closed = True
-        self._llm._close_session(self)
+        self._llm._close_session(self, delete)
 
     def __enter__(self) -> Session:
         return self
@@ -315,4 +340,4 @@ class Session:
 
     def __repr__(self) -> str:
         return (f"Session({self.session_id!r}, state={self.state}, turns={self.stats.turns}, "
-                f"messages={len(self._messages)}, cached_tokens={len(self._tokens)})")
+                f"messages={len(self._messages)}, cached_tokens={self.num_cached_tokens})")

@@ -85,17 +85,17 @@ def test_blocks_move_with_their_scales_bit_identically(llama_dir):
         child = s.fork()
         # the child's next turn writes into the shared partial tail block: copy-on-write
         bs = llm.config.block_size
-        n = len(s._tokens) - (1 if len(s._tokens) % bs == 0 else 0)
-        blocks, child._blocks = child._blocks, []
+        n = len(s._kv.tokens) - (1 if len(s._kv.tokens) % bs == 0 else 0)
+        blocks, child._kv.blocks = child._kv.blocks, []
         kept, valid = llm._loop.call(lambda: llm._attach_blocks(blocks, n)).result()
-        tail = s._blocks[n // bs]
+        tail = s._kv.blocks[n // bs]
         assert valid == n and kept[-1] is not tail and len(kept) == n // bs + 1
         for name, t in llm.kv.tensors().items():
             a, b = t[:, tail.block_id, : n % bs], t[:, kept[-1].block_id, : n % bs]
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
         llm._loop.call(lambda: llm.pool.free(kept)).result()
         # out to a staging buffer and back (as spill / restore / transfer do)
-        ids = torch.tensor([b.block_id for b in s._blocks])
+        ids = torch.tensor([b.block_id for b in s._kv.blocks])
         staged = {k: torch.empty((t.shape[0], len(ids), *t.shape[2:]), dtype=t.dtype)
                   for k, t in llm.kv.tensors().items()}
         for k, t in llm.kv.tensors().items():

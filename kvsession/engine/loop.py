@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from kvsession.costmodel import RateEstimator
 from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler
 from kvsession.engine.scheduler import Scheduler
@@ -44,6 +45,9 @@ class Engine:
                  decode: Callable[[list[int]], str], latency: LatencyTracker):
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
         self.decode, self.latency = decode, latency
+        # measured prompt tokens/s of steps that prefill (feeds the load-vs-recompute rule)
+        self.prefill_tps = RateEstimator(prior=2000.0)
+        self.timers: list[Callable[[float], float | None]] = []  # e.g. the tier policy
         self.futures: dict[int, tuple[Future, OnUpdate | None]] = {}
         self.num_steps = 0
         # Called on the engine thread after every step (debug checks, tests, tracing).
@@ -56,7 +60,16 @@ class Engine:
         now = self.scheduler.prefix.clock()
         pins.expire(now)
         deadline = pins.next_deadline()
-        return None if deadline is None else max(deadline - now, 0.0) + 1e-3
+        waits = [] if deadline is None else [max(deadline - now, 0.0)]
+        mono = time.monotonic()
+        waits += [w for timer in self.timers if (w := timer(mono)) is not None]
+        return min(waits) + 1e-3 if waits else None
+
+    def queue_depth(self) -> int:
+        """Sequences waiting for or in the middle of their prefill."""
+        sched = self.scheduler
+        return len(sched.waiting) + sum(
+            1 for s in sched.running if s.num_computed_tokens < s.num_prompt_tokens)
 
     def add(self, seq: Sequence, fut: Future, on_update: OnUpdate | None) -> None:
         self.futures[seq.seq_id] = (fut, on_update)
@@ -71,6 +84,9 @@ class Engine:
                 f"{self.scheduler.pool.num_blocks})"))
         if not batch:
             return
+        prompt_tokens = sum(min(item.num_new_tokens, max(
+            0, item.seq.num_prompt_tokens - item.seq.num_computed_tokens)) for item in batch)
+        t0 = time.perf_counter()
         try:
             logits = self.runner.run(batch)
             sampling = [item.seq for item in batch if item.samples]
@@ -80,6 +96,8 @@ class Engine:
             for item in batch:
                 self._fail(item.seq, e)
             return
+        if prompt_tokens >= 16:
+            self.prefill_tps.observe(prompt_tokens, time.perf_counter() - t0)
         self.num_steps += 1
         self.scheduler.update(batch)
         for seq, (token, logprobs) in zip(sampling, sampled, strict=True):
@@ -90,6 +108,8 @@ class Engine:
                 self.scheduler.finish(seq, release=not seq.retain_blocks)
             fut, on_update = self.futures[seq.seq_id] if not done else self.futures.pop(
                 seq.seq_id)
+            if done and seq.on_finish is not None:
+                seq.on_finish(seq, True)
             if on_update is not None:
                 self._notify(on_update, seq)
             if done:
@@ -108,6 +128,8 @@ class Engine:
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         self.scheduler.finish(seq)
+        if seq.on_finish is not None:
+            seq.on_finish(seq, False)
         fut, _ = self.futures.pop(seq.seq_id, (None, None))
         if fut is not None and not fut.done():
             fut.set_exception(exc)

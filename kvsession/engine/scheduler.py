@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvsession.cache.block_pool import BlockPool
@@ -42,8 +43,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, prefix: PrefixCache, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, reclaim: Callable[[int], int] | None = None):
+        """`reclaim(n)` asks the tier policy to free about n device blocks (by spilling idle
+        sessions) and returns how many it freed; it is tried before preempting or failing."""
         self.pool, self.prefix = pool, prefix
+        self.reclaim = reclaim
+        self._last_need = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -69,6 +74,8 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = blocks_for(seq.num_computed_tokens + n, self.pool.block_size) - len(seq.blocks)
+            if need > self.pool.num_free and self.reclaim is not None:
+                self.reclaim(need - self.pool.num_free)
             while need > self.pool.num_free and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
                 preempted = True
@@ -90,6 +97,9 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[i]
             item = self._admit(seq, budget)
+            if item is None and self.reclaim is not None and self.reclaim(
+                    self._last_need - self.pool.num_free) > 0:
+                item = self._admit(seq, budget)  # idle sessions were spilled: try again
             if item is DEFERRED:  # its next block is being computed by another sequence
                 i += 1
                 continue
@@ -131,6 +141,7 @@ class Scheduler:
         num_new_blocks = blocks_for(num_cached + n, self.pool.block_size) - len(held)
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # they leave the free queue
         if num_new_blocks + num_revived > self.pool.num_free:
+            self._last_need = num_new_blocks + num_revived
             if not attached:
                 self._unquery(seq, num_cached)
             return None

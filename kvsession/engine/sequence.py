@@ -39,6 +39,8 @@ class Sequence:
     num_prompt_computed: int = 0  # prompt tokens computed, recomputation after preemption too
     num_preemptions: int = 0
     retain_blocks: bool = False  # on finish, hand the block references to the caller
+    # called on the engine thread when the sequence ends: on_finish(seq, succeeded)
+    on_finish: object = None
     generator: torch.Generator | None = None
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None

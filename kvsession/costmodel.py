@@ -1,0 +1,106 @@
+"""The cost model (../shared/DESIGN-NOTES.md) as plain functions, plus the online
+estimators that feed them measured inputs.
+
+Units are in every name: *_ms milliseconds, *_bytes_per_s bytes per second, *_tps tokens per
+second. No function here hard-codes a bandwidth or a speed: the engine measures them
+(`RateEstimator`) and passes them in.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+QUADRATIC_KNEE_TOKENS = 32768
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       bytes_per_element: float) -> float:
+    """2 (K and V) * layers * KV heads * head_dim * bytes per element."""
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+
+def decode_tps_bound(hbm_bytes_per_s: float, weight_bytes: float,
+                     kv_bytes_read_in_batch: float) -> float:
+    """Upper bound on decode tokens/s per sequence: one step reads every weight and the
+    batch's KV once."""
+    return hbm_bytes_per_s / (weight_bytes + kv_bytes_read_in_batch)
+
+
+def goodput_tokens_per_s(requests: list[tuple[float, float, int]], ttft_slo_s: float,
+                         tpot_slo_s: float, wall_s: float) -> float:
+    """Tokens of requests (ttft_s, tpot_s, output_tokens) that met both SLOs, per second."""
+    if wall_s <= 0:
+        return 0.0
+    good = sum(n for ttft, tpot, n in requests if ttft <= ttft_slo_s and tpot <= tpot_slo_s)
+    return good / wall_s
+
+
+# ---- prefill / decode split (remote prefill) ------------------------------------------
+
+def transfer_ms(kv_bytes_per_token: float, num_tokens: int, net_bytes_per_s: float) -> float:
+    return kv_bytes_per_token * num_tokens / net_bytes_per_s * 1000.0
+
+
+def pd_split_gain_ms(prompt_tokens: int, output_tokens: int, kv_bytes_per_token: float,
+                     net_bytes_per_s: float, tpot_ms: float,
+                     colocated_stall_ratio: float) -> float:
+    """Decode time no longer stalled by co-located prefill, minus the KV transfer. Offload
+    only when positive."""
+    saved_ms = output_tokens * tpot_ms * colocated_stall_ratio
+    return saved_ms - transfer_ms(kv_bytes_per_token, prompt_tokens, net_bytes_per_s)
+
+
+# ---- load from a tier, or recompute? ----------------------------------------------------
+
+def recompute_ms(num_tokens: int, prefill_tps: float, queue_depth: int = 0) -> float:
+    """Prefill time of `num_tokens` at the effective speed under load
+    (`prefill_tps / max(1, queue_depth)`), inflated by sqrt(n / 32768) past 32k tokens for
+    attention's quadratic term."""
+    effective_tps = prefill_tps / max(1, queue_depth)
+    ms = num_tokens / effective_tps * 1000.0
+    if num_tokens > QUADRATIC_KNEE_TOKENS:
+        ms *= math.sqrt(num_tokens / QUADRATIC_KNEE_TOKENS)
+    return ms
+
+
+def load_ms(num_tokens: int, kv_bytes_per_token: float, tier_bytes_per_s: float) -> float:
+    return num_tokens * kv_bytes_per_token / tier_bytes_per_s * 1000.0
+
+
+def should_load(num_tokens: int, kv_bytes_per_token: float, tier_bytes_per_s: float,
+                prefill_tps: float, queue_depth: int = 0) -> bool:
+    """Load iff loading is faster than recomputing right now."""
+    return load_ms(num_tokens, kv_bytes_per_token, tier_bytes_per_s) < recompute_ms(
+        num_tokens, prefill_tps, queue_depth)
+
+
+def break_even_bytes_per_s(kv_bytes_per_token: float, prefill_tps: float) -> float:
+    """A tier is worth loading from (at queue depth <= 1, below the knee) iff its bandwidth
+    exceeds this; sequence length cancels out."""
+    return kv_bytes_per_token * prefill_tps
+
+
+def keep_or_spill(held_bytes: float, expected_idle_s: float, reload_ms: float,
+                  byte_second_cost_ms: float) -> bool:
+    """InferCept-style waste comparison for a pausing session: keeping wastes memory x time,
+    spilling wastes the reload. True = keep on the device."""
+    return held_bytes * expected_idle_s * byte_second_cost_ms <= reload_ms
+
+
+class RateEstimator:
+    """An exponentially weighted moving average of a measured rate (amount / seconds),
+    thread-safe. `value` is the prior until the first measurement."""
+
+    def __init__(self, prior: float, alpha: float = 0.3):
+        self.value, self.alpha, self.num_samples = prior, alpha, 0
+        self._lock = threading.Lock()
+
+    def observe(self, amount: float, seconds: float) -> None:
+        if seconds <= 0 or amount <= 0:
+            return
+        rate = amount / seconds
+        with self._lock:
+            self.value = rate if self.num_samples == 0 else (
+                self.alpha * rate + (1 - self.alpha) * self.value)
+            self.num_samples += 1

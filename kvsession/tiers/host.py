@@ -1,0 +1,62 @@
+"""The host (DRAM) tier: a block pool in CPU memory with the device pool's geometry.
+
+Blocks move as whole blocks, all layers at once, one gather/scatter per tensor (K, V and
+fp8 scales): `store(ids)` copies device blocks `ids` into host blocks in a single call per
+tensor, so a spill is a few large copies, never per-token work. On CUDA the host tensors are
+pinned so the copies can run at PCIe speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsession.cache.kv_pool import KVPool
+from kvsession.errors import CacheFullError
+
+
+class HostPool:
+    def __init__(self, device_pool: KVPool, num_blocks: int):
+        self.num_blocks = num_blocks
+        pin = device_pool.k.device.type == "cuda"
+        self.tensors = {
+            name: torch.empty((t.shape[0], num_blocks, *t.shape[2:]), dtype=t.dtype,
+                              pin_memory=pin)
+            for name, t in device_pool.tensors().items()}
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: lowest ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise CacheFullError(f"host tier: asked for {n} blocks, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, ids: list[int]) -> None:
+        self._free.extend(reversed(ids))
+
+    def store(self, pool: KVPool, device_ids: list[int], host_ids: list[int]) -> int:
+        """Copy device blocks into host blocks; returns bytes moved."""
+        src = torch.tensor(device_ids, dtype=torch.long, device=pool.k.device)
+        dst = torch.tensor(host_ids, dtype=torch.long)
+        moved = 0
+        for name, t in pool.tensors().items():
+            block = t.index_select(1, src).to("cpu", non_blocking=True)
+            self.tensors[name].index_copy_(1, dst, block)
+            moved += block.numel() * block.element_size()
+        return moved
+
+    def load(self, pool: KVPool, host_ids: list[int], device_ids: list[int]) -> int:
+        """Copy host blocks into device blocks; returns bytes moved."""
+        src = torch.tensor(host_ids, dtype=torch.long)
+        dst = torch.tensor(device_ids, dtype=torch.long, device=pool.k.device)
+        moved = 0
+        for name, t in pool.tensors().items():
+            block = self.tensors[name].index_select(1, src).to(t.device, non_blocking=True)
+            t.index_copy_(1, dst, block)
+            moved += block.numel() * block.element_size()
+        return moved
+
+    def block(self, host_id: int) -> dict[str, torch.Tensor]:
+        return {name: t[:, host_id] for name, t in self.tensors.items()}

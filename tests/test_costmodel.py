@@ -1,0 +1,67 @@
+"""The cost model's formulas reproduce DESIGN-NOTES' worked examples exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsession import costmodel as cm
+
+KIB128 = 128 * 1024
+GBIT = 1e9 / 8
+
+
+def test_sizes():
+    assert cm.kv_bytes_per_token(32, 8, 128, 2) == KIB128
+    assert cm.kv_bytes_per_token(32, 8, 128, 2) * 32 * 1024 == 4 * 2**30  # 32k ctx = 4 GiB
+
+
+@pytest.mark.parametrize("prompt, output, gbit, transfer, gain", [
+    (512, 1024, 80, 6.7, 7673.3),
+    (32768, 128, 80, 429.5, 530.5),
+    (32768, 128, 25, 1374.4, -414.4),
+])
+def test_pd_split_worked_examples(prompt, output, gbit, transfer, gain):
+    assert cm.transfer_ms(KIB128, prompt, gbit * GBIT) == pytest.approx(transfer, abs=0.05)
+    g = cm.pd_split_gain_ms(prompt, output, KIB128, gbit * GBIT, 25.0, 0.30)
+    assert g == pytest.approx(gain, abs=0.05)
+    assert (g > 0) == (gain > 0)
+
+
+def test_load_vs_recompute_worked_examples():
+    n = 8192  # 1 GiB at 128 KiB/token
+    assert cm.load_ms(n, KIB128, 56 * GBIT) == pytest.approx(153.4, abs=0.05)
+    assert cm.recompute_ms(n, 8000) == pytest.approx(1024.0)
+    assert cm.should_load(n, KIB128, 56 * GBIT, 8000, queue_depth=1)
+    assert cm.load_ms(n, KIB128, 8 * GBIT) == pytest.approx(1073.7, abs=0.05)
+    assert not cm.should_load(n, KIB128, 8 * GBIT, 8000, queue_depth=1)
+    assert cm.recompute_ms(n, 8000, queue_depth=2) == pytest.approx(2048.0)
+    assert cm.should_load(n, KIB128, 8 * GBIT, 8000, queue_depth=2)
+    assert cm.break_even_bytes_per_s(KIB128, 8000) == pytest.approx(1.048576e9)
+
+
+def test_load_wins_more_as_queue_depth_grows():
+    slow = 0.5 * cm.break_even_bytes_per_s(KIB128, 8000)  # below break-even
+    decisions = [cm.should_load(4096, KIB128, slow, 8000, q) for q in range(0, 5)]
+    assert decisions == [False, False, False, True, True]
+
+
+def test_quadratic_term_past_32k():
+    assert cm.recompute_ms(32768, 8000) == pytest.approx(4096.0)
+    assert cm.recompute_ms(4 * 32768, 8000) == pytest.approx(4 * 4096.0 * 2)
+
+
+def test_rate_estimator_is_an_ewma():
+    r = cm.RateEstimator(prior=100.0, alpha=0.5)
+    assert r.value == 100.0
+    r.observe(1000, 1.0)
+    assert r.value == 1000.0
+    r.observe(2000, 1.0)
+    assert r.value == 1500.0
+    r.observe(0, 1.0)
+    assert r.value == 1500.0
+
+
+def test_goodput_counts_only_requests_meeting_both_slos():
+    reqs = [(0.1, 0.01, 100), (0.5, 0.01, 100), (0.1, 0.2, 100)]
+    assert cm.goodput_tokens_per_s(reqs, 0.2, 0.05, 10.0) == 10.0
+    assert cm.decode_tps_bound(4.8e12, 16e9, 0) == pytest.approx(300.0)
