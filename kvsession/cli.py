@@ -73,6 +73,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_inspect(args) -> int:
+    from kvsession.tiers.snapshot import describe, read_header
+
+    print(describe(read_header(args.file), args.file))
+    return 0
+
+
 def cmd_make_tiny_model(args) -> int:
     from kvsession.testing import make_tiny_model
 
@@ -98,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory", default=None, help="e.g. 1GiB")
     g.add_argument("--max-model-len", type=int, default=None)
     g.set_defaults(fn=cmd_generate)
+    i = sub.add_parser("inspect", help="print a session snapshot's header")
+    i.add_argument("file", help="a .kvs snapshot")
+    i.set_defaults(fn=cmd_inspect)
     m = sub.add_parser("make-tiny-model", help="write a tiny random checkpoint")
     m.add_argument("dir")
     m.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])

@@ -20,8 +20,7 @@ from kvsession.params import SamplingParams
 from kvsession.session import SAMPLING_FIELDS, Session
 from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.policy import Tier
-from kvsession.tiers.snapshot import (SnapshotHeader, check_compatible, read_header,
-                                      write_snapshot)
+from kvsession.tiers.snapshot import SnapshotHeader, check_compatible, read_header, write_snapshot
 
 log = logging.getLogger("kvsession")
 

@@ -31,8 +31,7 @@ from kvsession.cache.prefix import PrefixCache
 from kvsession.errors import SnapshotError
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
-from kvsession.tiers.snapshot import (SnapshotHeader, read_block, read_header,
-                                      write_snapshot)
+from kvsession.tiers.snapshot import SnapshotHeader, read_block, read_header, write_snapshot
 
 log = logging.getLogger("kvsession")
 
