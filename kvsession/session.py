@@ -202,7 +202,8 @@ class Session:
         reply = Reply(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
                       metrics=out.metrics, prefill_tokens=seq.num_prompt_computed,
                       cached_tokens=cached,
-                      restored_from=info.get("restored_from") if cached else None,
+                      # attached session KV came from its tier; prefix hits from the device
+                      restored_from=(info.get("restored_from") or "device") if cached else None,
                       diverged_at=info.get("diverged_at"), logprobs=out.logprobs)
         st = self.stats
         st.turns += 1

@@ -14,6 +14,11 @@ from kvsession.cache.kv_pool import KVPool
 from kvsession.errors import CacheFullError
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A byte view of fp8 tensors (some copy kernels have no fp8 version); bits unchanged."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 class HostPool:
     def __init__(self, device_pool: KVPool, num_blocks: int):
         self.num_blocks = num_blocks
@@ -42,8 +47,8 @@ class HostPool:
         dst = torch.tensor(host_ids, dtype=torch.long)
         moved = 0
         for name, t in pool.tensors().items():
-            block = t.index_select(1, src).to("cpu", non_blocking=True)
-            self.tensors[name].index_copy_(1, dst, block)
+            block = _raw(t).index_select(1, src).to("cpu", non_blocking=True)
+            _raw(self.tensors[name]).index_copy_(1, dst, block)
             moved += block.numel() * block.element_size()
         return moved
 
@@ -53,8 +58,9 @@ class HostPool:
         dst = torch.tensor(device_ids, dtype=torch.long, device=pool.k.device)
         moved = 0
         for name, t in pool.tensors().items():
-            block = self.tensors[name].index_select(1, src).to(t.device, non_blocking=True)
-            t.index_copy_(1, dst, block)
+            block = _raw(self.tensors[name]).index_select(1, src).to(t.device,
+                                                                     non_blocking=True)
+            _raw(t).index_copy_(1, dst, block)
             moved += block.numel() * block.element_size()
         return moved
 
