@@ -20,7 +20,13 @@ from kvsession.params import SamplingParams
 from kvsession.session import SAMPLING_FIELDS, Session
 from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.policy import Tier
-from kvsession.tiers.snapshot import SnapshotHeader, check_compatible, read_header, write_snapshot
+from kvsession.tiers.snapshot import (
+    SnapshotHeader,
+    check_compatible,
+    read_block,
+    read_header,
+    write_snapshot,
+)
 
 log = logging.getLogger("kvsession")
 
@@ -151,38 +157,26 @@ class SessionStore:
         return sess
 
     def _load_snapshot(self, sess: Session, path: Path, h: SnapshotHeader) -> None:
-        """Engine thread: the snapshot's KV into device blocks (or, if the device is full,
-        leave it on disk for the next turn to load or recompute)."""
-        kv, bs = sess._kv, self.config.block_size
+        """Engine thread: the snapshot's KV into device blocks (blocks already resident are
+        re-referenced, not re-read). If the device is full even after spilling idle
+        sessions, the file is only validated and stays the session's disk tier: its next
+        turn loads or recomputes."""
+        kv = sess._kv
         kv.tokens = list(h.token_ids)
         kv.hashes = [bytes.fromhex(x) for x in h.block_hashes]
         kv.disk_path, kv.tier = path, Tier.DISK
-        with_hits = []
-        for i in range(h.num_blocks):
-            hit = self.pool.lookup(kv.hashes[i], kv.tokens[i * bs:(i + 1) * bs]) \
-                if i < len(kv.hashes) else None
-            with_hits.append(hit)
-        missing = [i for i, b in enumerate(with_hits) if b is None]
-        if self.pool.num_free < len(missing):
-            self.policy.reclaim(len(missing) - self.pool.num_free, exclude=kv)
-        if self.pool.num_free < len(missing):
-            # validate now, load later: the next turn loads or recomputes
+        if self.pool.num_free < h.num_blocks:
+            self.policy.reclaim(h.num_blocks - self.pool.num_free, exclude=kv)
+        if self.pool.num_free < h.num_blocks:
             with open(path, "rb") as f:
-                from kvsession.tiers.snapshot import read_block
-
                 for i in range(h.num_blocks):
                     read_block(f, path, h, i)
             return
-        self.pool.touch([b for b in with_hits if b is not None])
-        fresh = iter(self.pool.allocate(len(missing)))
-        blocks = [b if b is not None else next(fresh) for b in with_hits]
         try:
-            self.policy.load_file_blocks(path, [(i, blocks[i]) for i in missing], h)
+            self.policy.load_blocks(kv, Tier.DISK, 0)
         except BaseException:
-            self.pool.free(blocks)
             kv.tokens, kv.hashes, kv.tier, kv.disk_path = [], [], Tier.DEVICE, None
             raise
-        kv.blocks, kv.tier = blocks, Tier.DEVICE
         self.policy.restores["disk"] += 1
 
     # ---- block hand-offs (engine thread) ---------------------------------------------------

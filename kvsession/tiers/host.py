@@ -43,25 +43,30 @@ class HostPool:
 
     def store(self, pool: KVPool, device_ids: list[int], host_ids: list[int]) -> int:
         """Copy device blocks into host blocks; returns bytes moved."""
-        src = torch.tensor(device_ids, dtype=torch.long, device=pool.k.device)
-        dst = torch.tensor(host_ids, dtype=torch.long)
-        moved = 0
-        for name, t in pool.tensors().items():
-            block = _raw(t).index_select(1, src).to("cpu", non_blocking=True)
-            _raw(self.tensors[name]).index_copy_(1, dst, block)
-            moved += block.numel() * block.element_size()
-        return moved
+        return self._copy(pool.tensors(), self.tensors, device_ids, host_ids)
 
     def load(self, pool: KVPool, host_ids: list[int], device_ids: list[int]) -> int:
         """Copy host blocks into device blocks; returns bytes moved."""
-        src = torch.tensor(host_ids, dtype=torch.long)
-        dst = torch.tensor(device_ids, dtype=torch.long, device=pool.k.device)
+        return self._copy(self.tensors, pool.tensors(), host_ids, device_ids)
+
+    @staticmethod
+    def _copy(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], src_ids: list[int],
+              dst_ids: list[int]) -> int:
+        """dst[:, dst_ids] = src[:, src_ids] for every tensor, as one slice copy per run of
+        consecutive ids on both sides (a single pass over the bytes; blocks allocated
+        together are usually consecutive)."""
+        runs, start = [], 0
+        for i in range(1, len(src_ids) + 1):
+            if i == len(src_ids) or src_ids[i] != src_ids[i - 1] + 1 \
+                    or dst_ids[i] != dst_ids[i - 1] + 1:
+                runs.append((src_ids[start], dst_ids[start], i - start))
+                start = i
         moved = 0
-        for name, t in pool.tensors().items():
-            block = _raw(self.tensors[name]).index_select(1, src).to(t.device,
-                                                                     non_blocking=True)
-            _raw(t).index_copy_(1, dst, block)
-            moved += block.numel() * block.element_size()
+        for name, s in src.items():
+            d = dst[name]
+            for s0, d0, n in runs:
+                _raw(d)[:, d0:d0 + n].copy_(_raw(s)[:, s0:s0 + n], non_blocking=True)
+            moved += s[:, :1].numel() * s.element_size() * len(src_ids)
         return moved
 
     def block(self, host_id: int) -> dict[str, torch.Tensor]:

@@ -210,8 +210,12 @@ class TierPolicy:
         self._note(s, "drop (recompute later)", reason)
 
     def snapshot_fields(self, s: SessionKV) -> dict:
-        return {**self.header_fields(), **s.meta(), "session_id": s.session_id,
-                "token_ids": list(s.tokens), "block_hashes": [h.hex() for h in s.hashes]}
+        meta = s.meta()
+        # hashes of every full block (also when prefix caching is off and none were kept)
+        hashes = self.prefix.hasher.extend(list(s.hashes), s.tokens, len(s.tokens),
+                                           meta["sampling"].get("cache_salt"))
+        return {**self.header_fields(), **meta, "session_id": s.session_id,
+                "token_ids": list(s.tokens), "block_hashes": [h.hex() for h in hashes]}
 
     # ---- restoring -----------------------------------------------------------------------
 
@@ -253,7 +257,7 @@ class TierPolicy:
             self.drop(s, reason="no device room to load into")
             return None
         try:
-            self._load(s, tier, lead)
+            self.load_blocks(s, tier, lead)
         except SnapshotError as e:
             log.warning("%s; recomputing session %s", e, s.session_id)
             self.recomputes += 1
@@ -263,7 +267,7 @@ class TierPolicy:
         self._note(s, f"load from {tier.value}", why)
         return tier.value
 
-    def _load(self, s: SessionKV, tier: Tier, lead: int) -> None:
+    def load_blocks(self, s: SessionKV, tier: Tier, lead: int) -> None:
         """Copy blocks lead.. back to the device. Full blocks still cached on the device
         (freed at spill time, not yet evicted) are re-referenced instead of copied."""
         targets: list[Block | None] = []
