@@ -38,11 +38,11 @@ def drop_cache(path: Path) -> None:
 def raw_disk(directory: Path, num_bytes: int) -> tuple[float, float]:
     """(write incl. fsync, cold read) bytes/s of one sequential file."""
     path = directory / "raw.bin"
-    buf = os.urandom(1 << 20) * (num_bytes >> 20)
+    piece = os.urandom(8 << 20)
     t = time.perf_counter()
-    with open(path, "wb") as f:
-        f.write(buf)
-        f.flush()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(num_bytes // len(piece)):
+            f.write(piece)
         os.fsync(f.fileno())
     write = num_bytes / (time.perf_counter() - t)
     drop_cache(path)
@@ -95,9 +95,8 @@ def measure(llm, num_tokens: int, workdir: Path) -> dict:
     # disk: spill (write + fsync), drop the page cache, load back
     _, out["spill_disk_s"] = timed(lambda: policy.spill(kv, Tier.DISK))
     out["snapshot_bytes"] = kv.disk_path.stat().st_size
-    out["snapshot_kv_bytes"] = len(kv.tokens) // llm.config.block_size * 0 + (
-        -(-len(kv.tokens) // llm.config.block_size)) * llm.config.block_size * \
-        llm.runtime.kv_bytes_per_token
+    out["snapshot_kv_bytes"] = -(-len(kv.tokens) // llm.config.block_size) * \
+        llm.config.block_size * llm.runtime.kv_bytes_per_token
     drop_cache(kv.disk_path)
     _, out["restore_disk_s"] = timed(lambda: policy.load_blocks(kv, Tier.DISK, len(kv.blocks)))
     engine(lambda: policy.spill(kv, Tier.DISK))

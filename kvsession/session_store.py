@@ -23,7 +23,7 @@ from kvsession.tiers.policy import Tier
 from kvsession.tiers.snapshot import (
     SnapshotHeader,
     check_compatible,
-    read_block,
+    read_blocks,
     read_header,
     write_snapshot,
 )
@@ -168,9 +168,8 @@ class SessionStore:
         if self.pool.num_free < h.num_blocks:
             self.policy.reclaim(h.num_blocks - self.pool.num_free, exclude=kv)
         if self.pool.num_free < h.num_blocks:
-            with open(path, "rb") as f:
-                for i in range(h.num_blocks):
-                    read_block(f, path, h, i)
+            for _ in read_blocks(path, h, list(range(h.num_blocks))):
+                pass  # validate every block now; load on the next turn
             return
         try:
             self.policy.load_blocks(kv, Tier.DISK, 0)

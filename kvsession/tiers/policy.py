@@ -31,7 +31,7 @@ from kvsession.cache.prefix import PrefixCache
 from kvsession.errors import SnapshotError
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
-from kvsession.tiers.snapshot import SnapshotHeader, read_block, read_header, write_snapshot
+from kvsession.tiers.snapshot import SnapshotHeader, read_blocks, read_header, write_snapshot
 
 log = logging.getLogger("kvsession")
 
@@ -114,12 +114,19 @@ class TierPolicy:
     def _num_blocks(self, s: SessionKV) -> int:
         return -(-len(s.tokens) // self.bs)
 
-    def _block_tensors(self, s: SessionKV) -> Iterator[dict[str, torch.Tensor]]:
-        """Every block's tensors, from wherever they are (device, host)."""
-        for b in s.blocks:
-            yield {n: t[:, b.block_id] for n, t in self.kv.tensors().items()}
-        for h in s.host_ids:
-            yield self.host.block(h)
+    def _block_tensors(self, s: SessionKV, group: int = 32
+                       ) -> Iterator[dict[str, torch.Tensor]]:
+        """Every block's tensors, contiguous, from wherever they are (device, host); blocks
+        are gathered `group` at a time (one pass over the bytes, bounded extra memory)."""
+        sources = [(self.kv.tensors(), [b.block_id for b in s.blocks])]
+        if s.host_ids:
+            sources.append((self.host.tensors, s.host_ids))
+        for tensors, ids in sources:
+            for g in range(0, len(ids), group):
+                part = ids[g:g + group]
+                stacked = {n: torch.stack([t[:, i] for i in part]) for n, t in tensors.items()}
+                for j in range(len(part)):
+                    yield {n: x[j] for n, x in stacked.items()}
 
     # ---- spilling ------------------------------------------------------------------------
 
@@ -298,15 +305,16 @@ class TierPolicy:
 
     def load_file_blocks(self, path: Path, wanted: list[tuple[int, Block]],
                          header: SnapshotHeader | None = None) -> int:
-        """Read blocks (index in file, device block) from a snapshot into the pool. Every
-        block is validated before any is written."""
+        """Read blocks (index in file, device block) from a snapshot into the pool; each is
+        validated (checksum, codec, names, shapes, dtypes) before it is copied."""
         h = header or read_header(path)
-        with open(path, "rb") as f:
-            loaded = [(b, read_block(f, path, h, i)) for i, b in wanted]
+        target = dict(wanted)
         moved = 0
-        for b, tensors in loaded:
+        # streamed: a block is copied as soon as it is validated; if a later block is bad
+        # the caller frees every target block (fresh, unpublished: nothing can see them)
+        for i, tensors in read_blocks(path, h, [i for i, _ in wanted]):
             for name, t in self.kv.tensors().items():
-                t[:, b.block_id] = tensors[name].to(t.device)
+                t[:, target[i].block_id] = tensors[name].to(t.device)
                 moved += tensors[name].numel() * tensors[name].element_size()
         return moved
 

@@ -3,8 +3,11 @@
 Layout (little endian):
 
     MAGIC (8) | u32 format version
-    block chunks: for each KV block, lz4-frame(safetensors({name: [num_layers, block_size,
-        ...]})) -- K, V and, for fp8, their scales -- written as produced (streaming)
+    block chunks: for each KV block, safetensors({name: [num_layers, block_size, ...]}) --
+        K, V and, for fp8, their scales -- lz4-frame compressed (codec "lz4"), or stored as
+        is (codec "none") when the first block shows lz4 saves < 10% (KV of real models is
+        near-incompressible; skipping it keeps spills at disk speed). Streamed: a writer
+        thread puts each chunk on disk while the next one is encoded.
     header: msgspec JSON of SnapshotHeader (geometry, fingerprints, tokens, messages,
         sampling defaults, per-block hashes, and each chunk's offset, length, raw length,
         crc32)
@@ -23,19 +26,20 @@ fsync of the directory. A crash leaves the old file or the new one, never a torn
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import struct
+import threading
 import time
 import uuid
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import lz4.frame
 import msgspec
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from kvsession.errors import SnapshotError
 
@@ -53,6 +57,7 @@ class Chunk(msgspec.Struct, frozen=True):
     length: int
     raw_length: int
     crc32: int
+    codec: str = "lz4"  # "lz4" | "none"
 
 
 class SnapshotHeader(msgspec.Struct, frozen=True):
@@ -88,21 +93,121 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+              torch.float8_e4m3fn: "F8_E4M3"}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+MIN_LZ4_SAVING = 0.10
+
+
+def encode_block(tensors: dict[str, torch.Tensor]) -> list:
+    """One block's tensors in the safetensors layout (u64 header length, JSON header padded
+    to 8 bytes, raw little-endian data), as buffers that reference the tensors' memory."""
+    header, pieces, offset = {}, [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        pieces.append(memoryview(t.view(torch.uint8).numpy()).cast("B"))
+        offset += n
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    return [struct.pack("<Q", len(hb)), hb, *pieces]
+
+
+def decode_block(raw, where: str) -> dict[str, torch.Tensor]:
+    """Parse one chunk's safetensors bytes into tensors viewing `raw` (a bytearray)."""
+    try:
+        (hl,) = struct.unpack_from("<Q", raw, 0)
+        if hl > len(raw) - 8:
+            raise ValueError("header length past the end")
+        header = json.loads(bytes(raw[8:8 + hl]))
+        raw = raw if isinstance(raw, memoryview) else memoryview(raw)
+        out, data = {}, 8 + hl
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _ST_NAMES[meta["dtype"]]
+            shape = [int(x) for x in meta["shape"]]
+            start, end = (int(x) for x in meta["data_offsets"])
+            numel = 1
+            for x in shape:
+                numel *= x
+            if not 0 <= start <= end <= len(raw) - data or \
+                    end - start != numel * torch.empty((), dtype=dtype).element_size():
+                raise ValueError(f"tensor {name!r} has bad offsets")
+            if end > start:
+                t = torch.frombuffer(raw, dtype=torch.uint8, count=end - start,
+                                     offset=data + start)
+            else:
+                t = torch.empty(0, dtype=torch.uint8)
+            out[name] = t.view(dtype).reshape(shape)
+        return out
+    except SnapshotError:
+        raise
+    except Exception as e:  # malformed JSON, unknown dtype, bad shapes: all corruption
+        raise SnapshotError(f"{where} does not decode: {e!r}") from None
+
+
+class _Writer(threading.Thread):
+    """Writes queued buffers to a file in order, so encoding overlaps disk I/O."""
+
+    def __init__(self, f):
+        super().__init__(daemon=True)
+        self.f, self.q, self.error = f, queue.Queue(maxsize=8), None
+        self.start()
+
+    def run(self) -> None:
+        while (item := self.q.get()) is not None:
+            if self.error is None:
+                try:
+                    for buf in item:
+                        self.f.write(buf)
+                except BaseException as e:
+                    self.error = e
+
+    def put(self, buffers: list) -> None:
+        if self.error is not None:
+            raise self.error
+        self.q.put(buffers)
+
+    def finish(self) -> None:
+        self.q.put(None)
+        self.join()
+        if self.error is not None:
+            raise self.error
+
+
 def write_snapshot(path: Path, fields: dict, blocks: Iterable[dict[str, torch.Tensor]]) -> int:
     """Write atomically. `fields` are SnapshotHeader fields except format_version, chunks
-    and created_unix_s; `blocks` yields each block's tensors (moved to CPU here). Returns the
-    file size. On any error the previous file at `path` is untouched."""
+    and created_unix_s; `blocks` yields each block's tensors. Returns the file size. On any
+    error the previous file at `path` is untouched."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + struct.pack("<I", FORMAT_VERSION))
-            chunks = []
-            for tensors in blocks:
-                raw = st_save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
-                comp = lz4.frame.compress(raw)
-                chunks.append(Chunk(f.tell(), len(comp), len(raw), zlib.crc32(comp)))
-                f.write(comp)
+            writer = _Writer(f)
+            try:
+                chunks, offset, codec = [], _PREFIX_LEN, "lz4"
+                for tensors in blocks:
+                    pieces = encode_block(tensors)
+                    raw_len = sum(len(p) for p in pieces)
+                    data, this = pieces, "none"
+                    if codec == "lz4":
+                        comp = lz4.frame.compress(b"".join(pieces))
+                        if len(comp) <= (1 - MIN_LZ4_SAVING) * raw_len:
+                            data, this = [comp], "lz4"
+                        else:
+                            codec = "none"  # incompressible KV: store the rest as is
+                    length, crc = sum(len(d) for d in data), 0
+                    for d in data:
+                        crc = zlib.crc32(d, crc)
+                    writer.put(data)
+                    chunks.append(Chunk(offset, length, raw_len, crc, this))
+                    offset += length
+            finally:
+                writer.finish()
             header = msgspec.json.encode(SnapshotHeader(
                 format_version=FORMAT_VERSION, created_unix_s=time.time(), chunks=chunks,
                 **fields))
@@ -199,21 +304,23 @@ def block_shapes(h: SnapshotHeader) -> dict[str, tuple[tuple[int, ...], torch.dt
     return out
 
 
-def read_block(f, path: Path, h: SnapshotHeader, i: int) -> dict[str, torch.Tensor]:
-    """Block `i`'s tensors from an open snapshot, validated."""
+def _decode_chunk(path: Path, h: SnapshotHeader, i: int, comp: memoryview,
+                  want: dict) -> dict[str, torch.Tensor]:
     c = h.chunks[i]
-    f.seek(c.offset)
-    comp = f.read(c.length)
     if len(comp) != c.length:
         raise SnapshotError(f"{path}: truncated in block {i}")
     if zlib.crc32(comp) != c.crc32:
         raise SnapshotError(f"{path}: checksum mismatch in block {i} (corrupted)")
-    try:
-        raw = lz4.frame.decompress(comp)
-        tensors = st_load(raw)
-    except Exception as e:  # lz4 and safetensors raise their own types on bad input
-        raise SnapshotError(f"{path}: block {i} does not decode: {e}") from None
-    want = block_shapes(h)
+    if c.codec == "lz4":
+        try:
+            raw = memoryview(lz4.frame.decompress(comp, return_bytearray=True))
+        except Exception as e:  # lz4 raises its own types on bad input
+            raise SnapshotError(f"{path}: block {i} does not decompress: {e!r}") from None
+    elif c.codec == "none":
+        raw = comp
+    else:
+        raise SnapshotError(f"{path}: block {i} has unknown codec {c.codec!r}")
+    tensors = decode_block(raw, f"{path}: block {i}")
     if len(raw) != c.raw_length or set(tensors) != set(want):
         raise SnapshotError(f"{path}: block {i} does not match the header")
     for name, (shape, dtype) in want.items():
@@ -224,16 +331,68 @@ def read_block(f, path: Path, h: SnapshotHeader, i: int) -> dict[str, torch.Tens
     return tensors
 
 
+def read_blocks(path: Path, h: SnapshotHeader, indices: list[int], depth: int = 8
+                ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Validated tensors of the given blocks, in order. A reader thread keeps the disk busy
+    while the caller checks, decodes and copies the previous block. The yielded tensors
+    view a ring of `depth + 2` reused buffers (fresh multi-MiB buffers cost a page fault per
+    4 KiB): each block's tensors are valid until the caller asks for the next one."""
+    if not indices:
+        return
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    size = max(h.chunks[i].length for i in indices)
+    ring = [bytearray(size) for _ in range(min(depth + 2, len(indices)))]
+
+    def reader():
+        try:
+            with open(path, "rb", buffering=0) as f:
+                if hasattr(os, "posix_fadvise"):  # ask the kernel to read ahead, all of it
+                    first, last = h.chunks[indices[0]], h.chunks[indices[-1]]
+                    os.posix_fadvise(f.fileno(), first.offset,
+                                     last.offset + last.length - first.offset,
+                                     os.POSIX_FADV_WILLNEED)
+                for k, i in enumerate(indices):
+                    if stop.is_set():
+                        break
+                    c = h.chunks[i]
+                    f.seek(c.offset)
+                    buf = memoryview(ring[k % len(ring)])[: c.length]
+                    n = f.readinto(buf)
+                    q.put((i, buf[:n]))
+        except OSError as e:
+            q.put(SnapshotError(f"{path}: cannot read: {e}"))
+        q.put(None)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    want = block_shapes(h)
+    try:
+        while (item := q.get()) is not None:
+            if isinstance(item, SnapshotError):
+                raise item
+            i, buf = item
+            yield i, _decode_chunk(path, h, i, buf, want)
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock a reader waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                thread.join(0.01)
+
+
 def describe(h: SnapshotHeader, path: Path) -> str:
     """The header in human form (`python -m kvsession inspect`)."""
     size = Path(path).stat().st_size
     raw = sum(c.raw_length for c in h.chunks)
+    codecs = sorted({c.codec for c in h.chunks})
     roles = {}
     for m in h.messages:
         roles[m.get("role")] = roles.get(m.get("role"), 0) + 1
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h.created_unix_s))
     return "\n".join([
-        f"file:            {path} ({size} bytes, payload {raw} bytes before lz4)",
+        f"file:            {path} ({size} bytes, payload {raw} bytes raw, codecs {codecs})",
         f"format:          kvsession snapshot v{h.format_version}, written {created}",
         f"session:         {h.session_id}",
         f"model:           {h.model_fingerprint[:16]}... ({h.num_layers} layers, "
