@@ -199,3 +199,20 @@ def test_no_code_execution_on_load():
                 assert not any("pickle" in n for n in names), path
             if isinstance(node, ast.Attribute) and node.attr == "load":
                 assert not (isinstance(node.value, ast.Name) and node.value.id == "torch"), path
+
+
+def test_chunks_are_standard_safetensors(saved):
+    from safetensors.torch import load
+
+    h = snap.read_header(saved)
+    raw = saved.read_bytes()
+    for c in h.chunks:
+        data = raw[c.offset:c.offset + c.length]
+        if c.codec == "lz4":
+            import lz4.frame
+
+            data = lz4.frame.decompress(data)
+        tensors = load(data)  # the reference implementation reads our encoding
+        assert set(tensors) == {"k", "v"}
+        assert tuple(tensors["k"].shape) == (h.num_layers, h.block_size, h.num_kv_heads,
+                                             h.head_dim)
