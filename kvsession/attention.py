@@ -37,12 +37,16 @@ class AttentionMetadata:
     softmax_scale: float
     backend: AttentionBackend = AttentionBackend.TORCH
     workspace: reference.Workspace | None = None  # the runner's reusable gather buffers
+    query_start_loc_tensor: torch.Tensor | None = None  # device int64 (Triton kernels)
+    max_query_len: int = 0
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: LayerKV,
               meta: AttentionMetadata) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
     Mutates the layer's cache slots of this step's tokens; returns [num_tokens, heads, dim]."""
+    if meta.backend == AttentionBackend.TRITON:
+        return _triton_attention(q, k, v, layer_kv, meta)
     reference.store_kv(k, v, layer_kv.k, layer_kv.v, meta.slot_mapping,
                        layer_kv.k_scale, layer_kv.v_scale)
     if meta.decode_only:
@@ -53,3 +57,54 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: Layer
                                        meta.query_start_loc, meta.seq_lens,
                                        meta.softmax_scale, layer_kv.k_scale, layer_kv.v_scale,
                                        meta.workspace)
+
+
+def _triton_attention(q, k, v, layer_kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    from kvsession.kernels.paged_attention import paged_attention
+    from kvsession.kernels.prefill_attention import prefill_attention
+    from kvsession.kernels.store_kv import store_kv
+
+    store_kv(k.contiguous(), v.contiguous(), layer_kv.k, layer_kv.v, meta.slot_mapping,
+             layer_kv.k_scale, layer_kv.v_scale)
+    q = q.contiguous()
+    if meta.decode_only:
+        return paged_attention(q, layer_kv.k, layer_kv.v, meta.block_tables,
+                               meta.seq_lens_tensor, meta.softmax_scale, layer_kv.k_scale,
+                               layer_kv.v_scale)
+    return prefill_attention(q, layer_kv.k, layer_kv.v, meta.block_tables,
+                             meta.query_start_loc_tensor, meta.seq_lens_tensor,
+                             meta.softmax_scale, layer_kv.k_scale, layer_kv.v_scale,
+                             meta.max_query_len)
+
+
+def resolve_backend(requested: AttentionBackend, device: torch.device,
+                    block_size: int) -> AttentionBackend:
+    """auto -> the Triton kernels on CUDA (when triton is installed and the block size
+    suits them), else the torch reference. An explicit "triton" on CPU runs the kernels
+    under Triton's interpreter (TRITON_INTERPRET=1, set here if no kernel module has been
+    compiled for the GPU yet)."""
+    import importlib.util
+    import os
+    import sys
+
+    from kvsession.errors import ConfigError
+
+    if requested == AttentionBackend.TORCH:
+        return requested
+    have_triton = importlib.util.find_spec("triton") is not None
+    fits = block_size >= 16
+    if requested == AttentionBackend.AUTO:
+        ok = device.type == "cuda" and have_triton and fits
+        return AttentionBackend.TRITON if ok else AttentionBackend.TORCH
+    if not have_triton:
+        raise ConfigError("attention_backend='triton' needs the triton package "
+                          "(pip install 'kvsession[cuda]'); accepted: ['auto', 'torch']")
+    if not fits:
+        raise ConfigError(f"attention_backend='triton' needs block_size >= 16, got {block_size}")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if any(m.startswith("kvsession.kernels.") and m != "kvsession.kernels.reference"
+               and m != "kvsession.kernels.checks" for m in sys.modules):
+            raise ConfigError("attention_backend='triton' on CPU needs TRITON_INTERPRET=1 "
+                              "set before the kernels are first imported")
+        os.environ["TRITON_INTERPRET"] = "1"
+    return requested

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from kvsession.attention import resolve_backend
 from kvsession.cache.block_pool import BlockPool
 from kvsession.cache.hashing import BlockHasher
 from kvsession.cache.kv_pool import KVPool
 from kvsession.cache.prefix import PrefixCache
-from kvsession.config import AttentionBackend, EngineConfig
+from kvsession.config import EngineConfig
 from kvsession.engine.loop import Engine, EngineLoop, request_metrics
 from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler
@@ -65,9 +66,6 @@ class LLM(SessionStore):
     def __init__(self, model, **kwargs):
         self._loop = None
         self.config = cfg = EngineConfig.from_args(model, **kwargs)
-        if cfg.attention_backend == AttentionBackend.TRITON:
-            raise ConfigError("attention_backend='triton' is not available in this build; "
-                              "accepted: ['auto', 'torch']")
         spec = load_model_spec(cfg.model)
         max_model_len = cfg.max_model_len or spec.max_position_embeddings
         check_sliding_window(spec, max_model_len)
@@ -98,7 +96,7 @@ class LLM(SessionStore):
         self.scheduler = Scheduler(self.pool, self.prefix, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens,
                                    reclaim=lambda n: self.policy.reclaim(n))
-        backend = AttentionBackend.TORCH
+        backend = resolve_backend(cfg.attention_backend, cfg.device, cfg.block_size)
         self.latency = LatencyTracker()
         self.slo = SLO()
         engine = Engine(self.scheduler, ModelRunner(self.model, self.kv, cfg.device, backend),

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
 from kvsession.testing import make_tiny_model
+
+# Triton kernels run on CPU tensors through Triton's interpreter in the tests; this must be
+# set before any kernel module is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

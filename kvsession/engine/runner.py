@@ -50,6 +50,8 @@ class ModelRunner:
             softmax_scale=self.model.softmax_scale,
             backend=self.backend,
             workspace=self.workspace,
+            query_start_loc_tensor=torch.tensor(starts, dtype=torch.long, device=dev),
+            max_query_len=max(item.num_new_tokens for item in batch),
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos).to(dev), meta, sample_rows

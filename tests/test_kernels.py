@@ -1,0 +1,214 @@
+"""Every Triton kernel against its torch reference twin, on CPU tensors through Triton's
+interpreter (TRITON_INTERPRET=1, set in conftest). Cases are chosen so that every dtype,
+block size, head_dim and GQA ratio appears with short, block-aligned, partial, padded and
+very different sequence lengths, while the interpreter runs stay small."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsession import LLM, SamplingParams
+from kvsession.kernels import reference as R
+from kvsession.kernels.block_copy import gather_blocks, scatter_blocks
+from kvsession.kernels.checks import KernelArgumentError
+from kvsession.kernels.paged_attention import paged_attention
+from kvsession.kernels.prefill_attention import prefill_attention
+from kvsession.kernels.store_kv import store_kv
+
+FP8 = torch.float8_e4m3fn
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.5e-2, 1e-2), FP8: (1e-4, 1e-4)}
+
+
+def make_cache(dtype, num_blocks, block_size, num_kv_heads, head_dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    if dtype == FP8:
+        (qk, sk), (qv, sv) = R.quantize_fp8(k), R.quantize_fp8(v)
+        return qk, qv, sk, sv
+    return k.to(dtype), v.to(dtype), None, None
+
+
+def tables_for(lens, block_size, max_blocks, num_blocks, seed=0, high=False):
+    """Block tables with -1 padding; blocks drawn at random (or from the top of the pool)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(num_blocks, generator=g)
+    if high:
+        pool = torch.arange(num_blocks - 1, -1, -1)
+    tables = torch.full((len(lens), max_blocks), -1, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        tables[i, :nb] = pool[used:used + nb]
+        used += nb
+    return tables
+
+
+def close(got, want, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+@pytest.mark.parametrize("block_size, head_dim", [(16, 64), (32, 128)])
+def test_store_kv_matches_reference_exactly(dtype, block_size, head_dim):
+    num_blocks, heads = 6, 2
+    cache = [torch.zeros(num_blocks, block_size, heads, head_dim, dtype=dtype)
+             for _ in range(4)]
+    scales = [torch.ones(num_blocks, block_size, heads, dtype=torch.float16)
+              for _ in range(4)] if dtype == FP8 else [None] * 4
+    g = torch.Generator().manual_seed(1)
+    src_dtype = torch.float32 if dtype == FP8 else dtype
+    key = (torch.randn(7, heads, head_dim, generator=g) * 5).to(src_dtype)
+    value = torch.randn(7, heads, head_dim, generator=g).to(src_dtype)
+    key[2, 1, 3] = float("nan")
+    value[4, 0, 0] = float("-inf")
+    slots = torch.tensor([0, block_size - 1, -1, block_size, 3 * block_size + 5, -1,
+                          num_blocks * block_size - 1])
+    R.store_kv(key, value, cache[0], cache[1], slots, scales[0], scales[1])
+    store_kv(key, value, cache[2], cache[3], slots, scales[2], scales[3])
+    for a, b in ((cache[0], cache[2]), (cache[1], cache[3])):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if dtype == FP8:
+        assert torch.equal(scales[0], scales[2]) and torch.equal(scales[1], scales[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+def test_block_copy_gathers_and_scatters_exactly(dtype):
+    k, v, ks, _ = make_cache(dtype, 12, 16, 2, 64)
+    pool = torch.stack([k, v])  # [layers=2, blocks, ...]: block id in dim 1
+    ids = torch.tensor([7, 0, -1, 11, 3])
+    staging = torch.zeros((2, 5, *pool.shape[2:]), dtype=dtype)
+    gather_blocks(pool, staging, ids)
+    want = torch.zeros_like(staging)
+    R.copy_blocks(pool, want, ids[ids >= 0], torch.tensor([0, 1, 3, 4]))
+    assert torch.equal(staging.view(torch.uint8), want.view(torch.uint8))
+    back = torch.zeros_like(pool)
+    scatter_blocks(staging, back, ids)
+    keep = ids[ids >= 0]
+    assert torch.equal(back[:, keep].view(torch.uint8), pool[:, keep].view(torch.uint8))
+    assert int(back.view(torch.uint8)[:, [1, 2]].sum()) == 0  # untouched blocks
+    if ks is not None:  # scales move the same way
+        sp = torch.stack([ks, ks * 2])
+        st = torch.zeros((2, 5, *sp.shape[2:]), dtype=sp.dtype)
+        gather_blocks(sp, st, ids)
+        assert torch.equal(st[:, 3], sp[:, 11])
+
+
+DECODE_CASES = [  # dtype, block_size, head_dim, gqa ratio, num_kv_heads
+    (torch.float32, 16, 64, 1, 2),
+    (torch.bfloat16, 32, 128, 4, 2),
+    (FP8, 16, 128, 8, 1),
+    (torch.float32, 32, 64, 8, 1),
+    (torch.bfloat16, 16, 64, 4, 1),
+    (FP8, 32, 64, 1, 2),
+]
+
+
+@pytest.mark.parametrize("dtype, block_size, head_dim, gqa, kv_heads", DECODE_CASES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_attention(dtype, block_size, head_dim, gqa, kv_heads, num_splits):
+    lens = [1, block_size, 2 * block_size, 37, 0, 150]  # 0: a padded (CUDA graph) row
+    num_blocks = 40
+    k, v, ks, vs = make_cache(dtype, num_blocks, block_size, kv_heads, head_dim)
+    tables = tables_for(lens, block_size, 12, num_blocks)
+    qdtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    q = torch.randn(len(lens), kv_heads * gqa, head_dim).to(qdtype)
+    seq_lens = torch.tensor(lens)
+    scale = head_dim ** -0.5
+    before = (k.clone(), v.clone(), q.clone())
+    want = R.paged_attention(q, k, v, tables, seq_lens, scale, ks, vs)
+    got = paged_attention(q, k, v, tables, seq_lens, scale, ks, vs, num_splits=num_splits)
+    close(got, want, dtype)
+    assert float(got[4].abs().max()) == 0.0
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # inputs untouched
+               for a, b in zip(before, (k, v, q), strict=True))
+
+
+PREFILL_CASES = [  # dtype, block_size, head_dim, gqa ratio
+    (torch.float32, 16, 64, 1),
+    (torch.bfloat16, 32, 128, 4),
+    (FP8, 16, 64, 8),
+    (torch.float32, 32, 128, 8),
+    (FP8, 32, 128, 4),
+]
+
+
+@pytest.mark.parametrize("dtype, block_size, head_dim, gqa", PREFILL_CASES)
+def test_prefill_attention_over_paged_prefix(dtype, block_size, head_dim, gqa):
+    # (cached prefix, new tokens): fresh prompts, block-aligned, a chunk after a prefix hit,
+    # a single token, and an empty (padded) entry
+    plan = [(0, 1), (0, block_size), (block_size, 9), (37, 20), (5, 0), (0, 23)]
+    lens = [c + n for c, n in plan]
+    k, v, ks, vs = make_cache(dtype, 30, block_size, 1, head_dim, seed=2)
+    tables = tables_for(lens, block_size, 4, 30, seed=3)
+    starts = [0]
+    for _, n in plan:
+        starts.append(starts[-1] + n)
+    qdtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    q = torch.randn(starts[-1], gqa, head_dim).to(qdtype)
+    scale = head_dim ** -0.5
+    want = R.prefill_attention(q, k, v, tables, starts, lens, scale, ks, vs)
+    got = prefill_attention(q, k, v, tables, torch.tensor(starts), torch.tensor(lens), scale,
+                            ks, vs)
+    close(got, want, dtype)
+
+
+def test_block_ids_beyond_int32_offsets():
+    # 2^31 / (16 * 8 * 128) blocks: byte offsets of the top blocks do not fit in int32.
+    # torch.zeros is lazily committed: only the pages touched here use memory.
+    bs, heads, dim = 16, 8, 128
+    num_blocks = 2**31 // (bs * heads * dim) + 64
+    k = torch.zeros(num_blocks, bs, heads, dim, dtype=FP8)
+    v = torch.zeros_like(k)
+    ks = torch.ones(num_blocks, bs, heads, dtype=torch.float16)
+    vs = torch.ones_like(ks)
+    lens = [40, 17]
+    tables = tables_for(lens, bs, 3, num_blocks, high=True)
+    g = torch.Generator().manual_seed(4)
+    slots = torch.cat([tables[i, torch.arange(n) // bs] * bs + torch.arange(n) % bs
+                       for i, n in enumerate(lens)])
+    store_kv(torch.randn(57, heads, dim, generator=g), torch.randn(57, heads, dim, generator=g),
+             k, v, slots, ks, vs)
+    assert int(tables.max()) * bs * heads * dim >= 2**31
+    q = torch.randn(2, heads * 2, dim, generator=g)
+    seq_lens = torch.tensor(lens)
+    want = R.paged_attention(q, k, v, tables, seq_lens, 0.1, ks, vs)
+    got = paged_attention(q, k, v, tables, seq_lens, 0.1, ks, vs, num_splits=2)
+    close(got, want, FP8)
+    assert float(want.abs().max()) > 0
+
+
+def test_wrappers_reject_bad_arguments():
+    k, v, _, _ = make_cache(torch.float32, 4, 16, 2, 64)
+    q = torch.randn(2, 4, 64)
+    tables = torch.zeros(2, 2, dtype=torch.long)
+    with pytest.raises(KernelArgumentError, match="head_dim"):
+        paged_attention(torch.randn(2, 4, 32), k, v, tables, torch.tensor([1, 1]), 0.1)
+    with pytest.raises(KernelArgumentError, match="int64"):
+        paged_attention(q, k, v, tables.int(), torch.tensor([1, 1]), 0.1)
+    with pytest.raises(KernelArgumentError, match="fp8"):
+        paged_attention(q, k, v, tables, torch.tensor([1, 1]), 0.1,
+                        torch.ones(4, 16, 2, dtype=torch.float16), None)
+    k8, v8, _, _ = make_cache(torch.float32, 4, 8, 2, 64)
+    with pytest.raises(KernelArgumentError, match="block_size"):
+        paged_attention(q, k8, v8, tables, torch.tensor([1, 1]), 0.1)
+    with pytest.raises(KernelArgumentError, match="slot_mapping"):
+        store_kv(torch.randn(3, 2, 64), torch.randn(3, 2, 64), k, v, torch.zeros(2).long())
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "fp8"])
+def test_engine_generation_with_triton_backend_matches_torch(llama_dir, kv_dtype):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[(i * 7 + j) % 500 for j in range(n)] for i, n in enumerate([5, 20, 40])]
+    outs = {}
+    for backend in ("torch", "triton"):
+        with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=128, kv_cache_dtype=kv_dtype,
+                 attention_backend=backend, max_num_batched_tokens=32) as llm:
+            outs[backend] = [o.token_ids for o in llm.generate(
+                prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+            again = llm.generate(prompt_token_ids=prompts[2:], sampling_params=params,
+                                 use_tqdm=False)[0]
+            assert again.num_cached_tokens == 32 and again.token_ids == outs[backend][2]
+    assert outs["triton"] == outs["torch"]
