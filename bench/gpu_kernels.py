@@ -79,8 +79,6 @@ def main() -> None:
         gpu = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
         res["h2d_bytes_per_s"] = (1 << 30) / (bench_ms(lambda: gpu.copy_(host), dev) / 1e3)
         res["d2h_bytes_per_s"] = (1 << 30) / (bench_ms(lambda: host.copy_(gpu), dev) / 1e3)
-        del host, gpu
-    del src, dst
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
 
     # ---- paged decode attention ----------------------------------------------------------
@@ -111,7 +109,6 @@ def main() -> None:
                                "bytes_per_s": moved / (ms / 1e3)})
                 print(f"decode {kv_name} batch {batch:3d} ctx {ctx:5d}: {ms:.3f} ms, "
                       f"{moved / (ms / 1e3) / 1e12:.2f} TB/s", flush=True)
-                del k, v, ks, vs
     res["decode"] = decode
     if dev.type == "cuda":
         def at(kv, b, c):
@@ -163,7 +160,6 @@ def main() -> None:
     res["store_kv"] = {"batch": batch, "context": ctx, "write_ms": write_ms,
                        "attention_ms": attn_ms, "fraction": write_ms / attn_ms}
     print(f"store_kv {write_ms:.4f} ms = {write_ms / attn_ms:.1%} of decode attention")
-    del k, v
 
     # ---- whole-model decode step, Llama-8B shape, batch 1 --------------------------------------
     res["model_step"] = model_step(dev, small, copy_bw)

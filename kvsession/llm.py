@@ -10,18 +10,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
+from kvsession import costmodel
 from kvsession.attention import resolve_backend
 from kvsession.cache.block_pool import BlockPool
 from kvsession.cache.hashing import BlockHasher
 from kvsession.cache.kv_pool import KVPool
 from kvsession.cache.prefix import PrefixCache
-from kvsession.config import EngineConfig
+from kvsession.config import EngineConfig, RemotePrefillMode
 from kvsession.engine.loop import Engine, EngineLoop, request_metrics
 from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler
@@ -42,6 +44,9 @@ from kvsession.tiers.policy import TierPolicy
 
 log = logging.getLogger("kvsession")
 CPU_DEFAULT_KV_BYTES = 2**30
+# share of decode time lost to co-located prefills (DESIGN-NOTES: 0.15-0.45 is typical);
+# used until the engine measures it
+REMOTE_STALL_RATIO = 0.3
 
 
 @dataclass(frozen=True)
@@ -109,10 +114,60 @@ class LLM(SessionStore):
             engine.prefill_tps, engine.queue_depth, cfg.spill_after_s)
         engine.timers.append(self.policy.housekeeping)
         self._init_sessions()
+        self._init_remote(engine)
         self._loop = EngineLoop(engine)
         log.info("kvsession: %s on %s, kv %s: %d blocks x %d tokens = %d tokens, %d bytes/token",
                  spec.architecture, cfg.device, cfg.kv_cache_dtype_name, num_blocks,
                  cfg.block_size, num_blocks * cfg.block_size, bpt)
+
+    def _init_remote(self, engine: Engine) -> None:
+        """Connect the prefill workers (handshakes finish here, before the engine thread
+        starts) and install the per-request offload decision."""
+        cfg = self.config
+        self.connector = None
+        if not cfg.prefill_workers or cfg.remote_prefill == RemotePrefillMode.NEVER:
+            return
+        try:
+            from kvsession.connector.nixl import NixlPrefillClient
+        except ImportError as e:
+            raise ConfigError(f"prefill_worker needs the remote extra (nixl, pyzmq): "
+                              f"pip install 'kvsession[remote]' ({e})") from None
+        from kvsession.cache.hashing import LAYOUT_VERSION
+        from kvsession.connector.base import compat_hash
+
+        compat = compat_hash(self.runtime.model_fingerprint, cfg.kv_cache_dtype_name,
+                             cfg.block_size, LAYOUT_VERSION)
+        conn = NixlPrefillClient(list(cfg.prefill_workers), self.kv.tensors(), compat,
+                                 cfg.remote_prefill_timeout_s)
+        deadline = time.monotonic() + min(cfg.remote_prefill_timeout_s, 5.0)
+        while time.monotonic() < deadline and any(
+                w.state == "connecting" for w in conn.workers):
+            conn.poll(0.05)
+        self.connector = engine.connector = conn
+        self.scheduler.offload = self._should_offload
+
+        def idle_poll(now: float) -> float | None:  # fences and heartbeats while idle
+            if conn.pending or conn.quarantine or self.scheduler.quarantine:
+                engine._remote()
+                return 0.02
+            return None
+
+        engine.timers.append(idle_poll)
+
+    def _should_offload(self, seq: Sequence) -> bool:
+        """remote_prefill: "always" when a worker is healthy; "auto": when the cost model's
+        gain (decode time no longer stalled minus the KV transfer, DESIGN-NOTES) is
+        positive, with the transfer bandwidth measured on past transfers."""
+        conn = self.connector
+        if conn is None or not conn.healthy():
+            return False
+        if self.config.remote_prefill == RemotePrefillMode.ALWAYS:
+            return True
+        tpot_ms = (self.latency.summary(self.slo)[0].tpot_p50_s or 0.025) * 1000
+        gain = costmodel.pd_split_gain_ms(
+            seq.num_tokens - 1, seq.params.max_tokens, self.runtime.kv_bytes_per_token,
+            conn.bandwidth_bytes_per_s or 5e9, tpot_ms, REMOTE_STALL_RATIO)
+        return gain > 0
 
     @staticmethod
     def _num_blocks(cfg: EngineConfig, spec: ModelSpec, bytes_per_token: int) -> int:
@@ -140,6 +195,8 @@ class LLM(SessionStore):
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+            if getattr(self, "connector", None) is not None:
+                self.connector.close()
             self.kv = None
 
     def __enter__(self) -> LLM:
@@ -328,9 +385,16 @@ class LLM(SessionStore):
                                num_pins=len(self.prefix.pins.pins)),
             spills=dict(policy.spills), restores=dict(policy.restores),
             recomputes=policy.recomputes,
-            remote=RemoteStats(), latency=lat, goodput_tokens_per_s=goodput,
+            remote=self._remote_stats(), latency=lat, goodput_tokens_per_s=goodput,
             slo_attainment=attainment, num_requests=self.latency.num_requests,
             num_preemptions=self.scheduler.num_preemptions)
+
+    def _remote_stats(self) -> RemoteStats:
+        conn = self.connector
+        if conn is None:
+            return RemoteStats()
+        return RemoteStats(prefills=conn.num_prefills, fallbacks=dict(conn.fallbacks),
+                           bytes=conn.bytes, bandwidth_gbps=conn.bandwidth_bytes_per_s * 8 / 1e9)
 
     def check_integrity(self) -> None:
         """Run BlockPool.check_integrity on the engine thread (tests call this)."""

@@ -48,6 +48,7 @@ class Engine:
         # measured prompt tokens/s of steps that prefill (feeds the load-vs-recompute rule)
         self.prefill_tps = RateEstimator(prior=2000.0)
         self.timers: list[Callable[[float], float | None]] = []  # e.g. the tier policy
+        self.connector = None  # a PrefillConnector when prefill workers are configured
         self.futures: dict[int, tuple[Future, OnUpdate | None]] = {}
         self.num_steps = 0
         # Called on the engine thread after every step (debug checks, tests, tracing).
@@ -75,8 +76,35 @@ class Engine:
         self.futures[seq.seq_id] = (fut, on_update)
         self.scheduler.add(seq)
 
+    def _remote(self, timeout_s: float = 0.0) -> None:
+        """Submit newly offloaded prefills; apply what the workers finished or failed."""
+        sched, conn = self.scheduler, self.connector
+        for seq in sched.new_remote:
+            affinity = seq.block_hashes[0] if seq.block_hashes else b""
+            first = seq.num_computed_tokens // sched.pool.block_size  # caller's own hits
+            if not conn.submit(seq.seq_id, seq.token_ids[: seq.num_tokens - 1], first,
+                               [b.block_id for b in seq.blocks[first:]], affinity,
+                               seq.params.cache_salt):
+                conn.fallbacks["no healthy worker"] = conn.fallbacks.get(
+                    "no healthy worker", 0) + 1
+                sched.remote_failed(seq, fenced=True)
+        sched.new_remote = []
+        for c in conn.poll(timeout_s):
+            seq = sched.remote.get(c.seq_id)
+            if c.kind == "fenced":
+                sched.release_quarantine(c.seq_id)
+            elif seq is not None and c.kind == "done":
+                sched.remote_done(seq)
+            elif seq is not None:
+                sched.remote_failed(seq, fenced=c.fenced)
+
     def step(self) -> None:
+        if self.connector is not None:
+            self._remote()
         batch, failed = self.scheduler.schedule()
+        if self.connector is not None and (self.scheduler.new_remote or not batch):
+            # nothing to run locally while workers prefill: wait on them briefly
+            self._remote(0.0 if self.scheduler.new_remote or batch else 0.002)
         for seq in failed:
             self._fail(seq, CacheFullError(
                 f"request of {seq.num_tokens} tokens cannot fit in the KV blocks that are not "

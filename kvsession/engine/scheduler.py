@@ -35,6 +35,7 @@ class ScheduledSeq:
 
 
 DEFERRED = object()  # _admit's answer when the sequence should wait for an in-flight block
+REMOTE = object()  # _admit's answer when the sequence's prefill went to a remote worker
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -49,6 +50,14 @@ class Scheduler:
         self.pool, self.prefix = pool, prefix
         self.reclaim = reclaim
         self._last_need = 0
+        # remote prefill: `offload(seq)` decides (None: never); sequences whose prompt KV a
+        # worker is writing wait in `remote` holding their blocks; `new_remote` lists the
+        # ones admitted this step (the engine submits them); `quarantine` holds the blocks
+        # of failed remote prefills until no late write can reach them.
+        self.offload: Callable[[Sequence], bool] | None = None
+        self.remote: dict[int, Sequence] = {}
+        self.new_remote: list[Sequence] = []
+        self.quarantine: dict[int, list] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -59,7 +68,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote)
 
     def schedule(self) -> tuple[list[ScheduledSeq], list[Sequence]]:
         """Pick this step's work. Returns (scheduled, failed): `failed` holds sequences that
@@ -103,9 +112,14 @@ class Scheduler:
             if item is DEFERRED:  # its next block is being computed by another sequence
                 i += 1
                 continue
+            if item is REMOTE:
+                del self.waiting[i]
+                self.remote[seq.seq_id] = seq
+                self.new_remote.append(seq)
+                continue
             if item is None:
-                if not self.running and not scheduled:  # nothing will ever free a block
-                    del self.waiting[i]
+                if not (self.running or scheduled or self.remote or self.quarantine):
+                    del self.waiting[i]  # nothing will ever free a block
                     failed.append(seq)
                     continue
                 break
@@ -137,6 +151,8 @@ class Scheduler:
         else:
             num_cached = seq.num_computed_tokens
         held = seq.blocks if attached else hits
+        if not attached and self._wants_remote(seq, num_cached):
+            return self._admit_remote(seq, hits, num_cached)
         n = min(seq.num_tokens - num_cached, budget)
         num_new_blocks = blocks_for(num_cached + n, self.pool.block_size) - len(held)
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # they leave the free queue
@@ -156,6 +172,54 @@ class Scheduler:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.perf_counter()
         return ScheduledSeq(seq, n)
+
+    def _wants_remote(self, seq: Sequence, num_cached: int) -> bool:
+        return (self.offload is not None and not seq.no_remote
+                and seq.num_tokens - 1 - num_cached >= self.pool.block_size
+                and self.offload(seq))
+
+    def _admit_remote(self, seq: Sequence, hits: list, num_cached: int):
+        """Blocks for every prompt token but the last (computed locally, for the logits);
+        the worker fills those after the prefix hits."""
+        need = blocks_for(seq.num_tokens - 1, self.pool.block_size) - len(hits)
+        revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if need + revived > self.pool.num_free:
+            self._last_need = need + revived
+            self._unquery(seq, num_cached)
+            return None
+        self.pool.touch(hits)
+        seq.blocks = hits + self.pool.allocate(need)
+        seq.num_computed_tokens = num_cached
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = num_cached
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.perf_counter()
+        return REMOTE
+
+    def remote_done(self, seq: Sequence) -> None:
+        """The worker wrote the KV of every prompt token but the last: run the rest."""
+        del self.remote[seq.seq_id]
+        # advance progress and publish the full blocks as if computed here
+        self.update([ScheduledSeq(seq, seq.num_tokens - 1 - seq.num_computed_tokens)])
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remote_failed(self, seq: Sequence, fenced: bool) -> None:
+        """Prefill it locally. Blocks a late remote write might still reach stay referenced
+        in quarantine until `release_quarantine`."""
+        self.remote.pop(seq.seq_id, None)
+        self.prefix.clear_pending(seq.seq_id, seq.block_hashes)
+        if fenced:
+            self.pool.free(seq.blocks)
+        else:
+            self.quarantine[seq.seq_id] = seq.blocks
+        seq.blocks, seq.num_computed_tokens = [], 0
+        seq.no_remote = True
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def release_quarantine(self, seq_id: int) -> None:
+        self.pool.free(self.quarantine.pop(seq_id, []))
 
     def _unquery(self, seq: Sequence, num_cached: int) -> None:
         """A lookup that did not lead to admission is not counted as a query."""

@@ -39,6 +39,7 @@ class Sequence:
     num_prompt_computed: int = 0  # prompt tokens computed, recomputation after preemption too
     num_preemptions: int = 0
     retain_blocks: bool = False  # on finish, hand the block references to the caller
+    no_remote: bool = False  # a remote prefill failed: compute this one locally
     # called on the engine thread when the sequence ends: on_finish(seq, succeeded)
     on_finish: object = None
     generator: torch.Generator | None = None

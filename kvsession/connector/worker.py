@@ -1,0 +1,219 @@
+"""The prefill worker: `python -m kvsession.worker --model DIR --listen tcp://HOST:PORT`.
+
+It runs the same engine (its own prefix cache included) in a prefill-only role. The main
+thread owns the zmq ROUTER socket (handshakes are answered in order; heartbeats at once, so
+a busy worker is never mistaken for a dead one); one job thread owns the NIXL agent and
+runs prefills: compute the KV with the local engine, then write the caller's blocks layer by
+layer with NIXL WRITEs, each layer's request carrying a notification, and answer when every
+write has completed. SIGTERM / SIGINT / Bye shut it down cleanly (agents and registrations
+released explicitly, exit code 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import queue
+import random
+import signal
+import sys
+import threading
+import time
+
+from kvsession.connector.base import (
+    Bye,
+    Hello,
+    HelloOk,
+    Ping,
+    Pong,
+    PrefillDone,
+    PrefillFailed,
+    PrefillRequest,
+    PrefillService,
+    Refused,
+    compat_hash,
+    decode,
+    encode,
+)
+from kvsession.connector.nixl import block_runs, describe_tensors, layer_descs, make_agent
+
+log = logging.getLogger("kvsession")
+
+
+class NixlPrefillService(PrefillService):
+    def __init__(self, llm):
+        from kvsession.cache.hashing import LAYOUT_VERSION
+
+        self.llm = llm
+        self.compat = compat_hash(llm.runtime.model_fingerprint,
+                                  llm.config.kv_cache_dtype_name, llm.config.block_size,
+                                  LAYOUT_VERSION)
+        self.agent = make_agent("kvs-worker")
+        self.tensors = llm.kv.tensors()
+        self.reg = self.agent.register_memory(list(self.tensors.values()))
+        self.local = describe_tensors(self.tensors)
+        self.callers: dict[str, tuple[str, list]] = {}
+
+    def handshake(self, caller: str, hello: Hello) -> HelloOk | Refused:
+        if hello.compat != self.compat:
+            return Refused("incompatible: model fingerprint, kv dtype, block size, layout or "
+                           "protocol version differ")
+        if [t.name for t in hello.tensors] != [t.name for t in self.local]:
+            return Refused(f"tensor layout differs: {[t.name for t in hello.tensors]}")
+        if caller in self.callers:
+            self.disconnect(caller)
+        name = self.agent.add_remote_agent(hello.agent_metadata)
+        self.callers[caller] = (name, hello.tensors)
+        return HelloOk(self.agent.name)
+
+    def prefill(self, caller: str, req: PrefillRequest) -> PrefillDone | PrefillFailed:
+        from kvsession.engine.sequence import Sequence
+        from kvsession.params import SamplingParams
+
+        if caller not in self.callers:
+            return PrefillFailed(req.req_id, "no handshake")
+        agent_name, remote = self.callers[caller]
+        llm = self.llm
+        t0 = time.perf_counter()
+        seq = Sequence(token_ids=list(req.token_ids), max_model_len=llm.runtime.max_model_len,
+                       params=SamplingParams(max_tokens=1, temperature=0.0,
+                                             cache_salt=req.cache_salt), retain_blocks=True)
+        try:
+            seq = llm._engine_loop().submit(seq).result()
+        except Exception as e:
+            return PrefillFailed(req.req_id, f"prefill failed: {e}")
+        mine = [b.block_id for b in seq.blocks[req.first_block:]]
+        try:
+            if len(mine) != len(req.block_ids):
+                return PrefillFailed(req.req_id, f"{len(req.block_ids)} target blocks for "
+                                                 f"{len(mine)} computed")
+            runs = block_runs(mine, req.block_ids)
+            handles, moved = [], 0
+            t0 = time.perf_counter()  # the write time only (the cost model's transfer input)
+            for layer in range(llm.runtime.spec.num_layers):
+                src, dst = layer_descs(self.local, remote, layer, runs)
+                moved += sum(n for _, n, _ in src)
+                h = self.agent.initialize_xfer(
+                    "WRITE", self.agent.get_xfer_descs(src, "DRAM"),
+                    self.agent.get_xfer_descs(dst, "DRAM"), agent_name,
+                    f"{req.req_id}:{layer}".encode())
+                if self.agent.transfer(h) == "ERR":
+                    raise RuntimeError("transfer could not be posted")
+                handles.append(h)
+            for h in handles:
+                state = self.agent.check_xfer_state(h)
+                while state == "PROC":
+                    state = self.agent.check_xfer_state(h)
+                if state != "DONE":
+                    raise RuntimeError("transfer failed")
+            for h in handles:
+                self.agent.release_xfer_handle(h)
+            return PrefillDone(req.req_id, moved, time.perf_counter() - t0)
+        except Exception as e:
+            return PrefillFailed(req.req_id, f"transfer failed: {e}")
+        finally:
+            blocks = seq.blocks
+            llm._engine_loop().call(lambda: llm.pool.free(blocks)).result()
+
+    def disconnect(self, caller: str) -> None:
+        entry = self.callers.pop(caller, None)
+        if entry is not None:
+            self.agent.remove_remote_agent(entry[0])
+
+    def close(self) -> None:
+        for caller in list(self.callers):
+            self.disconnect(caller)
+        self.agent.deregister_memory(self.reg)
+        self.agent = None
+
+
+def serve(args) -> int:
+    import zmq
+
+    from kvsession import LLM
+
+    llm = LLM(args.model, device=args.device, kv_cache_memory=args.kv_cache_memory,
+              kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+              block_size=args.block_size)
+    service = NixlPrefillService(llm)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(args.listen)
+    jobs: queue.Queue = queue.Queue()
+    replies: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    rng = random.Random(args.fault_seed)
+
+    def job_thread():  # the only thread that touches the NIXL agent
+        while (job := jobs.get()) is not None:
+            caller, msg = job
+            if isinstance(msg, Hello):
+                replies.put((caller, service.handshake(caller, msg)))
+            elif isinstance(msg, Bye):
+                service.disconnect(caller)
+            else:
+                if args.fault_delay_s and rng.random() < args.fault_rate:
+                    time.sleep(args.fault_delay_s)  # injected fault: slower than the timeout
+                reply = service.prefill(caller, msg)
+                if args.fault_drop_rate and rng.random() < args.fault_drop_rate:
+                    continue  # injected fault: the answer is lost
+                replies.put((caller, reply))
+        service.close()
+
+    worker = threading.Thread(target=job_thread, name="kvsession-worker-jobs")
+    worker.start()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    print(f"kvsession worker listening on {args.listen}", flush=True)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not stop.is_set():
+        if dict(poller.poll(10)):
+            while True:
+                try:
+                    caller_id, data = sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                caller = caller_id.hex()
+                try:
+                    msg = decode(data)
+                except Exception:
+                    continue  # malformed input is ignored; the caller times out
+                if isinstance(msg, Ping):
+                    sock.send_multipart([caller_id, encode(Pong(msg.t))])
+                elif isinstance(msg, Hello | Bye | PrefillRequest):
+                    jobs.put((caller, msg))
+        while not replies.empty():
+            caller, reply = replies.get()
+            sock.send_multipart([bytes.fromhex(caller), encode(reply)])
+    jobs.put(None)
+    worker.join()
+    sock.close()
+    ctx.term()
+    llm.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvsession.worker",
+                                description="a kvsession remote prefill worker")
+    p.add_argument("--model", required=True)
+    p.add_argument("--listen", required=True, help="tcp://HOST:PORT")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--fault-rate", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--fault-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--fault-drop-rate", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--fault-seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    from kvsession.errors import KVSessionError
+
+    try:
+        return serve(args)
+    except KVSessionError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1

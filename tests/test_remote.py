@@ -1,0 +1,183 @@
+"""Remote prefill over NIXL with real worker processes on loopback: exactness, failure
+semantics (kill, timeout, dropped answers, refused handshake, unreachable), no leaks,
+prefix affinity."""
+
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kvsession import LLM, SamplingParams
+
+G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+KW = dict(kv_cache_memory="8MiB", max_model_len=512)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    def __init__(self, model_dir, *extra):
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvsession.worker", "--model", str(model_dir), "--listen",
+             self.address, "--kv-cache-memory", "8MiB", "--max-model-len", "512", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = "x"
+        while line and "listening" not in line:  # the worker says when it listens
+            line = self.proc.stdout.readline()
+        assert "listening" in line, "the worker did not start"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def worker(llama_dir):
+    w = Worker(llama_dir)
+    yield w
+    assert w.stop() == 0  # a clean shutdown: agents and registrations released, exit 0
+
+
+def prompts(seed, n, shared=0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(500) for _ in range(shared)]
+    return [prefix + [rng.randrange(500) for _ in range(rng.randint(20, 150))]
+            for _ in range(n)]
+
+
+def generate(llm, ps):
+    return [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=G,
+                                              use_tqdm=False)]
+
+
+def local(model_dir, ps, **kw):
+    with LLM(model_dir, **{**KW, **kw}) as llm:
+        return generate(llm, ps)
+
+
+def assert_no_leak(llm):
+    llm.check_integrity()
+    dev = llm.stats().tiers["device"]
+    assert dev.blocks_used == dev.blocks_pinned == 0
+    assert not llm.connector.pending and not llm.connector.quarantine
+    assert not llm.scheduler.quarantine and not llm.scheduler.remote
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "fp8"])
+def test_outputs_with_a_worker_equal_outputs_without(llama_dir, tmp_path, kv_dtype):
+    w = Worker(llama_dir, "--kv-cache-dtype", kv_dtype)
+    try:
+        batches = [prompts(1, 6), prompts(2, 6, shared=64)]
+        with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always",
+                 kv_cache_dtype=kv_dtype, **KW) as llm:
+            for ps in batches:
+                assert generate(llm, ps) == local(llama_dir, ps, kv_cache_dtype=kv_dtype)
+            st = llm.stats().remote
+            assert st.prefills >= 8 and st.bytes > 0 and not st.fallbacks
+            assert_no_leak(llm)
+        assert llm.connector.num_registrations == 0
+    finally:
+        assert w.stop() == 0
+
+
+def test_worker_killed_mid_stream(llama_dir, worker):
+    victim = Worker(llama_dir)
+    ps = prompts(3, 40)
+    want = local(llama_dir, ps)
+    with LLM(llama_dir, prefill_worker=victim.address, remote_prefill="always",
+             remote_prefill_timeout_s=5.0, **KW) as llm:
+        got = generate(llm, ps[:10])
+        assert llm.stats().remote.prefills == 10
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait()
+        got += generate(llm, ps[10:])
+        assert got == want
+        st = llm.stats().remote
+        assert sum(st.fallbacks.values()) >= 1
+        assert_no_leak(llm)
+
+
+def test_random_faults_never_change_outputs_or_leak(llama_dir):
+    # delays past the timeout (quarantine, then a late answer fences), lost answers (the
+    # NIXL notifications still complete the request), and a kill at the end
+    flaky = Worker(llama_dir, "--fault-rate", "0.15", "--fault-delay-s", "0.6",
+                   "--fault-drop-rate", "0.15", "--fault-seed", "7")
+    ps = prompts(4, 200)
+    want = local(llama_dir, ps)
+    with LLM(llama_dir, prefill_worker=flaky.address, remote_prefill="always",
+             remote_prefill_timeout_s=0.3, **KW) as llm:
+        got = []
+        for i in range(0, 200, 25):
+            got += generate(llm, ps[i:i + 25])
+            if i == 150:
+                flaky.proc.send_signal(signal.SIGKILL)
+        assert got == want
+        st = llm.stats().remote
+        assert st.prefills > 0 and st.fallbacks.get("timeout", 0) > 0
+        assert_no_leak(llm)
+    flaky.proc.wait()
+
+
+def test_mismatched_worker_is_refused_and_fallback_works(llama_dir, model_dirs):
+    other = Worker(model_dirs("qwen2"))
+    try:
+        ps = prompts(5, 4)
+        with LLM(llama_dir, prefill_worker=other.address, remote_prefill="always",
+                 **KW) as llm:
+            assert not llm.connector.healthy()
+            assert generate(llm, ps) == local(llama_dir, ps)
+            st = llm.stats().remote
+            assert st.prefills == 0 and st.fallbacks.get("handshake refused") == 1
+    finally:
+        assert other.stop() == 0
+
+
+def test_unreachable_worker_falls_back(llama_dir):
+    ps = prompts(6, 3)
+    with LLM(llama_dir, prefill_worker=f"tcp://127.0.0.1:{free_port()}",
+             remote_prefill="always", remote_prefill_timeout_s=0.5, **KW) as llm:
+        assert not llm.connector.healthy()
+        assert generate(llm, ps) == local(llama_dir, ps)
+        assert llm.stats().remote.prefills == 0
+
+
+def test_shared_prefix_sticks_to_one_worker(llama_dir, worker):
+    second = Worker(llama_dir)
+    try:
+        ps = prompts(7, 12, shared=48)
+        with LLM(llama_dir, prefill_worker=[worker.address, second.address],
+                 remote_prefill="always", **KW) as llm:
+            for p in ps:  # one at a time: each is offloaded on its own
+                generate(llm, [p])
+            counts = sorted(w.num_requests for w in llm.connector.workers)
+            assert counts[0] == 0 and counts[1] > 0
+            assert_no_leak(llm)
+    finally:
+        assert second.stop() == 0
+
+
+def test_auto_mode_uses_the_cost_model(llama_dir, worker):
+    with LLM(llama_dir, prefill_worker=worker.address, remote_prefill="auto", **KW) as llm:
+        # a measured transfer bandwidth at which ~100 prompt tokens take ~0.1 s to move:
+        # worth it for a long answer (saved decode stalls), not for a 1-token one
+        llm.connector.bandwidth_bytes_per_s = 100 * llm.runtime.kv_bytes_per_token / 0.1
+        short_answer = SamplingParams(max_tokens=1, temperature=0.0)
+        long_answer = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        p = [(7 * i) % 500 for i in range(101)]
+        llm.generate(prompt_token_ids=[p], sampling_params=short_answer, use_tqdm=False)
+        assert llm.stats().remote.prefills == 0  # long prompt, short answer: local
+        out = llm.generate(prompt_token_ids=[p[::-1]], sampling_params=long_answer,
+                           use_tqdm=False)[0]
+        assert llm.stats().remote.prefills == 1  # long answer: offloaded
+        assert len(out.token_ids) == 200
