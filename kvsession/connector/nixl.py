@@ -48,6 +48,8 @@ log = logging.getLogger("kvsession")
 def make_agent(prefix: str):
     from nixl._api import nixl_agent, nixl_agent_config
 
+    if "NIXL_LOG_LEVEL" not in os.environ:  # NIXL logs every agent at INFO to stdout
+        logging.getLogger("nixl").setLevel(logging.WARNING)
     config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                                backends=["UCX"])
     return nixl_agent(f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}", config)

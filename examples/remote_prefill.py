@@ -1,0 +1,51 @@
+"""Remote prefill: start a prefill worker process, offload prompts to it, compare with
+local generation, and stop the worker cleanly.
+
+Run: python examples/remote_prefill.py
+(The same worker from a shell: python -m kvsession.worker --model DIR --listen tcp://...)
+"""
+
+import socket
+import subprocess
+import sys
+import tempfile
+
+from kvsession import LLM, SamplingParams
+from kvsession.testing import make_tiny_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    model = str(make_tiny_model(tempfile.mkdtemp()))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    worker = subprocess.Popen([sys.executable, "-m", "kvsession.worker", "--model", model,
+                               "--listen", address, "--kv-cache-memory", "32MiB",
+                               "--max-model-len", "1024"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = "x"
+    while line and "listening" not in line:  # wait until the worker is up
+        line = worker.stdout.readline()
+    prompts = [f"Task {i}: " + "read the file and run the tests. " * 20 for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    try:
+        with LLM(model, kv_cache_memory="32MiB", max_model_len=1024) as llm:
+            local = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        with LLM(model, kv_cache_memory="32MiB", max_model_len=1024,
+                 prefill_worker=address, remote_prefill="always") as llm:
+            remote = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            st = llm.stats().remote
+            print(f"remote prefills: {st.prefills}, KV bytes moved: {st.bytes}, "
+                  f"bandwidth {st.bandwidth_gbps:.2f} Gbit/s, fallbacks: {st.fallbacks}")
+        print("same tokens as local prefill:", remote == local)
+    finally:
+        worker.terminate()
+        print("worker exit code:", worker.wait(timeout=30))
+
+
+if __name__ == "__main__":
+    main()
