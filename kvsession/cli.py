@@ -8,13 +8,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from kvsession.errors import KVSessionError
-
-DEMO_SYSTEM = ("You are a coding agent. Tools: list_files(path), read_file(path), "
-               "run_tests(). Answer with one tool call per turn.")
 
 
 def default_model_dir() -> Path:
@@ -34,30 +30,15 @@ def ensure_tiny_model(path: Path) -> Path:
 
 
 def cmd_demo(args) -> int:
-    from kvsession import LLM, SamplingParams
+    import tempfile
+
+    from kvsession.demo import run_demo
 
     model = Path(args.model) if args.model else ensure_tiny_model(default_model_dir())
-    requests = [[{"role": "system", "content": DEMO_SYSTEM},
-                 {"role": "user", "content": f"Task {i}: find the failing test in module {i}"}]
-                for i in range(args.sessions)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    with LLM(model, kv_cache_memory="64MiB", max_model_len=1024) as llm:
-        print(f"model: {model} ({llm.runtime.spec.architecture}, "
-              f"{llm.runtime.spec.num_layers} layers)")
-        t0 = time.perf_counter()
-        outs = llm.chat(requests, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        for i, o in enumerate(outs):
-            print(f"agent {i}: {len(o.prompt_token_ids)} prompt tokens "
-                  f"({o.num_cached_tokens} from cache), ttft {o.metrics.ttft_s * 1e3:.1f} ms, "
-                  f"{len(o.token_ids)} tokens: {o.text[:60]!r}")
-        st = llm.stats()
-        dev = st.tiers["device"]
-        total = sum(len(o.token_ids) for o in outs)
-        print(f"\n{len(outs)} requests, {total} tokens in {wall:.2f} s "
-              f"({total / wall:.0f} tok/s); prefix hit rate {st.prefix.hit_rate:.0%}; "
-              f"KV pool {dev.blocks_total} blocks x {llm.config.block_size} tokens, "
-              f"{dev.bytes_per_token} bytes/token; ttft p50 {st.latency.ttft_p50_s * 1e3:.1f} ms")
+    with tempfile.TemporaryDirectory(prefix="kvsession-demo-") as tmp:
+        session_dir = Path(args.session_dir) if args.session_dir else Path(tmp)
+        print(f"model: {model}")
+        run_demo(model, session_dir, args.sessions, args.turns, out=print)
     return 0
 
 
@@ -94,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="agent demo on a built-in tiny model")
     d.add_argument("--model", help="a HF checkpoint directory (default: built-in tiny model)")
-    d.add_argument("--sessions", type=int, default=4, help="concurrent agents")
-    d.add_argument("--max-tokens", type=int, default=24)
+    d.add_argument("--sessions", type=int, default=6, help="concurrent agent sessions")
+    d.add_argument("--turns", type=int, default=3, help="turns per session")
+    d.add_argument("--session-dir", help="where sessions persist (default: a temp dir)")
     d.set_defaults(fn=cmd_demo)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("--model", required=True, help="a HF checkpoint directory")

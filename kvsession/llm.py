@@ -389,6 +389,32 @@ class LLM(SessionStore):
             slo_attainment=attainment, num_requests=self.latency.num_requests,
             num_preemptions=self.scheduler.num_preemptions)
 
+    def __repr__(self) -> str:
+        if self._loop is None:
+            return f"LLM({self.config.model.name}, closed)"
+        pool = self.pool
+        return (f"LLM({self.runtime.spec.architecture}, {self.config.device}, kv "
+                f"{self.config.kv_cache_dtype_name}: {pool.num_blocks - pool.num_free}/"
+                f"{pool.num_blocks} blocks used, {len(self._sessions)} sessions, prefix hit "
+                f"rate {self.prefix.hit_tokens / max(self.prefix.queried_tokens, 1):.0%})")
+
+    def _repr_html_(self) -> str:
+        """A notebook summary: the model, every tier's occupancy, prefix and tier counters."""
+        if self._loop is None:
+            return f"<b>kvsession LLM</b> ({self.config.model.name}): closed"
+        st = self.stats()
+        rows = "".join(
+            f"<tr><td>{name}</td><td>{t.blocks_used}/{t.blocks_total}</td>"
+            f"<td>{t.blocks_pinned}</td><td>{t.tokens_capacity}</td>"
+            f"<td>{t.bytes_per_token}</td></tr>" for name, t in st.tiers.items())
+        return (f"<b>kvsession LLM</b>: {self.runtime.spec.architecture} on "
+                f"{self.config.device}, KV {self.config.kv_cache_dtype_name}, "
+                f"{len(self._sessions)} live sessions<br>"
+                f"<table><tr><th>tier</th><th>blocks used</th><th>pinned</th>"
+                f"<th>token capacity</th><th>bytes/token</th></tr>{rows}</table>"
+                f"prefix hit rate {st.prefix.hit_rate:.0%}, spills {st.spills}, restores "
+                f"{st.restores}, recomputes {st.recomputes}")
+
     def _remote_stats(self) -> RemoteStats:
         conn = self.connector
         if conn is None:

@@ -339,6 +339,15 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _repr_html_(self) -> str:
+        st = self.stats
+        last = f"{st.ttfts_s[-1] * 1e3:.1f} ms" if st.ttfts_s else "-"
+        return (f"<b>kvsession Session</b> <code>{self.session_id}</code>: {self.state}, "
+                f"{st.turns} turns, {len(self._messages)} messages<br>"
+                f"KV held: {self.num_cached_tokens} tokens ({self._kv.tier.value}); prompt "
+                f"tokens from cache {st.cached_tokens}, computed {st.computed_tokens}; "
+                f"last TTFT {last}")
+
     def __repr__(self) -> str:
         return (f"Session({self.session_id!r}, state={self.state}, turns={self.stats.turns}, "
                 f"messages={len(self._messages)}, cached_tokens={self.num_cached_tokens})")

@@ -353,6 +353,7 @@ class TierPolicy:
         if self.disk is not None and reload_disk < recompute:
             if self.spill(s, Tier.DISK, reason="suspend: " + why) is Tier.DISK:
                 return "disk"
+        self.recomputes += 1  # decided now: the next turn recomputes instead of loading
         self.drop(s, reason="suspend: " + why)
         return "drop"
 

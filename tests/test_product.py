@@ -1,0 +1,108 @@
+"""What a new user meets: the demo, the CLI, notebook display, the public API docs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvsession
+from kvsession import LLM, SamplingParams
+from kvsession.demo import run_demo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_runs_and_its_summary_matches_stats(llama_dir, tmp_path):
+    lines: list[str] = []
+    summary = run_demo(llama_dir, tmp_path / "sd", num_sessions=4, num_turns=2,
+                       out=lines.append)
+    phase1, phase2 = summary["stats"]
+    for tier in ("host", "disk"):
+        assert summary["spills"][tier] == phase1.spills[tier] + phase2.spills[tier]
+        assert summary["restores"][tier] == phase1.restores[tier] + phase2.restores[tier]
+    assert summary["recomputes"] == phase1.recomputes + phase2.recomputes
+    assert summary["resumed_after_restart"] == 4 and summary["resumed_cached_tokens"] > 0
+    assert summary["tokens_computed"] < summary["tokens_stateless"]
+    assert phase1.num_requests == 4 * 2 + 1  # the turns and the system prompt's pin
+    text = "\n".join(lines)
+    assert f"resumed after restart: 4 sessions, {summary['resumed_cached_tokens']}" in text
+    assert f"prompt tokens computed {summary['tokens_computed']} vs " \
+           f"{summary['tokens_stateless']}" in text
+    assert list((tmp_path / "sd").glob("*.kvs")) == []  # the demo cleans up after itself
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "kvsession", *args], capture_output=True,
+                          text=True, timeout=120, cwd=cwd)
+
+
+@pytest.mark.parametrize("sub", ["demo", "generate", "inspect", "make-tiny-model"])
+def test_cli_help(sub):
+    out = cli(sub, "--help")
+    assert out.returncode == 0 and "usage:" in out.stdout
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    bad = cli("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "ConfigError" in bad.stderr
+    junk = tmp_path / "junk.kvs"
+    junk.write_bytes(b"KVSNAP\x00\x01" + b"\x00" * 40)
+    bad = cli("inspect", str(junk))
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
+    assert "SnapshotError" in bad.stderr
+
+
+def test_cli_make_model_and_generate(tmp_path):
+    assert cli("make-tiny-model", str(tmp_path / "m"), "--arch", "qwen3").returncode == 0
+    out = cli("generate", "--model", str(tmp_path / "m"), "--prompt", "the agent",
+              "--max-tokens", "4", "--kv-cache-memory", "4MiB", "--max-model-len", "128")
+    assert out.returncode == 0, out.stderr
+
+
+def test_notebook_friendly_reprs(llama_dir):
+    with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256) as llm:
+        s = llm.session(sampling=SamplingParams(max_tokens=4, temperature=0.0))
+        s.send("hello")
+        assert "LlamaForCausalLM" in repr(llm) and "1 sessions" in repr(llm)
+        html = llm._repr_html_()
+        assert "<table>" in html and "device" in html and "prefix hit rate" in html
+        assert s.session_id in s._repr_html_() and "1 turns" in s._repr_html_()
+        assert "state=idle" in repr(s)
+        s.close()
+    assert "closed" in repr(llm) and "closed" in llm._repr_html_()
+
+
+def run_notebook(path: Path) -> list[str]:
+    """Execute a notebook's code cells in order in one namespace (an nbclient-equivalent
+    runner without a Jupyter kernel); returns what each cell printed."""
+    import contextlib
+    import io
+
+    nb = json.loads(path.read_text())
+    ns: dict = {"__name__": "__main__"}
+    outputs = []
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            exec(compile("".join(cell["source"]), str(path), "exec"), ns)
+        outputs.append(buf.getvalue())
+    return outputs
+
+
+def test_notebook_executes():
+    outputs = run_notebook(ROOT / "examples" / "notebook.ipynb")
+    assert any("restored" in o for o in outputs)
+
+
+def test_api_doc_lists_exactly_the_public_names():
+    doc = (ROOT / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^### `(\w+)`", doc, flags=re.M))
+    assert documented == set(kvsession.__all__)
