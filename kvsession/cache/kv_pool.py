@@ -72,3 +72,15 @@ class KVPool:
         """Copy block `src` onto block `dst` in every layer, scales included (copy-on-write)."""
         for t in self.tensors().values():
             t[:, dst] = t[:, src]
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, count) for runs of ids consecutive on both sides: moving blocks
+    run by run turns many small copies (or transfer descriptors) into a few large ones."""
+    runs, start = [], 0
+    for i in range(1, len(src_ids) + 1):
+        if i == len(src_ids) or src_ids[i] != src_ids[i - 1] + 1 \
+                or dst_ids[i] != dst_ids[i - 1] + 1:
+            runs.append((src_ids[start], dst_ids[start], i - start))
+            start = i
+    return runs

@@ -60,17 +60,6 @@ def describe_tensors(tensors: dict[str, torch.Tensor]) -> list[TensorDesc]:
                        t[0, 0].numel() * t.element_size()) for name, t in tensors.items()]
 
 
-def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, count) for runs consecutive on both sides."""
-    runs, start = [], 0
-    for i in range(1, len(src_ids) + 1):
-        if i == len(src_ids) or src_ids[i] != src_ids[i - 1] + 1 \
-                or dst_ids[i] != dst_ids[i - 1] + 1:
-            runs.append((src_ids[start], dst_ids[start], i - start))
-            start = i
-    return runs
-
-
 def layer_descs(local: list[TensorDesc], remote: list[TensorDesc], layer: int,
                 runs: list[tuple[int, int, int]]) -> tuple[list, list]:
     """(local, remote) (addr, length, device) lists for one layer of every tensor."""

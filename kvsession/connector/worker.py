@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+from kvsession.cache.kv_pool import block_runs
 from kvsession.connector.base import (
     Bye,
     Hello,
@@ -35,7 +36,7 @@ from kvsession.connector.base import (
     decode,
     encode,
 )
-from kvsession.connector.nixl import block_runs, describe_tensors, layer_descs, make_agent
+from kvsession.connector.nixl import describe_tensors, layer_descs, make_agent
 
 log = logging.getLogger("kvsession")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvsession.cache.kv_pool import KVPool
+from kvsession.cache.kv_pool import KVPool, block_runs
 from kvsession.errors import CacheFullError
 
 
@@ -55,12 +55,7 @@ class HostPool:
         """dst[:, dst_ids] = src[:, src_ids] for every tensor, as one slice copy per run of
         consecutive ids on both sides (a single pass over the bytes; blocks allocated
         together are usually consecutive)."""
-        runs, start = [], 0
-        for i in range(1, len(src_ids) + 1):
-            if i == len(src_ids) or src_ids[i] != src_ids[i - 1] + 1 \
-                    or dst_ids[i] != dst_ids[i - 1] + 1:
-                runs.append((src_ids[start], dst_ids[start], i - start))
-                start = i
+        runs = block_runs(src_ids, dst_ids)
         moved = 0
         for name, s in src.items():
             d = dst[name]
