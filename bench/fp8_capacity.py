@@ -22,7 +22,9 @@ from kvsession.testing import kv_numerics, make_tiny_model
 def resident_sessions(path, kv_dtype: str, budget: str) -> dict:
     rng = random.Random(0)
     one = SamplingParams(max_tokens=1, temperature=0.0)
-    with LLM(path, kv_cache_dtype=kv_dtype, kv_cache_memory=budget, max_model_len=4096) as llm:
+    # host tier off: "resident" means on the device (otherwise idle sessions spill to DRAM)
+    with LLM(path, kv_cache_dtype=kv_dtype, kv_cache_memory=budget, max_model_len=4096,
+             host_cache_memory=0) as llm:
         system = text_of(llm.tokenizer, rng, 1024)
         sessions = []
         while True:

@@ -23,7 +23,8 @@ from kvsession.cache.block_pool import BlockPool
 from kvsession.cache.hashing import BlockHasher
 from kvsession.cache.kv_pool import KVPool
 from kvsession.cache.prefix import PrefixCache
-from kvsession.config import EngineConfig, RemotePrefillMode
+from kvsession.config import AttentionBackend, EngineConfig, RemotePrefillMode
+from kvsession.engine.graphs import DecodeGraphs
 from kvsession.engine.loop import Engine, EngineLoop, request_metrics
 from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler
@@ -104,8 +105,13 @@ class LLM(SessionStore):
         backend = resolve_backend(cfg.attention_backend, cfg.device, cfg.block_size)
         self.latency = LatencyTracker()
         self.slo = SLO()
-        engine = Engine(self.scheduler, ModelRunner(self.model, self.kv, cfg.device, backend),
-                        Sampler(cfg.seed), self.tokenizer.decode, self.latency)
+        runner = ModelRunner(self.model, self.kv, cfg.device, backend)
+        if cfg.device.type == "cuda" and backend == AttentionBackend.TRITON:
+            runner.graphs = DecodeGraphs(self.model, self.kv, cfg.device, backend,
+                                         blocks_for(max_model_len, cfg.block_size),
+                                         cfg.max_num_seqs, capture=True)
+        engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.tokenizer.decode,
+                        self.latency)
         host_blocks = cfg.host_cache_memory_bytes // (bpt * cfg.block_size)
         self.host = HostPool(self.kv, host_blocks) if host_blocks > 0 else None
         self.disk = DiskTier(cfg.session_dir) if cfg.session_dir is not None else None

@@ -212,3 +212,27 @@ def test_engine_generation_with_triton_backend_matches_torch(llama_dir, kv_dtype
                                  use_tqdm=False)[0]
             assert again.num_cached_tokens == 32 and again.token_ids == outs[backend][2]
     assert outs["triton"] == outs["torch"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_decode_buckets_match_unpadded(llama_dir, backend):
+    """The CUDA-graph decode path pads each step to a bucket (slot -1, seq_len 0, -1 table
+    rows); on CPU it runs the same padded step eagerly. Outputs must not change."""
+    from kvsession.engine.graphs import DecodeGraphs
+    from kvsession.engine.scheduler import blocks_for
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    ps = [[(i * 5 + j) % 500 for j in range(n)] for i, n in enumerate([3, 17, 30])]
+    outs = []
+    for padded in (False, True):
+        with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=128,
+                 attention_backend=backend) as llm:
+            runner = llm._loop.engine.runner
+            if padded:
+                runner.graphs = DecodeGraphs(llm.model, llm.kv, llm.config.device,
+                                             runner.backend, blocks_for(128, 16), 8,
+                                             capture=False)
+                assert runner.graphs.buckets == [1, 2, 4, 8]
+            outs.append([o.token_ids for o in llm.generate(
+                prompt_token_ids=ps, sampling_params=params, use_tqdm=False)])
+    assert outs[0] == outs[1]

@@ -8,6 +8,7 @@ import torch
 from kvsession.attention import AttentionMetadata
 from kvsession.cache.kv_pool import KVPool
 from kvsession.config import AttentionBackend
+from kvsession.engine.graphs import DecodeGraphs
 from kvsession.engine.scheduler import ScheduledSeq
 from kvsession.kernels.reference import Workspace
 from kvsession.model.llama import LlamaModel
@@ -18,6 +19,7 @@ class ModelRunner:
                  backend: AttentionBackend):
         self.model, self.kv, self.device, self.backend = model, kv, device, backend
         self.workspace = Workspace()
+        self.graphs: DecodeGraphs | None = None  # set on CUDA with the Triton kernels
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor,
                                                           AttentionMetadata, list[int]]:
@@ -58,6 +60,15 @@ class ModelRunner:
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step; float32 logits [num sampling sequences, vocab], in batch order."""
+        if self.graphs is not None and all(i.num_new_tokens == 1 and i.samples for i in batch) \
+                and self.graphs.bucket(len(batch)) is not None:
+            bs = self.kv.block_size
+            pos = [i.seq.num_computed_tokens for i in batch]
+            return self.graphs.run(
+                [i.seq.token_ids[p] for i, p in zip(batch, pos, strict=True)], pos,
+                [i.seq.blocks[p // bs].block_id * bs + p % bs
+                 for i, p in zip(batch, pos, strict=True)],
+                [i.seq.block_ids for i in batch])
         input_ids, positions, meta, rows = self.prepare(batch)
         hidden = self.model.forward(input_ids, positions, self.kv, meta)
         return self.model.logits(hidden[rows])
