@@ -20,13 +20,15 @@ from kvsession.testing import kv_numerics, make_tiny_model
 
 
 def resident_sessions(path, kv_dtype: str, budget: str) -> dict:
+    """Add sessions until one of them no longer has its whole KV on the device (the engine
+    drops an idle session's KV to admit new work when there is no other tier)."""
     rng = random.Random(0)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     # host tier off: "resident" means on the device (otherwise idle sessions spill to DRAM)
     with LLM(path, kv_cache_dtype=kv_dtype, kv_cache_memory=budget, max_model_len=4096,
              host_cache_memory=0) as llm:
         system = text_of(llm.tokenizer, rng, 1024)
-        sessions = []
+        sessions, held = [], []
         while True:
             s = llm.session(system=system, sampling=one)
             try:
@@ -35,11 +37,17 @@ def resident_sessions(path, kv_dtype: str, budget: str) -> dict:
                 s.close()
                 break
             sessions.append(s)
+            held.append(s.num_cached_tokens)
+            if any(x.num_cached_tokens < h for x, h in zip(sessions, held, strict=True)):
+                break
+        resident = len(sessions) - 1 if len(sessions) and any(
+            x.num_cached_tokens < h for x, h in zip(sessions, held, strict=True)) \
+            else len(sessions)
         dev = llm.stats().tiers["device"]
-        tokens = sum(x.num_cached_tokens for x in sessions)
+        tokens = sum(held[:resident])
         for s in sessions:
             s.close()
-    return {"sessions": len(sessions), "bytes_per_token": dev.bytes_per_token,
+    return {"sessions": resident, "bytes_per_token": dev.bytes_per_token,
             "tokens_capacity": dev.tokens_capacity, "session_tokens": tokens}
 
 
