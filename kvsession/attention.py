@@ -39,6 +39,7 @@ class AttentionMetadata:
     workspace: reference.Workspace | None = None  # the runner's reusable gather buffers
     query_start_loc_tensor: torch.Tensor | None = None  # device int64 (Triton kernels)
     max_query_len: int = 0
+    on_layer_done: object = None  # called with each layer index once its KV is written
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: LayerKV,

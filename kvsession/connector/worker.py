@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 
+import torch
+
 from kvsession.cache.kv_pool import block_runs
 from kvsession.connector.base import (
     Bye,
@@ -75,46 +77,70 @@ class NixlPrefillService(PrefillService):
             return PrefillFailed(req.req_id, "no handshake")
         agent_name, remote = self.callers[caller]
         llm = self.llm
-        t0 = time.perf_counter()
         seq = Sequence(token_ids=list(req.token_ids), max_model_len=llm.runtime.max_model_len,
                        params=SamplingParams(max_tokens=1, temperature=0.0,
                                              cache_salt=req.cache_salt), retain_blocks=True)
+        layers: queue.Queue = queue.Queue()
+        cuda = llm.config.device.type == "cuda"
+
+        def layer_done(layer: int) -> None:  # engine thread, right after the layer's KV
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+            layers.put((layer, event))
+
+        seq.on_layer_done = layer_done
+        fut = llm._engine_loop().submit(seq)
+        fut.add_done_callback(lambda f: layers.put(None))
+        num_layers = llm.runtime.spec.num_layers
+        handles, moved, posted, t0 = [], 0, 0, None
         try:
-            seq = llm._engine_loop().submit(seq).result()
-        except Exception as e:
-            return PrefillFailed(req.req_id, f"prefill failed: {e}")
-        mine = [b.block_id for b in seq.blocks[req.first_block:]]
-        try:
-            if len(mine) != len(req.block_ids):
-                return PrefillFailed(req.req_id, f"{len(req.block_ids)} target blocks for "
-                                                 f"{len(mine)} computed")
-            runs = block_runs(mine, req.block_ids)
-            handles, moved = [], 0
-            t0 = time.perf_counter()  # the write time only (the cost model's transfer input)
-            for layer in range(llm.runtime.spec.num_layers):
+            # stream: post each layer's WRITE as soon as that layer is computed, while the
+            # engine computes the next one
+            while posted < num_layers and (item := layers.get()) is not None:
+                layer, event = item
+                if event is not None:
+                    event.synchronize()
+                if posted == 0:
+                    t0 = time.perf_counter()
+                    mine = [b.block_id for b in seq.blocks[req.first_block:]]
+                    if len(mine) != len(req.block_ids):
+                        raise RuntimeError(f"{len(req.block_ids)} target blocks for "
+                                           f"{len(mine)} computed")
+                    runs = block_runs(mine, req.block_ids)
                 src, dst = layer_descs(self.local, remote, layer, runs)
                 moved += sum(n for _, n, _ in src)
                 h = self.agent.initialize_xfer(
                     "WRITE", self.agent.get_xfer_descs(src, "DRAM"),
                     self.agent.get_xfer_descs(dst, "DRAM"), agent_name,
                     f"{req.req_id}:{layer}".encode())
+                handles.append(h)
                 if self.agent.transfer(h) == "ERR":
                     raise RuntimeError("transfer could not be posted")
-                handles.append(h)
+                posted += 1
+            seq = fut.result()
+            if posted < num_layers:
+                raise RuntimeError("the prefill finished without every layer")
             for h in handles:
                 state = self.agent.check_xfer_state(h)
                 while state == "PROC":
                     state = self.agent.check_xfer_state(h)
                 if state != "DONE":
                     raise RuntimeError("transfer failed")
-            for h in handles:
-                self.agent.release_xfer_handle(h)
             return PrefillDone(req.req_id, moved, time.perf_counter() - t0)
         except Exception as e:
-            return PrefillFailed(req.req_id, f"transfer failed: {e}")
+            return PrefillFailed(req.req_id, f"prefill or transfer failed: {e}")
         finally:
+            for h in handles:
+                self.agent.release_xfer_handle(h)
+            try:
+                seq = fut.result()
+            except Exception:
+                pass
             blocks = seq.blocks
-            llm._engine_loop().call(lambda: llm.pool.free(blocks)).result()
+            if blocks:
+                llm._engine_loop().call(lambda: llm.pool.free(blocks)).result()
 
     def disconnect(self, caller: str) -> None:
         entry = self.callers.pop(caller, None)

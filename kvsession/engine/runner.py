@@ -54,9 +54,21 @@ class ModelRunner:
             workspace=self.workspace,
             query_start_loc_tensor=torch.tensor(starts, dtype=torch.long, device=dev),
             max_query_len=max(item.num_new_tokens for item in batch),
+            on_layer_done=self._layer_hook(batch),
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos).to(dev), meta, sample_rows
+
+    @staticmethod
+    def _layer_hook(batch: list[ScheduledSeq]):
+        hooks = [i.seq.on_layer_done for i in batch if i.seq.on_layer_done and i.samples]
+        if not hooks:
+            return None
+
+        def done(layer: int) -> None:
+            for hook in hooks:
+                hook(layer)
+        return done
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step; float32 logits [num sampling sequences, vocab], in batch order."""

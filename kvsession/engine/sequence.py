@@ -42,6 +42,10 @@ class Sequence:
     no_remote: bool = False  # a remote prefill failed: compute this one locally
     # called on the engine thread when the sequence ends: on_finish(seq, succeeded)
     on_finish: object = None
+    # called on the engine thread after each layer of the step that completes the prompt,
+    # with the layer index: that layer's KV for the whole prompt is written (remote prefill
+    # streams it out while the next layer computes)
+    on_layer_done: object = None
     generator: torch.Generator | None = None
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None

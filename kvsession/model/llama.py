@@ -157,6 +157,8 @@ class LlamaModel:
         for i, lw in enumerate(self.layers):
             h = h + self.attention_block(rms_norm(h, lw.input_norm, eps), lw, cos_sin, kv, i,
                                          meta)
+            if meta.on_layer_done is not None:
+                meta.on_layer_done(i)
             h = h + self.mlp(rms_norm(h, lw.post_norm, eps), lw)
         return rms_norm(h, self.norm, eps)
 
