@@ -94,16 +94,38 @@ class NixlPrefillService(PrefillService):
         fut = llm._engine_loop().submit(seq)
         fut.add_done_callback(lambda f: layers.put(None))
         num_layers = llm.runtime.spec.num_layers
-        handles, moved, posted, t0 = [], 0, 0, None
+        handles, moved, posted = [], 0, 0
+        in_flight: list = []
+        # time with at least one write in flight (the union of the layers' transfer
+        # intervals): the data plane's own speed, whatever the overlap with compute
+        busy_s, active_since = 0.0, 0.0
+
+        def reap() -> None:
+            nonlocal busy_s
+            for h in list(in_flight):
+                state = self.agent.check_xfer_state(h)  # also drives progress
+                if state == "DONE":
+                    in_flight.remove(h)
+                    if not in_flight:
+                        busy_s += time.perf_counter() - active_since
+                elif state != "PROC":
+                    raise RuntimeError("transfer failed")
+
         try:
             # stream: post each layer's WRITE as soon as that layer is computed, while the
             # engine computes the next one
-            while posted < num_layers and (item := layers.get()) is not None:
+            while posted < num_layers:
+                try:
+                    item = layers.get(timeout=0.0005)
+                except queue.Empty:
+                    reap()
+                    continue
+                if item is None:
+                    break
                 layer, event = item
                 if event is not None:
                     event.synchronize()
                 if posted == 0:
-                    t0 = time.perf_counter()
                     mine = [b.block_id for b in seq.blocks[req.first_block:]]
                     if len(mine) != len(req.block_ids):
                         raise RuntimeError(f"{len(req.block_ids)} target blocks for "
@@ -116,19 +138,20 @@ class NixlPrefillService(PrefillService):
                     self.agent.get_xfer_descs(dst, "DRAM"), agent_name,
                     f"{req.req_id}:{layer}".encode())
                 handles.append(h)
+                if not in_flight:
+                    active_since = time.perf_counter()
+                in_flight.append(h)
                 if self.agent.transfer(h) == "ERR":
                     raise RuntimeError("transfer could not be posted")
                 posted += 1
+            while in_flight and not fut.done():  # keep the writes moving meanwhile
+                reap()
             seq = fut.result()
             if posted < num_layers:
                 raise RuntimeError("the prefill finished without every layer")
-            for h in handles:
-                state = self.agent.check_xfer_state(h)
-                while state == "PROC":
-                    state = self.agent.check_xfer_state(h)
-                if state != "DONE":
-                    raise RuntimeError("transfer failed")
-            return PrefillDone(req.req_id, moved, time.perf_counter() - t0)
+            while in_flight:
+                reap()
+            return PrefillDone(req.req_id, moved, busy_s)
         except Exception as e:
             return PrefillFailed(req.req_id, f"prefill or transfer failed: {e}")
         finally:
