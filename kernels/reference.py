@@ -157,6 +157,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_seqs == 0:
         return torch.empty_like(q)
     block_size = k_cache.shape[1]
+    shared = shared_prefix_blocks(block_tables, seq_lens, block_size)
+    if shared >= CASCADE_MIN_BLOCKS:
+        return _cascade(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale,
+                        v_scale, workspace, shared)
     max_len = int(seq_lens.max())
     tables = block_tables[:, : -(-max_len // block_size)].clamp_min(0)
     flat = tables.flatten()  # index_select: a plain gather, far cheaper than cache[tables]
@@ -177,6 +181,78 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=softmax_scale)
     o = o.reshape(num_seqs, num_heads, head_dim)
     return torch.where((seq_lens > 0)[:, None, None], o, torch.zeros_like(o))
+
+
+CASCADE_MIN_BLOCKS = 16  # below this a shared prefix is not worth a separate pass
+
+
+def shared_prefix_blocks(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                         block_size: int) -> int:
+    """Leading blocks that every sequence of the batch has, physically the same (a pinned
+    system prompt, a forked history): full blocks only."""
+    if block_tables.shape[0] < 2:
+        return 0
+    same = (block_tables == block_tables[:1]).all(dim=0)
+    leading = int(same.long().cumprod(0).sum())
+    return min(leading, int(seq_lens.min()) // block_size)
+
+
+def _attend(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention returning (output, log-sum-exp) so partial results can be merged.
+    qg [..., G, D], k/v [..., L, D], mask broadcastable to [..., G, L]."""
+    s = torch.matmul(qg, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    o = torch.matmul(p, v) / denom.clamp_min(torch.finfo(p.dtype).tiny)
+    lse = torch.where(denom > 0, m + torch.log(denom.clamp_min(torch.finfo(p.dtype).tiny)),
+                      torch.full_like(m, float("-inf")))
+    return o, lse
+
+
+def _cascade(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+             workspace, shared: int) -> torch.Tensor:
+    """Decode attention in two parts merged by log-sum-exp: the batch's shared prefix,
+    gathered and read once for every query, then each sequence's own suffix. With a pinned
+    system prompt under many sessions this halves the bytes a decode step moves."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    dtype = torch.float32
+
+    def gather(cache, scale_t, ids, name):
+        x = gather_blocks(cache, ids, workspace, name)
+        sc = None if scale_t is None else scale_t.index_select(0, ids)
+        return dequantize(x, sc, dtype)
+
+    # shared part: [Hkv, B*G, D] x [Hkv, Ls, D]
+    ids = block_tables[0, :shared].clamp_min(0)
+    ks = gather(k_cache, k_scale, ids, "k").flatten(0, 1).transpose(0, 1)
+    vs = gather(v_cache, v_scale, ids, "v").flatten(0, 1).transpose(0, 1)
+    qh = q.to(dtype).view(num_seqs, num_kv_heads, group, head_dim)
+    qs = qh.permute(1, 0, 2, 3).reshape(num_kv_heads, num_seqs * group, head_dim)
+    o1, lse1 = _attend(qs, ks, vs, scale, None)
+    o1 = o1.view(num_kv_heads, num_seqs, group, head_dim).permute(1, 0, 2, 3)
+    lse1 = lse1.view(num_kv_heads, num_seqs, group, 1).permute(1, 0, 2, 3)
+    # suffixes: [B, Hkv, G, D] x [B, Hkv, Lmax, D]
+    rest = seq_lens - shared * block_size
+    max_rest = int(rest.max())
+    if max_rest == 0:
+        return o1.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    tables = block_tables[:, shared: shared + -(-max_rest // block_size)].clamp_min(0)
+    flat = tables.flatten()
+    kr = gather(k_cache, k_scale, flat, "k").view(num_seqs, -1, num_kv_heads, head_dim)
+    vr = gather(v_cache, v_scale, flat, "v").view(num_seqs, -1, num_kv_heads, head_dim)
+    kr, vr = kr[:, :max_rest].transpose(1, 2), vr[:, :max_rest].transpose(1, 2)
+    mask = (torch.arange(max_rest, device=q.device)[None, :] < rest[:, None])[:, None, None]
+    o2, lse2 = _attend(qh, kr, vr, scale, mask)
+    lse = torch.logaddexp(lse1, lse2)
+    o = o1 * torch.exp(lse1 - lse) + o2 * torch.exp(lse2 - lse)
+    return o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,

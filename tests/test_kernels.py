@@ -236,3 +236,27 @@ def test_padded_decode_buckets_match_unpadded(llama_dir, backend):
             outs.append([o.token_ids for o in llm.generate(
                 prompt_token_ids=ps, sampling_params=params, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP8])
+def test_reference_cascade_for_a_shared_prefix_matches_plain(dtype, monkeypatch):
+    """Decode batches whose sequences share leading blocks (a pinned system prompt) read
+    them once (two partial softmaxes merged by log-sum-exp); same result as the plain path."""
+    bs, blocks_shared = 16, R.CASCADE_MIN_BLOCKS
+    lens = [blocks_shared * bs + 5, blocks_shared * bs + 40, blocks_shared * bs + 1]
+    k, v, ks, vs = make_cache(dtype, 40, bs, 2, 64)
+    tables = torch.full((3, 20), -1, dtype=torch.long)
+    nxt = blocks_shared
+    for i, n in enumerate(lens):
+        tables[i, :blocks_shared] = torch.arange(blocks_shared)
+        own = -(-n // bs) - blocks_shared
+        tables[i, blocks_shared:blocks_shared + own] = torch.arange(nxt, nxt + own)
+        nxt += own
+    assert R.shared_prefix_blocks(tables, torch.tensor(lens), bs) == blocks_shared
+    q = torch.randn(3, 8, 64)
+    cascade = R.paged_attention(q, k, v, tables, torch.tensor(lens), 0.125, ks, vs)
+    monkeypatch.setattr(R, "CASCADE_MIN_BLOCKS", 10**9)
+    plain = R.paged_attention(q, k, v, tables, torch.tensor(lens), 0.125, ks, vs)
+    torch.testing.assert_close(cascade, plain, atol=1e-5, rtol=1e-5)
+    triton_out = paged_attention(q, k, v, tables, torch.tensor(lens), 0.125, ks, vs)
+    torch.testing.assert_close(triton_out, plain, atol=1e-4, rtol=1e-4)
