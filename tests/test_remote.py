@@ -34,7 +34,9 @@ class Worker:
         line = "x"
         while line and "listening" not in line:  # the worker says when it listens
             line = self.proc.stdout.readline()
-        assert "listening" in line, "the worker did not start"
+        if "listening" not in line:
+            self.proc.kill()
+            raise AssertionError("the worker did not start")
 
     def stop(self) -> int:
         if self.proc.poll() is None:
