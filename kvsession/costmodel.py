@@ -81,13 +81,6 @@ def break_even_bytes_per_s(kv_bytes_per_token: float, prefill_tps: float) -> flo
     return kv_bytes_per_token * prefill_tps
 
 
-def keep_or_spill(held_bytes: float, expected_idle_s: float, reload_ms: float,
-                  byte_second_cost_ms: float) -> bool:
-    """InferCept-style waste comparison for a pausing session: keeping wastes memory x time,
-    spilling wastes the reload. True = keep on the device."""
-    return held_bytes * expected_idle_s * byte_second_cost_ms <= reload_ms
-
-
 class RateEstimator:
     """An exponentially weighted moving average of a measured rate (amount / seconds),
     thread-safe. `value` is the prior until the first measurement."""

@@ -147,9 +147,6 @@ class BlockPool:
             return None  # a hash collision is a miss, never a wrong hit
         return b
 
-    def num_cached_free(self) -> int:
-        return sum(1 for b in self.free_queue if b.block_hash is not None)
-
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant in the module docstring is broken."""
         in_queue = list(self.free_queue)

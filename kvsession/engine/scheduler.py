@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from kvsession.cache.block_pool import BlockPool
 from kvsession.cache.prefix import PrefixCache
 from kvsession.engine.sequence import Sequence, SequenceStatus
-from kvsession.errors import CacheFullError
 
 
 @dataclass(frozen=True)
@@ -272,8 +271,3 @@ class Scheduler:
             self.prefix.clear_pending(seq.seq_id, seq.block_hashes)
         seq.status = SequenceStatus.FINISHED
 
-    def check_capacity(self, num_tokens: int) -> None:
-        if blocks_for(num_tokens, self.pool.block_size) > self.pool.num_blocks:
-            raise CacheFullError(
-                f"a sequence of {num_tokens} tokens needs more KV blocks than the pool has "
-                f"({self.pool.num_blocks})")

@@ -64,5 +64,3 @@ class HostPool:
             moved += s[:, :1].numel() * s.element_size() * len(src_ids)
         return moved
 
-    def block(self, host_id: int) -> dict[str, torch.Tensor]:
-        return {name: t[:, host_id] for name, t in self.tensors.items()}
