@@ -34,6 +34,8 @@ class TensorDesc(msgspec.Struct, frozen=True):
     num_layers: int
     num_blocks: int
     block_bytes: int
+    mem_type: str = "DRAM"  # NIXL memory type: "DRAM" (host) or "VRAM" (GPU)
+    device_id: int = 0
 
 
 class Hello(msgspec.Struct, tag=True):

@@ -57,7 +57,9 @@ def make_agent(prefix: str):
 
 def describe_tensors(tensors: dict[str, torch.Tensor]) -> list[TensorDesc]:
     return [TensorDesc(name, t.data_ptr(), t.shape[0], t.shape[1],
-                       t[0, 0].numel() * t.element_size()) for name, t in tensors.items()]
+                       t[0, 0].numel() * t.element_size(),
+                       "VRAM" if t.is_cuda else "DRAM", t.device.index or 0)
+            for name, t in tensors.items()]
 
 
 def layer_descs(local: list[TensorDesc], remote: list[TensorDesc], layer: int,
@@ -67,9 +69,9 @@ def layer_descs(local: list[TensorDesc], remote: list[TensorDesc], layer: int,
     for lt, rt in zip(local, remote, strict=True):
         for s0, d0, n in runs:
             src.append((lt.addr + (layer * lt.num_blocks + s0) * lt.block_bytes,
-                        n * lt.block_bytes, 0))
+                        n * lt.block_bytes, lt.device_id))
             dst.append((rt.addr + (layer * rt.num_blocks + d0) * rt.block_bytes,
-                        n * rt.block_bytes, 0))
+                        n * rt.block_bytes, rt.device_id))
     return src, dst
 
 

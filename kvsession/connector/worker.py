@@ -134,8 +134,8 @@ class NixlPrefillService(PrefillService):
                 src, dst = layer_descs(self.local, remote, layer, runs)
                 moved += sum(n for _, n, _ in src)
                 h = self.agent.initialize_xfer(
-                    "WRITE", self.agent.get_xfer_descs(src, "DRAM"),
-                    self.agent.get_xfer_descs(dst, "DRAM"), agent_name,
+                    "WRITE", self.agent.get_xfer_descs(src, self.local[0].mem_type),
+                    self.agent.get_xfer_descs(dst, remote[0].mem_type), agent_name,
                     f"{req.req_id}:{layer}".encode())
                 handles.append(h)
                 if not in_flight:
