@@ -7,10 +7,13 @@ thread-safe: they post work to the engine loop and wait on Futures.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
+import sys
 import time
+import weakref
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
 
@@ -45,6 +48,20 @@ from kvsession.tiers.policy import TierPolicy
 
 log = logging.getLogger("kvsession")
 CPU_DEFAULT_KV_BYTES = 2**30
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    """An LLM left open is closed (sessions persisted, workers told, NIXL released) while
+    its engine thread still runs: at interpreter exit, before daemon threads stop."""
+    for llm in list(_LIVE):
+        try:
+            llm.close()
+        except Exception:  # best effort at exit; never raise from here
+            log.exception("closing an LLM at exit failed")
+
+
 # share of decode time lost to co-located prefills (DESIGN-NOTES: 0.15-0.45 is typical);
 # used until the engine measures it
 REMOTE_STALL_RATIO = 0.3
@@ -122,6 +139,7 @@ class LLM(SessionStore):
         self._init_sessions()
         self._init_remote(engine)
         self._loop = EngineLoop(engine)
+        _LIVE.add(self)
         log.info("kvsession: %s on %s, kv %s: %d blocks x %d tokens = %d tokens, %d bytes/token",
                  spec.architecture, cfg.device, cfg.kv_cache_dtype_name, num_blocks,
                  cfg.block_size, num_blocks * cfg.block_size, bpt)
@@ -212,6 +230,10 @@ class LLM(SessionStore):
         self.close()
 
     def __del__(self):
+        # never block during interpreter shutdown (the engine thread may be gone);
+        # _close_all_at_exit has closed every LLM before that
+        if sys.is_finalizing():
+            return
         try:
             self.close()
         except Exception:

@@ -200,3 +200,19 @@ def test_disk_full_keeps_the_session(llama_dir, tmp_path, monkeypatch, caplog):
         assert list((tmp_path / "sd").iterdir()) == []  # no torn or temporary file left
         s.close()
     assert got == want
+
+
+def test_llm_left_open_at_exit_still_persists_and_exits(llama_dir, tmp_path):
+    sd = tmp_path / "sd"
+    script = f"""
+from kvsession import LLM, SamplingParams
+llm = LLM({str(llama_dir)!r}, kv_cache_memory="8MiB", max_model_len=512,
+          session_dir={str(sd)!r})
+s = llm.session(session_id="left-open", sampling=SamplingParams(max_tokens=4))
+s.send("hello")
+# no close(): the process just ends
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (sd / "left-open.kvs").is_file()
