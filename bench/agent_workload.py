@@ -21,7 +21,7 @@ import threading
 import time
 
 import torch
-from common import RESULTS, mid_model, text_of, write_result
+from common import RESULTS, mid_model, pyplot, text_of, write_result
 
 from kvsession import LLM, SamplingParams
 from kvsession.metrics import percentile
@@ -171,10 +171,7 @@ def main() -> None:
           f"/ exact minimum {result['prefill_vs_exact_min']:.3f}")
     write_result("agent_workload", result)
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         fig, ax = plt.subplots(figsize=(7, 3.8))
         for name, label in (("kvsession", "kvsession sessions"), ("hf_naive", "HF naive"),

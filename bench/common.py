@@ -25,11 +25,6 @@ def mid_model(root: Path | None = None) -> Path:
     return path
 
 
-def timed(fn, repeat: int = 3) -> float:
-    """Best wall time of `repeat` runs (after one warm-up)."""
-    return compare([fn], repeat)[0]
-
-
 def compare(fns, repeat: int = 3) -> list[float]:
     """Best wall time of each function over `repeat` rounds, run interleaved (one warm-up
     each) so that machine noise hits all of them alike."""
@@ -63,3 +58,13 @@ def text_of(tokenizer, rng, num_tokens: int) -> str:
     while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) > num_tokens:
         words.pop()
     return " ".join(words)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (benchmarks draw PNGs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

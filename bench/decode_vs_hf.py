@@ -12,7 +12,7 @@ import argparse
 import random
 
 import torch
-from common import RESULTS, compare, mid_model, write_result
+from common import RESULTS, compare, mid_model, pyplot, write_result
 
 from kvsession import LLM, SamplingParams
 
@@ -69,10 +69,7 @@ def main() -> None:
     write_result("decode_vs_hf", {"model": "mid-size llama (hidden 512, 8 layers, vocab 32000)",
                                   "new_tokens": n_new, "results": results})
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         fig, ax = plt.subplots(figsize=(7, 3.5))
         names = list(results)

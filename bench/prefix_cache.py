@@ -14,7 +14,7 @@ import argparse
 import random
 import statistics
 
-from common import RESULTS, compare, mid_model, write_result
+from common import RESULTS, compare, mid_model, pyplot, write_result
 
 from kvsession import LLM, SamplingParams
 
@@ -72,10 +72,7 @@ def main() -> None:
                                   "zero_reuse": {"on_s": t_on, "off_s": t_off,
                                                  "overhead": overhead}})
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for name in ("off", "on"):

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, mid_model, text_of, write_result
+from common import RESULTS, mid_model, pyplot, text_of, write_result
 
 from kvsession import LLM, SamplingParams
 from kvsession.tiers.policy import Tier
@@ -144,10 +144,7 @@ def main() -> None:
                                    "raw_disk_read_bytes_per_s": raw_read,
                                    "dram_copy_bytes_per_s": copy, "runs": runs})
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         fig, ax = plt.subplots(figsize=(7, 3.8))
         x = range(len(runs))

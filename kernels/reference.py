@@ -49,6 +49,14 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, workspace: Workspac
     return torch.index_select(cache, 0, blocks, out=out)
 
 
+def gather_dequant(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor,
+                   dtype: torch.dtype, workspace: Workspace | None, name: str) -> torch.Tensor:
+    """The listed blocks `[n, block_size, heads, dim]`, dequantized to `dtype`."""
+    x = gather_blocks(cache, blocks, workspace, name)
+    s = None if scale is None else scale.index_select(0, blocks)
+    return dequantize(x, s, dtype)
+
+
 def quantize_fp8(x: torch.Tensor, scale_dtype: torch.dtype = torch.float16
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., head_dim] -> (fp8 values, scale [...] in `scale_dtype`), scale = absmax / 448
@@ -103,9 +111,7 @@ def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torc
     """The first `num_tokens` tokens of one sequence, `[num_tokens, num_kv_heads, head_dim]`."""
     block_size = cache.shape[1]
     blocks = block_table[: -(-num_tokens // block_size)].clamp_min(0)
-    x = gather_blocks(cache, blocks, workspace, name).flatten(0, 1)[:num_tokens]
-    s = None if scale is None else scale.index_select(0, blocks).flatten(0, 1)[:num_tokens]
-    return dequantize(x, s, dtype)
+    return gather_dequant(cache, scale, blocks, dtype, workspace, name).flatten(0, 1)[:num_tokens]
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -166,9 +172,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     flat = tables.flatten()  # index_select: a plain gather, far cheaper than cache[tables]
 
     def gather(cache, scale, name):
-        x = gather_blocks(cache, flat, workspace, name)
-        s = None if scale is None else scale.index_select(0, flat)
-        x = dequantize(x, s, q.dtype).view(num_seqs, -1, *cache.shape[2:])
+        x = gather_dequant(cache, scale, flat, q.dtype, workspace, name)
+        x = x.view(num_seqs, -1, *cache.shape[2:])
         return x[:, :max_len].transpose(1, 2)  # [B, Hkv, L, D]
 
     k, v = gather(k_cache, k_scale, "k"), gather(v_cache, v_scale, "v")
@@ -225,9 +230,7 @@ def _cascade(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scal
     dtype = torch.float32
 
     def gather(cache, scale_t, ids, name):
-        x = gather_blocks(cache, ids, workspace, name)
-        sc = None if scale_t is None else scale_t.index_select(0, ids)
-        return dequantize(x, sc, dtype)
+        return gather_dequant(cache, scale_t, ids, dtype, workspace, name)
 
     # shared part: [Hkv, B*G, D] x [Hkv, Ls, D]
     ids = block_tables[0, :shared].clamp_min(0)

@@ -12,7 +12,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from kvsession.cache.kv_pool import KVPool
+from kvsession.config import EngineConfig
 from kvsession.llm import LLM
+from kvsession.model.config import load_model_spec
 from kvsession.params import SamplingParams
 
 SYSTEM = ("You are a coding agent working in a repository. Tools: list_files(path), "
@@ -45,9 +48,12 @@ def run_demo(model: Path, session_dir: Path, num_sessions: int = 6, num_turns: i
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=16, temperature=0.0)
     # a device pool for about half the sessions: the rest must spill to host and disk
-    probe = LLM(model, kv_cache_memory="64MiB", max_model_len=1024)
-    bpt, bs = probe.runtime.kv_bytes_per_token, probe.config.block_size
-    probe.close()
+    # the KV geometry from config.json alone (no weights loaded just to size the pool)
+    cfg = EngineConfig.from_args(model)
+    spec = load_model_spec(cfg.model)
+    bpt = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                 cfg.kv_cache_dtype)
+    bs = cfg.block_size
     per_session_tokens = 150 + num_turns * 170
     device_blocks = 1024 // bs + max(1, num_sessions // 3) * (per_session_tokens // bs + 1)
     kw = dict(kv_cache_memory=device_blocks * bs * bpt,
