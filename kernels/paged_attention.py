@@ -1,13 +1,14 @@
 """Triton kernels: decode attention over block tables (flash-decoding).
 
 One query token per sequence. Pass 1 (`_decode_split`): program (sequence, KV head, split)
-walks its share of the sequence's blocks with an online softmax; the query heads of a GQA
-group are the rows of one tile, so each KV block is read once for the whole group. fp8
-blocks are dequantized in the load with their per-token-head scales. Pass 2
-(`_decode_reduce`) merges the splits by their log-sum-exp. Block ids and offsets use int64,
-so block_id * stride cannot overflow; rows with seq_len 0 (padding) give zeros; block-table
-entries past a sequence's length (-1 padding) are never read. Twin:
-`reference.paged_attention`.
+walks its share of the sequence's key tiles (`attend.attend_tile`: TILE_N positions, several
+blocks per load) with an online softmax; the query heads of a GQA group are the rows of one
+tile, so each KV byte is read once for the whole group. fp8 blocks are dequantized in the
+load path with their per-token-head scales. With one split the program normalises and writes
+the output itself; otherwise pass 2 (`_decode_reduce`) merges the splits by their
+log-sum-exp. Block ids and offsets use int64, so block_id * stride cannot overflow; rows with
+seq_len 0 (padding) give zeros; block-table entries past a sequence's length (-1 padding) are
+never read. Twin: `reference.paged_attention`.
 """
 
 from __future__ import annotations
@@ -16,67 +17,53 @@ import torch
 import triton
 import triton.language as tl
 
+from kvsession.kernels.attend import TILE_N, attend_tile, dot_dtype
 from kvsession.kernels.checks import check, check_cache, next_pow2
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_block(cache, scale, bid, n, nm, d, dm, h, num_kv_heads, head_dim,
-                BLOCK_N: tl.constexpr, FP8: tl.constexpr):
-    """A [BLOCK_N, BLOCK_D] float32 tile of KV head h of block `bid` (int64)."""
-    row = bid * BLOCK_N + n  # slot index, int64
-    x = tl.load(cache + (row[:, None] * num_kv_heads + h) * head_dim + d[None, :],
-                mask=nm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-    if FP8:
-        s = tl.load(scale + row * num_kv_heads + h, mask=nm, other=0.0).to(tl.float32)
-        x = x * s[:, None]
-    return x
-
-
-@triton.jit
-def _decode_split(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
+def _decode_split(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, out,
                   part_acc, part_m, part_l, qk_scale, num_heads, num_kv_heads, head_dim,
-                  table_stride, num_splits, blocks_per_split,
+                  table_stride, num_splits, tiles_per_split,
                   G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, FP8: tl.constexpr,
+                  DOT_T: tl.constexpr, DIRECT: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens + s)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    n = tl.arange(0, BLOCK_N)
+    n = tl.arange(0, TILE)
     gm = g < G
     dm = d < head_dim
     qh = h * G + g
     qv = tl.load(q + (s * num_heads + qh)[:, None] * head_dim + d[None, :],
-                 mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32) * qk_scale
+                 mask=gm[:, None] & dm[None, :], other=0.0).to(DOT_T)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    first = sp * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_N))
-    for b in range(first, last):
-        bid = tl.load(block_tables + s * table_stride + b).to(tl.int64)
-        nm = b * BLOCK_N + n < seq_len
-        k = _load_block(k_cache, k_scale, bid, n, nm, d, dm, h, num_kv_heads, head_dim,
-                        BLOCK_N, FP8)
-        v = _load_block(v_cache, v_scale, bid, n, nm, d, dm, h, num_kv_heads, head_dim,
-                        BLOCK_N, FP8)
-        scores = tl.dot(qv, tl.trans(k), input_precision="ieee")
-        scores = tl.where(nm[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m_i = m_new
-    base = ((s * num_kv_heads + h) * num_splits + sp) * G + g
-    tl.store(part_m + base, m_i, mask=gm)
-    tl.store(part_l + base, l_i, mask=gm)
-    tl.store(part_acc + base[:, None] * head_dim + d[None, :], acc,
-             mask=gm[:, None] & dm[None, :])
+    table_row = block_tables + s * table_stride
+    first = sp * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(seq_len, TILE))
+    for t in range(first, last):
+        pos = t * TILE + n
+        pm = pos < seq_len
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, qv, k_cache, v_cache, k_scale, v_scale,
+                                    table_row, pos, pm, pm[None, :], d, dm, h, num_kv_heads,
+                                    head_dim, qk_scale, BLOCK_SIZE, FP8, DOT_T, True)
+    if DIRECT:  # one split: this program has the whole row; seq_len 0 leaves acc = 0
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out + (s * num_heads + qh)[:, None] * head_dim + d[None, :],
+                 o.to(out.dtype.element_ty), mask=gm[:, None] & dm[None, :])
+    else:
+        base = ((s * num_kv_heads + h) * num_splits + sp) * G + g
+        tl.store(part_m + base, m_i, mask=gm)
+        tl.store(part_l + base, l_i, mask=gm)
+        tl.store(part_acc + base[:, None] * head_dim + d[None, :], acc,
+                 mask=gm[:, None] & dm[None, :])
 
 
 @triton.jit
@@ -106,10 +93,11 @@ def _decode_reduce(part_acc, part_m, part_l, seq_lens, out, num_heads, num_kv_he
     tl.store(out + (s * num_heads + qh) * head_dim + d, o.to(out.dtype.element_ty), mask=dm)
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Enough programs to fill a GPU (~264 on a 132-SM part) without tiny splits."""
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_tiles: int) -> int:
+    """Enough programs to fill a GPU (~264 on a 132-SM part: two per SM) without splits of
+    under two tiles; one split (no reduction pass) once the batch alone fills it."""
     want = triton.cdiv(264, max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, max_blocks, 64))
+    return max(1, min(want, max_tiles // 2, 64))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -133,25 +121,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    max_blocks = block_tables.shape[1]
-    splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_blocks)
-    per_split = max(1, triton.cdiv(max_blocks, splits))
-    splits = max(1, triton.cdiv(max_blocks, per_split))
+    max_tiles = triton.cdiv(block_tables.shape[1] * block_size, TILE_N)
+    splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_tiles)
+    per_split = max(1, triton.cdiv(max_tiles, splits))
+    splits = max(1, triton.cdiv(max_tiles, per_split))
     group = num_heads // num_kv_heads
-    part_acc = torch.empty((num_seqs, num_kv_heads, splits, group, head_dim),
-                           dtype=torch.float32, device=q.device)
-    part_m = torch.empty((num_seqs, num_kv_heads, splits, group), dtype=torch.float32,
-                         device=q.device)
+    direct = splits == 1
+    shape = (num_seqs, num_kv_heads, splits, group) if not direct else (1, 1, 1, 1)
+    part_acc = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+    part_m = torch.empty(shape, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     fp8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     block_d = max(16, next_pow2(head_dim))
     _decode_split[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, part_acc, part_m, part_l,
+        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, part_acc, part_m, part_l,
         softmax_scale * LOG2E, num_heads, num_kv_heads, head_dim, block_tables.stride(0),
         splits, per_split, G=group, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_size, FP8=fp8)
-    _decode_reduce[(num_seqs, num_heads)](
-        part_acc, part_m, part_l, seq_lens, out, num_heads, num_kv_heads, head_dim, splits,
-        G=group, BLOCK_S=next_pow2(splits), BLOCK_D=block_d)
+        BLOCK_SIZE=block_size, TILE=TILE_N, FP8=fp8,
+        DOT_T=dot_dtype(q.dtype, k_cache.dtype), DIRECT=direct, num_warps=4, num_stages=2)
+    if not direct:
+        _decode_reduce[(num_seqs, num_heads)](
+            part_acc, part_m, part_l, seq_lens, out, num_heads, num_kv_heads, head_dim,
+            splits, G=group, BLOCK_S=next_pow2(splits), BLOCK_D=block_d)
     return out

@@ -2,10 +2,11 @@
 rest of a prompt after a prefix hit) over its paged cached prefix and the chunk itself,
 variable-length batch. The chunk's K/V must already be stored (store_kv).
 
-Program (sequence, query tile, query head): BLOCK_M new tokens of one head; walks the
-sequence's blocks up to the tile's last position with an online softmax; key position
-<= query position is the causal mask. fp8 blocks are dequantized in the load. Twin:
-`reference.prefill_attention`.
+Program (sequence, query tile, query head): BLOCK_M new tokens of one head walk the
+sequence's key tiles (`attend.attend_tile`) with an online softmax, in two loops: tiles that
+end before the query tile's first position are visible to every row and need no mask (all
+of a cached prefix but the last tile); the rest carry the causal mask key position <= query
+position. fp8 blocks are dequantized in the load path. Twin: `reference.prefill_attention`.
 """
 
 from __future__ import annotations
@@ -14,17 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kvsession.kernels.attend import TILE_N, attend_tile, dot_dtype
 from kvsession.kernels.checks import check, check_cache, next_pow2
-from kvsession.kernels.paged_attention import LOG2E, _load_block
+from kvsession.kernels.paged_attention import LOG2E
 
-BLOCK_M = 16
+BLOCK_M = 64  # query rows per program: tensor-core sized, and few enough programs idle
 
 
 @triton.jit
 def _prefill(q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens,
              out, qk_scale, num_heads, num_kv_heads, head_dim, table_stride,
              G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+             BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, FP8: tl.constexpr,
+             DOT_T: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     qh = tl.program_id(2)
@@ -37,34 +40,32 @@ def _prefill(q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_lo
     qm = mi < q_len
     d = tl.arange(0, BLOCK_D)
     dm = d < head_dim
-    n = tl.arange(0, BLOCK_N)
+    n = tl.arange(0, TILE)
     rows = (q_start + mi).to(tl.int64)
     qv = tl.load(q + (rows * num_heads + qh)[:, None] * head_dim + d[None, :],
-                 mask=qm[:, None] & dm[None, :], other=0.0).to(tl.float32) * qk_scale
+                 mask=qm[:, None] & dm[None, :], other=0.0).to(DOT_T)
     qpos = ctx + mi
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    last_pos = ctx + tl.minimum((tile + 1) * BLOCK_M, q_len) - 1
-    num_blocks = tl.where(tile * BLOCK_M < q_len, last_pos // BLOCK_N + 1, 0)
-    for b in range(0, num_blocks):
-        bid = tl.load(block_tables + s * table_stride + b).to(tl.int64)
-        kpos = b * BLOCK_N + n
-        nm = kpos < seq_len
-        k = _load_block(k_cache, k_scale, bid, n, nm, d, dm, h, num_kv_heads, head_dim,
-                        BLOCK_N, FP8)
-        v = _load_block(v_cache, v_scale, bid, n, nm, d, dm, h, num_kv_heads, head_dim,
-                        BLOCK_N, FP8)
-        scores = tl.dot(qv, tl.trans(k), input_precision="ieee")
-        visible = (kpos[None, :] <= qpos[:, None]) & nm[None, :] & qm[:, None]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - m_safe))
-        p = tl.where(visible, tl.exp2(scores - m_safe[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m_i = m_new
+    table_row = block_tables + s * table_stride
+    live = tile * BLOCK_M < q_len  # tiles past a short sequence's end do nothing
+    first_q = ctx + tile * BLOCK_M
+    last_q = ctx + tl.minimum((tile + 1) * BLOCK_M, q_len) - 1
+    num_full = tl.where(live, first_q // TILE, 0)  # keys < first_q: seen by every row
+    num_tiles = tl.where(live, last_q // TILE + 1, 0)
+    for t in range(0, num_full):
+        pos = t * TILE + n
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, qv, k_cache, v_cache, k_scale, v_scale,
+                                    table_row, pos, pos >= 0, None, d, dm, h, num_kv_heads,
+                                    head_dim, qk_scale, BLOCK_SIZE, FP8, DOT_T, False)
+    for t in range(num_full, num_tiles):
+        pos = t * TILE + n
+        pm = pos < seq_len
+        visible = (pos[None, :] <= qpos[:, None]) & pm[None, :] & qm[:, None]
+        acc, m_i, l_i = attend_tile(acc, m_i, l_i, qv, k_cache, v_cache, k_scale, v_scale,
+                                    table_row, pos, pm, visible, d, dm, h, num_kv_heads,
+                                    head_dim, qk_scale, BLOCK_SIZE, FP8, DOT_T, True)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out + (rows * num_heads + qh)[:, None] * head_dim + d[None, :],
              o.to(out.dtype.element_ty), mask=qm[:, None] & dm[None, :])
@@ -103,5 +104,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _prefill[grid](q, k_cache, v_cache, ks, vs, block_tables, query_start_loc, seq_lens, out,
                    softmax_scale * LOG2E, num_heads, num_kv_heads, head_dim,
                    block_tables.stride(0), G=num_heads // num_kv_heads, BLOCK_M=BLOCK_M,
-                   BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_N=block_size, FP8=fp8)
+                   BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_SIZE=block_size, TILE=TILE_N,
+                   FP8=fp8, DOT_T=dot_dtype(q.dtype, k_cache.dtype), num_warps=4,
+                   num_stages=2)
     return out
