@@ -1,7 +1,7 @@
 """Torch reference twins of the attention kernels: readable, per-sequence, no custom ops.
 
 Cache layout (one layer): K and V are `[num_blocks, block_size, num_kv_heads, head_dim]`;
-with an fp8 cache, `k_scale`/`v_scale` are `[num_blocks, block_size, num_kv_heads]` float32
+with an fp8 cache, `k_scale`/`v_scale` are `[num_blocks, block_size, num_kv_heads]` float16
 (one scale per token per KV head, stored beside the block it describes). A token at
 position p of a sequence lives in slot `block_table[p // block_size] * block_size +
 p % block_size`. Slot -1 and block id -1 mean padding and are ignored.

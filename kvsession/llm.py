@@ -109,8 +109,10 @@ class LLM(SessionStore):
 
         weights = load_weights(cfg.model, spec, cfg.dtype, cfg.device)
         self.model = LlamaModel(spec, weights, max_model_len)
+        backend = resolve_backend(cfg.attention_backend, cfg.device, cfg.block_size)
         self.kv = KVPool(spec.num_layers, num_blocks, cfg.block_size, spec.num_kv_heads,
-                         spec.head_dim, cfg.kv_cache_dtype, cfg.device)
+                         spec.head_dim, cfg.kv_cache_dtype, cfg.device,
+                         use_kernels=backend == AttentionBackend.TRITON)
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         hasher = BlockHasher({"model": fingerprint, "kv_dtype": cfg.kv_cache_dtype_name},
                              cfg.block_size)
@@ -119,7 +121,6 @@ class LLM(SessionStore):
         self.scheduler = Scheduler(self.pool, self.prefix, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens,
                                    reclaim=lambda n: self.policy.reclaim(n))
-        backend = resolve_backend(cfg.attention_backend, cfg.device, cfg.block_size)
         self.latency = LatencyTracker()
         self.slo = SLO()
         runner = ModelRunner(self.model, self.kv, cfg.device, backend)

@@ -12,6 +12,11 @@ from kvsession.testing import make_tiny_model
 # Triton kernels run on CPU tensors through Triton's interpreter in the tests; this must be
 # set before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite is the CPU suite even on a GPU machine (device="auto" would otherwise pick CUDA
+# and run interpreted kernels on it); test_gpu.py gives its subprocesses the GPUs back.
+if "KVSESSION_VISIBLE_GPUS" not in os.environ:
+    os.environ["KVSESSION_VISIBLE_GPUS"] = os.environ.get("CUDA_VISIBLE_DEVICES", "<all>")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(scope="session")

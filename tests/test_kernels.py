@@ -313,3 +313,33 @@ def test_kernels_compile_for_hopper_without_spills():
     assert not fp32["tensor_cores"] and fp32["ffma"] > 1000
     assert {k for _, k in by_case} == {"_decode_split", "_decode_reduce", "_prefill",
                                       "_store_kv", "_copy"}
+
+
+def test_staged_host_moves_and_copy_on_write_through_the_kernel():
+    """With use_kernels (the CUDA setting) host-tier moves are staged through the block-copy
+    kernel and copy-on-write launches it; bytes must equal the plain slice-copy path's, for
+    fragmented ids on both sides, fp8 scales included."""
+    from kvsession.cache.kv_pool import KVPool
+    from kvsession.tiers.host import HostPool
+
+    cpu = torch.device("cpu")
+    pools = [KVPool(2, 12, 16, 2, 64, FP8, cpu, use_kernels=u) for u in (False, True)]
+    g = torch.Generator().manual_seed(5)
+    for name, t in pools[0].tensors().items():
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+        pools[1].tensors()[name].view(torch.uint8).copy_(raw)
+    hosts = [HostPool(p, 10) for p in pools]
+    assert [h.staged for h in hosts] == [False, True]
+    for h, p in zip(hosts, pools, strict=True):
+        h.tensors = {n: torch.zeros_like(t) for n, t in h.tensors.items()}
+        assert h.store(p, [7, 2, 3, 11], [9, 0, 4, 5]) / 4 == h.load(p, [5, 9, 0],
+                                                                    [0, 1, 8]) / 3
+        p.copy_block(3, 6)
+    for name in pools[0].tensors():
+        a, b = (h.tensors[name].view(torch.uint8) for h in hosts)
+        assert torch.equal(a, b) and int(a[:, [1, 2, 3]].sum()) == 0
+        assert torch.equal(b[:, 9], pools[1].tensors()[name].view(torch.uint8)[:, 7])
+        p0, p1 = (p.tensors()[name].view(torch.uint8) for p in pools)
+        assert torch.equal(p0, p1)
+        assert torch.equal(p1[:, 0], p1[:, 11]) and torch.equal(p1[:, 6], p1[:, 3])

@@ -25,8 +25,8 @@ def make_llm(model_dir, **kw):
     return llm
 
 
-def reference(model_dir, kv_dtype, n=4):
-    with make_llm(model_dir, kv_cache_dtype=kv_dtype) as llm:
+def reference(model_dir, kv_dtype, n=4, **kw):
+    with make_llm(model_dir, kv_cache_dtype=kv_dtype, **kw) as llm:
         with llm.session(system=SYSTEM, sampling=G) as s:
             return [s.send(t).token_ids for t in TURNS[:n]]
 
@@ -35,10 +35,15 @@ def on_engine(llm, fn):
     return llm._loop.call(fn).result()
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "fp8"])
-def test_every_path_continues_exactly(llama_dir, tmp_path, kv_dtype):
-    want = reference(llama_dir, kv_dtype)
-    with make_llm(llama_dir, kv_cache_dtype=kv_dtype, session_dir=tmp_path / "sd") as llm:
+@pytest.mark.parametrize("kv_dtype, backend", [("float32", "torch"), ("fp8", "torch"),
+                                               ("fp8", "triton")])
+def test_every_path_continues_exactly(llama_dir, tmp_path, kv_dtype, backend):
+    """With the Triton backend the host moves are staged through the block-copy kernel (the
+    CUDA path; here under the interpreter)."""
+    want = reference(llama_dir, kv_dtype, attention_backend=backend)
+    with make_llm(llama_dir, kv_cache_dtype=kv_dtype, session_dir=tmp_path / "sd",
+                  attention_backend=backend) as llm:
+        assert (llm.host.staged, llm.kv.use_kernels) == ((backend == "triton"),) * 2
         s = llm.session(system=SYSTEM, sampling=G, session_id="agent-1")
         got = [s.send(TURNS[0]).token_ids]
         # device -> host -> device

@@ -1,7 +1,7 @@
 """The physical KV tensors: one K and one V tensor for all layers, indexed by block id.
 
 Layout: `k[layer, block, slot_in_block, kv_head, head_dim]` (same for `v`). With an fp8 cache,
-`k_scale[layer, block, slot_in_block, kv_head]` (float32, one scale per token per KV head)
+`k_scale[layer, block, slot_in_block, kv_head]` (float16, one scale per token per KV head)
 sits beside it, indexed by the same block id, so anything that copies block b (spill,
 snapshot, copy-on-write, remote transfer) copies `k[:, b]`, `v[:, b]` and the scales of b
 together: scales travel with their block by construction.
@@ -35,7 +35,11 @@ class LayerKV:
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 use_kernels: bool = False):
+        """use_kernels: block copies (copy-on-write here, spill/restore staging in the host
+        tier) run the Triton block-copy kernel; the engine sets it with the Triton backend."""
+        self.use_kernels = use_kernels
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
@@ -70,6 +74,14 @@ class KVPool:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src` onto block `dst` in every layer, scales included (copy-on-write)."""
+        if self.use_kernels:
+            from kvsession.kernels.block_copy import copy_blocks
+
+            dev = self.k.device
+            s, d = torch.tensor([src], device=dev), torch.tensor([dst], device=dev)
+            for t in self.tensors().values():
+                copy_blocks(t, t, s, d)
+            return
         for t in self.tensors().values():
             t[:, dst] = t[:, src]
 

@@ -4,6 +4,12 @@ Blocks move as whole blocks, all layers at once, one gather/scatter per tensor (
 fp8 scales): `store(ids)` copies device blocks `ids` into host blocks in a single call per
 tensor, so a spill is a few large copies, never per-token work. On CUDA the host tensors are
 pinned so the copies can run at PCIe speed.
+
+With the Triton kernels (`KVPool.use_kernels`, the engine's setting on CUDA), a move is
+staged: the block-copy kernel packs the device blocks into one contiguous buffer per tensor,
+which crosses PCIe as a single DMA to or from a pinned buffer that the CPU scatters into (or
+gathers from) the host blocks, however fragmented the ids are on either side. Without the
+kernels, each run of consecutive ids is one slice copy.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ class HostPool:
                               pin_memory=pin)
             for name, t in device_pool.tensors().items()}
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: lowest ids first
+        self.staged = device_pool.use_kernels
+        self._pin = pin
+        self._staging: dict[tuple[str, str], torch.Tensor] = {}  # grown, reused buffers
 
     @property
     def num_free(self) -> int:
@@ -42,12 +51,53 @@ class HostPool:
         self._free.extend(reversed(ids))
 
     def store(self, pool: KVPool, device_ids: list[int], host_ids: list[int]) -> int:
-        """Copy device blocks into host blocks; returns bytes moved."""
+        """Copy device blocks into host blocks; returns bytes moved (done on return)."""
+        if self.staged:
+            return self._staged(pool, device_ids, host_ids, to_host=True)
         return self._copy(pool.tensors(), self.tensors, device_ids, host_ids)
 
     def load(self, pool: KVPool, host_ids: list[int], device_ids: list[int]) -> int:
         """Copy host blocks into device blocks; returns bytes moved."""
+        if self.staged:
+            return self._staged(pool, device_ids, host_ids, to_host=False)
         return self._copy(self.tensors, pool.tensors(), host_ids, device_ids)
+
+    def _buffer(self, name: str, side: str, like: torch.Tensor, n: int) -> torch.Tensor:
+        """A `[num_layers, n, *block]` staging view for tensor `name` on the device side or
+        the (pinned) host side; grown when too small, otherwise reused."""
+        shape = (like.shape[0], n, *like.shape[2:])
+        numel = like[:, :1].numel() * n
+        buf = self._staging.get((name, side))
+        if buf is None or buf.numel() < numel:
+            on_device = side == "device"
+            buf = torch.empty(numel, dtype=like.dtype,
+                              device=like.device if on_device else "cpu",
+                              pin_memory=self._pin and not on_device)
+            self._staging[name, side] = buf
+        return buf[:numel].view(shape)
+
+    def _staged(self, pool: KVPool, device_ids: list[int], host_ids: list[int],
+                to_host: bool) -> int:
+        from kvsession.kernels.block_copy import gather_blocks, scatter_blocks
+
+        n = len(device_ids)
+        ids = torch.tensor(device_ids, dtype=torch.long, device=pool.k.device)
+        host_idx = torch.tensor(host_ids, dtype=torch.long)
+        moved = 0
+        for name, t in pool.tensors().items():
+            dev_buf = self._buffer(name, "device", t, n)
+            host_buf = self._buffer(name, "host", t, n)
+            host = _raw(self.tensors[name])
+            if to_host:
+                gather_blocks(t, dev_buf, ids)
+                host_buf.copy_(dev_buf)  # blocking: the CPU reads host_buf next
+                host.index_copy_(1, host_idx, _raw(host_buf))
+            else:
+                torch.index_select(host, 1, host_idx, out=_raw(host_buf))
+                dev_buf.copy_(host_buf)  # blocking: host_buf is reused by the next call
+                scatter_blocks(dev_buf, t, ids)
+            moved += t[:, :1].numel() * t.element_size() * n
+        return moved
 
     @staticmethod
     def _copy(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], src_ids: list[int],
