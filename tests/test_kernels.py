@@ -202,6 +202,16 @@ def test_block_ids_beyond_int32_offsets():
     got = paged_attention(q, k, v, tables, seq_lens, 0.1, ks, vs, num_splits=2)
     close(got, want, FP8)
     assert float(want.abs().max()) > 0
+    # prefill of each sequence's last 9 tokens over the rest, and a block gather, up there too
+    qp = torch.randn(18, heads * 2, dim, generator=g)
+    starts = [0, 9, 18]
+    want = R.prefill_attention(qp, k, v, tables, starts, lens, 0.1, ks, vs)
+    got = prefill_attention(qp, k, v, tables, torch.tensor(starts), seq_lens, 0.1, ks, vs)
+    close(got, want, FP8)
+    top = tables[0, :3]
+    staging = torch.zeros((1, 3, bs, heads, dim), dtype=FP8)
+    gather_blocks(k.unsqueeze(0), staging, top)
+    assert torch.equal(staging[0].view(torch.uint8), k[top].view(torch.uint8))
 
 
 def test_wrappers_reject_bad_arguments():
