@@ -35,23 +35,27 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def raw_disk(directory: Path, num_bytes: int) -> tuple[float, float]:
-    """(write incl. fsync, cold read) bytes/s of one sequential file."""
+def raw_disk(directory: Path, num_bytes: int, repeat: int = 3) -> tuple[float, float]:
+    """Best (write incl. fsync, cold read) bytes/s of one sequential file over `repeat`
+    rounds: this VM's disk varies by 1.5x from run to run, so both sides of every ratio are
+    best-of-N."""
     path = directory / "raw.bin"
     piece = os.urandom(8 << 20)
-    t = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        for _ in range(num_bytes // len(piece)):
-            f.write(piece)
-        os.fsync(f.fileno())
-    write = num_bytes / (time.perf_counter() - t)
-    drop_cache(path)
-    t = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.read(8 << 20):
-            pass
-    read = num_bytes / (time.perf_counter() - t)
-    path.unlink()
+    write = read = 0.0
+    for _ in range(repeat):
+        t = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            for _ in range(num_bytes // len(piece)):
+                f.write(piece)
+            os.fsync(f.fileno())
+        write = max(write, num_bytes / (time.perf_counter() - t))
+        drop_cache(path)
+        t = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
+        read = max(read, num_bytes / (time.perf_counter() - t))
+        path.unlink()
     return write, read
 
 
@@ -87,18 +91,27 @@ def measure(llm, num_tokens: int, workdir: Path) -> dict:
 
     out = {"tokens": len(kv.tokens), "kv_bytes": kv_bytes}
     out["ttft_device_s"] = s.send("next?").metrics.ttft_s
-    # host: spill, then load back
-    _, out["spill_host_s"] = timed(lambda: policy.spill(kv, Tier.HOST))
-    _, out["restore_host_s"] = timed(lambda: policy.load_blocks(kv, Tier.HOST, len(kv.blocks)))
+    # host: spill, then load back (best of 3, as the DRAM copy ceiling is best-of-5)
+    out["spill_host_s"] = out["restore_host_s"] = float("inf")
+    for _ in range(3):
+        _, spill_s = timed(lambda: policy.spill(kv, Tier.HOST))
+        _, restore_s = timed(lambda: policy.load_blocks(kv, Tier.HOST, len(kv.blocks)))
+        out["spill_host_s"] = min(out["spill_host_s"], spill_s)
+        out["restore_host_s"] = min(out["restore_host_s"], restore_s)
     engine(lambda: policy.spill(kv, Tier.HOST))
     out["ttft_host_s"] = s.send("and from host?").metrics.ttft_s
-    # disk: spill (write + fsync), drop the page cache, load back
-    _, out["spill_disk_s"] = timed(lambda: policy.spill(kv, Tier.DISK))
+    # disk: spill (write + fsync), drop the page cache, load back; best of 3 like the
+    # raw ceilings
+    out["spill_disk_s"] = out["restore_disk_s"] = float("inf")
+    for _ in range(3):
+        _, spill_s = timed(lambda: policy.spill(kv, Tier.DISK))
+        drop_cache(kv.disk_path)
+        _, restore_s = timed(lambda: policy.load_blocks(kv, Tier.DISK, len(kv.blocks)))
+        out["spill_disk_s"] = min(out["spill_disk_s"], spill_s)
+        out["restore_disk_s"] = min(out["restore_disk_s"], restore_s)
     out["snapshot_bytes"] = kv.disk_path.stat().st_size
     out["snapshot_kv_bytes"] = -(-len(kv.tokens) // llm.config.block_size) * \
         llm.config.block_size * llm.runtime.kv_bytes_per_token
-    drop_cache(kv.disk_path)
-    _, out["restore_disk_s"] = timed(lambda: policy.load_blocks(kv, Tier.DISK, len(kv.blocks)))
     engine(lambda: policy.spill(kv, Tier.DISK))
     drop_cache(kv.disk_path)
     policy.disk_read_bytes_per_s.value = 1e12  # force the load path for this TTFT

@@ -99,6 +99,47 @@ def test_payload_checksum(llm, saved, tmp_path):
     assert_engine_fine(llm)
 
 
+def test_stored_chunks_read_in_place_equal_the_decoded_ones(saved):
+    """A CPU pool takes stored ("none") chunks straight from the file (one preadv into the
+    block's memory); the bytes must equal what the decoding path yields."""
+    import torch
+
+    h = snap.read_header(saved)
+    assert {c.codec for c in h.chunks} == {"none"}  # random-model KV: incompressible
+    decoded = {i: {n: t.clone() for n, t in tensors.items()}
+               for i, tensors in snap.read_blocks(saved, h, list(range(h.num_blocks)))}
+    names = sorted(decoded[0])
+    mem = {i: {n: torch.zeros_like(decoded[i][n]) for n in names} for i in decoded}
+
+    def dest(i):  # each tensor's layers as separate pieces, like a pool's block slices
+        return [memoryview(mem[i][n][layer].view(torch.uint8).numpy()).cast("B")
+                for n in names for layer in range(h.num_layers)]
+
+    got = list(snap.read_blocks(saved, h, list(range(h.num_blocks)), dest=dest))
+    assert [i for i, _ in got] == list(range(h.num_blocks)) and all(t is None for _, t in got)
+    for i in decoded:
+        for n in names:
+            assert torch.equal(mem[i][n].view(torch.uint8), decoded[i][n].view(torch.uint8))
+
+
+def test_in_place_chunk_with_a_foreign_layout_is_refused(llm, saved, tmp_path):
+    """A stored chunk whose bytes pass the checksum but whose safetensors header is not the
+    expected layout is refused, also when it was read straight into the pool."""
+    h = snap.read_header(saved)
+    last = h.chunks[-1]
+    raw = bytearray(saved.read_bytes())
+    at = last.offset + 8 + raw[last.offset + 8:last.offset + last.length].index(b'"dtype"')
+    raw[at + 1] = ord("D")  # "Dtype": same length, another key
+    chunk = bytes(raw[last.offset:last.offset + last.length])
+    bad = tmp_path / "layout.kvs"
+    bad.write_bytes(bytes(raw))
+    chunks = h.chunks[:-1] + [msgspec.structs.replace(last, crc32=zlib.crc32(chunk))]
+    rewrite_header(bad, bad, chunks=chunks)
+    with pytest.raises(SnapshotError, match=f"block {h.num_blocks - 1} does not match"):
+        llm.restore(bad, session_id="bad")
+    assert_engine_fine(llm)
+
+
 @pytest.mark.parametrize("field, value, match", [
     ("model_fingerprint", "0" * 64, "another model fingerprint"),
     ("tokenizer_digest", "1" * 64, "another tokenizer digest"),

@@ -44,8 +44,12 @@ class KVPool:
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: masked-out slots still enter matmuls (x 0), and NaN x 0 = NaN.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Written, not calloc'ed: on CPU a large torch.zeros is lazily committed, and the
+        # page faults then land on the first prefill or restore into each block (a disk
+        # restore into fresh blocks ran at half speed). The pool is memory the user sized;
+        # committing it up front, as on a GPU, keeps every later write at memory speed.
+        self.k = torch.empty(shape, dtype=dtype, device=device).zero_()
+        self.v = torch.empty(shape, dtype=dtype, device=device).zero_()
         self.k_scale = self.v_scale = None
         if dtype == FP8:
             self.k_scale = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)

@@ -309,14 +309,32 @@ class TierPolicy:
         validated (checksum, codec, names, shapes, dtypes) before it is copied."""
         h = header or read_header(path)
         target = dict(wanted)
-        moved = 0
+        pool = self.kv.tensors()
+        block_bytes = sum(t[:, 0].numel() * t.element_size() for t in pool.values())
         # streamed: a block is copied as soon as it is validated; if a later block is bad
-        # the caller frees every target block (fresh, unpublished: nothing can see them)
-        for i, tensors in read_blocks(path, h, [i for i, _ in wanted]):
-            for name, t in self.kv.tensors().items():
-                t[:, target[i].block_id] = tensors[name].to(t.device)
-                moved += tensors[name].numel() * tensors[name].element_size()
-        return moved
+        # the caller frees every target block (fresh, unpublished: nothing can see them),
+        # which is also what lets a CPU pool take stored chunks straight from the file
+        dest = self._file_destinations(pool, target) if self.kv.k.device.type == "cpu" \
+            else None
+        for i, tensors in read_blocks(path, h, [i for i, _ in wanted], dest=dest):
+            if tensors is not None:
+                for name, t in pool.items():
+                    t[:, target[i].block_id] = tensors[name].to(t.device)
+        return block_bytes * len(wanted)
+
+    @staticmethod
+    def _file_destinations(pool: dict[str, torch.Tensor], target: dict[int, Block]):
+        """i -> the CPU pool memory of block target[i] in snapshot order: for each tensor
+        (sorted by name), each layer's slice of the block."""
+        layers = {n: [memoryview(t[layer].view(torch.uint8).numpy()).cast("B")
+                      for layer in range(t.shape[0])] for n, t in pool.items()}
+        sizes = {n: t[0, 0].numel() * t.element_size() for n, t in pool.items()}
+
+        def dest(i: int) -> list[memoryview]:
+            b = target[i].block_id
+            return [mv[b * sizes[n]:(b + 1) * sizes[n]] for n in sorted(layers)
+                    for mv in layers[n]]
+        return dest
 
     def checkin(self, s: SessionKV, tokens: list[int], blocks: list[Block],
                 hashes: list[bytes]) -> None:
