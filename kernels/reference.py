@@ -202,10 +202,26 @@ def shared_prefix_blocks(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     return min(leading, int(seq_lens.min()) // block_size)
 
 
+# PyTorch's CPU flash-attention kernel (what SDPA runs on CPU) also returns the log-sum-exp
+# that merging partial results needs; it reads strided K/V in place, where matmul on the
+# gathered [B, L, H, D] -> [B, H, L, D] views first copies them (3x slower per decode step).
+# A private op: when a PyTorch build lacks it, the matmul path below is used.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _attend(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning (output, log-sum-exp) so partial results can be merged.
-    qg [..., G, D], k/v [..., L, D], mask broadcastable to [..., G, L]."""
+    qg [B, H, G, D], k/v [B, H, L, D], mask (bool, True = visible) broadcastable to
+    [B, H, G, L]. A row with no visible key gives output 0 and log-sum-exp -inf."""
+    if _FLASH_CPU is not None and qg.device.type == "cpu" and qg.dtype == torch.float32:
+        bias = None if mask is None else torch.zeros(mask.shape, dtype=qg.dtype).masked_fill_(
+            ~mask, float("-inf"))
+        o, lse = _FLASH_CPU.default(qg, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        lse = lse.unsqueeze(-1)
+        if mask is not None:  # the kernel reports 0, not -inf, for a fully masked row
+            lse = torch.where(mask.any(dim=-1, keepdim=True), lse, float("-inf"))
+        return o, lse
     s = torch.matmul(qg, k.transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
@@ -238,7 +254,7 @@ def _cascade(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scal
     vs = gather(v_cache, v_scale, ids, "v").flatten(0, 1).transpose(0, 1)
     qh = q.to(dtype).view(num_seqs, num_kv_heads, group, head_dim)
     qs = qh.permute(1, 0, 2, 3).reshape(num_kv_heads, num_seqs * group, head_dim)
-    o1, lse1 = _attend(qs, ks, vs, scale, None)
+    o1, lse1 = (x[0] for x in _attend(qs[None], ks[None], vs[None], scale, None))
     o1 = o1.view(num_kv_heads, num_seqs, group, head_dim).permute(1, 0, 2, 3)
     lse1 = lse1.view(num_kv_heads, num_seqs, group, 1).permute(1, 0, 2, 3)
     # suffixes: [B, Hkv, G, D] x [B, Hkv, Lmax, D]

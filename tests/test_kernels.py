@@ -273,11 +273,16 @@ def test_padded_decode_buckets_match_unpadded(llama_dir, backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, FP8])
-def test_reference_cascade_for_a_shared_prefix_matches_plain(dtype, monkeypatch):
+@pytest.mark.parametrize("flash_op", [True, False])
+def test_reference_cascade_for_a_shared_prefix_matches_plain(dtype, flash_op, monkeypatch):
     """Decode batches whose sequences share leading blocks (a pinned system prompt) read
-    them once (two partial softmaxes merged by log-sum-exp); same result as the plain path."""
+    them once (two partial softmaxes merged by log-sum-exp); same result as the plain path,
+    with PyTorch's CPU flash kernel and with the matmul fallback. The last sequence ends
+    exactly at the shared prefix: its suffix part has no key at all."""
+    if not flash_op:
+        monkeypatch.setattr(R, "_FLASH_CPU", None)
     bs, blocks_shared = 16, R.CASCADE_MIN_BLOCKS
-    lens = [blocks_shared * bs + 5, blocks_shared * bs + 40, blocks_shared * bs + 1]
+    lens = [blocks_shared * bs + 5, blocks_shared * bs + 40, blocks_shared * bs]
     k, v, ks, vs = make_cache(dtype, 40, bs, 2, 64)
     tables = torch.full((3, 20), -1, dtype=torch.long)
     nxt = blocks_shared
