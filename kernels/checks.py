@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from kvsession.errors import ConfigError
+
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 
-class KernelArgumentError(ValueError):
-    """A kernel wrapper was called with tensors of the wrong shape, dtype or layout."""
+class KernelArgumentError(ConfigError):
+    """A kernel wrapper was called with tensors of the wrong shape, dtype or layout (a
+    KVSessionError like every error kvsession raises on purpose; also a ValueError)."""
 
 
 def check(cond: bool, message: str) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from kvsession import LLM, SamplingParams
 from kvsession.kernels import reference as R
-from kvsession.kernels.block_copy import gather_blocks, scatter_blocks
+from kvsession.kernels.block_copy import copy_blocks, gather_blocks, scatter_blocks
 from kvsession.kernels.checks import KernelArgumentError
 from kvsession.kernels.paged_attention import paged_attention
 from kvsession.kernels.prefill_attention import prefill_attention
@@ -215,6 +215,10 @@ def test_block_ids_beyond_int32_offsets():
 
 
 def test_wrappers_reject_bad_arguments():
+    from kvsession import KVSessionError
+
+    assert issubclass(KernelArgumentError, KVSessionError)
+    assert issubclass(KernelArgumentError, ValueError)
     k, v, _, _ = make_cache(torch.float32, 4, 16, 2, 64)
     q = torch.randn(2, 4, 64)
     tables = torch.zeros(2, 2, dtype=torch.long)
@@ -230,6 +234,10 @@ def test_wrappers_reject_bad_arguments():
         paged_attention(q, k8, v8, tables, torch.tensor([1, 1]), 0.1)
     with pytest.raises(KernelArgumentError, match="slot_mapping"):
         store_kv(torch.randn(3, 2, 64), torch.randn(3, 2, 64), k, v, torch.zeros(2).long())
+    with pytest.raises(KernelArgumentError, match="equal length"):
+        copy_blocks(k[None], k[None].clone(), torch.tensor([0, 1]), torch.tensor([2]))
+    with pytest.raises(KernelArgumentError, match="dtype mismatch"):
+        copy_blocks(k[None], k[None].double(), torch.tensor([0]), torch.tensor([1]))
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "fp8"])
