@@ -213,6 +213,36 @@ while True:
 """
 
 
+def test_a_flush_failing_mid_write_leaves_the_previous_file(saved, tmp_path, monkeypatch):
+    """The writer's sync thread hits ENOSPC: write_snapshot raises it, the file it was
+    replacing is untouched and no temporary file is left."""
+    import shutil
+
+    h = snap.read_header(saved)
+    blocks = [{n: t.clone() for n, t in tensors.items()}
+              for _, tensors in snap.read_blocks(saved, h, list(range(h.num_blocks)))]
+    fields = {f: getattr(h, f) for f in h.__struct_fields__
+              if f not in ("format_version", "chunks", "created_unix_s")}
+    target = tmp_path / "s.kvs"
+    shutil.copy(saved, target)
+    before = target.read_bytes()
+    calls = []
+
+    def no_space(fd):
+        calls.append(fd)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snap._Writer, "SYNC_BYTES", 1)
+    monkeypatch.setattr(snap.os, "fdatasync", no_space)
+    with pytest.raises(OSError, match="No space left"):
+        snap.write_snapshot(target, fields, iter(blocks))
+    assert calls and target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["s.kvs"]
+    monkeypatch.undo()
+    snap.write_snapshot(target, fields, iter(blocks))  # and a healthy write still works
+    assert snap.read_header(target).token_ids == h.token_ids
+
+
 def test_sigkill_during_save_leaves_previous_file_loadable(llama_dir, llm, tmp_path):
     path = tmp_path / "victim.kvs"
     proc = subprocess.Popen([sys.executable, "-c", SAVER, str(llama_dir), str(path)],
