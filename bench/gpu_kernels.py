@@ -175,10 +175,34 @@ def main() -> None:
 
     # ---- whole-model decode step, Llama-8B shape, batch 1 --------------------------------------
     res["model_step"] = model_step(dev, small, copy_bw)
+    if dev.type == "cuda":
+        res["targets"] = targets(res)
+        for name, t in res["targets"].items():
+            print(f"target {name}: {t['value']:.3f} (want {t['want']}) "
+                  f"{'met' if t['met'] else 'NOT met'}")
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     print(f"wrote {out}")
+
+
+def targets(res: dict) -> dict:
+    """The issue's targets against this run's numbers: name -> value, wanted bound, met."""
+    d = res["decode_64x4k"]
+    checks = {
+        "decode bf16 64x4k / 4.8 TB/s": (d["bf16_fraction_of_4.8TBps"], ">= 0.75"),
+        "decode bf16 64x4k / copy bandwidth": (d["bf16_fraction_of_copy"], ">= 0.85"),
+        "decode fp8 speedup vs bf16 at 64x4k": (d["fp8_speedup_vs_bf16"], ">= 1.7"),
+        "model decode step (CUDA graph) / weight-read bound":
+            (res["model_step"]["cuda_graph"]["ratio_to_bound"], "<= 1.55"),
+    }
+    for p in res["prefill"]:
+        checks[f"prefill over {p['prefix']} vs SDPA"] = (p["ratio_vs_sdpa"], ">= 0.6")
+    for w in res["store_kv"]:
+        checks[f"store_kv {w['kv']} / decode attention"] = (w["fraction"], "<= 0.03")
+    return {name: {"value": v, "want": want,
+                   "met": v >= float(want[3:]) if want[0] == ">" else v <= float(want[3:])}
+            for name, (v, want) in checks.items()}
 
 
 def model_step(dev: torch.device, small: bool, copy_bw: float) -> dict:
