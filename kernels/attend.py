@@ -14,6 +14,9 @@ fp32 results, not to every element: q.(s*k) = s*(q.k) for keys, and (p*s).v for 
 
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 import triton.language as tl
 
@@ -61,12 +64,9 @@ def attend_tile(acc, m_i, l_i, qv, k_cache, v_cache, k_scale, v_scale, table_row
 def dot_dtype(q_dtype, cache_dtype):
     """The Triton dtype of the dot products: float32 when the query or the cache is float32
     (exact products), else the query's half type. Under Triton's interpreter bf16 becomes
-    float32: Triton 3.9's interpreter multiplies bf16 tiles as raw 16-bit integers (garbage),
-    while its fp16 dots are right, so fp16 is what the CPU tests run the half path with."""
-    import os
-
-    import torch
-
+    float32: the interpreter multiplies bf16 tiles as raw 16-bit integers (triton-lang/triton
+    #11584, "not supported yet"), while its fp16 dots are right, so fp16 is what the CPU
+    tests run the half path with."""
     if q_dtype == torch.float32 or cache_dtype == torch.float32:
         return tl.float32
     if q_dtype == torch.bfloat16:
