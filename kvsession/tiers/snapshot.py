@@ -412,6 +412,8 @@ def read_blocks(path: Path, h: SnapshotHeader, indices: list[int], depth: int = 
     before it is verified: it must be memory nobody reads until the load succeeds."""
     if not indices:
         return
+    if not hasattr(os, "preadv"):  # not on every platform (Windows): decode and copy
+        dest = None
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
     size = max(h.chunks[i].length for i in indices)
