@@ -178,7 +178,8 @@ class _Writer(threading.Thread):
     def __init__(self, f):
         super().__init__(daemon=True)
         self.f, self.q, self.error = f, queue.Queue(maxsize=8), None
-        self._written, self._done = 0, False
+        self._written = self._synced = 0
+        self._done = False
         self._cv = threading.Condition()
         self._syncer = threading.Thread(target=self._sync_loop, daemon=True)
         self._syncer.start()
@@ -192,15 +193,14 @@ class _Writer(threading.Thread):
                         self.f.write(buf)
                     with self._cv:
                         self._written += sum(len(b) for b in item)
-                        self._cv.notify()
+                        self._cv.notify_all()
                 except BaseException as e:
                     self.error = e
 
     def _sync_loop(self) -> None:
-        synced = 0
         while True:
             with self._cv:
-                while not self._done and self._written - synced < self.SYNC_BYTES:
+                while not self._done and self._written - self._synced < self.SYNC_BYTES:
                     self._cv.wait()
                 if self._done:
                     return
@@ -208,9 +208,14 @@ class _Writer(threading.Thread):
             try:
                 os.fdatasync(self.f.fileno())  # everything the kernel has, >= target
             except OSError as e:
-                self.error = self.error or e
+                with self._cv:
+                    self.error = self.error or e
+                    self._synced = float("inf")  # no more rounds: finish() must not wait
+                    self._cv.notify_all()
                 return
-            synced = target
+            with self._cv:
+                self._synced = target
+                self._cv.notify_all()
 
     def put(self, buffers: list) -> None:
         if self.error is not None:
@@ -218,11 +223,14 @@ class _Writer(threading.Thread):
         self.q.put(buffers)
 
     def finish(self) -> None:
+        """Drain the queue, let a due sync round finish (so its outcome is known), stop."""
         self.q.put(None)
         self.join()
         with self._cv:
+            while self._written - self._synced >= self.SYNC_BYTES:
+                self._cv.wait()
             self._done = True
-            self._cv.notify()
+            self._cv.notify_all()
         self._syncer.join()
         if self.error is not None:
             raise self.error
