@@ -306,7 +306,8 @@ class TierPolicy:
     def load_file_blocks(self, path: Path, wanted: list[tuple[int, Block]],
                          header: SnapshotHeader | None = None) -> int:
         """Read blocks (index in file, device block) from a snapshot into the pool; each is
-        validated (checksum, codec, names, shapes, dtypes) before it is copied."""
+        validated (checksum, codec, names, shapes, dtypes) before it is copied, or, when it
+        was read straight into its (fresh) CPU block, before this returns."""
         h = header or read_header(path)
         target = dict(wanted)
         pool = self.kv.tensors()
