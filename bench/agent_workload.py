@@ -21,7 +21,7 @@ import threading
 import time
 
 import torch
-from common import RESULTS, mid_model, pyplot, text_of, write_result
+from common import mid_model, pyplot, save_figure, text_of, write_result
 
 from kvsession import LLM, SamplingParams
 from kvsession.metrics import percentile
@@ -184,8 +184,7 @@ def main() -> None:
         ax.set_yscale("log")
         ax.set_title(f"{args.sessions} agents x {args.turns} turns, 1,024-token system prompt")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(RESULTS / "agent_workload.png", dpi=120)
+        save_figure(fig, "agent_workload")
 
 
 if __name__ == "__main__":

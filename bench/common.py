@@ -68,3 +68,10 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, name: str) -> None:
+    """Lay out and write a benchmark's plot as bench/results/<name>.png."""
+    RESULTS.mkdir(exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)

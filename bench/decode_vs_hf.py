@@ -12,7 +12,7 @@ import argparse
 import random
 
 import torch
-from common import RESULTS, compare, mid_model, pyplot, write_result
+from common import compare, mid_model, pyplot, save_figure, write_result
 
 from kvsession import LLM, SamplingParams
 
@@ -77,8 +77,7 @@ def main() -> None:
         ax.axhline(1.0, color="gray", lw=1, ls="--")
         ax.set_ylabel("kvsession / transformers (x)")
         ax.set_title("Throughput vs transformers, CPU float32, mid-size model")
-        fig.tight_layout()
-        fig.savefig(RESULTS / "decode_vs_hf.png", dpi=120)
+        save_figure(fig, "decode_vs_hf")
 
 
 if __name__ == "__main__":

@@ -52,11 +52,21 @@ def bench_ms(fn, dev, flush=None, iters=10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def fp8_like(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random fp8 blocks and float16 scales shaped like a quantized x, without
-    quantize_fp8's float32 temporaries (several times the 8.6 GB of the largest case)."""
-    scale = torch.rand(x.shape[:-1], device=x.device, dtype=torch.float16) + 0.5
-    return x.to(torch.float8_e4m3fn), scale
+def random_kv(shape: tuple[int, ...], kv: str, dev: torch.device) -> tuple:
+    """(k, v, k_scale, v_scale) random caches of `shape`, bf16 or fp8 with float16 scales
+    (made directly: quantize_fp8's float32 temporaries would be several times the 8.6 GB
+    of the largest case)."""
+    k = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+    if kv == "bf16":
+        return k, v, None, None
+    fp8 = torch.float8_e4m3fn
+    ks, vs = (torch.rand(shape[:-1], device=dev, dtype=torch.float16) + 0.5 for _ in "kv")
+    return k.to(fp8), v.to(fp8), ks, vs
+
+
+def decode_row(decode: list[dict], kv: str, batch: int, context: int) -> dict:
+    return next(r for r in decode if (r["kv"], r["batch"], r["context"]) == (kv, batch, context))
 
 
 def main() -> None:
@@ -96,17 +106,12 @@ def main() -> None:
     batches = [1, 16, 64, 256] if not small else [1, 4]
     contexts = [1024, 4096, 16384] if not small else [64, 128]
     decode = []
-    for kv_name, kv_dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+    for kv_name in ("bf16", "fp8"):
         for batch in batches:
             for ctx in contexts:
                 nblk = ctx // bs
                 num_blocks = batch * nblk
-                shape = (num_blocks, bs, kv_heads, dim)
-                k = torch.randn(shape, device=dev, dtype=torch.bfloat16)
-                v = torch.randn(shape, device=dev, dtype=torch.bfloat16)
-                ks = vs = None
-                if kv_dtype == torch.float8_e4m3fn:
-                    (k, ks), (v, vs) = fp8_like(k), fp8_like(v)
+                k, v, ks, vs = random_kv((num_blocks, bs, kv_heads, dim), kv_name, dev)
                 tables = torch.randperm(num_blocks, device=dev).view(batch, nblk)
                 lens = torch.full((batch,), ctx, dtype=torch.long, device=dev)
                 q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
@@ -121,9 +126,7 @@ def main() -> None:
                       f"{moved / (ms / 1e3) / 1e12:.2f} TB/s", flush=True)
     res["decode"] = decode
     if dev.type == "cuda":
-        def at(kv, b, c):
-            return next(r for r in decode if (r["kv"], r["batch"], r["context"]) == (kv, b, c))
-        bf, f8 = at("bf16", 64, 4096), at("fp8", 64, 4096)
+        bf, f8 = decode_row(decode, "bf16", 64, 4096), decode_row(decode, "fp8", 64, 4096)
         res["decode_64x4k"] = {"bf16_fraction_of_4.8TBps": bf["bytes_per_s"] / 4.8e12,
                                "bf16_fraction_of_copy": bf["bytes_per_s"] / copy_bw,
                                "fp8_speedup_vs_bf16": bf["ms"] / f8["ms"]}
@@ -154,32 +157,23 @@ def main() -> None:
               f"({sdpa / ours:.2f}x)", flush=True)
     res["prefill"] = prefill
 
-    # ---- cache write vs decode at batch 256 (bf16 and the GPU default, fp8) -----------------
-    batch = batches[-1]
-    ctx = contexts[1]
+    # ---- cache write vs decode at batch 256 (bf16 and the GPU default, fp8): the decode
+    # times are the ones measured above for the same shapes ----------------------------------
+    batch, ctx = batches[-1], contexts[1]
     nblk = ctx // bs
-    tables = torch.randperm(batch * nblk, device=dev).view(batch, nblk)
-    lens = torch.full((batch,), ctx, dtype=torch.long, device=dev)
-    q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
-    slots = tables[:, -1] * bs + bs - 1  # each sequence's newest token
+    slots = torch.randperm(batch * nblk, device=dev)[:batch] * bs + bs - 1  # newest tokens
     nk = torch.randn(batch, kv_heads, dim, device=dev, dtype=torch.bfloat16)
     res["store_kv"] = []
     for kv_name in ("bf16", "fp8"):
-        k = torch.randn(batch * nblk, bs, kv_heads, dim, device=dev, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        ks = vs = None
-        if kv_name == "fp8":
-            (k, ks), (v, vs) = fp8_like(k), fp8_like(v)
+        k, v, ks, vs = random_kv((batch * nblk, bs, kv_heads, dim), kv_name, dev)
         write_ms = bench_ms(lambda: store_kv(nk, nk, k, v, slots, ks, vs), dev, flush)
-        attn_ms = bench_ms(lambda: paged_attention(q, k, v, tables, lens, dim**-0.5, ks, vs),
-                           dev, flush)
+        attn_ms = decode_row(decode, kv_name, batch, ctx)["ms"]
         res["store_kv"].append({"kv": kv_name, "batch": batch, "context": ctx,
                                 "write_ms": write_ms, "attention_ms": attn_ms,
                                 "fraction": write_ms / attn_ms})
         print(f"store_kv {kv_name} {write_ms:.4f} ms = {write_ms / attn_ms:.1%} of decode "
               f"attention", flush=True)
 
-    # ---- whole-model decode step, Llama-8B shape, batch 1 --------------------------------------
     res["model_step"] = model_step(dev, small, copy_bw)
     if dev.type == "cuda":
         res["targets"] = targets(res)

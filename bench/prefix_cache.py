@@ -14,7 +14,7 @@ import argparse
 import random
 import statistics
 
-from common import RESULTS, compare, mid_model, pyplot, write_result
+from common import compare, mid_model, pyplot, save_figure, write_result
 
 from kvsession import LLM, SamplingParams
 
@@ -83,8 +83,7 @@ def main() -> None:
         ax.set_yscale("log")
         ax.set_title("2,048-token shared system prompt + 64-token suffix")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(RESULTS / "prefix_cache.png", dpi=120)
+        save_figure(fig, "prefix_cache")
 
 
 if __name__ == "__main__":

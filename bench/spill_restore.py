@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS, mid_model, pyplot, text_of, write_result
+from common import mid_model, pyplot, save_figure, text_of, write_result
 
 from kvsession import LLM, SamplingParams
 from kvsession.tiers.policy import Tier
@@ -171,8 +171,7 @@ def main() -> None:
         ax.set_ylabel("TTFT of the next turn (ms)")
         ax.set_yscale("log")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(RESULTS / "spill_restore.png", dpi=120)
+        save_figure(fig, "spill_restore")
 
 
 if __name__ == "__main__":

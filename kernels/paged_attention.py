@@ -127,10 +127,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     splits = max(1, triton.cdiv(max_tiles, per_split))
     group = num_heads // num_kv_heads
     direct = splits == 1
-    shape = (num_seqs, num_kv_heads, splits, group) if not direct else (1, 1, 1, 1)
-    part_acc = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
-    part_m = torch.empty(shape, dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
+    if direct:  # the partials are compiled out (DIRECT): any pointer will do
+        part_acc = part_m = part_l = out
+    else:
+        shape = (num_seqs, num_kv_heads, splits, group)
+        part_acc = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+        part_m = torch.empty(shape, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
     fp8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     block_d = max(16, next_pow2(head_dim))

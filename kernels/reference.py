@@ -25,10 +25,13 @@ class Workspace:
     made a decode step's KV gathers 10x slower than the copy itself. One Workspace per model
     runner; buffers grow to the largest request and are reused by every layer and step."""
 
-    def __init__(self):
+    def __init__(self, pin_memory: bool = False):
         self._bufs: dict[str, torch.Tensor] = {}
+        self.pin_memory = pin_memory  # page-locked CPU buffers (DMA to and from a GPU)
 
     def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A `shape` view of buffer `name` with like's dtype and device; valid until the
+        next get of the same name."""
         numel = 1
         for n in shape:
             numel *= n
@@ -36,7 +39,8 @@ class Workspace:
         if buf is None or buf.numel() < numel or buf.dtype != like.dtype \
                 or buf.device != like.device:
             buf = self._bufs[name] = torch.empty(max(numel, 1), dtype=like.dtype,
-                                                 device=like.device)
+                                                 device=like.device,
+                                                 pin_memory=self.pin_memory)
         return buf[:numel].view(shape)
 
 

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from kvsession import costmodel
 from kvsession.attention import resolve_backend
-from kvsession.cache.block_pool import BlockPool
+from kvsession.cache.block_pool import BlockPool, blocks_for
 from kvsession.cache.hashing import BlockHasher
 from kvsession.cache.kv_pool import KVPool
 from kvsession.cache.prefix import PrefixCache
@@ -31,7 +31,7 @@ from kvsession.engine.graphs import DecodeGraphs
 from kvsession.engine.loop import Engine, EngineLoop, request_metrics
 from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler
-from kvsession.engine.scheduler import Scheduler, blocks_for
+from kvsession.engine.scheduler import Scheduler
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import CacheFullError, ConfigError, EngineClosedError
 from kvsession.metrics import SLO, LatencyTracker, PrefixStats, RemoteStats, Stats, TierStats
@@ -188,7 +188,7 @@ class LLM(SessionStore):
             return False
         if self.config.remote_prefill == RemotePrefillMode.ALWAYS:
             return True
-        tpot_ms = (self.latency.summary(self.slo)[0].tpot_p50_s or 0.025) * 1000
+        tpot_ms = (self.latency.tpot_p50_s() or 0.025) * 1000
         gain = costmodel.pd_split_gain_ms(
             seq.num_tokens - 1, seq.params.max_tokens, self.runtime.kv_bytes_per_token,
             conn.bandwidth_bytes_per_s or 5e9, tpot_ms, REMOTE_STALL_RATIO)
@@ -400,7 +400,7 @@ class LLM(SessionStore):
             host = TierStats(blocks_total=hp.num_blocks, blocks_used=hp.num_blocks - hp.num_free,
                              blocks_free=hp.num_free, bytes_per_token=host.bytes_per_token,
                              tokens_capacity=hp.num_blocks * bs)
-        on_disk = sum(-(-len(s.tokens) // bs) for s in self.policy.sessions
+        on_disk = sum(blocks_for(len(s.tokens), bs) for s in self.policy.sessions
                       if s.tier.value == "disk")
         disk = TierStats(blocks_used=on_disk, bytes_per_token=self.runtime.kv_bytes_per_token)
         policy = self.policy

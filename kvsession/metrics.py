@@ -105,6 +105,12 @@ class LatencyTracker:
             self._records.append((arrival, finish, m.ttft_s, m.tpot_s, num_tokens))
             self.num_requests += 1
 
+    def tpot_p50_s(self) -> float:
+        """Median time per output token over the window (0.0 before any request): what
+        the remote-prefill decision needs per admission, without a whole summary."""
+        with self._lock:
+            return percentile([r[3] for r in self._records], 50)
+
     def summary(self, slo: SLO) -> tuple[LatencyStats, float, float]:
         """(latency percentiles, goodput tokens/s, SLO attainment) over the window."""
         with self._lock:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from kvsession.engine.scheduler import blocks_for
+from kvsession.cache.block_pool import blocks_for
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError, SessionClosedError
 from kvsession.metrics import RequestMetrics

@@ -198,8 +198,9 @@ def kv_numerics(model_dir, kv_cache_dtype: str, num_prompt_tokens: int = 512,
     import random as _random
 
     from kvsession.attention import attention as _attention
+    from kvsession.cache.block_pool import blocks_for
     from kvsession.cache.kv_pool import KVPool
-    from kvsession.engine.scheduler import ScheduledSeq, blocks_for
+    from kvsession.engine.scheduler import ScheduledSeq
     from kvsession.engine.sequence import Sequence
     from kvsession.llm import LLM
     from kvsession.model import llama

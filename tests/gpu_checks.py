@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-FP8 = torch.float8_e4m3fn
+from kernel_cases import FP8, make_cache, tables_for
 
 
 def _device() -> torch.device:
@@ -38,20 +38,10 @@ def kernels_match_reference() -> None:
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, bs, num_blocks = 32, 8, 128, 16, 96
     lens = [1, 16, 100, 700, 0]
-    tables = torch.full((len(lens), 48), -1, dtype=torch.long)
-    perm, used = torch.randperm(num_blocks, generator=g), 0
-    for i, n in enumerate(lens):
-        nb = -(-n // bs)
-        tables[i, :nb] = perm[used:used + nb]
-        used += nb
-    k32 = torch.randn(num_blocks, bs, kv_heads, dim, generator=g)
-    v32 = torch.randn(num_blocks, bs, kv_heads, dim, generator=g)
+    tables = tables_for(lens, bs, 48, num_blocks)
     q = torch.randn(len(lens), heads, dim, generator=g).bfloat16()
-    for name, tol in (("bf16", 1.5e-2), ("fp8", 1.5e-1)):
-        if name == "fp8":
-            (k, ks), (v, vs) = R.quantize_fp8(k32), R.quantize_fp8(v32)
-        else:
-            k, v, ks, vs = k32.bfloat16(), v32.bfloat16(), None, None
+    for dtype, tol in ((torch.bfloat16, 1.5e-2), (FP8, 1.5e-1)):
+        k, v, ks, vs = make_cache(dtype, num_blocks, bs, kv_heads, dim)
         want = R.paged_attention(q.float(), k, v, tables, torch.tensor(lens), 0.088, ks, vs)
         on = [None if t is None else t.to(dev) for t in (k, v, ks, vs)]
         for splits in (1, None):
@@ -80,7 +70,7 @@ def kernels_match_reference() -> None:
     store_kv(key.to(dev), key.to(dev), gpu[0], gpu[1], slots.to(dev), gpu[2], gpu[3])
     for a, b in zip((*cpu, *sc), gpu, strict=True):
         assert torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8))
-    pool = torch.stack([k32, v32]).to(dev)
+    pool = torch.stack(make_cache(torch.float32, num_blocks, bs, kv_heads, dim)[:2]).to(dev)
     staging = torch.zeros((2, 3, bs, kv_heads, dim), device=dev)
     gather_blocks(pool, staging, torch.tensor([5, -1, 90], device=dev))
     assert torch.equal(staging[:, 0], pool[:, 5]) and torch.equal(staging[:, 2], pool[:, 90])

@@ -62,11 +62,18 @@ def test_allocate_is_all_or_nothing(pool):
     pool.check_integrity()
 
 
-def test_hit_revives_block_from_middle_of_free_queue(pool, hasher):
+@pytest.fixture
+def freed(pool, hasher):
+    """A 12-token sequence in blocks 0-2, published, then freed: (blocks, hashes, tokens)."""
     tokens = list(range(12))
     a = pool.allocate(3)
     hashes = publish(pool, hasher, a, tokens)
     pool.free(a)
+    return a, hashes, tokens
+
+
+def test_hit_revives_block_from_middle_of_free_queue(pool, freed):
+    a, hashes, tokens = freed
     assert order(pool) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
     hit = pool.lookup(hashes[1], tokens[4:8])
     assert hit is a[1]
@@ -76,11 +83,8 @@ def test_hit_revives_block_from_middle_of_free_queue(pool, hasher):
     pool.check_integrity()
 
 
-def test_eviction_takes_lru_and_clears_hash(pool, hasher):
-    tokens = list(range(12))
-    a = pool.allocate(3)
-    hashes = publish(pool, hasher, a, tokens)
-    pool.free(a)
+def test_eviction_takes_lru_and_clears_hash(pool, freed):
+    a, hashes, tokens = freed
     b = pool.allocate(8)  # 3..9 then 2: block 2 (the tail of the freed sequence) evicted
     assert [x.block_id for x in b] == [3, 4, 5, 6, 7, 8, 9, 2]
     assert pool.num_evictions == 1

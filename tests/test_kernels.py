@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_cases import FP8, make_cache, tables_for
 from kvsession import LLM, SamplingParams
 from kvsession.kernels import reference as R
 from kvsession.kernels.block_copy import copy_blocks, gather_blocks, scatter_blocks
@@ -16,7 +17,6 @@ from kvsession.kernels.paged_attention import paged_attention
 from kvsession.kernels.prefill_attention import prefill_attention
 from kvsession.kernels.store_kv import store_kv
 
-FP8 = torch.float8_e4m3fn
 F16, BF16 = torch.float16, torch.bfloat16
 # (cache dtype, query dtype) -> (atol, rtol). fp32 queries: exact float32 products, so fp8
 # matches its float32 reference to 1e-4. Half queries: half dot products (tensor cores on a
@@ -28,31 +28,6 @@ TOL = {(torch.float32, torch.float32): (1e-5, 1e-5), (BF16, BF16): (1.5e-2, 1e-2
 def query_dtype(dtype):
     """The query dtype a cache dtype is tested with (fp8 caches with float32 queries)."""
     return torch.float32 if dtype == FP8 else dtype
-
-
-def make_cache(dtype, num_blocks, block_size, num_kv_heads, head_dim, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-    if dtype == FP8:
-        (qk, sk), (qv, sv) = R.quantize_fp8(k), R.quantize_fp8(v)
-        return qk, qv, sk, sv
-    return k.to(dtype), v.to(dtype), None, None
-
-
-def tables_for(lens, block_size, max_blocks, num_blocks, seed=0, high=False):
-    """Block tables with -1 padding; blocks drawn at random (or from the top of the pool)."""
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.randperm(num_blocks, generator=g)
-    if high:
-        pool = torch.arange(num_blocks - 1, -1, -1)
-    tables = torch.full((len(lens), max_blocks), -1, dtype=torch.long)
-    used = 0
-    for i, n in enumerate(lens):
-        nb = -(-n // block_size)
-        tables[i, :nb] = pool[used:used + nb]
-        used += nb
-    return tables
 
 
 def close(got, want, dtype, qdtype=None):
@@ -260,8 +235,8 @@ def test_engine_generation_with_triton_backend_matches_torch(llama_dir, kv_dtype
 def test_padded_decode_buckets_match_unpadded(llama_dir, backend):
     """The CUDA-graph decode path pads each step to a bucket (slot -1, seq_len 0, -1 table
     rows); on CPU it runs the same padded step eagerly. Outputs must not change."""
+    from kvsession.cache.block_pool import blocks_for
     from kvsession.engine.graphs import DecodeGraphs
-    from kvsession.engine.scheduler import blocks_for
 
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     ps = [[(i * 5 + j) % 500 for j in range(n)] for i, n in enumerate([3, 17, 30])]

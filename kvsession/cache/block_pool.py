@@ -21,6 +21,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from kvsession.errors import CacheFullError
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks hold `num_tokens` tokens (the last one possibly partial)."""
+    return -(-num_tokens // block_size)
+
+
 class Block:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev", "next")
 

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvsession.cache.block_pool import BlockPool
+from kvsession.cache.block_pool import BlockPool, blocks_for
 from kvsession.cache.prefix import PrefixCache
 from kvsession.engine.sequence import Sequence, SequenceStatus
 
@@ -35,10 +35,6 @@ class ScheduledSeq:
 
 DEFERRED = object()  # _admit's answer when the sequence should wait for an in-flight block
 REMOTE = object()  # _admit's answer when the sequence's prefill went to a remote worker
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class Scheduler:

@@ -18,6 +18,7 @@ import torch
 
 from kvsession.cache.kv_pool import KVPool, block_runs
 from kvsession.errors import CacheFullError
+from kvsession.kernels.reference import Workspace
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -35,8 +36,8 @@ class HostPool:
             for name, t in device_pool.tensors().items()}
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: lowest ids first
         self.staged = device_pool.use_kernels
-        self._pin = pin
-        self._staging: dict[tuple[str, str], torch.Tensor] = {}  # grown, reused buffers
+        # grown, reused staging buffers: device side, and (pinned on CUDA) host side
+        self._device_staging, self._host_staging = Workspace(), Workspace(pin_memory=pin)
 
     @property
     def num_free(self) -> int:
@@ -62,20 +63,6 @@ class HostPool:
             return self._staged(pool, device_ids, host_ids, to_host=False)
         return self._copy(self.tensors, pool.tensors(), host_ids, device_ids)
 
-    def _buffer(self, name: str, side: str, like: torch.Tensor, n: int) -> torch.Tensor:
-        """A `[num_layers, n, *block]` staging view for tensor `name` on the device side or
-        the (pinned) host side; grown when too small, otherwise reused."""
-        shape = (like.shape[0], n, *like.shape[2:])
-        numel = like[:, :1].numel() * n
-        buf = self._staging.get((name, side))
-        if buf is None or buf.numel() < numel:
-            on_device = side == "device"
-            buf = torch.empty(numel, dtype=like.dtype,
-                              device=like.device if on_device else "cpu",
-                              pin_memory=self._pin and not on_device)
-            self._staging[name, side] = buf
-        return buf[:numel].view(shape)
-
     def _staged(self, pool: KVPool, device_ids: list[int], host_ids: list[int],
                 to_host: bool) -> int:
         from kvsession.kernels.block_copy import gather_blocks, scatter_blocks
@@ -85,8 +72,9 @@ class HostPool:
         host_idx = torch.tensor(host_ids, dtype=torch.long)
         moved = 0
         for name, t in pool.tensors().items():
-            dev_buf = self._buffer(name, "device", t, n)
-            host_buf = self._buffer(name, "host", t, n)
+            shape = (t.shape[0], n, *t.shape[2:])  # [num_layers, n, *block]
+            dev_buf = self._device_staging.get(name, shape, t)
+            host_buf = self._host_staging.get(name, shape, self.tensors[name])
             host = _raw(self.tensors[name])
             if to_host:
                 gather_blocks(t, dev_buf, ids)

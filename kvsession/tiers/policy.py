@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvsession import costmodel
-from kvsession.cache.block_pool import Block, BlockPool
+from kvsession.cache.block_pool import Block, BlockPool, blocks_for
 from kvsession.cache.kv_pool import KVPool
 from kvsession.cache.prefix import PrefixCache
 from kvsession.errors import SnapshotError
@@ -112,7 +112,7 @@ class TierPolicy:
         return n
 
     def _num_blocks(self, s: SessionKV) -> int:
-        return -(-len(s.tokens) // self.bs)
+        return blocks_for(len(s.tokens), self.bs)
 
     def _block_tensors(self, s: SessionKV, group: int = 32
                        ) -> Iterator[dict[str, torch.Tensor]]:

@@ -42,6 +42,7 @@ import lz4.frame
 import msgspec
 import torch
 
+from kvsession.cache.block_pool import blocks_for
 from kvsession.errors import SnapshotError
 
 MAGIC = b"KVSNAP\x00\x01"
@@ -339,7 +340,7 @@ def _check_layout(path: Path, h: SnapshotHeader, payload_end: int) -> None:
     bs = h.block_size
     if bs < 1 or h.num_layers < 1 or h.num_kv_heads < 1 or h.head_dim < 1:
         raise SnapshotError(f"{path}: header has an invalid geometry")
-    if h.num_blocks != -(-len(h.token_ids) // bs):
+    if h.num_blocks != blocks_for(len(h.token_ids), bs):
         raise SnapshotError(f"{path}: header does not match the payload: "
                             f"{len(h.token_ids)} tokens but {h.num_blocks} blocks")
     if len(h.block_hashes) != len(h.token_ids) // bs:
