@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from kvsession.errors import ConfigError
+from kvsession.kernels.reference import FP8_DTYPE, is_fp8
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8_DTYPE)
 
 
 class KernelArgumentError(ConfigError):
@@ -31,7 +32,7 @@ def check_cache(k_cache, v_cache, k_scale, v_scale) -> None:
           "k_cache and v_cache must match")
     check(k_cache.dtype in CACHE_DTYPES, f"unsupported cache dtype {k_cache.dtype}")
     check(k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous")
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    fp8 = is_fp8(k_cache.dtype)
     check(fp8 == (k_scale is not None) == (v_scale is not None),
           "an fp8 cache needs k_scale and v_scale (and only an fp8 cache has them)")
     if fp8:

@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """The one answer to "is this an fp8 KV cache?" (a cache with per-token-head scales)."""
+    return dtype == FP8_DTYPE
 MIN_SCALE = 1e-12  # guards an all-zero token/head against a zero scale
 
 

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kvsession.cache.kv_pool import KVPool
+from kvsession.cache.kv_pool import kv_bytes_per_token
 from kvsession.config import EngineConfig
 from kvsession.llm import LLM
 from kvsession.model.config import load_model_spec
@@ -51,8 +51,8 @@ def run_demo(model: Path, session_dir: Path, num_sessions: int = 6, num_turns: i
     # the KV geometry from config.json alone (no weights loaded just to size the pool)
     cfg = EngineConfig.from_args(model)
     spec = load_model_spec(cfg.model)
-    bpt = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                 cfg.kv_cache_dtype)
+    bpt = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                             cfg.kv_cache_dtype)
     bs = cfg.block_size
     per_session_tokens = 150 + num_turns * 170
     device_blocks = 1024 // bs + max(1, num_sessions // 3) * (per_session_tokens // bs + 1)

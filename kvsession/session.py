@@ -3,8 +3,9 @@
 Between turns a Session holds references on the blocks of every token it has computed
 (prompt and generated), so nothing it needs is evicted while it is idle. A turn hands those
 references to the turn's Sequence (attached blocks) and takes them back when it finishes:
-at any moment exactly one of them owns the references. All block work happens on the engine
-thread (posted `prepare` / `call` functions); the caller's thread only renders and tokenizes.
+at any moment exactly one of them owns the references (the KVCacheManager moves them). All
+block work happens on the engine thread, through the `SessionStore` (the typed interface to
+the engine side); the caller's thread only renders and tokenizes.
 
 Exactness: each turn re-renders the whole conversation with the chat template and compares
 it to the cached tokens. KV is reused only for the longest common token prefix; from the
@@ -21,13 +22,16 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from kvsession.cache.block_pool import blocks_for
+from kvsession.cache.manager import SessionKV
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError, SessionClosedError
 from kvsession.metrics import RequestMetrics
 from kvsession.params import SamplingParams
-from kvsession.tiers.policy import SessionKV
+
+if TYPE_CHECKING:  # the store imports this module; only the type is needed here
+    from kvsession.session_store import SessionStore
 
 
 @dataclass
@@ -66,6 +70,14 @@ class SessionStats:
     ttfts_s: list[float] = field(default_factory=list)
 
 
+@dataclass
+class TurnInfo:
+    """Filled on the engine thread when a turn starts."""
+
+    restored_from: str | None = None
+    diverged_at: int | None = None
+
+
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "logprobs", "cache_salt")
 
@@ -81,17 +93,19 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class Session:
     """A conversation handle. Thread-safe; sends to one session run in call order."""
 
-    def __init__(self, llm, session_id: str | None, system: str | None,
-                 sampling: SamplingParams | None, system_key=None):
-        self._llm = llm
+    def __init__(self, store: SessionStore, session_id: str | None, system: str | None,
+                 sampling: SamplingParams | None, messages: list[dict] | None = None):
+        self._store = store
         self.session_id = session_id or uuid.uuid4().hex
         self.sampling = sampling or SamplingParams(max_tokens=256, temperature=0.0)
         self.system = system
-        self._messages: list[dict] = ([{"role": "system", "content": system}]
-                                      if system is not None else [])
-        self._system_key = system_key
-        # the KV (tokens, blocks, tier): mutated only on the engine thread
-        self._kv = SessionKV(self.session_id, meta=self._snapshot_meta)
+        self._messages: list[dict] = (
+            [dict(m) for m in messages] if messages is not None
+            else [{"role": "system", "content": system}] if system is not None else [])
+        # the shared system pin it uses (set by the store that created it)
+        self.system_key: tuple[int, ...] | None = None
+        # the KV (tokens, blocks, tier): changed only on the engine thread, by the manager
+        self.kv = SessionKV(self.session_id, meta=self._snapshot_meta)
         self._closed = False
         self._lock = threading.Lock()
         self._last_turn: Future | None = None
@@ -116,13 +130,13 @@ class Session:
             return "closed"
         if self._in_flight:
             return "active"
-        tier = self._kv.tier.value
+        tier = self.kv.tier.value
         return "idle" if tier == "device" else tier
 
     @property
     def num_cached_tokens(self) -> int:
         """Tokens whose KV this session holds (in any tier)."""
-        return len(self._kv.tokens)
+        return len(self.kv.tokens)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -159,52 +173,24 @@ class Session:
         """Render and submit. Returns (seq, new messages, turn info, future). Runs in the
         caller's thread, after the previous turn of this session finished."""
         self._check_open()
-        llm = self._llm
         new_msgs = self._normalize(message)
         params = replace(self.sampling, **overrides) if overrides else self.sampling
-        ids = llm._validate_prompt(llm.tokenizer.encode_chat(self._messages + new_msgs))
-        seq = Sequence(token_ids=ids, params=params, max_model_len=llm.runtime.max_model_len,
-                       eos_token_ids=llm.tokenizer.eos_token_ids, retain_blocks=True)
-        info: dict = {}
-        kv, policy, bs = self._kv, llm.policy, llm.config.block_size
-
-        def finished(seq: Sequence, ok: bool):  # engine thread: the session takes it back
-            if not ok:  # the engine released the blocks; the next turn recomputes
-                policy.checkin(kv, [], [], [])
-                return
-            n = seq.num_computed_tokens
-            keep = blocks_for(n, bs)
-            llm.pool.free(seq.blocks[keep:])
-            policy.checkin(kv, seq.token_ids[:n], seq.blocks[:keep], seq.block_hashes[: n // bs])
-            seq.blocks = []
-
-        def prepare():  # engine thread: bring the KV back, hand it to the sequence
-            history = common_prefix_len(kv.tokens, ids)
-            info["diverged_at"] = history if history < len(kv.tokens) else None
-            source = policy.checkout(kv)
-            common = min(common_prefix_len(kv.tokens, ids), len(ids) - 1)
-            blocks, hashes = kv.blocks, kv.hashes
-            kv.blocks, kv.hashes, kv.tokens = [], [], []
-            seq.blocks, seq.num_computed_tokens = llm._attach_blocks(blocks, common)
-            seq.block_hashes = hashes[: seq.num_computed_tokens // bs]
-            info["restored_from"] = source if seq.num_computed_tokens else None
-            seq.on_finish = finished
-
-        fut = llm._engine_loop().submit(seq, on_update=on_update, prepare=prepare)
+        ids = self._store.encode_turn(self._messages + new_msgs)
+        seq, info, fut = self._store.submit_turn(self.kv, ids, params, on_update)
         return seq, new_msgs, info, fut
 
-    def _finish(self, seq: Sequence, new_msgs: list[dict], info: dict) -> Reply:
+    def _finish(self, seq: Sequence, new_msgs: list[dict], info: TurnInfo) -> Reply:
         """Record the finished turn (caller's thread; the KV went back on the engine
         thread)."""
-        out = self._llm._output(seq, prompt=None)
+        out = self._store.output(seq)
         self._messages += new_msgs + [{"role": "assistant", "content": out.text}]
         cached = max(seq.num_cached_tokens, 0)
         reply = Reply(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
                       metrics=out.metrics, prefill_tokens=seq.num_prompt_computed,
                       cached_tokens=cached,
                       # attached session KV came from its tier; prefix hits from the device
-                      restored_from=(info.get("restored_from") or "device") if cached else None,
-                      diverged_at=info.get("diverged_at"), logprobs=out.logprobs)
+                      restored_from=(info.restored_from or "device") if cached else None,
+                      diverged_at=info.diverged_at, logprobs=out.logprobs)
         st = self.stats
         st.turns += 1
         st.prompt_tokens += seq.num_prompt_tokens
@@ -247,7 +233,7 @@ class Session:
             seq, new_msgs, info, fut = self._start(
                 message, sampling_overrides, on_update=lambda s: updates.put(s.num_tokens))
             fut.add_done_callback(lambda f: updates.put(None))
-            decode = self._llm.tokenizer.decode
+            decode = self._store.tokenizer.decode
             hold = max((len(s) for s in seq.params.stop_strings), default=1) - 1
             sent_text, sent_tokens = "", 0
             while (n := updates.get()) is not None:
@@ -277,48 +263,38 @@ class Session:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def _exclusive(self, fn):
-        """Run fn() on the engine thread once this session's queued turns are done."""
+    def exclusive(self, fn):
+        """Run fn() on the engine thread once this session's queued turns are done (the
+        store's way to act on this session between turns)."""
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
                 prev.result()
-            return self._llm._engine_loop().call(fn).result()
+            return self._store.call(fn).result()
         finally:
             self._leave_turn(mine)
 
     def fork(self, session_id: str | None = None) -> Session:
         """A new session sharing every block so far (references, no copy); the first write
         into a shared partial block copies it. Parent and child then evolve independently."""
-        llm = self._llm
-        child = llm._new_session(session_id, self.system, self.sampling, self._system_key)
-        child._messages = self.messages
-
-        def share():
-            llm.policy.restore(self._kv)  # a spilled parent comes back first
-            kv = self._kv
-            llm.pool.touch(kv.blocks)
-            llm.policy.checkin(child._kv, list(kv.tokens), list(kv.blocks), list(kv.hashes))
-
-        self._exclusive(share)
-        return child
+        return self._store.fork(self, session_id)
 
     def save(self, path) -> None:
         """Write this session (messages, tokens, KV with fp8 scales) to a `.kvs` snapshot,
         atomically. `llm.restore(path)` continues exactly where this session is."""
-        self._exclusive(lambda: self._llm._save_session(self, path))
+        self.exclusive(lambda: self._store.save(self.kv, path))
 
     def suspend(self, expected_idle_s: float | None = None) -> str:
         """The session is waiting (tool call, human). The engine decides, by expected waste,
         to keep its KV on the device, spill it to host or disk, or drop it for recompute.
         Returns the decision: "keep" | "host" | "disk" | "drop"."""
-        return self._exclusive(lambda: self._llm.policy.suspend(self._kv, expected_idle_s))
+        return self.exclusive(lambda: self._store.suspend(self.kv, expected_idle_s))
 
     def prefetch(self) -> Future:
         """Start bringing a spilled session back to the device ahead of its next send;
         returns a Future that resolves when done (or when recompute was chosen)."""
         self._check_open()
-        return self._llm._engine_loop().call(lambda: self._llm.policy.restore(self._kv))
+        return self._store.prefetch(self.kv)
 
     def close(self, delete: bool = False) -> None:
         """Release this session's KV in every tier (idempotent); delete=True also removes its
@@ -331,7 +307,12 @@ class Session:
             prev.result()
         with self._lock:
             self._closed = True
-        self._llm._close_session(self, delete)
+        self._store.close_session(self, delete)
+
+    def mark_closed(self) -> None:
+        """The LLM is closing: further use raises SessionClosedError."""
+        with self._lock:
+            self._closed = True
 
     def __enter__(self) -> Session:
         return self
@@ -344,7 +325,7 @@ class Session:
         last = f"{st.ttfts_s[-1] * 1e3:.1f} ms" if st.ttfts_s else "-"
         return (f"<b>kvsession Session</b> <code>{self.session_id}</code>: {self.state}, "
                 f"{st.turns} turns, {len(self._messages)} messages<br>"
-                f"KV held: {self.num_cached_tokens} tokens ({self._kv.tier.value}); prompt "
+                f"KV held: {self.num_cached_tokens} tokens ({self.kv.tier.value}); prompt "
                 f"tokens from cache {st.cached_tokens}, computed {st.computed_tokens}; "
                 f"last TTFT {last}")
 

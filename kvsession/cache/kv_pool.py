@@ -15,12 +15,23 @@ from dataclasses import dataclass
 
 import torch
 
-FP8 = torch.float8_e4m3fn
+from kvsession.kernels.reference import FP8_DTYPE, is_fp8
+
 # float16 scales: 2 bytes per token-head keeps an fp8 pool at >= 1.94x the tokens of a
 # bf16 pool for head_dim >= 64 (float32 scales: 1.88x at head_dim 64). Quantization uses the
 # stored (rounded) scale, so write and read agree exactly; absmax below ~2.7e-5 is clamped
 # to the smallest float16 scale, i.e. such near-zero tokens are stored as (near) zero.
 SCALE_DTYPE = torch.float16
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+    """K + V bytes of one token over all layers, fp8 scales included: the engine's one
+    answer (pool sizing, cost model inputs, stats)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_head = head_dim * elem + (torch.empty((), dtype=SCALE_DTYPE).element_size()
+                                  if is_fp8(dtype) else 0)
+    return 2 * num_layers * num_kv_heads * per_head
 
 
 @dataclass(frozen=True)
@@ -51,18 +62,9 @@ class KVPool:
         self.k = torch.empty(shape, dtype=dtype, device=device).zero_()
         self.v = torch.empty(shape, dtype=dtype, device=device).zero_()
         self.k_scale = self.v_scale = None
-        if dtype == FP8:
+        if is_fp8(dtype):
             self.k_scale = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
             self.v_scale = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        """K + V bytes of one token over all layers, scales included."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        per_head = head_dim * elem + (torch.empty((), dtype=SCALE_DTYPE).element_size()
-                                      if dtype == FP8 else 0)
-        return 2 * num_layers * num_kv_heads * per_head
 
     def layer(self, i: int) -> LayerKV:
         return LayerKV(self.k[i], self.v[i],

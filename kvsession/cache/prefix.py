@@ -9,8 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvsession.cache.block_pool import Block, BlockPool
+from typing import ClassVar
+
+from kvsession.cache.block_pool import Block
 from kvsession.cache.hashing import BlockHasher
+from kvsession.cache.manager import Holder, HolderKind, KVCacheManager
 from kvsession.errors import CacheFullError
 
 
@@ -22,9 +25,10 @@ class PrefixCache:
     the same block waits for it instead, so concurrent requests with a common prefix share
     blocks rather than computing them twice."""
 
-    def __init__(self, pool: BlockPool, hasher: BlockHasher, max_pinned_blocks: int = 0):
-        self.pool, self.hasher = pool, hasher
-        self.pins = PinRegistry(pool, max_pinned_blocks)
+    def __init__(self, manager: KVCacheManager, hasher: BlockHasher,
+                 max_pinned_blocks: int = 0):
+        self.pool, self.hasher = manager.pool, hasher
+        self.pins = PinRegistry(manager, max_pinned_blocks)
         self.pending: dict[bytes, int] = {}
         self.clock = time.monotonic  # pin TTLs are measured on it (replaceable in tests)
         self.queried_tokens = 0
@@ -70,11 +74,14 @@ class PrefixCache:
 
 class Pin:
     """A pinned prefix: one held reference on each of its full blocks (so eviction needs no
-    special case), an optional idle TTL, and the time of its last hit."""
+    special case), an optional idle TTL, and the time of its last hit. Its block table is
+    written by KVCacheManager."""
 
-    def __init__(self, pin_id: int, token_ids: list[int], blocks: list[Block],
-                 ttl_s: float | None, now: float):
-        self.pin_id, self.token_ids, self.blocks = pin_id, token_ids, blocks
+    holder_kind: ClassVar[HolderKind] = HolderKind.PIN
+
+    def __init__(self, pin_id: int, token_ids: list[int], ttl_s: float | None, now: float):
+        self.pin_id, self.token_ids = pin_id, token_ids
+        self.blocks: tuple[Block, ...] = ()
         self.ttl_s, self.last_hit = ttl_s, now
         self.active = True
 
@@ -83,13 +90,14 @@ class Pin:
 
 
 class PinRegistry:
-    """Pinned prefixes. Mutated only on the engine thread; references go through BlockPool.
+    """Pinned prefixes. Mutated only on the engine thread; references go through the
+    KVCacheManager.
 
     Budget: the distinct blocks held by pins never exceed `max_pinned_blocks`; a pin over
     budget is refused (CacheFullError) and existing pins are untouched."""
 
-    def __init__(self, pool: BlockPool, max_pinned_blocks: int):
-        self.pool, self.max_pinned_blocks = pool, max_pinned_blocks
+    def __init__(self, manager: KVCacheManager, max_pinned_blocks: int):
+        self.manager, self.max_pinned_blocks = manager, max_pinned_blocks
         self.pins: dict[int, Pin] = {}
         self.block_pins: dict[int, int] = {}  # block id -> number of pins holding it
         self._next_id = 0
@@ -98,7 +106,7 @@ class PinRegistry:
     def num_pinned_blocks(self) -> int:
         return len(self.block_pins)
 
-    def num_new_blocks(self, blocks: list[Block]) -> int:
+    def num_new_blocks(self, blocks: Sequence[Block]) -> int:
         return sum(1 for b in blocks if b.block_id not in self.block_pins)
 
     def check_budget(self, num_new_blocks: int) -> None:
@@ -108,16 +116,16 @@ class PinRegistry:
                 f"asked {num_new_blocks}, pinned {self.num_pinned_blocks}, limit "
                 f"{self.max_pinned_blocks} blocks (max_pinned_fraction of the device pool)")
 
-    def add(self, token_ids: list[int], blocks: list[Block], ttl_s: float | None,
+    def add(self, token_ids: list[int], source: Holder, ttl_s: float | None,
             now: float) -> Pin:
-        """Pin `blocks`, which the caller already holds one reference on each of (the
-        reference is handed over to the pin). Raises CacheFullError, changing nothing,
-        when over budget: the caller still owns its references then."""
-        self.check_budget(self.num_new_blocks(blocks))
-        pin = Pin(self._next_id, token_ids, blocks, ttl_s, now)
+        """Pin the blocks of `source` (its references are handed over to the pin). Raises
+        CacheFullError, changing nothing, when over budget: `source` keeps them then."""
+        self.check_budget(self.num_new_blocks(source.blocks))
+        pin = Pin(self._next_id, token_ids, ttl_s, now)
+        self.manager.transfer(source, pin)
         self._next_id += 1
         self.pins[pin.pin_id] = pin
-        for b in blocks:
+        for b in pin.blocks:
             self.block_pins[b.block_id] = self.block_pins.get(b.block_id, 0) + 1
         return pin
 
@@ -132,7 +140,7 @@ class PinRegistry:
                 self.block_pins[b.block_id] = n
             else:
                 del self.block_pins[b.block_id]
-        self.pool.free(pin.blocks)
+        self.manager.release(pin)
 
     def note_hits(self, blocks: list[Block], now: float) -> None:
         """A lookup hit these blocks: refresh the TTL of pins that hold them."""

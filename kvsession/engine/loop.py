@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Protocol
 
 from kvsession.costmodel import RateEstimator
 from kvsession.engine.runner import ModelRunner
@@ -38,17 +39,40 @@ def request_metrics(seq: Sequence) -> RequestMetrics:
                           queue_s=queue)
 
 
+Timer = Callable[[float], "float | None"]  # timer(monotonic now) -> seconds to next deadline
+
+
+class RemotePrefills(Protocol):
+    """What the engine needs of a prefill connector (kvsession.connector.base)."""
+
+    fallbacks: dict[str, int]
+    pending: dict
+    quarantine: dict
+
+    def submit(self, seq_id: int, token_ids: list[int], first_block: int,
+               block_ids: list[int], affinity: bytes, cache_salt: str | None) -> bool: ...
+
+    def poll(self, timeout_s: float) -> list: ...
+
+
 class Engine:
-    """One step at a time; not thread-safe (the engine thread owns it)."""
+    """One step at a time; not thread-safe (the engine thread owns it).
+
+    `prefill_tps` is measured here (prompt tokens/s of steps that prefill) and read by the
+    tier policy's load-vs-recompute rule; `timers` are called between steps (the tier
+    policy's idle spills, remote-prefill polling while idle)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
-                 decode: Callable[[list[int]], str], latency: LatencyTracker):
+                 decode: Callable[[list[int]], str], latency: LatencyTracker,
+                 prefill_tps: RateEstimator, timers: list[Timer] | None = None,
+                 connector: RemotePrefills | None = None):
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
         self.decode, self.latency = decode, latency
-        # measured prompt tokens/s of steps that prefill (feeds the load-vs-recompute rule)
-        self.prefill_tps = RateEstimator(prior=2000.0)
-        self.timers: list[Callable[[float], float | None]] = []  # e.g. the tier policy
-        self.connector = None  # a PrefillConnector when prefill workers are configured
+        self.prefill_tps = prefill_tps
+        self.timers: list[Timer] = list(timers or [])
+        self.connector = connector
+        if connector is not None:
+            self.timers.append(self.remote_idle_poll)
         self.futures: dict[int, tuple[Future, OnUpdate | None]] = {}
         self.num_steps = 0
         # Called on the engine thread after every step (debug checks, tests, tracing).
@@ -66,17 +90,19 @@ class Engine:
         waits += [w for timer in self.timers if (w := timer(mono)) is not None]
         return min(waits) + 1e-3 if waits else None
 
-    def queue_depth(self) -> int:
-        """Sequences waiting for or in the middle of their prefill."""
-        sched = self.scheduler
-        return len(sched.waiting) + sum(
-            1 for s in sched.running if s.num_computed_tokens < s.num_prompt_tokens)
-
     def add(self, seq: Sequence, fut: Future, on_update: OnUpdate | None) -> None:
         self.futures[seq.seq_id] = (fut, on_update)
         self.scheduler.add(seq)
 
-    def _remote(self, timeout_s: float = 0.0) -> None:
+    def remote_idle_poll(self, now: float) -> float | None:
+        """Timer: fences and heartbeats while no step runs."""
+        conn = self.connector
+        if conn.pending or conn.quarantine or self.scheduler.quarantine:
+            self.poll_remote()
+            return 0.02
+        return None
+
+    def poll_remote(self, timeout_s: float = 0.0) -> None:
         """Submit newly offloaded prefills; apply what the workers finished or failed."""
         sched, conn = self.scheduler, self.connector
         for seq in sched.new_remote:
@@ -100,11 +126,11 @@ class Engine:
 
     def step(self) -> None:
         if self.connector is not None:
-            self._remote()
+            self.poll_remote()
         batch, failed = self.scheduler.schedule()
         if self.connector is not None and (self.scheduler.new_remote or not batch):
             # nothing to run locally while workers prefill: wait on them briefly
-            self._remote(0.0 if self.scheduler.new_remote or batch else 0.002)
+            self.poll_remote(0.0 if self.scheduler.new_remote or batch else 0.002)
         for seq in failed:
             self._fail(seq, CacheFullError(
                 f"request of {seq.num_tokens} tokens cannot fit in the KV blocks that are not "

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from kvsession.cache.block_pool import BlockPool, blocks_for
+from kvsession.cache.block_pool import blocks_for
+from kvsession.cache.manager import KVCacheManager, Quarantine
 from kvsession.cache.prefix import PrefixCache
 from kvsession.engine.sequence import Sequence, SequenceStatus
 
@@ -37,30 +38,55 @@ DEFERRED = object()  # _admit's answer when the sequence should wait for an in-f
 REMOTE = object()  # _admit's answer when the sequence's prefill went to a remote worker
 
 
+class Reclaimer(Protocol):
+    """Frees device blocks by moving idle sessions off the device (the tier policy)."""
+
+    def reclaim(self, num_blocks: int) -> int:
+        """Free about `num_blocks` device blocks; returns how many were freed."""
+
+
+class OffloadDecider(Protocol):
+    """Decides whether a sequence's prefill goes to a remote worker."""
+
+    def should_offload(self, seq: Sequence) -> bool: ...
+
+
 class Scheduler:
-    def __init__(self, pool: BlockPool, prefix: PrefixCache, max_num_seqs: int,
-                 max_num_batched_tokens: int, reclaim: Callable[[int], int] | None = None):
-        """`reclaim(n)` asks the tier policy to free about n device blocks (by spilling idle
-        sessions) and returns how many it freed; it is tried before preempting or failing."""
-        self.pool, self.prefix = pool, prefix
-        self.reclaim = reclaim
+    def __init__(self, manager: KVCacheManager, prefix: PrefixCache, max_num_seqs: int,
+                 max_num_batched_tokens: int, offload: OffloadDecider | None = None):
+        """`offload` decides remote prefills (None: never)."""
+        self.manager, self.pool, self.prefix = manager, manager.pool, prefix
+        self.reclaimer: Reclaimer | None = None
         self._last_need = 0
-        # remote prefill: `offload(seq)` decides (None: never); sequences whose prompt KV a
-        # worker is writing wait in `remote` holding their blocks; `new_remote` lists the
-        # ones admitted this step (the engine submits them); `quarantine` holds the blocks
-        # of failed remote prefills until no late write can reach them.
-        self.offload: Callable[[Sequence], bool] | None = None
+        # remote prefill: sequences whose prompt KV a worker is writing wait in `remote`
+        # holding their blocks; `new_remote` lists the ones admitted this step (the engine
+        # submits them); `quarantine` holds the blocks of failed remote prefills until no
+        # late write can reach them.
+        self.offload = offload
         self.remote: dict[int, Sequence] = {}
         self.new_remote: list[Sequence] = []
-        self.quarantine: dict[int, list] = {}
+        self.quarantine: dict[int, Quarantine] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
+    def attach_reclaimer(self, reclaimer: Reclaimer) -> None:
+        """Install the tier policy, tried before preempting or failing (it is built after
+        the scheduler because it reads the scheduler's queue depth)."""
+        self.reclaimer = reclaimer
+
+    def reclaim(self, num_blocks: int) -> int:
+        return self.reclaimer.reclaim(num_blocks) if self.reclaimer is not None else 0
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def queue_depth(self) -> int:
+        """Sequences waiting for or in the middle of their prefill."""
+        return len(self.waiting) + sum(
+            1 for s in self.running if s.num_computed_tokens < s.num_prompt_tokens)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.remote)
@@ -78,7 +104,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = blocks_for(seq.num_computed_tokens + n, self.pool.block_size) - len(seq.blocks)
-            if need > self.pool.num_free and self.reclaim is not None:
+            if need > self.pool.num_free:
                 self.reclaim(need - self.pool.num_free)
             while need > self.pool.num_free and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
@@ -92,7 +118,7 @@ class Scheduler:
                 self._release(seq)  # oldest and alone, still too big: pins hold the rest
                 failed.append(seq)
                 continue
-            seq.blocks += self.pool.allocate(need)
+            self.manager.allocate_slots(seq, need)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
@@ -101,8 +127,7 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[i]
             item = self._admit(seq, budget)
-            if item is None and self.reclaim is not None and self.reclaim(
-                    self._last_need - self.pool.num_free) > 0:
+            if item is None and self.reclaim(self._last_need - self.pool.num_free) > 0:
                 item = self._admit(seq, budget)  # idle sessions were spilled: try again
             if item is DEFERRED:  # its next block is being computed by another sequence
                 i += 1
@@ -156,10 +181,10 @@ class Scheduler:
             if not attached:
                 self._unquery(seq, num_cached)
             return None
-        self.pool.touch(hits)
         num_full = num_cached // self.pool.block_size
         self.prefix.mark_pending(seq.seq_id, seq.block_hashes[num_full:])
-        seq.blocks = held + self.pool.allocate(max(num_new_blocks, 0))
+        self.manager.attach(seq, hits)
+        self.manager.allocate_slots(seq, num_new_blocks)
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached
@@ -171,7 +196,7 @@ class Scheduler:
     def _wants_remote(self, seq: Sequence, num_cached: int) -> bool:
         return (self.offload is not None and not seq.no_remote
                 and seq.num_tokens - 1 - num_cached >= self.pool.block_size
-                and self.offload(seq))
+                and self.offload.should_offload(seq))
 
     def _admit_remote(self, seq: Sequence, hits: list, num_cached: int):
         """Blocks for every prompt token but the last (computed locally, for the logits);
@@ -182,8 +207,8 @@ class Scheduler:
             self._last_need = need + revived
             self._unquery(seq, num_cached)
             return None
-        self.pool.touch(hits)
-        seq.blocks = hits + self.pool.allocate(need)
+        self.manager.attach(seq, hits)
+        self.manager.allocate_slots(seq, need)
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached
@@ -205,16 +230,19 @@ class Scheduler:
         self.remote.pop(seq.seq_id, None)
         self.prefix.clear_pending(seq.seq_id, seq.block_hashes)
         if fenced:
-            self.pool.free(seq.blocks)
+            self.manager.release(seq)
         else:
-            self.quarantine[seq.seq_id] = seq.blocks
-        seq.blocks, seq.num_computed_tokens = [], 0
+            q = self.quarantine[seq.seq_id] = Quarantine(seq.seq_id)
+            self.manager.transfer(seq, q)
+        seq.num_computed_tokens = 0
         seq.no_remote = True
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
     def release_quarantine(self, seq_id: int) -> None:
-        self.pool.free(self.quarantine.pop(seq_id, []))
+        q = self.quarantine.pop(seq_id, None)
+        if q is not None:
+            self.manager.release(q)
 
     def _unquery(self, seq: Sequence, num_cached: int) -> None:
         """A lookup that did not lead to admission is not counted as a query."""
@@ -231,8 +259,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.prefix.clear_pending(seq.seq_id, seq.block_hashes)
-        self.pool.free(seq.blocks)
-        seq.blocks = []
+        self.manager.release(seq)
         seq.num_computed_tokens = 0
 
     def update(self, scheduled: list[ScheduledSeq]) -> None:
@@ -255,8 +282,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, release: bool = True) -> None:
         """Remove a finished (or failed) sequence. Its blocks are released, unless
-        `release` is False: then its references pass to whoever holds the sequence (a pin,
-        a session), which must free them later through BlockPool.free."""
+        `release` is False: then its references stay in its table for whoever holds the
+        sequence (a pin, a session), which takes them over through the KVCacheManager."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -1,6 +1,7 @@
 """One request's state while the engine works on it: tokens, blocks, progress, output.
 
-A Sequence is owned by the engine thread: only the scheduler and the loop mutate it.
+A Sequence is owned by the engine thread: only the scheduler and the loop mutate it. Its
+block table (`blocks`) is written by the KVCacheManager only.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from kvsession.cache.block_pool import Block
+from kvsession.cache.manager import HolderKind
 from kvsession.params import SamplingParams
 
 _ids = itertools.count()
@@ -26,13 +29,14 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class Sequence:
+    holder_kind: ClassVar[HolderKind] = HolderKind.SEQUENCE
     token_ids: list[int]
     params: SamplingParams
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SequenceStatus = SequenceStatus.WAITING
-    blocks: list[Block] = field(default_factory=list)
+    blocks: tuple[Block, ...] = ()
     block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in `blocks`
     num_cached_tokens: int = -1   # prompt tokens served by the prefix cache (-1: not admitted)

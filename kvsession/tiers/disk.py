@@ -33,7 +33,8 @@ class DiskTier:
             raise ConfigError(f"session_dir={str(root)!r} cannot be created: {e}") from None
 
     def path_for(self, session_id: str) -> Path:
-        return self.root / f"{check_session_id(session_id)}.kvs"
+        """session_id was validated where it entered (SessionStore): `check_session_id`."""
+        return self.root / f"{session_id}.kvs"
 
     def scan(self) -> dict[str, Path]:
         """session id -> file, for every valid snapshot in the directory (invalid files are

@@ -18,12 +18,12 @@ import torch
 
 from kvsession.cache.kv_pool import KVPool, block_runs
 from kvsession.errors import CacheFullError
-from kvsession.kernels.reference import Workspace
+from kvsession.kernels.reference import Workspace, is_fp8
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """A byte view of fp8 tensors (some copy kernels have no fp8 version); bits unchanged."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
 
 
 class HostPool:
@@ -47,6 +47,9 @@ class HostPool:
         if n > len(self._free):
             raise CacheFullError(f"host tier: asked for {n} blocks, {len(self._free)} free")
         return [self._free.pop() for _ in range(n)]
+
+    def free_ids(self) -> list[int]:
+        return list(self._free)
 
     def free(self, ids: list[int]) -> None:
         self._free.extend(reversed(ids))

@@ -1,76 +1,47 @@
 """TierPolicy: the only place that decides keep, spill (to host or disk), load or recompute.
 
-A session's KV is a `SessionKV`. Where it lives (`tier`):
-- DEVICE: `blocks` hold references on every block of `tokens`;
-- HOST:   `blocks` hold the leading pinned blocks (a pinned system prompt stays on the
-          device), `host_ids` the rest, in order;
-- DISK:   `blocks` as for HOST, the whole KV in `disk_path`.
-Everything here runs on the engine thread. A session is `busy` while a turn owns its blocks;
-busy sessions are never moved.
+A session's KV is a `SessionKV` (kvsession.cache.manager: where it lives, its block tables).
+The policy decides; the `TierMover` copies and records the new placement through the
+KVCacheManager. Everything here runs on the engine thread. A session is `busy` while a turn
+owns its blocks; busy sessions are never moved.
 
 Decisions use kvsession.costmodel with inputs measured at run time (EWMA of every copy's
-bandwidth and of prefill throughput), never constants: on restore, a tier is loaded from only
-if `load_ms < recompute_ms` at the current prefill queue depth.
+bandwidth, of prefill throughput, the scheduler's queue depth), never constants: on restore,
+a tier is loaded from only if `costmodel.should_load` says loading beats recomputing.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-
-import torch
+from typing import Protocol
 
 from kvsession import costmodel
-from kvsession.cache.block_pool import Block, BlockPool, blocks_for
-from kvsession.cache.kv_pool import KVPool
+from kvsession.cache.block_pool import blocks_for
+from kvsession.cache.manager import SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
 from kvsession.errors import SnapshotError
-from kvsession.tiers.disk import DiskTier
-from kvsession.tiers.host import HostPool
-from kvsession.tiers.snapshot import SnapshotHeader, read_blocks, read_header, write_snapshot
+from kvsession.tiers.mover import TierMover
 
 log = logging.getLogger("kvsession")
 
 
-class Tier(enum.Enum):
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
+class LoadProbe(Protocol):
+    """How loaded the engine is (the scheduler)."""
 
-
-@dataclass(eq=False)
-class SessionKV:
-    session_id: str
-    meta: Callable[[], dict]  # messages, sampling, system: for snapshot headers
-    tokens: list[int] = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)
-    blocks: list[Block] = field(default_factory=list)
-    host_ids: list[int] = field(default_factory=list)
-    disk_path: Path | None = None
-    tier: Tier = Tier.DEVICE
-    busy: bool = False
-    last_used: float = 0.0
+    def queue_depth(self) -> int: ...
 
 
 class TierPolicy:
-    def __init__(self, pool: BlockPool, kv: KVPool, prefix: PrefixCache, host: HostPool | None,
-                 disk: DiskTier | None, header_fields: Callable[[], dict],
-                 bytes_per_token: int, prefill_tps: costmodel.RateEstimator,
-                 queue_depth: Callable[[], int], spill_after_s: float | None = None):
-        self.pool, self.kv, self.prefix, self.host, self.disk = pool, kv, prefix, host, disk
-        self.header_fields, self.bytes_per_token = header_fields, bytes_per_token
-        self.prefill_tps, self.queue_depth = prefill_tps, queue_depth
+    def __init__(self, mover: TierMover, prefix: PrefixCache, load: LoadProbe,
+                 prefill_tps: costmodel.RateEstimator, bytes_per_token: int,
+                 spill_after_s: float | None = None):
+        self.mover, self.prefix, self.load = mover, prefix, load
+        self.pool, self.host, self.disk = mover.pool, mover.host, mover.disk
+        self.prefill_tps, self.bytes_per_token = prefill_tps, bytes_per_token
         self.spill_after_s = spill_after_s
-        self.bs = pool.block_size
+        self.bs = self.pool.block_size
         self.sessions: list[SessionKV] = []
-        # measured bandwidths (bytes/s); priors only until the first copy is timed
-        self.host_bytes_per_s = costmodel.RateEstimator(prior=10e9)
-        self.disk_read_bytes_per_s = costmodel.RateEstimator(prior=1e9)
-        self.disk_write_bytes_per_s = costmodel.RateEstimator(prior=1e9)
         self.spills = {"host": 0, "disk": 0}
         self.restores = {"host": 0, "disk": 0}
         self.recomputes = 0
@@ -85,13 +56,7 @@ class TierPolicy:
 
     def release(self, s: SessionKV, delete_file: bool = False) -> None:
         """Free everything the session holds (device refs, host blocks; the file if asked)."""
-        self.pool.free(s.blocks)
-        if self.host is not None and s.host_ids:
-            self.host.free(s.host_ids)
-        if delete_file and s.disk_path is not None:
-            s.disk_path.unlink(missing_ok=True)
-        s.blocks, s.host_ids, s.tokens, s.hashes = [], [], [], []
-        s.tier, s.disk_path = Tier.DEVICE, None
+        self.mover.release(s, delete_file)
         if s in self.sessions:
             self.sessions.remove(s)
 
@@ -99,8 +64,6 @@ class TierPolicy:
         self.decisions.append((s.session_id, decision, reason))
         del self.decisions[:-256]
         log.debug("session %s: %s (%s)", s.session_id, decision, reason)
-
-    # ---- shapes of a session's KV --------------------------------------------------------
 
     def _num_lead(self, s: SessionKV) -> int:
         """Leading blocks that are pinned: they stay on the device when the session moves."""
@@ -110,23 +73,6 @@ class TierPolicy:
                 break
             n += 1
         return n
-
-    def _num_blocks(self, s: SessionKV) -> int:
-        return blocks_for(len(s.tokens), self.bs)
-
-    def _block_tensors(self, s: SessionKV, group: int = 32
-                       ) -> Iterator[dict[str, torch.Tensor]]:
-        """Every block's tensors, contiguous, from wherever they are (device, host); blocks
-        are gathered `group` at a time (one pass over the bytes, bounded extra memory)."""
-        sources = [(self.kv.tensors(), [b.block_id for b in s.blocks])]
-        if s.host_ids:
-            sources.append((self.host.tensors, s.host_ids))
-        for tensors, ids in sources:
-            for g in range(0, len(ids), group):
-                part = ids[g:g + group]
-                stacked = {n: torch.stack([t[:, i] for i in part]) for n, t in tensors.items()}
-                for j in range(len(part)):
-                    yield {n: x[j] for n, x in stacked.items()}
 
     # ---- spilling ------------------------------------------------------------------------
 
@@ -159,24 +105,15 @@ class TierPolicy:
             if self.host.num_free < len(private):
                 self._make_host_room(len(private))
             if self.host.num_free >= len(private):
-                return self._to_host(s, lead, reason)
+                self.mover.to_host(s, lead)
+                self.spills["host"] += 1
+                self._note(s, "spill to host", reason)
+                return Tier.HOST
         if self.disk is not None and self._to_disk(s, lead, reason):
             return Tier.DISK
         if to is None or to is Tier.DEVICE:
             self.drop(s, reason=reason or "no room in any tier")
         return s.tier
-
-    def _to_host(self, s: SessionKV, lead: int, reason: str) -> Tier:
-        private = s.blocks[lead:]
-        ids = self.host.allocate(len(private))
-        t0 = time.perf_counter()
-        moved = self.host.store(self.kv, [b.block_id for b in private], ids)
-        self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
-        self.pool.free(private)  # content stays cached on the device until evicted
-        s.blocks, s.host_ids, s.tier = s.blocks[:lead], ids, Tier.HOST
-        self.spills["host"] += 1
-        self._note(s, "spill to host", reason)
-        return Tier.HOST
 
     def _make_host_room(self, num_blocks: int) -> None:
         for other in sorted(self.sessions, key=lambda x: x.last_used):
@@ -188,20 +125,9 @@ class TierPolicy:
                     self.drop(other, reason="host tier full, no disk tier")
 
     def _to_disk(self, s: SessionKV, lead: int, reason: str) -> bool:
-        path = self.disk.path_for(s.session_id)
-        try:
-            t0 = time.perf_counter()
-            size = write_snapshot(path, self.snapshot_fields(s), self._block_tensors(s))
-            self.disk_write_bytes_per_s.observe(size, time.perf_counter() - t0)
-        except OSError as e:  # disk full, unwritable: the session stays where it is
+        if not self.mover.to_disk(s, lead):
             self.spill_failures += 1
-            log.warning("could not spill session %s to %s: %s; it stays in %s",
-                        s.session_id, path, e, s.tier.value)
             return False
-        self.pool.free(s.blocks[lead:])
-        if s.host_ids:
-            self.host.free(s.host_ids)
-        s.blocks, s.host_ids, s.disk_path, s.tier = s.blocks[:lead], [], path, Tier.DISK
         self.spills["disk"] += 1
         self._note(s, "spill to disk", reason)
         return True
@@ -209,20 +135,8 @@ class TierPolicy:
     def drop(self, s: SessionKV, reason: str) -> None:
         """Forget the private KV (keep the pinned lead): the next turn recomputes it."""
         lead = self._num_lead(s) if s.tier is Tier.DEVICE else len(s.blocks)
-        self.pool.free(s.blocks[lead:])
-        if s.host_ids:
-            self.host.free(s.host_ids)
-        s.blocks, s.host_ids, s.tier = s.blocks[:lead], [], Tier.DEVICE
-        s.tokens, s.hashes = s.tokens[: lead * self.bs], s.hashes[:lead]
+        self.mover.drop(s, lead)
         self._note(s, "drop (recompute later)", reason)
-
-    def snapshot_fields(self, s: SessionKV) -> dict:
-        meta = s.meta()
-        # hashes of every full block (also when prefix caching is off and none were kept)
-        hashes = self.prefix.hasher.extend(list(s.hashes), s.tokens, len(s.tokens),
-                                           meta["sampling"].get("cache_salt"))
-        return {**self.header_fields(), **meta, "session_id": s.session_id,
-                "token_ids": list(s.tokens), "block_hashes": [h.hex() for h in hashes]}
 
     # ---- restoring -----------------------------------------------------------------------
 
@@ -236,6 +150,11 @@ class TierPolicy:
             source = "device"
         return source if s.tokens else None
 
+    def checkin(self, s: SessionKV) -> None:
+        """After a turn (the KV went back to the session through the manager)."""
+        s.busy = False
+        s.last_used = time.monotonic()
+
     def restore(self, s: SessionKV) -> str | None:
         """Load a spilled session back (or drop it if recompute is cheaper). Returns the tier
         it was loaded from, or None if it was not spilled or was dropped."""
@@ -244,19 +163,18 @@ class TierPolicy:
         tier = s.tier
         lead = len(s.blocks)
         num_tokens = len(s.tokens) - lead * self.bs
-        bandwidth = (self.host_bytes_per_s if tier is Tier.HOST
-                     else self.disk_read_bytes_per_s).value
-        depth = self.queue_depth()
+        bandwidth, depth = self.mover.bandwidth(tier), self.load.queue_depth()
         load = costmodel.load_ms(num_tokens, self.bytes_per_token, bandwidth)
         recompute = costmodel.recompute_ms(num_tokens, self.prefill_tps.value, depth)
         why = (f"{num_tokens} tokens: load {load:.2f} ms at {bandwidth / 1e9:.2f} GB/s vs "
                f"recompute {recompute:.2f} ms at {self.prefill_tps.value:.0f} tok/s, "
                f"queue depth {depth}")
-        if load >= recompute:
+        if not costmodel.should_load(num_tokens, self.bytes_per_token, bandwidth,
+                                     self.prefill_tps.value, depth):
             self.recomputes += 1
             self.drop(s, reason="recompute is cheaper: " + why)
             return None
-        need = self._num_blocks(s) - lead
+        need = blocks_for(len(s.tokens), self.bs) - lead
         if self.pool.num_free < need:
             self.reclaim(need - self.pool.num_free, exclude=s)
         if self.pool.num_free < need:
@@ -264,7 +182,7 @@ class TierPolicy:
             self.drop(s, reason="no device room to load into")
             return None
         try:
-            self.load_blocks(s, tier, lead)
+            self.mover.load(s, lead)
         except SnapshotError as e:
             log.warning("%s; recomputing session %s", e, s.session_id)
             self.recomputes += 1
@@ -273,76 +191,6 @@ class TierPolicy:
         self.restores[tier.value] += 1
         self._note(s, f"load from {tier.value}", why)
         return tier.value
-
-    def load_blocks(self, s: SessionKV, tier: Tier, lead: int) -> None:
-        """Copy blocks lead.. back to the device. Full blocks still cached on the device
-        (freed at spill time, not yet evicted) are re-referenced instead of copied."""
-        targets: list[Block | None] = []
-        for i in range(lead, self._num_blocks(s)):
-            hit = None
-            if i < len(s.hashes):
-                hit = self.pool.lookup(s.hashes[i], s.tokens[i * self.bs:(i + 1) * self.bs])
-            targets.append(hit)
-        hits = [b for b in targets if b is not None]
-        self.pool.touch(hits)
-        fresh = iter(self.pool.allocate(sum(1 for b in targets if b is None)))
-        blocks = [b if b is not None else next(fresh) for b in targets]
-        copy = [(j, b) for j, (b, t) in enumerate(zip(blocks, targets, strict=True)) if t is None]
-        t0 = time.perf_counter()
-        try:
-            if tier is Tier.HOST:
-                moved = self.host.load(self.kv, [s.host_ids[j] for j, _ in copy],
-                                       [b.block_id for _, b in copy])
-                self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
-                self.host.free(s.host_ids)
-            else:
-                moved = self.load_file_blocks(s.disk_path, [(lead + j, b) for j, b in copy])
-                self.disk_read_bytes_per_s.observe(moved, time.perf_counter() - t0)
-        except BaseException:
-            self.pool.free(blocks)
-            raise
-        s.blocks, s.host_ids, s.tier = s.blocks + blocks, [], Tier.DEVICE
-
-    def load_file_blocks(self, path: Path, wanted: list[tuple[int, Block]],
-                         header: SnapshotHeader | None = None) -> int:
-        """Read blocks (index in file, device block) from a snapshot into the pool; each is
-        validated (checksum, codec, names, shapes, dtypes) before it is copied, or, when it
-        was read straight into its (fresh) CPU block, before this returns."""
-        h = header or read_header(path)
-        target = dict(wanted)
-        pool = self.kv.tensors()
-        block_bytes = sum(t[:, 0].numel() * t.element_size() for t in pool.values())
-        # streamed: a block is copied as soon as it is validated; if a later block is bad
-        # the caller frees every target block (fresh, unpublished: nothing can see them),
-        # which is also what lets a CPU pool take stored chunks straight from the file
-        dest = self._file_destinations(pool, target) if self.kv.k.device.type == "cpu" \
-            else None
-        for i, tensors in read_blocks(path, h, [i for i, _ in wanted], dest=dest):
-            if tensors is not None:
-                for name, t in pool.items():
-                    t[:, target[i].block_id] = tensors[name].to(t.device)
-        return block_bytes * len(wanted)
-
-    @staticmethod
-    def _file_destinations(pool: dict[str, torch.Tensor], target: dict[int, Block]):
-        """i -> the CPU pool memory of block target[i] in snapshot order: for each tensor
-        (sorted by name), each layer's slice of the block."""
-        layers = {n: [memoryview(t[layer].view(torch.uint8).numpy()).cast("B")
-                      for layer in range(t.shape[0])] for n, t in pool.items()}
-        sizes = {n: t[0, 0].numel() * t.element_size() for n, t in pool.items()}
-
-        def dest(i: int) -> list[memoryview]:
-            b = target[i].block_id
-            return [mv[b * sizes[n]:(b + 1) * sizes[n]] for n in sorted(layers)
-                    for mv in layers[n]]
-        return dest
-
-    def checkin(self, s: SessionKV, tokens: list[int], blocks: list[Block],
-                hashes: list[bytes]) -> None:
-        """After a turn: the session owns these device blocks again."""
-        s.tokens, s.blocks, s.hashes = tokens, blocks, hashes
-        s.host_ids, s.tier, s.busy = [], Tier.DEVICE, False
-        s.last_used = time.monotonic()
 
     # ---- hints -----------------------------------------------------------------------------
 
@@ -353,10 +201,11 @@ class TierPolicy:
         if s.busy or s.tier is not Tier.DEVICE or not s.tokens:
             return s.tier.value
         n = len(s.tokens)
-        reload_host = costmodel.load_ms(n, self.bytes_per_token, self.host_bytes_per_s.value)
+        reload_host = costmodel.load_ms(n, self.bytes_per_token,
+                                        self.mover.bandwidth(Tier.HOST))
         reload_disk = costmodel.load_ms(n, self.bytes_per_token,
-                                        self.disk_read_bytes_per_s.value)
-        recompute = costmodel.recompute_ms(n, self.prefill_tps.value, self.queue_depth())
+                                        self.mover.bandwidth(Tier.DISK))
+        recompute = costmodel.recompute_ms(n, self.prefill_tps.value, self.load.queue_depth())
         free_fraction = self.pool.num_free / self.pool.num_blocks
         idle_ms = float("inf") if expected_idle_s is None else expected_idle_s * 1000
         why = (f"expected idle {idle_ms:.0f} ms, free {free_fraction:.0%}, reload host "

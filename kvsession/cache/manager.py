@@ -1,0 +1,295 @@
+"""KVCacheManager: the one owner of block tables.
+
+`BlockPool` owns reference counts; this module owns *who holds them*. Every holder of
+device blocks — a running `Sequence`, an idle session's `SessionKV`, a `Pin`, the
+`Quarantine` of a failed remote prefill — carries a tuple of blocks (`holder.blocks`) that
+only this module assigns: holders read their table, they never change it. Host-tier block
+ids of a spilled session (`SessionKV.host_ids`) are written here too.
+
+Invariant (`check_integrity`): for every block, the number of times it appears in the
+tables of all live holders equals its `ref_cnt`. A leaked reference (a holder dropped
+without `release`) or a double reference shows up as a mismatch naming the block and its
+holders.
+
+All methods run on the engine thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Protocol
+
+from kvsession.cache.block_pool import Block, BlockPool, blocks_for
+from kvsession.cache.kv_pool import KVPool
+
+
+class HolderKind(enum.Enum):
+    SEQUENCE = "sequence"
+    SESSION = "session"
+    PIN = "pin"
+    QUARANTINE = "quarantine"
+    TRANSIENT = "transient"  # blocks in flight inside one engine-thread call
+
+
+class Holder(Protocol):
+    holder_kind: ClassVar[HolderKind]
+    blocks: tuple[Block, ...]
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+@dataclass(eq=False)
+class SessionKV:
+    """A session's KV wherever it lives (`tier`):
+    - DEVICE: `blocks` hold a reference on every block of `tokens`;
+    - HOST:   `blocks` hold the leading pinned blocks (a pinned system prompt stays on the
+              device), `host_ids` the rest, in order;
+    - DISK:   `blocks` as for HOST, the whole KV in `disk_path`.
+    `busy` (a turn owns its blocks) and `last_used` are the tier policy's; the rest is
+    written by KVCacheManager only."""
+
+    holder_kind: ClassVar[HolderKind] = HolderKind.SESSION
+    session_id: str
+    meta: Callable[[], dict]  # messages, sampling, system: for snapshot headers
+    tokens: tuple[int, ...] = ()
+    hashes: tuple[bytes, ...] = ()
+    blocks: tuple[Block, ...] = ()
+    host_ids: tuple[int, ...] = ()
+    disk_path: Path | None = None
+    tier: Tier = Tier.DEVICE
+    busy: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class Quarantine:
+    """Blocks of a failed remote prefill that a late remote write might still reach."""
+
+    holder_kind: ClassVar[HolderKind] = HolderKind.QUARANTINE
+
+    def __init__(self, seq_id: int):
+        self.seq_id = seq_id
+        self.blocks: tuple[Block, ...] = ()
+
+
+class Transient:
+    """Blocks that are being filled inside one engine-thread call before they are handed
+    to their real holder (e.g. a restore's targets): owned, so integrity holds throughout."""
+
+    holder_kind: ClassVar[HolderKind] = HolderKind.TRANSIENT
+
+    def __init__(self):
+        self.blocks: tuple[Block, ...] = ()
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, kv: KVPool):
+        self.pool, self.kv = pool, kv
+        self.block_size = pool.block_size
+        self._holders: dict[int, Holder] = {}  # id -> every holder with a non-empty table
+
+    # ---- the only writer of holder tables ----------------------------------------------
+
+    def _set(self, holder: Holder, blocks: Sequence[Block]) -> None:
+        holder.blocks = tuple(blocks)
+        self._track(holder)
+
+    def _set_host(self, s: SessionKV, host_ids: Sequence[int]) -> tuple[int, ...]:
+        old, s.host_ids = s.host_ids, tuple(host_ids)
+        self._track(s)
+        return old
+
+    def _track(self, holder: Holder) -> None:
+        """Registered while it holds anything (device blocks, or host blocks)."""
+        if holder.blocks or getattr(holder, "host_ids", ()):
+            self._holders[id(holder)] = holder
+        else:
+            self._holders.pop(id(holder), None)
+
+    # ---- any holder ----------------------------------------------------------------------
+
+    def allocate_slots(self, holder: Holder, num_blocks: int) -> None:
+        """Append `num_blocks` fresh blocks (CacheFullError, nothing changed, if short)."""
+        if num_blocks > 0:
+            self._set(holder, holder.blocks + tuple(self.pool.allocate(num_blocks)))
+
+    def attach(self, holder: Holder, blocks: Sequence[Block]) -> None:
+        """Take a new reference on each of `blocks` (prefix hits, a fork's shared KV) and
+        append them to the holder's table."""
+        self.pool.touch(blocks)
+        self._set(holder, holder.blocks + tuple(blocks))
+
+    def stage(self, holder: Holder, targets: Sequence[Block | None]) -> set[Block]:
+        """Fill an empty holder's table in the order of `targets`: a block is re-referenced
+        where one is given (touched first, so the allocation cannot evict it), a fresh block
+        is allocated where None. All or nothing. Returns the fresh blocks."""
+        hits = [b for b in targets if b is not None]
+        self.pool.touch(hits)
+        try:
+            fresh = iter(self.pool.allocate(len(targets) - len(hits)))
+        except BaseException:
+            self.pool.free(hits)
+            raise
+        table = [b if b is not None else next(fresh) for b in targets]
+        self._set(holder, table)
+        return {b for b, t in zip(table, targets, strict=True) if t is None}
+
+    def release(self, holder: Holder) -> None:
+        """Drop every reference the holder has (tail first)."""
+        self.pool.free(holder.blocks)
+        self._set(holder, ())
+
+    def truncate(self, holder: Holder, num_blocks: int) -> None:
+        """Keep the first `num_blocks` blocks, release the rest."""
+        self.pool.free(holder.blocks[num_blocks:])
+        self._set(holder, holder.blocks[:num_blocks])
+
+    def transfer(self, src: Holder, dst: Holder, num_blocks: int | None = None) -> None:
+        """Move the first `num_blocks` (default all) of src's references onto the end of
+        dst's table; src's other blocks are released. No reference count changes hands."""
+        n = len(src.blocks) if num_blocks is None else num_blocks
+        moved, rest = src.blocks[:n], src.blocks[n:]
+        self.pool.free(rest)
+        self._set(src, ())
+        self._set(dst, dst.blocks + moved)
+
+    def retarget_to_indexed(self, holder: Holder, hashes: Sequence[bytes],
+                            token_ids: Sequence[int]) -> None:
+        """Replace the holder's table by the indexed copy of each of its first
+        len(hashes) full blocks (publishing the ones not indexed yet). A recomputed
+        duplicate of cached content is not what lookups find, so a pin must hold the
+        indexed copy."""
+        bs = self.block_size
+        indexed = []
+        for i, h in enumerate(hashes):
+            tokens = token_ids[i * bs:(i + 1) * bs]
+            self.pool.cache_full_block(holder.blocks[i], h, tokens)
+            indexed.append(self.pool.lookup(h, tokens))
+        self.pool.touch(indexed)
+        self.pool.free(holder.blocks)
+        self._set(holder, indexed)
+
+    # ---- sessions ------------------------------------------------------------------------
+
+    def checkin(self, s: SessionKV, seq: Holder, tokens: Sequence[int],
+                hashes: Sequence[bytes]) -> None:
+        """After a turn: the session keeps the blocks of `tokens` (the turn's computed
+        tokens) from the sequence's table; the sequence's other blocks are released."""
+        self.transfer(seq, s, blocks_for(len(tokens), self.block_size))
+        s.tokens, s.hashes = tuple(tokens), tuple(hashes)
+        self._set_host(s, ())
+        s.tier = Tier.DEVICE
+
+    def checkout(self, s: SessionKV, seq: Holder, num_tokens: int) -> int:
+        """Before a turn: hand the session's references on the KV of its first
+        `num_tokens` tokens to `seq` (which holds nothing yet) and release the rest. A
+        partial last block is written in place only if nothing else can see it (one
+        reference, not published); otherwise it is copied first (copy-on-write), or
+        dropped and recomputed when no block is free. The session is left empty. Returns
+        the number of tokens whose KV `seq` now holds."""
+        bs = self.block_size
+        num_full = num_tokens // bs
+        valid = num_full * bs
+        self.truncate(s, blocks_for(num_tokens, bs))
+        if num_tokens % bs and len(s.blocks) > num_full:
+            tail = s.blocks[num_full]
+            if tail.ref_cnt == 1 and tail.block_hash is None:
+                valid = num_tokens
+            elif self.pool.num_free:
+                (fresh,) = self.pool.allocate(1)
+                self.kv.copy_block(tail.block_id, fresh.block_id)
+                self.pool.free([tail])  # the session's reference on the shared tail
+                self._set(s, s.blocks[:num_full] + (fresh,))
+                valid = num_tokens
+            else:
+                self.truncate(s, num_full)
+        self.transfer(s, seq, blocks_for(valid, bs))
+        s.tokens, s.hashes = (), ()
+        return valid
+
+    def share(self, parent: SessionKV, child: SessionKV) -> None:
+        """Fork: the child takes its own reference on every block of the parent."""
+        self.attach(child, parent.blocks)
+        child.tokens, child.hashes = parent.tokens, parent.hashes
+        child.tier = Tier.DEVICE
+
+    def spill_to_host(self, s: SessionKV, num_lead: int, host_ids: Sequence[int]) -> None:
+        """The private blocks (after the pinned lead) were copied to `host_ids`."""
+        self.truncate(s, num_lead)
+        self._set_host(s, host_ids)
+        s.tier = Tier.HOST
+
+    def spill_to_disk(self, s: SessionKV, num_lead: int, path: Path) -> tuple[int, ...]:
+        """The whole KV is in `path`; returns the host ids the session no longer holds
+        (the caller returns them to the host pool)."""
+        self.truncate(s, num_lead)
+        s.disk_path, s.tier = path, Tier.DISK
+        return self._set_host(s, ())
+
+    def drop(self, s: SessionKV, num_lead: int) -> tuple[int, ...]:
+        """Forget everything after the first `num_lead` device blocks (the next turn
+        recomputes it); returns the host ids to give back."""
+        self.truncate(s, num_lead)
+        s.tier = Tier.DEVICE
+        s.tokens, s.hashes = s.tokens[: num_lead * self.block_size], s.hashes[:num_lead]
+        return self._set_host(s, ())
+
+    def loaded(self, s: SessionKV, staged: Transient) -> tuple[int, ...]:
+        """The blocks in `staged` now hold the spilled part of the session: append them;
+        returns the host ids to give back."""
+        self.transfer(staged, s)
+        s.tier = Tier.DEVICE
+        return self._set_host(s, ())
+
+    def on_disk(self, s: SessionKV, tokens: Sequence[int], hashes: Sequence[bytes],
+                path: Path) -> None:
+        """A session restored from a snapshot whose KV is (still) only in `path`."""
+        s.tokens, s.hashes, s.disk_path, s.tier = tuple(tokens), tuple(hashes), path, Tier.DISK
+
+    def forget(self, s: SessionKV) -> tuple[int, ...]:
+        """Release everything; returns the host ids to give back."""
+        self.release(s)
+        s.tokens, s.hashes, s.tier, s.disk_path = (), (), Tier.DEVICE, None
+        return self._set_host(s, ())
+
+    # ---- integrity -----------------------------------------------------------------------
+
+    def holders(self) -> list[tuple[HolderKind, list[int]]]:
+        """(kind, block ids) of every holder with a non-empty table (tests, debugging)."""
+        return [(h.holder_kind, [b.block_id for b in h.blocks])
+                for h in self._holders.values()]
+
+    def num_held(self, kind: HolderKind) -> int:
+        """References held by holders of `kind`."""
+        return sum(len(h.blocks) for h in self._holders.values() if h.holder_kind is kind)
+
+    def check_integrity(self, host_ids_total: int | None = None,
+                        host_ids_free: Sequence[int] = ()) -> None:
+        """Raise AssertionError unless the pool is consistent and every reference is
+        accounted to a holder; with the host tier's size and free ids, also that host
+        blocks are held by exactly one session or free."""
+        self.pool.check_integrity()
+        counts: Counter[int] = Counter()
+        for h in self._holders.values():
+            counts.update(b.block_id for b in h.blocks)
+        for b in self.pool.blocks:
+            if counts[b.block_id] != b.ref_cnt:
+                held_by = [h.holder_kind.value for h in self._holders.values() if b in h.blocks]
+                raise AssertionError(
+                    f"{b}: ref_cnt {b.ref_cnt} but holders hold {counts[b.block_id]} "
+                    f"reference(s) ({held_by})")
+        if host_ids_total is not None:
+            held = [i for h in self._holders.values() if isinstance(h, SessionKV)
+                    for i in h.host_ids]
+            ids = held + list(host_ids_free)
+            if sorted(ids) != list(range(host_ids_total)):
+                raise AssertionError(f"host blocks: held {sorted(held)} + free "
+                                     f"{sorted(host_ids_free)} != range({host_ids_total})")

@@ -1,0 +1,363 @@
+"""Runtime: builds and wires the engine side of one `LLM`, in dependency order.
+
+    config -> model spec, tokenizer, cache identity, pool size   (all validation: no memory yet)
+           -> weights, model, KV pool
+           -> BlockPool -> KVCacheManager -> PrefixCache -> Scheduler
+           -> host / disk tiers -> TierMover -> TierPolicy (reads the scheduler's queue depth;
+              the scheduler asks it to reclaim blocks: attached once, explicitly)
+           -> prefill connector + RemoteOffload (optional) -> ModelRunner -> Engine -> EngineLoop
+
+Every component gets its collaborators as typed constructor arguments. The `LLM` facade and
+the `SessionStore` talk to the engine thread only through the methods here (`call`,
+`submit`, `pin`, `stats_now`, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from kvsession import costmodel
+from kvsession.attention import resolve_backend
+from kvsession.cache.block_pool import BlockPool, blocks_for
+from kvsession.cache.hashing import CacheIdentity
+from kvsession.cache.kv_pool import KVPool, kv_bytes_per_token
+from kvsession.cache.manager import KVCacheManager, Tier, Transient
+from kvsession.cache.prefix import Pin, PrefixCache
+from kvsession.config import AttentionBackend, EngineConfig, RemotePrefillMode
+from kvsession.engine.graphs import DecodeGraphs
+from kvsession.engine.loop import Engine, EngineLoop, OnUpdate, request_metrics
+from kvsession.engine.runner import ModelRunner
+from kvsession.engine.sampler import Sampler
+from kvsession.engine.scheduler import Scheduler
+from kvsession.engine.sequence import Sequence
+from kvsession.errors import CacheFullError, ConfigError, EngineClosedError
+from kvsession.metrics import SLO, LatencyTracker, PrefixStats, RemoteStats, Stats, TierStats
+from kvsession.model.config import ModelSpec, check_sliding_window, load_model_spec
+from kvsession.model.llama import LlamaModel
+from kvsession.model.loader import load_weights, weights_digest
+from kvsession.model.tokenizer import Tokenizer
+from kvsession.outputs import RequestOutput
+from kvsession.params import SamplingParams
+from kvsession.tiers.disk import DiskTier
+from kvsession.tiers.host import HostPool
+from kvsession.tiers.mover import TierMover
+from kvsession.tiers.policy import TierPolicy
+
+log = logging.getLogger("kvsession")
+CPU_DEFAULT_KV_BYTES = 2**30
+# share of decode time lost to co-located prefills (typically 0.15-0.45, docs/cost-model.md);
+# used until the engine measures it
+REMOTE_STALL_RATIO = 0.3
+PinHandle = Pin
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Facts established at start-up (not configuration)."""
+
+    spec: ModelSpec
+    max_model_len: int
+    num_blocks: int
+    kv_bytes_per_token: int
+    model_fingerprint: str
+
+
+def weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
+    h, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    per_layer = h * hd * (2 * spec.num_heads + 2 * spec.num_kv_heads) + 3 * h * inter
+    embed = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
+    return (spec.num_layers * per_layer + embed) * torch.empty((), dtype=dtype).element_size()
+
+
+def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, bytes_per_token: int) -> int:
+    """How many blocks the KV budget holds (on CUDA without a budget: what is left of
+    gpu_memory_utilization after the weights)."""
+    budget = cfg.kv_cache_memory_bytes
+    if budget is None and cfg.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(cfg.device)
+        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - weight_bytes(
+            spec, cfg.dtype)
+        budget = max(budget, 0)
+    elif budget is None:
+        budget = CPU_DEFAULT_KV_BYTES
+    return budget // (bytes_per_token * cfg.block_size)
+
+
+class RemoteOffload:
+    """remote_prefill: "always" when a worker is healthy; "auto": when the cost model's gain
+    (decode time no longer stalled minus the KV transfer, docs/cost-model.md) is positive,
+    with the transfer bandwidth measured on past transfers."""
+
+    def __init__(self, connector, mode: RemotePrefillMode, latency: LatencyTracker,
+                 kv_bytes_per_token: int):
+        self.connector, self.mode, self.latency = connector, mode, latency
+        self.kv_bytes_per_token = kv_bytes_per_token
+
+    def should_offload(self, seq: Sequence) -> bool:
+        if not self.connector.healthy():
+            return False
+        if self.mode is RemotePrefillMode.ALWAYS:
+            return True
+        tpot_ms = (self.latency.tpot_p50_s() or 0.025) * 1000
+        gain = costmodel.pd_split_gain_ms(
+            seq.num_tokens - 1, seq.params.max_tokens, self.kv_bytes_per_token,
+            self.connector.bandwidth_bytes_per_s or 5e9, tpot_ms, REMOTE_STALL_RATIO)
+        return gain > 0
+
+
+def _remote_client_class():
+    try:
+        from kvsession.connector.nixl import NixlPrefillClient
+    except ImportError as e:
+        raise ConfigError(f"prefill_worker needs the remote extra (nixl, pyzmq): "
+                          f"pip install 'kvsession[remote]' ({e})") from None
+    return NixlPrefillClient
+
+
+class Runtime:
+    def __init__(self, cfg: EngineConfig):
+        self.config = cfg
+        self._loop: EngineLoop | None = None
+        # ---- everything that can be refused, before any memory is taken
+        spec = load_model_spec(cfg.model)
+        max_model_len = cfg.max_model_len or spec.max_position_embeddings
+        check_sliding_window(spec, max_model_len)
+        self.tokenizer = Tokenizer(cfg.model)
+        bpt = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                 cfg.kv_cache_dtype)
+        num_blocks = num_kv_blocks(cfg, spec, bpt)
+        needed = blocks_for(max_model_len, cfg.block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                f"kv_cache_memory holds {num_blocks} blocks of {cfg.block_size} tokens "
+                f"({num_blocks * cfg.block_size} tokens at {bpt} bytes/token), but one sequence "
+                f"of max_model_len={max_model_len} needs {needed}; raise kv_cache_memory or "
+                f"lower max_model_len")
+        remote = bool(cfg.prefill_workers) and cfg.remote_prefill != RemotePrefillMode.NEVER
+        client_class = _remote_client_class() if remote else None
+        backend = resolve_backend(cfg.attention_backend, cfg.device, cfg.block_size)
+        fingerprint = hashlib.sha256(json.dumps(
+            [spec.to_dict(), weights_digest(cfg.model)], sort_keys=True).encode()).hexdigest()
+        self.info = RuntimeInfo(spec, max_model_len, num_blocks, bpt, fingerprint)
+        self.identity = CacheIdentity(fingerprint, cfg.kv_cache_dtype_name, cfg.block_size)
+
+        # ---- memory: weights and the KV pool
+        self.model = LlamaModel(spec, load_weights(cfg.model, spec, cfg.dtype, cfg.device),
+                                max_model_len)
+        self.kv = KVPool(spec.num_layers, num_blocks, cfg.block_size, spec.num_kv_heads,
+                         spec.head_dim, cfg.kv_cache_dtype, cfg.device,
+                         use_kernels=backend == AttentionBackend.TRITON)
+
+        # ---- the cache and the scheduler
+        self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.manager = KVCacheManager(self.pool, self.kv)
+        self.prefix = PrefixCache(self.manager, self.identity.hasher(),
+                                  int(cfg.max_pinned_fraction * num_blocks))
+        self.latency, self.slo = LatencyTracker(), SLO()
+        self.connector = None
+        offload = None
+        if client_class is not None:
+            self.connector = self._connect(client_class)
+            offload = RemoteOffload(self.connector, cfg.remote_prefill, self.latency, bpt)
+        self.scheduler = Scheduler(self.manager, self.prefix, cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens, offload)
+
+        # ---- tiers: the mover copies, the policy decides
+        host_blocks = cfg.host_cache_memory_bytes // (bpt * cfg.block_size)
+        self.host = HostPool(self.kv, host_blocks) if host_blocks > 0 else None
+        self.disk = DiskTier(cfg.session_dir) if cfg.session_dir is not None else None
+        self.header_fields = {
+            "model_fingerprint": fingerprint,
+            "tokenizer_digest": self.tokenizer.digest,
+            "template_digest": self.tokenizer.template_digest,
+            "kv_dtype": self.identity.kv_dtype, "block_size": self.identity.block_size,
+            "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim, "tensor_names": list(self.kv.tensors()),
+        }
+        self.mover = TierMover(self.manager, self.host, self.disk, self.prefix.hasher,
+                               self.header_fields)
+        prefill_tps = costmodel.RateEstimator(prior=2000.0)
+        self.policy = TierPolicy(self.mover, self.prefix, self.scheduler, prefill_tps, bpt,
+                                 cfg.spill_after_s)
+        self.scheduler.attach_reclaimer(self.policy)
+
+        # ---- the engine and its thread
+        runner = ModelRunner(self.model, self.kv, cfg.device, backend)
+        if cfg.device.type == "cuda" and backend == AttentionBackend.TRITON:
+            runner.graphs = DecodeGraphs(self.model, self.kv, cfg.device, backend,
+                                         needed, cfg.max_num_seqs, capture=True)
+        self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.tokenizer.decode,
+                             self.latency, prefill_tps, timers=[self.policy.housekeeping],
+                             connector=self.connector)
+        self._loop = EngineLoop(self.engine)
+        log.info("kvsession: %s on %s, kv %s: %d blocks x %d tokens = %d tokens, %d bytes/token",
+                 spec.architecture, cfg.device, cfg.kv_cache_dtype_name, num_blocks,
+                 cfg.block_size, num_blocks * cfg.block_size, bpt)
+
+    def _connect(self, client_class):
+        """Connect the prefill workers; handshakes finish here, before the engine thread
+        starts."""
+        from kvsession.connector.base import compat_hash
+
+        cfg = self.config
+        conn = client_class(list(cfg.prefill_workers), self.kv.tensors(),
+                            compat_hash(self.identity), cfg.remote_prefill_timeout_s)
+        deadline = time.monotonic() + min(cfg.remote_prefill_timeout_s, 5.0)
+        while time.monotonic() < deadline and any(
+                w.state == "connecting" for w in conn.workers):
+            conn.poll(0.05)
+        return conn
+
+    # ---- the engine thread ---------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._loop is None
+
+    def check_open(self) -> EngineLoop:
+        if self._loop is None:
+            raise EngineClosedError("this LLM is closed")
+        return self._loop
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run fn on the engine thread between steps."""
+        return self.check_open().call(fn)
+
+    def submit(self, seq: Sequence, on_update: OnUpdate | None = None,
+               prepare: Callable[[], None] | None = None) -> Future:
+        return self.check_open().submit(seq, on_update=on_update, prepare=prepare)
+
+    def close(self) -> None:
+        """Stop the engine thread (pending calls fail with EngineClosedError), release the
+        workers and the KV cache. Idempotent."""
+        if self._loop is None:
+            return
+        self._loop.close()
+        self._loop = None
+        if self.connector is not None:
+            self.connector.close()
+        self.kv = None
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def validate_prompt(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise ConfigError("a prompt must have at least one token")
+        vocab = self.info.spec.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.info.max_model_len:
+            raise ConfigError(
+                f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
+                f"{self.info.max_model_len}")
+        return list(ids)
+
+    def new_sequence(self, ids: list[int], params: SamplingParams,
+                     retain_blocks: bool = False) -> Sequence:
+        return Sequence(token_ids=self.validate_prompt(ids), params=params,
+                        max_model_len=self.info.max_model_len,
+                        eos_token_ids=self.tokenizer.eos_token_ids, retain_blocks=retain_blocks)
+
+    def output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        text = self.tokenizer.decode(out_ids)
+        if seq.stop_text_len is not None:
+            text = text[: seq.stop_text_len]
+        return RequestOutput(
+            request_id=seq.seq_id, prompt=prompt, prompt_token_ids=seq.token_ids[
+                : seq.num_prompt_tokens], text=text, token_ids=out_ids,
+            finish_reason=seq.finish_reason, num_cached_tokens=max(seq.num_cached_tokens, 0),
+            metrics=request_metrics(seq),
+            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None)
+
+    # ---- pins ------------------------------------------------------------------------------
+
+    def pin(self, ids: list[int], ttl_s: float | None) -> Pin:
+        """Compute `ids` into the cache if absent and pin its full blocks (CacheFullError,
+        nothing already pinned affected, past the pin budget)."""
+        num_blocks = len(ids) // self.config.block_size
+        pins = self.prefix.pins
+        self.call(lambda: pins.check_budget(num_blocks - self._num_pinned_among(ids))).result()
+        seq = Sequence(token_ids=list(ids), params=SamplingParams(max_tokens=1, temperature=0.0),
+                       max_model_len=self.info.max_model_len, retain_blocks=True)
+        self.submit(seq).result()
+        return self.call(lambda: self._hold_pin(seq, num_blocks, ttl_s)).result()
+
+    def unpin(self, pin: Pin) -> None:
+        if self._loop is not None:
+            self.call(lambda: self.prefix.pins.remove(pin)).result()
+
+    def _num_pinned_among(self, ids: list[int]) -> int:
+        hashes = self.prefix.hasher.extend([], ids, len(ids), None)
+        blocks = self.prefix.lookup_blocks(ids, hashes, len(hashes))
+        return len(blocks) - self.prefix.pins.num_new_blocks(blocks)
+
+    def _hold_pin(self, seq: Sequence, num_blocks: int, ttl_s: float | None) -> Pin:
+        """Engine thread: the prefill's references move onto the indexed copy of each full
+        block, then to the pin."""
+        staged = Transient()
+        self.manager.transfer(seq, staged, num_blocks)
+        self.manager.retarget_to_indexed(staged, seq.block_hashes[:num_blocks], seq.token_ids)
+        try:
+            return self.prefix.pins.add(seq.token_ids[: num_blocks * self.config.block_size],
+                                        staged, ttl_s, self.prefix.clock())
+        except CacheFullError:
+            self.manager.release(staged)
+            raise
+
+    # ---- observability (engine thread) -----------------------------------------------------
+
+    def stats_now(self) -> Stats:
+        pool, bs, bpt = self.pool, self.config.block_size, self.info.kv_bytes_per_token
+        pins = self.prefix.pins
+        device = TierStats(
+            blocks_total=pool.num_blocks, blocks_used=pool.num_blocks - pool.num_free,
+            blocks_free=pool.num_free, blocks_pinned=pins.num_pinned_blocks,
+            bytes_per_token=bpt, tokens_capacity=pool.num_blocks * bs)
+        host = TierStats(bytes_per_token=bpt)
+        if self.host is not None:
+            hp = self.host
+            host = TierStats(blocks_total=hp.num_blocks, blocks_used=hp.num_blocks - hp.num_free,
+                             blocks_free=hp.num_free, bytes_per_token=bpt,
+                             tokens_capacity=hp.num_blocks * bs)
+        on_disk = sum(blocks_for(len(s.tokens), bs) for s in self.policy.sessions
+                      if s.tier is Tier.DISK)
+        q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
+        lat, goodput, attainment = self.latency.summary(self.slo)
+        return Stats(
+            tiers={"device": device, "host": host,
+                   "disk": TierStats(blocks_used=on_disk, bytes_per_token=bpt)},
+            prefix=PrefixStats(queried_tokens=q, hit_tokens=h, hit_rate=h / q if q else 0.0,
+                               evictions=pool.num_evictions, cached_blocks=len(pool.index),
+                               pinned_blocks=pins.num_pinned_blocks,
+                               pinned_bytes=pins.num_pinned_blocks * bs * bpt,
+                               num_pins=len(pins.pins)),
+            spills=dict(self.policy.spills), restores=dict(self.policy.restores),
+            recomputes=self.policy.recomputes, remote=self._remote_stats(), latency=lat,
+            goodput_tokens_per_s=goodput, slo_attainment=attainment,
+            num_requests=self.latency.num_requests,
+            num_preemptions=self.scheduler.num_preemptions)
+
+    def _remote_stats(self) -> RemoteStats:
+        conn = self.connector
+        if conn is None:
+            return RemoteStats()
+        return RemoteStats(prefills=conn.num_prefills, fallbacks=dict(conn.fallbacks),
+                           bytes=conn.bytes, bandwidth_gbps=conn.bandwidth_bytes_per_s * 8 / 1e9)
+
+    def check_integrity_now(self) -> None:
+        """Engine thread: the pool's invariants, every device reference accounted to a
+        holder, every host block held once or free."""
+        host = self.host
+        self.manager.check_integrity(
+            host.num_blocks if host is not None else None,
+            host.free_ids() if host is not None else ())

@@ -1,0 +1,185 @@
+"""TierMover: copies a session's KV between tiers; decides nothing.
+
+The tier policy decides *whether* and *where* a session moves; the mover does the copy
+(device <-> host blocks, device/host -> snapshot file, file -> device blocks), times it into
+the bandwidth estimators the policy's cost model reads, and records the new placement
+through the KVCacheManager (the one writer of block tables). Everything runs on the engine
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from kvsession import costmodel
+from kvsession.cache.block_pool import Block, blocks_for
+from kvsession.cache.hashing import BlockHasher
+from kvsession.cache.kv_pool import KVPool
+from kvsession.cache.manager import KVCacheManager, SessionKV, Tier, Transient
+from kvsession.tiers.disk import DiskTier
+from kvsession.tiers.host import HostPool
+from kvsession.tiers.snapshot import SnapshotHeader, read_blocks, read_header, write_snapshot
+
+log = logging.getLogger("kvsession")
+
+
+class TierMover:
+    def __init__(self, manager: KVCacheManager, host: HostPool | None, disk: DiskTier | None,
+                 hasher: BlockHasher, header_fields: dict):
+        """header_fields: this engine's identity as snapshot headers record it (model,
+        tokenizer, template, kv dtype, block size, geometry, tensor names)."""
+        self.manager, self.kv, self.host, self.disk = manager, manager.kv, host, disk
+        self.pool, self.hasher, self.header_fields = manager.pool, hasher, dict(header_fields)
+        self.bs = manager.block_size
+        # measured bandwidths (bytes/s); priors only until the first copy is timed
+        self.host_bytes_per_s = costmodel.RateEstimator(prior=10e9)
+        self.disk_read_bytes_per_s = costmodel.RateEstimator(prior=1e9)
+        self.disk_write_bytes_per_s = costmodel.RateEstimator(prior=1e9)
+
+    def bandwidth(self, tier: Tier) -> float:
+        """Measured bytes/s of loading from `tier`."""
+        return (self.host_bytes_per_s if tier is Tier.HOST else self.disk_read_bytes_per_s).value
+
+    def _give_back(self, host_ids: tuple[int, ...]) -> None:
+        if host_ids:
+            self.host.free(list(host_ids))
+
+    # ---- out of the device ---------------------------------------------------------------
+
+    def to_host(self, s: SessionKV, lead: int) -> None:
+        """Copy the private blocks (after `lead`) into host blocks (the caller checked that
+        the host tier has room) and release them on the device, where their content stays
+        cached until evicted."""
+        private = s.blocks[lead:]
+        ids = self.host.allocate(len(private))
+        t0 = time.perf_counter()
+        moved = self.host.store(self.kv, [b.block_id for b in private], ids)
+        self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
+        self.manager.spill_to_host(s, lead, ids)
+
+    def to_disk(self, s: SessionKV, lead: int) -> bool:
+        """Write the whole KV to the session's file; then release all but the pinned lead
+        (and any host blocks). False, nothing changed, when the write fails."""
+        path = self.disk.path_for(s.session_id)
+        try:
+            t0 = time.perf_counter()
+            size = write_snapshot(path, self.snapshot_fields(s), self.block_tensors(s))
+            self.disk_write_bytes_per_s.observe(size, time.perf_counter() - t0)
+        except OSError as e:  # disk full, unwritable: the session stays where it is
+            log.warning("could not spill session %s to %s: %s; it stays in %s",
+                        s.session_id, path, e, s.tier.value)
+            return False
+        self._give_back(self.manager.spill_to_disk(s, lead, path))
+        return True
+
+    def drop(self, s: SessionKV, lead: int) -> None:
+        """Forget all but the first `lead` device blocks (the next turn recomputes)."""
+        self._give_back(self.manager.drop(s, lead))
+
+    def release(self, s: SessionKV, delete_file: bool) -> None:
+        path = s.disk_path
+        self._give_back(self.manager.forget(s))
+        if delete_file and path is not None:
+            path.unlink(missing_ok=True)
+
+    # ---- snapshots -------------------------------------------------------------------------
+
+    def snapshot_fields(self, s: SessionKV) -> dict:
+        meta = s.meta()
+        # hashes of every full block (also when prefix caching is off and none were kept)
+        hashes = self.hasher.extend(list(s.hashes), s.tokens, len(s.tokens),
+                                    meta["sampling"].get("cache_salt"))
+        return {**self.header_fields, **meta, "session_id": s.session_id,
+                "token_ids": list(s.tokens), "block_hashes": [h.hex() for h in hashes]}
+
+    def write_snapshot(self, s: SessionKV, path: Path) -> int:
+        """The session's snapshot from wherever its KV is (device, host); bytes written."""
+        return write_snapshot(path, self.snapshot_fields(s), self.block_tensors(s))
+
+    def block_tensors(self, s: SessionKV, group: int = 32) -> Iterator[dict[str, torch.Tensor]]:
+        """Every block's tensors, contiguous, from wherever they are (device, host); blocks
+        are gathered `group` at a time (one pass over the bytes, bounded extra memory)."""
+        sources = [(self.kv.tensors(), [b.block_id for b in s.blocks])]
+        if s.host_ids:
+            sources.append((self.host.tensors, list(s.host_ids)))
+        for tensors, ids in sources:
+            for g in range(0, len(ids), group):
+                part = ids[g:g + group]
+                stacked = {n: torch.stack([t[:, i] for i in part]) for n, t in tensors.items()}
+                for j in range(len(part)):
+                    yield {n: x[j] for n, x in stacked.items()}
+
+    # ---- back to the device ----------------------------------------------------------------
+
+    def load(self, s: SessionKV, lead: int, header: SnapshotHeader | None = None) -> None:
+        """Copy blocks lead.. of a spilled session back to the device (the caller checked
+        there is room). Full blocks still cached on the device (freed at spill time, not
+        yet evicted) are re-referenced instead of copied. On any error nothing changes."""
+        tier = s.tier
+        targets: list[Block | None] = []
+        for i in range(lead, blocks_for(len(s.tokens), self.bs)):
+            hit = None
+            if i < len(s.hashes):
+                hit = self.pool.lookup(s.hashes[i], s.tokens[i * self.bs:(i + 1) * self.bs])
+            targets.append(hit)
+        staged = Transient()
+        fresh = self.manager.stage(staged, targets)
+        copy = [(j, b) for j, b in enumerate(staged.blocks) if b in fresh]
+        t0 = time.perf_counter()
+        try:
+            if tier is Tier.HOST:
+                moved = self.host.load(self.kv, [s.host_ids[j] for j, _ in copy],
+                                       [b.block_id for _, b in copy])
+                self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
+            else:
+                moved = self.load_file_blocks(s.disk_path, [(lead + j, b) for j, b in copy],
+                                              header)
+                self.disk_read_bytes_per_s.observe(moved, time.perf_counter() - t0)
+        except BaseException:
+            self.manager.release(staged)
+            raise
+        self._give_back(self.manager.loaded(s, staged))
+
+    def load_file_blocks(self, path: Path, wanted: list[tuple[int, Block]],
+                         header: SnapshotHeader | None = None) -> int:
+        """Read blocks (index in file, device block) from a snapshot into the pool; each is
+        validated (checksum, codec, names, shapes, dtypes) before it is copied, or, when it
+        was read straight into its (fresh) CPU block, before this returns."""
+        h = header or read_header(path)
+        target = dict(wanted)
+        pool = self.kv.tensors()
+        block_bytes = sum(t[:, 0].numel() * t.element_size() for t in pool.values())
+        # streamed: a block is copied as soon as it is validated; if a later block is bad
+        # the caller frees every target block (fresh, unpublished: nothing can see them),
+        # which is also what lets a CPU pool take stored chunks straight from the file
+        dest = self._file_destinations(pool, target) if self.kv.k.device.type == "cpu" \
+            else None
+        for i, tensors in read_blocks(path, h, [i for i, _ in wanted], dest=dest):
+            if tensors is not None:
+                for name, t in pool.items():
+                    t[:, target[i].block_id] = tensors[name].to(t.device)
+        return block_bytes * len(wanted)
+
+    @staticmethod
+    def _file_destinations(pool: dict[str, torch.Tensor], target: dict[int, Block]):
+        """i -> the CPU pool memory of block target[i] in snapshot order: for each tensor
+        (sorted by name), each layer's slice of the block."""
+        layers = {n: [memoryview(t[layer].view(torch.uint8).numpy()).cast("B")
+                      for layer in range(t.shape[0])] for n, t in pool.items()}
+        sizes = {n: t[0, 0].numel() * t.element_size() for n, t in pool.items()}
+
+        def dest(i: int) -> list[memoryview]:
+            b = target[i].block_id
+            return [mv[b * sizes[n]:(b + 1) * sizes[n]] for n in sorted(layers)
+                    for mv in layers[n]]
+        return dest
+
+    def validate_file(self, path: Path, header: SnapshotHeader) -> None:
+        """Read and check every block of a snapshot without loading it."""
+        for _ in read_blocks(path, header, list(range(header.num_blocks))):
+            pass
