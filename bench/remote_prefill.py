@@ -23,6 +23,7 @@ import time
 from common import mid_model, text_of, write_result
 
 from kvsession import LLM, SamplingParams
+from kvsession.costmodel import RateEstimator
 from kvsession.metrics import percentile
 
 
@@ -133,7 +134,7 @@ def main() -> None:
             deadline = time.monotonic() + 2
             while time.monotonic() < deadline:  # let the first request's answer arrive
                 llm._loop.call(lambda: llm._loop.engine._remote(0.05)).result()
-            llm.connector.bandwidth_bytes_per_s = 0.0
+            llm.connector.transfer_rate = RateEstimator(prior=0.0)  # forget the first one
             llm.generate([prompt], one, use_tqdm=False)
             st = llm.stats().remote
             deadline = time.monotonic() + 5

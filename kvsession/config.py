@@ -8,6 +8,9 @@ blocks actually allocated, the resolved device) live elsewhere (`RuntimeInfo` in
 from __future__ import annotations
 
 import enum
+import inspect
+import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +18,13 @@ from pathlib import Path
 import torch
 
 from kvsession.errors import ConfigError
+from kvsession.validation import (
+    SEED_RANGE,
+    check_bool,
+    check_float,
+    check_int,
+    reject_unknown,
+)
 
 
 class RemotePrefillMode(enum.Enum):
@@ -45,24 +55,31 @@ _SIZE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2
 
 def parse_num_bytes(value: int | str, name: str) -> int:
     """'6GiB' / '512MiB' / 1024 -> bytes. Raises ConfigError naming `name` otherwise."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be bytes (int) or a size string like '6GiB', got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{name} must be >= 0 bytes, got {value}")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         if m and m.group(2).lower() in _SIZE_UNITS:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+            n = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+            if math.isfinite(n):
+                return int(n)
     raise ConfigError(
         f"{name} must be bytes (int) or a size string like '6GiB' or '512MiB', got {value!r}")
 
 
 def _choice(value: str, name: str, choices) -> str:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise ConfigError(f"{name}={value!r} is not supported; accepted: {sorted(choices)}")
     return value
+
+
+def _path(value, name: str, allow_none: bool = False) -> Path | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{name} must be {'None or ' if allow_none else ''}a directory path "
+                          f"(str or Path), got {value!r}")
+    return Path(value).expanduser()
 
 
 @dataclass(frozen=True)
@@ -92,23 +109,23 @@ class EngineConfig:
 
     @staticmethod
     def from_args(
-        model, device="auto", dtype="auto", kv_cache_dtype="auto", max_model_len=None,
+        model, *, device="auto", dtype="auto", kv_cache_dtype="auto", max_model_len=None,
         block_size=16, kv_cache_memory=None, gpu_memory_utilization=0.90,
         host_cache_memory="4GiB", session_dir=None, max_num_seqs=64,
         max_num_batched_tokens=2048, enable_prefix_caching=True, max_pinned_fraction=0.5,
         spill_after_s=None, prefill_worker=None, remote_prefill="auto",
-        remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0,
+        remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0, **unknown,
     ) -> EngineConfig:
-        if not isinstance(model, (str, Path)):
-            raise ConfigError(f"model must be a checkpoint directory path, got {model!r}")
-        model_path = Path(model).expanduser()
+        """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
+        keyword is a ConfigError with a suggestion rather than a bare TypeError."""
+        reject_unknown("LLM()", unknown, ENGINE_ARG_NAMES)
+        model_path = _path(model, "model")
         if not model_path.is_dir():
             raise ConfigError(f"model={str(model)!r} is not a directory")
         if not (model_path / "config.json").is_file():
             raise ConfigError(f"model={str(model)!r} has no config.json (not a HF checkpoint)")
 
-        _choice(device if isinstance(device, str) else "", "device",
-                {"auto", "cpu", "cuda"} | {f"cuda:{i}" for i in range(16)})
+        _choice(device, "device", {"auto", "cpu", "cuda"} | {f"cuda:{i}" for i in range(16)})
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dev = torch.device(device)
@@ -124,56 +141,55 @@ class EngineConfig:
         else:
             kv = KV_DTYPES[kv_cache_dtype]
 
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
-            raise ConfigError(f"max_model_len must be None or an int >= 2, got {max_model_len!r}")
-        if (not isinstance(block_size, int) or block_size < 1
-                or block_size & (block_size - 1) or block_size > 1024):
+        max_model_len = check_int("max_model_len", max_model_len, min_value=2, allow_none=True)
+        block_size = check_int("block_size", block_size, min_value=1, max_value=1024)
+        if block_size & (block_size - 1):
             raise ConfigError(
                 f"block_size must be a power of two between 1 and 1024, got {block_size!r}")
         kv_bytes = None if kv_cache_memory is None else parse_num_bytes(
             kv_cache_memory, "kv_cache_memory")
-        if kv_bytes is not None and kv_bytes == 0:
-            raise ConfigError("kv_cache_memory must be > 0")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ConfigError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        host_bytes = parse_num_bytes(host_cache_memory, "host_cache_memory")
-        for name, v in (("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be an int >= 1, got {v!r}")
-        if not 0.0 <= max_pinned_fraction <= 1.0:
-            raise ConfigError(
-                f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction!r}")
-        if spill_after_s is not None and not spill_after_s >= 0:
-            raise ConfigError(f"spill_after_s must be None or >= 0, got {spill_after_s!r}")
-        workers = (prefill_worker,) if isinstance(prefill_worker, str) else tuple(
-            prefill_worker or ())
+        if kv_bytes == 0:
+            raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {kv_cache_memory!r}")
+        workers = (prefill_worker,) if isinstance(prefill_worker, str) else prefill_worker or ()
+        if not isinstance(workers, (list, tuple)):
+            raise ConfigError("prefill_worker must be None, 'tcp://host:port' or a list of "
+                              f"them, got {prefill_worker!r}")
         for w in workers:
             if not isinstance(w, str) or not re.fullmatch(r"tcp://[^:/]+:\d+", w):
                 raise ConfigError(f"prefill_worker must look like 'tcp://host:port', got {w!r}")
         _choice(remote_prefill, "remote_prefill", {m.value for m in RemotePrefillMode})
-        if not remote_prefill_timeout_s > 0:
-            raise ConfigError(
-                f"remote_prefill_timeout_s must be > 0, got {remote_prefill_timeout_s!r}")
         _choice(attention_backend, "attention_backend", {b.value for b in AttentionBackend})
-        if not isinstance(seed, int):
-            raise ConfigError(f"seed must be an int, got {seed!r}")
         return EngineConfig(
             model=model_path, device=dev, dtype=compute, kv_cache_dtype=kv,
             max_model_len=max_model_len, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
-            gpu_memory_utilization=float(gpu_memory_utilization),
-            host_cache_memory_bytes=host_bytes,
-            session_dir=None if session_dir is None else Path(session_dir).expanduser(),
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=bool(enable_prefix_caching),
-            max_pinned_fraction=float(max_pinned_fraction), spill_after_s=spill_after_s,
-            prefill_workers=workers, remote_prefill=RemotePrefillMode(remote_prefill),
-            remote_prefill_timeout_s=float(remote_prefill_timeout_s),
-            attention_backend=AttentionBackend(attention_backend), seed=seed,
+            gpu_memory_utilization=check_float(
+                "gpu_memory_utilization", gpu_memory_utilization, min_value=0.0,
+                min_inclusive=False, max_value=1.0),
+            host_cache_memory_bytes=parse_num_bytes(host_cache_memory, "host_cache_memory"),
+            session_dir=_path(session_dir, "session_dir", allow_none=True),
+            max_num_seqs=check_int("max_num_seqs", max_num_seqs, min_value=1),
+            max_num_batched_tokens=check_int(
+                "max_num_batched_tokens", max_num_batched_tokens, min_value=1),
+            enable_prefix_caching=check_bool("enable_prefix_caching", enable_prefix_caching),
+            max_pinned_fraction=check_float(
+                "max_pinned_fraction", max_pinned_fraction, min_value=0.0, max_value=1.0),
+            spill_after_s=check_float("spill_after_s", spill_after_s, min_value=0.0,
+                                      allow_none=True),
+            prefill_workers=tuple(workers), remote_prefill=RemotePrefillMode(remote_prefill),
+            remote_prefill_timeout_s=check_float(
+                "remote_prefill_timeout_s", remote_prefill_timeout_s, min_value=0.0,
+                min_inclusive=False),
+            attention_backend=AttentionBackend(attention_backend),
+            seed=check_int("seed", seed, min_value=SEED_RANGE[0], max_value=SEED_RANGE[1]),
         )
 
     @property
     def kv_cache_dtype_name(self) -> str:
         return "fp8_e4m3" if self.kv_cache_dtype == torch.float8_e4m3fn else str(
             self.kv_cache_dtype).removeprefix("torch.")
+
+
+# LLM()'s keyword arguments (everything after `model`), read off the signature so it cannot drift
+ENGINE_ARG_NAMES: tuple[str, ...] = tuple(
+    p.name for p in inspect.signature(EngineConfig.from_args).parameters.values()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY)

@@ -1,5 +1,5 @@
-"""The cost model (../shared/DESIGN-NOTES.md) as plain functions, plus the online
-estimators that feed them measured inputs.
+"""The cost model (docs/cost-model.md: derivations and worked examples) as plain functions,
+plus the online estimators that feed them measured inputs.
 
 Units are in every name: *_ms milliseconds, *_bytes_per_s bytes per second, *_tps tokens per
 second. No function here hard-codes a bandwidth or a speed: the engine measures them
@@ -16,7 +16,10 @@ QUADRATIC_KNEE_TOKENS = 32768
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                        bytes_per_element: float) -> float:
-    """2 (K and V) * layers * KV heads * head_dim * bytes per element."""
+    """2 (K and V) * layers * KV heads * head_dim * bytes per element: the nominal size the
+    worked examples of docs/cost-model.md use (any float bytes per element, no fp8 scales).
+    The engine's exact value, fp8 scales included, is
+    `kvsession.cache.kv_pool.kv_bytes_per_token`."""
     return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
 
 
@@ -27,13 +30,28 @@ def decode_tps_bound(hbm_bytes_per_s: float, weight_bytes: float,
     return hbm_bytes_per_s / (weight_bytes + kv_bytes_read_in_batch)
 
 
+def meets_slo(ttft_s: float, tpot_s: float, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+    """A request meets its SLO iff it meets both targets (a tie meets it)."""
+    return ttft_s <= ttft_slo_s and tpot_s <= tpot_slo_s
+
+
 def goodput_tokens_per_s(requests: list[tuple[float, float, int]], ttft_slo_s: float,
                          tpot_slo_s: float, wall_s: float) -> float:
-    """Tokens of requests (ttft_s, tpot_s, output_tokens) that met both SLOs, per second."""
+    """Tokens of requests (ttft_s, tpot_s, output_tokens) that met both SLOs, per second of
+    `wall_s`; 0.0 when `wall_s <= 0`."""
     if wall_s <= 0:
         return 0.0
-    good = sum(n for ttft, tpot, n in requests if ttft <= ttft_slo_s and tpot <= tpot_slo_s)
+    good = sum(n for ttft, tpot, n in requests if meets_slo(ttft, tpot, ttft_slo_s, tpot_slo_s))
     return good / wall_s
+
+
+def slo_attainment(requests: list[tuple[float, float, int]], ttft_slo_s: float,
+                   tpot_slo_s: float) -> float:
+    """Fraction of requests (ttft_s, tpot_s, output_tokens) that met both SLOs; 0.0 for none."""
+    if not requests:
+        return 0.0
+    met = sum(1 for ttft, tpot, _ in requests if meets_slo(ttft, tpot, ttft_slo_s, tpot_slo_s))
+    return met / len(requests)
 
 
 # ---- prefill / decode split (remote prefill) ------------------------------------------

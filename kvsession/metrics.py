@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvsession import costmodel
 from kvsession.errors import ConfigError
 
 
@@ -112,15 +113,17 @@ class LatencyTracker:
             return percentile([r[3] for r in self._records], 50)
 
     def summary(self, slo: SLO) -> tuple[LatencyStats, float, float]:
-        """(latency percentiles, goodput tokens/s, SLO attainment) over the window."""
+        """(latency percentiles, goodput tokens/s, SLO attainment) over the window. Wall time
+        runs from the earliest arrival to the latest finish among the window's requests."""
         with self._lock:
             recs = list(self._records)
         if not recs:
             return LatencyStats(), 0.0, 0.0
-        ttfts, tpots = [r[2] for r in recs], [r[3] for r in recs]
-        good = [r for r in recs if r[2] <= slo.ttft_s and r[3] <= slo.tpot_s]
+        requests = [(ttft, tpot, n) for _, _, ttft, tpot, n in recs]
         wall = max(r[1] for r in recs) - min(r[0] for r in recs)
-        goodput = sum(r[4] for r in good) / wall if wall > 0 else 0.0
+        goodput = costmodel.goodput_tokens_per_s(requests, slo.ttft_s, slo.tpot_s, wall)
+        attainment = costmodel.slo_attainment(requests, slo.ttft_s, slo.tpot_s)
+        ttfts, tpots = [r[0] for r in requests], [r[1] for r in requests]
         lat = LatencyStats(percentile(ttfts, 50), percentile(ttfts, 99),
                            percentile(tpots, 50), percentile(tpots, 99))
-        return lat, goodput, len(good) / len(recs)
+        return lat, goodput, attainment

@@ -1,4 +1,4 @@
-"""The cost model's formulas reproduce DESIGN-NOTES' worked examples exactly."""
+"""The cost model's formulas reproduce the worked examples of docs/cost-model.md exactly."""
 
 from __future__ import annotations
 
@@ -13,6 +13,16 @@ GBIT = 1e9 / 8
 def test_sizes():
     assert cm.kv_bytes_per_token(32, 8, 128, 2) == KIB128
     assert cm.kv_bytes_per_token(32, 8, 128, 2) * 32 * 1024 == 4 * 2**30  # 32k ctx = 4 GiB
+    assert 64 * 4 * 2**30 == 256 * 2**30  # 64 such sessions
+
+
+def test_decode_bandwidth_bound_worked_examples():
+    assert cm.decode_tps_bound(4.8e12, 16e9, 0) == pytest.approx(300.0)
+    kv = 32 * 4096 * KIB128  # 32 sequences of 4,096 tokens: 16 GiB read per step
+    assert kv == 16 * 2**30
+    per_seq = cm.decode_tps_bound(4.8e12, 16e9, kv)
+    assert per_seq == pytest.approx(144.7, abs=0.05)
+    assert 32 * per_seq == pytest.approx(4629, abs=0.5)
 
 
 @pytest.mark.parametrize("prompt, output, gbit, transfer, gain", [
@@ -27,6 +37,21 @@ def test_pd_split_worked_examples(prompt, output, gbit, transfer, gain):
     assert (g > 0) == (gain > 0)
 
 
+def test_pd_split_break_evens_and_stall_ratio_range():
+    long_prompt = 32768
+    # 25 Gbit/s: the 32k prompt pays from 184 output tokens on
+    assert cm.pd_split_gain_ms(long_prompt, 183, KIB128, 25 * GBIT, 25.0, 0.30) < 0
+    assert cm.pd_split_gain_ms(long_prompt, 184, KIB128, 25 * GBIT, 25.0, 0.30) > 0
+    # with 128 output tokens it needs more than 35.8 Gbit/s
+    assert cm.pd_split_gain_ms(long_prompt, 128, KIB128, 35.7 * GBIT, 25.0, 0.30) < 0
+    assert cm.pd_split_gain_ms(long_prompt, 128, KIB128, 35.9 * GBIT, 25.0, 0.30) > 0
+    # the typical stall ratio range 0.15-0.45
+    for gbit, ratio, gain in [(80, 0.15, 50.5), (80, 0.45, 1010.5),
+                              (25, 0.15, -894.4), (25, 0.45, 65.6)]:
+        g = cm.pd_split_gain_ms(long_prompt, 128, KIB128, gbit * GBIT, 25.0, ratio)
+        assert g == pytest.approx(gain, abs=0.05)
+
+
 def test_load_vs_recompute_worked_examples():
     n = 8192  # 1 GiB at 128 KiB/token
     assert cm.load_ms(n, KIB128, 56 * GBIT) == pytest.approx(153.4, abs=0.05)
@@ -37,12 +62,17 @@ def test_load_vs_recompute_worked_examples():
     assert cm.recompute_ms(n, 8000, queue_depth=2) == pytest.approx(2048.0)
     assert cm.should_load(n, KIB128, 8 * GBIT, 8000, queue_depth=2)
     assert cm.break_even_bytes_per_s(KIB128, 8000) == pytest.approx(1.048576e9)
+    assert cm.break_even_bytes_per_s(KIB128, 8000) / GBIT == pytest.approx(8.39, abs=0.005)
+    assert cm.load_ms(n, KIB128, 7e9) == cm.load_ms(n, KIB128, 56 * GBIT)  # 56 Gbit/s = 7 GB/s
 
 
 def test_load_wins_more_as_queue_depth_grows():
     slow = 0.5 * cm.break_even_bytes_per_s(KIB128, 8000)  # below break-even
+    assert cm.load_ms(4096, KIB128, slow) == pytest.approx(1024.0)
+    recomputes = [cm.recompute_ms(4096, 8000, q) for q in range(0, 5)]
+    assert recomputes == pytest.approx([512.0, 512.0, 1024.0, 1536.0, 2048.0])
     decisions = [cm.should_load(4096, KIB128, slow, 8000, q) for q in range(0, 5)]
-    assert decisions == [False, False, False, True, True]
+    assert decisions == [False, False, False, True, True]  # a tie (depth 2) recomputes
 
 
 def test_quadratic_term_past_32k():
@@ -64,4 +94,9 @@ def test_rate_estimator_is_an_ewma():
 def test_goodput_counts_only_requests_meeting_both_slos():
     reqs = [(0.1, 0.01, 100), (0.5, 0.01, 100), (0.1, 0.2, 100)]
     assert cm.goodput_tokens_per_s(reqs, 0.2, 0.05, 10.0) == 10.0
-    assert cm.decode_tps_bound(4.8e12, 16e9, 0) == pytest.approx(300.0)
+    assert cm.goodput_tokens_per_s(reqs, 0.2, 0.05, 0.0) == 0.0
+    assert cm.slo_attainment(reqs, 0.2, 0.05) == pytest.approx(1 / 3)
+    assert cm.slo_attainment([], 0.2, 0.05) == 0.0
+    # a tie meets the SLO
+    assert cm.meets_slo(0.2, 0.05, 0.2, 0.05)
+    assert not cm.meets_slo(0.2, 0.0501, 0.2, 0.05)

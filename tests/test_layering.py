@@ -1,16 +1,20 @@
 """Dependencies point one way (docs/architecture.md): API -> engine -> (scheduler, runner)
 -> model -> attention -> kernels; cache/ and tiers/ never reach up into the engine, the
-model or the API. Read from the source (imports inside functions included), so a lazy
-import cannot slip an upward edge past the rule."""
+model or the API; the connector package (protocol and NIXL helpers) is library code below
+the API (the prefill worker, `kvsession.worker`, is an application). Read from the source
+(imports inside functions and relative imports included), so a lazy or relative import
+cannot slip an upward edge past the rule."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the API and application layer (kvsession.worker: the prefill worker builds an LLM)
 API = {"kvsession.llm", "kvsession.session", "kvsession.session_store", "kvsession.cli",
        "kvsession.demo", "kvsession.testing", "kvsession.worker", "kvsession"}
 # module prefix -> the kvsession modules (by prefix) it must not import
@@ -24,33 +28,52 @@ FORBIDDEN = {
     "kvsession.model": {"kvsession.engine", "kvsession.tiers", "kvsession.connector", *API},
     "kvsession.engine": {"kvsession.tiers", "kvsession.connector", *API},
     "kvsession.tiers": {"kvsession.engine", "kvsession.model", "kvsession.connector", *API},
-    "kvsession.connector.base": {"kvsession.engine", "kvsession.model", *API},
-    "kvsession.connector.nixl": {"kvsession.engine", "kvsession.model", *API},
+    "kvsession.connector": {"kvsession.engine", "kvsession.model", *API},
 }
 
 
 def modules():
+    """(dotted name, path) of every module; a package's __init__.py is the package."""
     for pkg, root in (("kvsession", ROOT / "kvsession"), ("kvsession.kernels", ROOT / "kernels")):
         for f in sorted(root.rglob("*.py")):
-            yield ".".join([pkg, *f.relative_to(root).with_suffix("").parts]), f
+            parts = f.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            yield ".".join([pkg, *parts]), f
 
 
-def imports(path: Path) -> set[str]:
+MODULES = {m for m, _ in modules()}
+
+
+def package_of(module: str, path: Path) -> str:
+    """The package relative imports in `module` resolve against: the module itself for a
+    package's __init__.py, else its parent."""
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def resolve(package: str, level: int, target: str | None) -> str:
+    """The absolute module of `from <level dots><target> import ...` inside `package`."""
+    if level == 0:
+        return target or ""
+    return importlib.util.resolve_name("." * level + (target or ""), package)
+
+
+def imports(module: str, path: Path) -> set[str]:
+    """Every kvsession module `module` (at `path`) imports, absolute or relative."""
+    package = package_of(module, path)
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "kvsession":  # a submodule, or a public name (the API)
-                out |= {f"kvsession.{a.name}" if is_module(a.name) else "kvsession"
-                        for a in node.names}
-            elif node.module.startswith("kvsession."):
-                out.add(node.module)
+        if isinstance(node, ast.ImportFrom):
+            source = resolve(package, node.level, node.module)
+            if source != "kvsession" and not source.startswith("kvsession."):
+                continue
+            # each name is a submodule of `source`, or a name defined by it (for the
+            # top-level package: a public name, i.e. the API)
+            out |= {f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source
+                    for a in node.names}
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("kvsession")}
     return out
-
-
-def is_module(name: str) -> bool:
-    return (ROOT / "kvsession" / f"{name}.py").exists() or (ROOT / "kvsession" / name).is_dir()
 
 
 def under(name: str, prefix: str) -> bool:
@@ -60,13 +83,60 @@ def under(name: str, prefix: str) -> bool:
 
 @pytest.mark.parametrize("module, path", list(modules()), ids=lambda x: str(x).split("/")[-1])
 def test_no_upward_imports(module, path):
-    rules = [bad for prefix, bad in FORBIDDEN.items() if under(module, prefix)]
-    found = imports(path)
-    upward = sorted({i for i in found for bad in rules for b in bad if under(i, b)})
+    upward = violations(module, path)
     assert not upward, f"{module} imports {upward}"
 
 
+def violations(module: str, path: Path) -> list[str]:
+    rules = [bad for prefix, bad in FORBIDDEN.items() if under(module, prefix)]
+    found = imports(module, path)
+    return sorted({i for i in found for bad in rules for b in bad if under(i, b)})
+
+
 def test_the_rules_cover_every_layer():
-    names = {m for m, _ in modules()}
     for prefix in FORBIDDEN:
-        assert any(under(n, prefix) for n in names), prefix
+        assert any(under(n, prefix) for n in MODULES), prefix
+
+
+def test_the_worker_is_an_application_not_connector_code():
+    assert "kvsession.worker" in API and "kvsession.worker" in MODULES
+    assert not any(under(m, "kvsession.connector") and m.endswith("worker") for m in MODULES)
+    # every module of the connector package falls under its rule, not only base and nixl
+    connector = [m for m in MODULES if under(m, "kvsession.connector")]
+    assert "kvsession.connector" in connector and len(connector) >= 3
+    for m in connector:
+        assert any(under(m, prefix) for prefix in FORBIDDEN), m
+
+
+@pytest.mark.parametrize("package, level, target, want", [
+    ("kvsession.connector", 1, None, "kvsession.connector"),  # from . import x
+    ("kvsession.connector", 1, "base", "kvsession.connector.base"),  # from .base import y
+    ("kvsession.connector", 2, None, "kvsession"),  # from .. import LLM
+    ("kvsession.connector", 2, "llm", "kvsession.llm"),  # from ..llm import LLM
+    ("kvsession.cache", 2, "engine.loop", "kvsession.engine.loop"),
+    ("kvsession.kernels", 1, "reference", "kvsession.kernels.reference"),
+    ("kvsession", 0, "kvsession.llm", "kvsession.llm"),
+])
+def test_relative_imports_resolve_against_the_package(package, level, target, want):
+    assert resolve(package, level, target) == want
+
+
+def test_relative_imports_count(tmp_path):
+    pkg = tmp_path / "connector"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import base\nfrom .. import worker\n")
+    (pkg / "fake.py").write_text(
+        "from . import base, nixl\nfrom .base import encode\n"
+        "def f():\n    from ..llm import LLM\n    from .. import LLM as L2, engine\n")
+    # __init__.py: relative to the package itself
+    assert imports("kvsession.connector", pkg / "__init__.py") == {
+        "kvsession.connector.base", "kvsession.worker"}
+    assert violations("kvsession.connector", pkg / "__init__.py") == ["kvsession.worker"]
+    # a module: relative to its parent package; lazy imports included
+    assert imports("kvsession.connector.fake", pkg / "fake.py") == {
+        "kvsession.connector.base", "kvsession.connector.nixl", "kvsession.llm", "kvsession",
+        "kvsession.engine"}
+    assert violations("kvsession.connector.fake", pkg / "fake.py") == [
+        "kvsession", "kvsession.engine", "kvsession.llm"]
+    with pytest.raises(ImportError):
+        resolve("kvsession", 2, "x")

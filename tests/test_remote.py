@@ -4,6 +4,7 @@ prefix affinity."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import socket
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from kvsession import LLM, SamplingParams
+from kvsession.worker import FAULTS_ENV, Faults
 
 G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 KW = dict(kv_cache_memory="8MiB", max_model_len=512)
@@ -24,13 +26,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_env(faults: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != FAULTS_ENV}
+    if faults is not None:
+        env[FAULTS_ENV] = faults
+    return env
+
+
 class Worker:
-    def __init__(self, model_dir, *extra):
+    def __init__(self, model_dir, *extra, faults: str | None = None):
         self.address = f"tcp://127.0.0.1:{free_port()}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvsession.worker", "--model", str(model_dir), "--listen",
              self.address, "--kv-cache-memory", "8MiB", "--max-model-len", "512", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env=worker_env(faults))
         line = "x"
         while line and "listening" not in line:  # the worker says when it listens
             line = self.proc.stdout.readline()
@@ -113,8 +123,7 @@ def test_worker_killed_mid_stream(llama_dir, worker):
 def test_random_faults_never_change_outputs_or_leak(llama_dir):
     # delays past the timeout (quarantine, then a late answer fences), lost answers (the
     # NIXL notifications still complete the request), and a kill at the end
-    flaky = Worker(llama_dir, "--fault-rate", "0.15", "--fault-delay-s", "0.6",
-                   "--fault-drop-rate", "0.15", "--fault-seed", "7")
+    flaky = Worker(llama_dir, faults="delay_rate=0.15,delay_s=0.6,drop_rate=0.15,seed=7")
     ps = prompts(4, 200)
     want = local(llama_dir, ps)
     with LLM(llama_dir, prefill_worker=flaky.address, remote_prefill="always",
@@ -173,7 +182,10 @@ def test_auto_mode_uses_the_cost_model(llama_dir, worker):
     with LLM(llama_dir, prefill_worker=worker.address, remote_prefill="auto", **KW) as llm:
         # a measured transfer bandwidth at which ~100 prompt tokens take ~0.1 s to move:
         # worth it for a long answer (saved decode stalls), not for a 1-token one
-        llm.connector.bandwidth_bytes_per_s = 100 * llm.runtime.kv_bytes_per_token / 0.1
+        assert llm.connector.bandwidth_bytes_per_s == 0.0  # nothing measured yet
+        llm.connector.transfer_rate.observe(100 * llm.runtime.kv_bytes_per_token, 0.1)
+        assert llm.connector.bandwidth_bytes_per_s == pytest.approx(
+            100 * llm.runtime.kv_bytes_per_token / 0.1)
         short_answer = SamplingParams(max_tokens=1, temperature=0.0)
         long_answer = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         p = [(7 * i) % 500 for i in range(101)]
@@ -183,3 +195,57 @@ def test_auto_mode_uses_the_cost_model(llama_dir, worker):
                            use_tqdm=False)[0]
         assert llm.stats().remote.prefills == 1  # long answer: offloaded
         assert len(out.token_ids) == 200
+
+
+# ---- fault injection (KVSESSION_WORKER_FAULTS), not a CLI flag ---------------------------
+
+def test_faults_parse():
+    assert Faults.parse("") == Faults() and not Faults().active
+    f = Faults.parse(" delay_rate=0.5, delay_s=2.0 ,drop_rate=0.1,seed=3,")
+    assert f == Faults(delay_rate=0.5, delay_s=2.0, drop_rate=0.1, seed=3) and f.active
+    assert Faults.parse("drop_rate=1") == Faults(drop_rate=1.0)
+    assert not Faults.parse("delay_rate=0.5").active  # no delay: nothing happens
+    with pytest.raises(AttributeError):
+        f.seed = 1  # frozen
+
+
+@pytest.mark.parametrize("text, message", [
+    ("delay_rate", "expected key=value"),
+    ("delay_rate=", "expected key=value"),
+    ("=0.5", "expected key=value"),
+    ("delay_rat=0.5", "unknown key 'delay_rat'"),
+    ("seed=1,seed=2", "seed given twice"),
+    ("delay_s=fast", "delay_s='fast' is not a number"),
+    ("seed=1.5", "seed='1.5' is not an integer"),
+    ("drop_rate=1.5", "drop_rate must be in [0, 1]"),
+    ("delay_rate=-0.1", "delay_rate must be in [0, 1]"),
+    ("delay_rate=nan", "delay_rate must be in [0, 1]"),
+    ("delay_s=-1", "delay_s must be a finite number >= 0"),
+    ("delay_s=inf", "delay_s must be a finite number >= 0"),
+])
+def test_faults_parse_rejects(text, message):
+    with pytest.raises(ValueError) as e:
+        Faults.parse(text)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def run_worker(*args, faults: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvsession.worker", *args],
+                          capture_output=True, text=True, timeout=120, env=worker_env(faults))
+
+
+def test_malformed_fault_variable_is_a_one_line_error(tmp_path):
+    # checked at start-up, before the model is loaded (none exists at this path)
+    out = run_worker("--model", str(tmp_path / "none"), "--listen",
+                     f"tcp://127.0.0.1:{free_port()}", faults="drop_rate=2")
+    assert out.returncode == 2 and not out.stdout
+    assert out.stderr.splitlines() == [f"error: {FAULTS_ENV}: drop_rate must be in [0, 1], "
+                                       "got 2.0"]
+
+
+def test_fault_flags_are_not_part_of_the_cli():
+    help_text = run_worker("--help")
+    assert help_text.returncode == 0 and "--listen" in help_text.stdout
+    assert "fault" not in help_text.stdout
+    old = run_worker("--model", "x", "--listen", "tcp://127.0.0.1:1", "--fault-rate", "0.5")
+    assert old.returncode == 2 and "unrecognized arguments: --fault-rate" in old.stderr

@@ -7,8 +7,9 @@ are never sent). The engine thread calls `submit` and `poll`; nothing else mutat
 connector. Blocks of a request stay referenced by the engine until `poll` reports the
 request done, or reports it failed *and fenced* (no remote write can touch them any more).
 
-Worker side (`PrefillService`): accepts a handshake, then prefill requests, and writes the
-KV with its data plane (NIXL) before answering.
+Worker side (`PrefillService`, implemented by the worker application `kvsession.worker`):
+accepts a handshake, then prefill requests, and writes the KV with its data plane (NIXL)
+before answering.
 
 Messages are msgspec msgpack structs (tagged union): no pickle, nothing executable.
 """

@@ -41,6 +41,7 @@ from kvsession.connector.base import (
     decode,
     encode,
 )
+from kvsession.costmodel import RateEstimator
 
 log = logging.getLogger("kvsession")
 
@@ -117,7 +118,9 @@ class NixlPrefillClient(PrefillConnector):
         self.fallbacks: dict[str, int] = {}
         self.num_prefills = 0
         self.bytes = 0
-        self.bandwidth_bytes_per_s = 0.0
+        # the worker's measured write times (posting to the last completion): the cost
+        # model's transfer input. Prior 0: "not measured yet" (the caller picks its default)
+        self.transfer_rate = RateEstimator(prior=0.0)
 
     # ---- connections ------------------------------------------------------------------
 
@@ -205,13 +208,11 @@ class NixlPrefillClient(PrefillConnector):
         out.append(Completion(r.seq_id, "done", num_bytes=r.num_bytes,
                               seconds=time.monotonic() - r.started))
 
-    def _transfer_time(self, num_bytes: int, seconds: float) -> None:
-        """The worker's measured write time (posting to the last completion): an EWMA of
-        the data plane's bandwidth, the cost model's transfer input."""
-        if num_bytes and seconds > 0:
-            rate = num_bytes / seconds
-            self.bandwidth_bytes_per_s = rate if not self.bandwidth_bytes_per_s else (
-                0.3 * rate + 0.7 * self.bandwidth_bytes_per_s)
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        """The data plane's measured bandwidth (an EWMA over transfers); 0.0 before the
+        first transfer."""
+        return self.transfer_rate.value
 
     def _fail(self, req_id: int, reason: str, fenced: bool, out: list[Completion]) -> None:
         r = self.pending.pop(req_id)
@@ -235,7 +236,7 @@ class NixlPrefillClient(PrefillConnector):
             log.warning("prefill worker %s refused the handshake: %s", w.address, msg.reason)
             self.fallbacks["handshake refused"] = self.fallbacks.get("handshake refused", 0) + 1
         elif isinstance(msg, PrefillDone):
-            self._transfer_time(msg.num_bytes, msg.seconds)
+            self.transfer_rate.observe(msg.num_bytes, msg.seconds)
             if msg.req_id in self.quarantine:  # a late answer fences the blocks
                 out.append(Completion(self.quarantine.pop(msg.req_id).seq_id, "fenced"))
             # for a pending request, completion comes with its last NIXL notification

@@ -152,9 +152,3 @@ def check_sliding_window(spec: ModelSpec, max_model_len: int) -> None:
             f"{spec.architecture} uses sliding_window={spec.sliding_window}, which kvsession "
             f"does not implement; pass max_model_len <= {spec.sliding_window} (asked for "
             f"{max_model_len}) so the window never applies")
-
-
-def kv_bytes_per_token(spec: ModelSpec, bytes_per_element: float) -> float:
-    """2 (K and V) * layers * kv heads * head_dim * bytes (DESIGN-NOTES 'Sizes')."""
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * bytes_per_element
-

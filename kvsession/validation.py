@@ -1,0 +1,96 @@
+"""Typed argument checks shared by every public constructor.
+
+Each check raises ConfigError naming the argument, what was given (repr) and what is
+accepted, and returns the value in its canonical type. bool is rejected wherever a number
+is expected: `True` as a count or a seed is always a mistake, though Python calls it an int.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+from collections.abc import Iterable, Mapping
+from typing import NoReturn
+
+from kvsession.errors import ConfigError
+
+# what torch.Generator.manual_seed accepts: a seed outside it is refused up front, not at the
+# first request that uses it
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def _range(lo, hi, lo_incl: bool = True, hi_incl: bool = True) -> str:
+    if lo is not None and hi is not None:
+        return f" in {'[' if lo_incl else '('}{lo}, {hi}{']' if hi_incl else ')'}"
+    if lo is not None:
+        return f" {'>=' if lo_incl else '>'} {lo}"
+    return "" if hi is None else f" {'<=' if hi_incl else '<'} {hi}"
+
+
+def _fail(name: str, value, accepted: str, allow_none: bool) -> NoReturn:
+    raise ConfigError(f"{name} must be {'None or ' if allow_none else ''}{accepted}, "
+                      f"got {value!r}")
+
+
+def check_int(name: str, value, *, min_value: int | None = None, max_value: int | None = None,
+              allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or (
+            min_value is not None and value < min_value) or (
+            max_value is not None and value > max_value):
+        _fail(name, value, "an int" + _range(min_value, max_value), allow_none)
+    return int(value)
+
+
+def check_float(name: str, value, *, min_value: float | None = None,
+                max_value: float | None = None, min_inclusive: bool = True,
+                max_inclusive: bool = True, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    accepted = "a number" + _range(min_value, max_value, min_inclusive, max_inclusive)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        _fail(name, value, accepted, allow_none)
+    try:
+        f = float(value)
+    except (OverflowError, TypeError, ValueError):  # a huge int, an odd Real subclass
+        _fail(name, value, accepted, allow_none)
+    if math.isnan(f) or (min_value is not None and (f < min_value if min_inclusive
+                                                    else f <= min_value)) or (
+            max_value is not None and (f > max_value if max_inclusive else f >= max_value)):
+        _fail(name, value, accepted, allow_none)
+    return f
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        _fail(name, value, "True or False", False)
+    return value
+
+
+def check_str(name: str, value, *, allow_none: bool = False,
+              non_empty: bool = False) -> str | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, str) or (non_empty and not value):
+        _fail(name, value, "a non-empty string" if non_empty else "a string", allow_none)
+    return value
+
+
+def reject_unknown(owner: str, unknown: Mapping[str, object], allowed: Iterable[str], *,
+                   hints: Mapping[str, str] | None = None) -> None:
+    """Raise if `unknown` (the leftover **kwargs of `owner`) is non-empty. `hints` maps names
+    that spelling cannot relate to the right one (an internal field, another library's name)."""
+    if not unknown:
+        return
+    allowed = list(allowed)
+    found = [(n, (hints or {}).get(n) or next(
+        iter(difflib.get_close_matches(n, allowed, n=1, cutoff=0.6)), None)) for n in unknown]
+    if len(found) == 1 and found[0][1]:
+        raise ConfigError(f"{owner} got an unknown keyword argument {found[0][0]!r}; "
+                          f"did you mean {found[0][1]!r}?")
+    listed = ", ".join(f"{n!r} (did you mean {m!r}?)" if m else repr(n) for n, m in found)
+    what = "an unknown keyword argument" if len(found) == 1 else "unknown keyword arguments"
+    tail = "" if all(m for _, m in found) else f"; accepted: {', '.join(allowed)}"
+    raise ConfigError(f"{owner} got {what} {listed}{tail}")

@@ -1,0 +1,125 @@
+"""LatencyTracker.summary (what llm.stats() reports as latency, goodput and SLO attainment)
+and the nearest-rank percentile, on hand-built records whose answers are worked out by hand
+(the worked example of docs/cost-model.md, 'Goodput and SLO attainment')."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvsession import costmodel
+from kvsession.metrics import SLO, LatencyStats, LatencyTracker, RequestMetrics, percentile
+
+
+def record(tracker: LatencyTracker, arrival: float, finish: float, ttft: float, tpot: float,
+           tokens: int) -> None:
+    tracker.record(arrival, finish, RequestMetrics(ttft_s=ttft, tpot_s=tpot,
+                                                   e2e_s=finish - arrival, queue_s=0.0), tokens)
+
+
+# (arrival s, finish s, ttft s, tpot s, output tokens) against SLO(1.0, 0.1)
+EXAMPLE = [
+    (10.0, 12.0, 0.5, 0.05, 100),   # meets both
+    (11.0, 15.0, 1.5, 0.05, 200),   # TTFT missed
+    (12.0, 20.0, 0.2, 0.2, 300),    # TPOT missed; the latest finish
+    (9.0, 14.0, 1.0, 0.1, 50),      # ties both targets: meets; the earliest arrival, last recorded
+]
+
+
+def test_summary_worked_example():
+    t = LatencyTracker()
+    for r in EXAMPLE:
+        record(t, *r)
+    lat, goodput, attainment = t.summary(SLO(ttft_s=1.0, tpot_s=0.1))
+    # wall = latest finish (20) - earliest arrival (9), whatever the recording order
+    assert goodput == pytest.approx((100 + 50) / 11.0)
+    assert attainment == 0.5
+    # sorted TTFTs 0.2 0.5 1.0 1.5: p50 is the 2nd, p99 the 4th; TPOTs 0.05 0.05 0.1 0.2
+    assert lat == LatencyStats(ttft_p50_s=0.5, ttft_p99_s=1.5, tpot_p50_s=0.05, tpot_p99_s=0.2)
+    assert t.tpot_p50_s() == 0.05
+    assert t.num_requests == 4
+
+
+def test_summary_depends_on_the_slo():
+    t = LatencyTracker()
+    for r in EXAMPLE:
+        record(t, *r)
+    _, goodput, attainment = t.summary(SLO(ttft_s=2.0, tpot_s=0.2))  # everything meets it
+    assert goodput == pytest.approx(650 / 11.0)
+    assert attainment == 1.0
+    _, goodput, attainment = t.summary(SLO(ttft_s=0.1, tpot_s=0.01))  # nothing does
+    assert goodput == 0.0 and attainment == 0.0
+
+
+def test_summary_covers_only_the_window():
+    t = LatencyTracker(window=2)
+    for r in EXAMPLE:
+        record(t, *r)
+    lat, goodput, attainment = t.summary(SLO(ttft_s=1.0, tpot_s=0.1))
+    # the last two records: (12, 20, 0.2, 0.2, 300) misses, (9, 14, 1.0, 0.1, 50) meets
+    assert goodput == pytest.approx(50 / 11.0)
+    assert attainment == 0.5
+    assert lat == LatencyStats(ttft_p50_s=0.2, ttft_p99_s=1.0, tpot_p50_s=0.1, tpot_p99_s=0.2)
+    assert t.num_requests == 4  # every request ever recorded, not only the window
+
+
+def test_zero_wall_time_gives_no_goodput_but_attainment():
+    t = LatencyTracker()
+    record(t, 5.0, 5.0, 0.0, 0.0, 1)
+    lat, goodput, attainment = t.summary(SLO())
+    assert goodput == 0.0
+    assert attainment == 1.0
+    assert lat == LatencyStats(0.0, 0.0, 0.0, 0.0)
+
+
+def test_empty_tracker():
+    t = LatencyTracker()
+    assert t.summary(SLO()) == (LatencyStats(), 0.0, 0.0)
+    assert t.tpot_p50_s() == 0.0
+    assert t.num_requests == 0
+
+
+def test_summary_uses_the_cost_model_definition(monkeypatch):
+    """One definition of goodput: summary delegates to costmodel, it does not re-derive it."""
+    calls = []
+
+    def fake(requests, ttft_slo_s, tpot_slo_s, wall_s):
+        calls.append((requests, ttft_slo_s, tpot_slo_s, wall_s))
+        return 42.0
+
+    monkeypatch.setattr(costmodel, "goodput_tokens_per_s", fake)
+    t = LatencyTracker()
+    for r in EXAMPLE:
+        record(t, *r)
+    assert t.summary(SLO(ttft_s=1.0, tpot_s=0.1))[1] == 42.0
+    assert calls == [([(r[2], r[3], r[4]) for r in EXAMPLE], 1.0, 0.1, 11.0)]
+
+
+def test_percentile_nearest_rank():
+    v = [40.0, 10.0, 30.0, 20.0]
+    # k = ceil(q / 100 * 4), the k-th smallest
+    assert percentile(v, 0) == 10.0       # k = 0, clamped to the first
+    assert percentile(v, 25) == 10.0      # k = 1
+    assert percentile(v, 26) == 20.0      # k = ceil(1.04) = 2
+    assert percentile(v, 50) == 20.0      # k = 2: no interpolation
+    assert percentile(v, 75) == 30.0
+    assert percentile(v, 76) == 40.0
+    assert percentile(v, 99) == 40.0
+    assert percentile(v, 100) == 40.0
+    assert v == [40.0, 10.0, 30.0, 20.0]  # the input is not sorted in place
+
+
+def test_percentile_edge_cases():
+    assert percentile([], 50) == 0.0
+    assert percentile([], 99) == 0.0
+    for q in (0, 1, 50, 99, 100):
+        assert percentile([7.0], q) == 7.0
+    assert percentile([1.0, 2.0], 50) == 1.0   # k = 1
+    assert percentile([1.0, 2.0], 51) == 2.0   # k = ceil(1.02) = 2
+    hundred = list(range(1, 101))
+    random.Random(0).shuffle(hundred)
+    assert percentile(hundred, 50) == 50
+    assert percentile(hundred, 99) == 99
+    assert percentile(hundred, 100) == 100
+    assert percentile([3.0, 3.0, 3.0, 9.0], 75) == 3.0  # duplicates keep their ranks
