@@ -16,7 +16,8 @@ import tempfile
 from common import mid_model, text_of, write_result
 
 from kvsession import LLM, CacheFullError, SamplingParams
-from kvsession.testing import kv_numerics, make_tiny_model
+from kvsession.numerics import kv_numerics
+from kvsession.testing import make_tiny_model
 
 
 def resident_sessions(path, kv_dtype: str, budget: str) -> dict:

@@ -235,11 +235,12 @@ def model_step(dev: torch.device, small: bool, copy_bw: float) -> dict:
     backend = resolve_backend(AttentionBackend.TRITON if not small else AttentionBackend.TORCH,
                               dev, 16)
     from kvsession.cache.block_pool import BlockPool
+    from kvsession.cache.manager import KVCacheManager
     from kvsession.engine.graphs import DecodeGraphs
 
-    pool = BlockPool(64, 16)
+    manager = KVCacheManager(BlockPool(64, 16), kv)
     seq = Sequence(token_ids=list(range(1, 129)), params=SamplingParams(), max_model_len=1024)
-    seq.blocks = pool.allocate(16)
+    manager.allocate_slots(seq, 16)
     out = {"weight_bytes": weight_bytes}
     bound_ms = weight_bytes / (copy_bw / 2) * 1e3  # reading every weight once
     for mode in ("eager", "cuda_graph"):

@@ -133,14 +133,14 @@ def main() -> None:
             # its writes do not share the cores with a forward pass
             deadline = time.monotonic() + 2
             while time.monotonic() < deadline:  # let the first request's answer arrive
-                llm._loop.call(lambda: llm._loop.engine._remote(0.05)).result()
-            llm.connector.transfer_rate = RateEstimator(prior=0.0)  # forget the first one
+                llm._rt.call(lambda: llm._rt.engine.poll_remote(0.05)).result()
+            llm._rt.connector.transfer_rate = RateEstimator(prior=0.0)  # forget the first one
             llm.generate([prompt], one, use_tqdm=False)
             st = llm.stats().remote
             deadline = time.monotonic() + 5
             while st.bandwidth_gbps == 0 and time.monotonic() < deadline:
                 # the worker's PrefillDone (with its write time) may trail the data
-                llm._loop.call(lambda: llm._loop.engine._remote(0.05)).result()
+                llm._rt.call(lambda: llm._rt.engine.poll_remote(0.05)).result()
                 st = llm.stats().remote
             kv_bytes = st.bytes // 2
             connector_bw = st.bandwidth_gbps * 1e9 / 8

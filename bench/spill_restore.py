@@ -24,7 +24,7 @@ import torch
 from common import mid_model, pyplot, save_figure, text_of, write_result
 
 from kvsession import LLM, SamplingParams
-from kvsession.tiers.policy import Tier
+from kvsession.cache.manager import Tier
 
 
 def drop_cache(path: Path) -> None:
@@ -76,11 +76,11 @@ def measure(llm, num_tokens: int, workdir: Path) -> dict:
     params = SamplingParams(max_tokens=1, temperature=0.0)
     s = llm.session(sampling=params, session_id=f"s{num_tokens}")
     s.send(text_of(llm.tokenizer, rng, num_tokens))
-    policy, kv = llm.policy, s._kv
+    policy, kv = llm._rt.policy, s.kv
     kv_bytes = len(kv.blocks) * llm.config.block_size * llm.runtime.kv_bytes_per_token
 
     def engine(fn):
-        return llm._loop.call(fn).result()
+        return llm._rt.call(fn).result()
 
     def timed(fn):
         def run():
@@ -95,7 +95,7 @@ def measure(llm, num_tokens: int, workdir: Path) -> dict:
     out["spill_host_s"] = out["restore_host_s"] = float("inf")
     for _ in range(3):
         _, spill_s = timed(lambda: policy.spill(kv, Tier.HOST))
-        _, restore_s = timed(lambda: policy.load_blocks(kv, Tier.HOST, len(kv.blocks)))
+        _, restore_s = timed(lambda: llm._rt.mover.load(kv, len(kv.blocks)))
         out["spill_host_s"] = min(out["spill_host_s"], spill_s)
         out["restore_host_s"] = min(out["restore_host_s"], restore_s)
     engine(lambda: policy.spill(kv, Tier.HOST))
@@ -106,7 +106,7 @@ def measure(llm, num_tokens: int, workdir: Path) -> dict:
     for _ in range(3):
         _, spill_s = timed(lambda: policy.spill(kv, Tier.DISK))
         drop_cache(kv.disk_path)
-        _, restore_s = timed(lambda: policy.load_blocks(kv, Tier.DISK, len(kv.blocks)))
+        _, restore_s = timed(lambda: llm._rt.mover.load(kv, len(kv.blocks)))
         out["spill_disk_s"] = min(out["spill_disk_s"], spill_s)
         out["restore_disk_s"] = min(out["restore_disk_s"], restore_s)
     out["snapshot_bytes"] = kv.disk_path.stat().st_size
@@ -114,7 +114,7 @@ def measure(llm, num_tokens: int, workdir: Path) -> dict:
         llm.config.block_size * llm.runtime.kv_bytes_per_token
     engine(lambda: policy.spill(kv, Tier.DISK))
     drop_cache(kv.disk_path)
-    policy.disk_read_bytes_per_s.value = 1e12  # force the load path for this TTFT
+    llm._rt.mover.disk_read_bytes_per_s.value = 1e12  # force the load path for this TTFT
     out["ttft_disk_s"] = s.send("and from disk?").metrics.ttft_s
     engine(lambda: policy.drop(kv, "benchmark: recompute"))
     out["ttft_recompute_s"] = s.send("and recomputed?").metrics.ttft_s

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -53,6 +54,10 @@ from kvsession.tiers.policy import TierPolicy
 
 log = logging.getLogger("kvsession")
 CPU_DEFAULT_KV_BYTES = 2**30
+# set (to anything) by the test suite: check holder-level integrity after every step of
+# small pools and when the LLM closes, and raise from close() if it ever failed
+CHECK_INTEGRITY_ENV = "KVSESSION_CHECK_INTEGRITY"
+CHECK_EVERY_STEP_MAX_BLOCKS = 4096
 # share of decode time lost to co-located prefills (typically 0.15-0.45, docs/cost-model.md);
 # used until the engine measures it
 REMOTE_STALL_RATIO = 0.3
@@ -197,6 +202,10 @@ class Runtime:
         self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.tokenizer.decode,
                              self.latency, prefill_tps, timers=[self.policy.housekeeping],
                              connector=self.connector)
+        self._integrity_failure: AssertionError | None = None
+        self.checking = bool(os.environ.get(CHECK_INTEGRITY_ENV))
+        if self.checking and num_blocks <= CHECK_EVERY_STEP_MAX_BLOCKS:
+            self.engine.step_observers.append(self._check_after_step)
         self._loop = EngineLoop(self.engine)
         log.info("kvsession: %s on %s, kv %s: %d blocks x %d tokens = %d tokens, %d bytes/token",
                  spec.architecture, cfg.device, cfg.kv_cache_dtype_name, num_blocks,
@@ -237,14 +246,29 @@ class Runtime:
 
     def close(self) -> None:
         """Stop the engine thread (pending calls fail with EngineClosedError), release the
-        workers and the KV cache. Idempotent."""
+        workers and the KV cache. Idempotent. With integrity checking on, raises the first
+        integrity failure seen (after closing)."""
         if self._loop is None:
             return
+        if self.checking:
+            try:
+                self._loop.call(self.check_integrity_now).result(timeout=60)
+            except AssertionError as e:
+                self._integrity_failure = self._integrity_failure or e
         self._loop.close()
         self._loop = None
         if self.connector is not None:
             self.connector.close()
         self.kv = None
+        if self._integrity_failure is not None:
+            raise self._integrity_failure
+
+    def _check_after_step(self) -> None:
+        try:
+            self.check_integrity_now()
+        except AssertionError as e:
+            self._integrity_failure = self._integrity_failure or e
+            raise
 
     # ---- requests --------------------------------------------------------------------------
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvsession.config import KV_DTYPES as KV_DTYPE_NAMES
 from kvsession.errors import ConfigError
 from kvsession.model.config import load_model_spec
 from kvsession.model.loader import expected_shapes
@@ -180,96 +179,3 @@ def _write_weights(out: Path, tensors: dict[str, torch.Tensor], num_shards: int)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-
-
-def kv_numerics(model_dir, kv_cache_dtype: str, num_prompt_tokens: int = 512,
-                num_decode_tokens: int = 64, seed: int = 0) -> dict:
-    """How much a `kv_cache_dtype` cache changes the model, against a float32 cache, on the
-    same weights and tokens (a random prompt, then the float32 model's greedy continuation,
-    fed teacher-forced through the real runner, KV pool and block tables).
-
-    - attention_rel_l2_per_layer: each layer's attention output computed from the *same*
-      q/k/v through a shadow `kv_cache_dtype` cache vs the float32 cache (the error the
-      cache itself adds in that layer), relative L2 over every prompt and decoded position;
-    - logits_rel_l2: end to end, a whole run on the `kv_cache_dtype` cache vs the float32
-      run, relative L2 over the logits of the last prompt token and every decoded token;
-    - top1_agreement of those logits (random weights give flat distributions: informative,
-      not a gate)."""
-    import random as _random
-
-    from kvsession.attention import attention as _attention
-    from kvsession.cache.block_pool import blocks_for
-    from kvsession.cache.kv_pool import KVPool
-    from kvsession.engine.scheduler import ScheduledSeq
-    from kvsession.engine.sequence import Sequence
-    from kvsession.llm import LLM
-    from kvsession.model import llama
-    from kvsession.params import SamplingParams
-
-    total = num_prompt_tokens + num_decode_tokens
-    kw = dict(kv_cache_memory="64MiB", max_model_len=total + 16, enable_prefix_caching=False)
-    rng = _random.Random(seed)
-    with LLM(model_dir, kv_cache_dtype="float32", **kw) as ref:
-        prompt = [rng.randrange(ref.runtime.spec.vocab_size) for _ in range(num_prompt_tokens)]
-        gen = ref.generate(prompt_token_ids=[prompt], use_tqdm=False, sampling_params=(
-            SamplingParams(max_tokens=num_decode_tokens, temperature=0.0, ignore_eos=True)))
-    tokens = prompt + gen[0].token_ids
-
-    def rel(a, b):
-        return float((a - b).norm() / b.norm())
-
-    def forced(kv_dtype: str, shadow_dtype: torch.dtype | None = None):
-        pairs: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, out, shadow out)
-        with LLM(model_dir, kv_cache_dtype=kv_dtype, **kw) as llm:
-            runner, bs = llm._loop.engine.runner, llm.config.block_size
-            kv = llm.kv
-            shadow = None if shadow_dtype is None else KVPool(
-                kv.num_layers, kv.num_blocks, bs, kv.num_kv_heads, kv.head_dim, shadow_dtype,
-                kv.k.device)
-
-            def recording(q, k, v, layer_kv, meta):
-                o = _attention(q, k, v, layer_kv, meta)
-                layer = len(pairs) % kv.num_layers
-                o2 = _attention(q, k, v, shadow.layer(layer), meta)
-                pairs.append((layer, o.float().flatten(1), o2.float().flatten(1)))
-                return o
-
-            def run():
-                seq = Sequence(token_ids=tokens[:num_prompt_tokens], params=SamplingParams(),
-                               max_model_len=llm.runtime.max_model_len)
-                seq.blocks = llm.pool.allocate(blocks_for(total, bs))
-                logits = [runner.run([ScheduledSeq(seq, num_prompt_tokens)])]
-                seq.num_computed_tokens = num_prompt_tokens
-                for t in tokens[num_prompt_tokens:-1]:  # feed the fixed continuation
-                    seq.token_ids.append(t)
-                    logits.append(runner.run([ScheduledSeq(seq, 1)]))
-                    seq.num_computed_tokens += 1
-                llm.pool.free(seq.blocks)
-                return torch.cat(logits)
-
-            if shadow is not None:
-                llama.attention = recording
-            try:
-                logits = llm._loop.call(run).result()
-            finally:
-                llama.attention = _attention
-        return logits, pairs
-
-    kv_dtype = KV_DTYPE_NAMES[kv_cache_dtype]
-    ref_logits, pairs = forced("float32", shadow_dtype=kv_dtype)
-    logits, _ = forced(kv_cache_dtype)
-    num_layers = 1 + max(layer for layer, _, _ in pairs)
-    per_layer = []
-    for layer in range(num_layers):
-        want = torch.cat([o for i, o, _ in pairs if i == layer])
-        got = torch.cat([o for i, _, o in pairs if i == layer])
-        per_layer.append(rel(got, want))
-    return {
-        "kv_cache_dtype": kv_cache_dtype,
-        "num_tokens": total,
-        "attention_rel_l2_per_layer": per_layer,
-        "logits_rel_l2": rel(logits, ref_logits),
-        "logits_rel_l2_worst_step": max(
-            rel(a, b) for a, b in zip(logits, ref_logits, strict=True)),
-        "top1_agreement": float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
-    }

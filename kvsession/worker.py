@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from kvsession.cache.kv_pool import block_runs
+from kvsession.config import EngineConfig
 from kvsession.connector.base import (
     Bye,
     Hello,
@@ -47,6 +48,7 @@ from kvsession.connector.base import (
     encode,
 )
 from kvsession.connector.nixl import describe_tensors, layer_descs, make_agent
+from kvsession.runtime import Runtime
 
 log = logging.getLogger("kvsession")
 
@@ -108,15 +110,14 @@ class Faults:
 
 
 class NixlPrefillService(PrefillService):
-    def __init__(self, llm):
-        from kvsession.cache.hashing import LAYOUT_VERSION
+    """The worker's engine is a `Runtime` (the engine side of an LLM, no sessions): it
+    submits prefill-only sequences and releases their blocks through the KV manager."""
 
-        self.llm = llm
-        self.compat = compat_hash(llm.runtime.model_fingerprint,
-                                  llm.config.kv_cache_dtype_name, llm.config.block_size,
-                                  LAYOUT_VERSION)
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.compat = compat_hash(rt.identity)
         self.agent = make_agent("kvs-worker")
-        self.tensors = llm.kv.tensors()
+        self.tensors = rt.kv.tensors()
         self.reg = self.agent.register_memory(list(self.tensors.values()))
         self.local = describe_tensors(self.tensors)
         self.callers: dict[str, tuple[str, list]] = {}
@@ -140,12 +141,12 @@ class NixlPrefillService(PrefillService):
         if caller not in self.callers:
             return PrefillFailed(req.req_id, "no handshake")
         agent_name, remote = self.callers[caller]
-        llm = self.llm
-        seq = Sequence(token_ids=list(req.token_ids), max_model_len=llm.runtime.max_model_len,
+        rt = self.rt
+        seq = Sequence(token_ids=list(req.token_ids), max_model_len=rt.info.max_model_len,
                        params=SamplingParams(max_tokens=1, temperature=0.0,
                                              cache_salt=req.cache_salt), retain_blocks=True)
         layers: queue.Queue = queue.Queue()
-        cuda = llm.config.device.type == "cuda"
+        cuda = rt.config.device.type == "cuda"
 
         def layer_done(layer: int) -> None:  # engine thread, right after the layer's KV
             event = None
@@ -155,9 +156,9 @@ class NixlPrefillService(PrefillService):
             layers.put((layer, event))
 
         seq.on_layer_done = layer_done
-        fut = llm._engine_loop().submit(seq)
+        fut = rt.submit(seq)
         fut.add_done_callback(lambda f: layers.put(None))
-        num_layers = llm.runtime.spec.num_layers
+        num_layers = rt.info.spec.num_layers
         handles, moved, posted = [], 0, 0
         in_flight: list = []
         # time with at least one write in flight (the union of the layers' transfer
@@ -225,9 +226,8 @@ class NixlPrefillService(PrefillService):
                 seq = fut.result()
             except Exception:
                 pass
-            blocks = seq.blocks
-            if blocks:
-                llm._engine_loop().call(lambda: llm.pool.free(blocks)).result()
+            if seq.blocks:
+                rt.call(lambda: rt.manager.release(seq)).result()
 
     def disconnect(self, caller: str) -> None:
         entry = self.callers.pop(caller, None)
@@ -244,12 +244,11 @@ class NixlPrefillService(PrefillService):
 def serve(args, faults: Faults) -> int:
     import zmq
 
-    from kvsession import LLM
-
-    llm = LLM(args.model, device=args.device, kv_cache_memory=args.kv_cache_memory,
-              kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-              block_size=args.block_size)
-    service = NixlPrefillService(llm)
+    rt = Runtime(EngineConfig.from_args(
+        args.model, device=args.device, kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+        block_size=args.block_size))
+    service = NixlPrefillService(rt)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -305,7 +304,7 @@ def serve(args, faults: Faults) -> int:
     worker.join()
     sock.close()
     ctx.term()
-    llm.close()
+    rt.close()
     return 0
 
 

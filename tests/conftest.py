@@ -12,6 +12,9 @@ from kvsession.testing import make_tiny_model
 # Triton kernels run on CPU tensors through Triton's interpreter in the tests; this must be
 # set before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every LLM built by a test checks that each block reference is held by a known holder,
+# after every step (small pools) and when it closes; close() raises if it ever failed.
+os.environ.setdefault("KVSESSION_CHECK_INTEGRITY", "1")
 # The suite is the CPU suite even on a GPU machine (device="auto" would otherwise pick CUDA
 # and run interpreted kernels on it); test_gpu.py gives its subprocesses the GPUs back.
 if "KVSESSION_VISIBLE_GPUS" not in os.environ:

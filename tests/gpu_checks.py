@@ -94,7 +94,7 @@ def graphs_match_eager_and_cpu() -> None:
             with LLM(model, device=where, dtype="float32", kv_cache_dtype="float32",
                      kv_cache_memory="8MiB", max_model_len=256,
                      attention_backend=backend) as llm:
-                runner = llm._loop.engine.runner
+                runner = llm._rt.engine.runner
                 outs.append([[o.token_ids for o in llm.generate(
                     prompt_token_ids=prompts[:n], sampling_params=params, use_tqdm=False)]
                     for n in (1, 3, 7)])
@@ -109,7 +109,7 @@ def fp8_default_and_staged_host_tier() -> None:
     through the staging path and restored: its continuation equals the never-spilled one."""
     from kvsession import LLM, SamplingParams
     from kvsession.testing import make_tiny_model
-    from kvsession.tiers.policy import Tier
+    from kvsession.cache.manager import Tier
 
     dev = _device()
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,11 +120,11 @@ def fp8_default_and_staged_host_tier() -> None:
             with LLM(model, device=dev.type, dtype="bfloat16", kv_cache_memory="8MiB",
                      host_cache_memory="4MiB", max_model_len=512) as llm:
                 assert llm.config.kv_cache_dtype == FP8 or dev.type == "cpu"
-                assert llm.host.staged == (dev.type == "cuda")
+                assert llm._rt.host.staged == (dev.type == "cuda")
                 with llm.session(system="You are terse.", sampling=sp) as s:
                     turns = [s.send("first question").token_ids]
                     if spill:
-                        llm._loop.call(lambda s=s: llm.policy.spill(s._kv, Tier.HOST)).result()
+                        llm._rt.call(lambda s=s: llm._rt.policy.spill(s.kv, Tier.HOST)).result()
                         assert s.state == "host"
                     r = s.send("second question")
                     assert r.restored_from == "host" or not spill

@@ -15,8 +15,8 @@ def test_stress_random_requests_keep_pool_consistent(llama_dir):
     with LLM(llama_dir, kv_cache_memory=40 * 8 * 512, block_size=8, max_model_len=256,
              max_num_seqs=20, max_num_batched_tokens=64) as llm:
         steps = []
-        engine = llm._loop.engine
-        engine.step_observers.append(llm.pool.check_integrity)
+        engine = llm._rt.engine
+        engine.step_observers.append(llm._rt.check_integrity_now)
         engine.step_observers.append(lambda: steps.append(1))
         shared = [rng.randrange(500) for _ in range(40)]
         prompts, params = [], []
@@ -28,7 +28,7 @@ def test_stress_random_requests_keep_pool_consistent(llama_dir):
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
         assert all(o.finish_reason == "length" for o in outs)
-        assert llm.scheduler.num_preemptions > 0 and len(steps) > 60
+        assert llm._rt.scheduler.num_preemptions > 0 and len(steps) > 60
         st = llm.stats()
         assert st.tiers["device"].blocks_free == st.tiers["device"].blocks_total == 40
         assert st.num_requests == 60

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from kvsession import LLM, SamplingParams
-from kvsession.cache.kv_pool import KVPool
+from kvsession.cache.kv_pool import kv_bytes_per_token
+from kvsession.cache.manager import Transient
 from kvsession.kernels.reference import FP8_MAX, copy_blocks, dequantize, quantize_fp8
-from kvsession.testing import kv_numerics
+from kvsession.numerics import kv_numerics
 
 
 def roundtrip(x):
@@ -79,33 +80,34 @@ def test_numerics_against_float32_cache(model_dirs, arch):
 
 def test_blocks_move_with_their_scales_bit_identically(llama_dir):
     with LLM(llama_dir, kv_cache_dtype="fp8", kv_cache_memory="4MiB", max_model_len=256) as llm:
-        assert llm.kv.k.dtype == torch.float8_e4m3fn and llm.kv.k_scale is not None
+        assert llm._rt.kv.k.dtype == torch.float8_e4m3fn and llm._rt.kv.k_scale is not None
         s = llm.session(sampling=SamplingParams(max_tokens=9, temperature=0.0))
         s.send("hello there, read the file")
         child = s.fork()
         # the child's next turn writes into the shared partial tail block: copy-on-write
         bs = llm.config.block_size
-        n = len(s._kv.tokens) - (1 if len(s._kv.tokens) % bs == 0 else 0)
-        blocks, child._kv.blocks = child._kv.blocks, []
-        kept, valid = llm._loop.call(lambda: llm._attach_blocks(blocks, n)).result()
-        tail = s._kv.blocks[n // bs]
+        n = len(s.kv.tokens) - (1 if len(s.kv.tokens) % bs == 0 else 0)
+        target = Transient()  # stands for the child's next turn
+        valid = llm._rt.call(lambda: llm._rt.manager.checkout(child.kv, target, n)).result()
+        kept = target.blocks
+        tail = s.kv.blocks[n // bs]
         assert valid == n and kept[-1] is not tail and len(kept) == n // bs + 1
-        for name, t in llm.kv.tensors().items():
+        for name, t in llm._rt.kv.tensors().items():
             a, b = t[:, tail.block_id, : n % bs], t[:, kept[-1].block_id, : n % bs]
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
-        llm._loop.call(lambda: llm.pool.free(kept)).result()
+        llm._rt.call(lambda: llm._rt.manager.release(target)).result()
         # out to a staging buffer and back (as spill / restore / transfer do)
-        ids = torch.tensor([b.block_id for b in s._kv.blocks])
+        ids = torch.tensor([b.block_id for b in s.kv.blocks])
         staged = {k: torch.empty((t.shape[0], len(ids), *t.shape[2:]), dtype=t.dtype)
-                  for k, t in llm.kv.tensors().items()}
-        for k, t in llm.kv.tensors().items():
+                  for k, t in llm._rt.kv.tensors().items()}
+        for k, t in llm._rt.kv.tensors().items():
             copy_blocks(t, staged[k], ids, torch.arange(len(ids)))
-        before = {k: t[:, ids].clone() for k, t in llm.kv.tensors().items()}
-        for t in llm.kv.tensors().values():
+        before = {k: t[:, ids].clone() for k, t in llm._rt.kv.tensors().items()}
+        for t in llm._rt.kv.tensors().values():
             t[:, ids] = torch.zeros((), dtype=torch.float32).to(t.dtype)
-        for k, t in llm.kv.tensors().items():
+        for k, t in llm._rt.kv.tensors().items():
             copy_blocks(staged[k], t, torch.arange(len(ids)), ids)
-        for k, t in llm.kv.tensors().items():
+        for k, t in llm._rt.kv.tensors().items():
             assert torch.equal(t[:, ids].view(torch.uint8), before[k].view(torch.uint8))
         # and the session continues as if nothing happened
         assert s.send("again").token_ids == llm.chat(s.messages[:-1], SamplingParams(
@@ -126,8 +128,8 @@ def test_fp8_pool_holds_twice_the_tokens(model_dirs):
     assert stats["fp8"].bytes_per_token == 2 * 2 * 1 * (64 + 2)
     assert stats["bfloat16"].bytes_per_token == 2 * 2 * 1 * 64 * 2
     assert stats["fp8"].tokens_capacity >= 1.9 * stats["bfloat16"].tokens_capacity
-    assert KVPool.bytes_per_token(32, 8, 128, torch.float8_e4m3fn) * 1.9 <= \
-        KVPool.bytes_per_token(32, 8, 128, torch.bfloat16)
+    assert kv_bytes_per_token(32, 8, 128, torch.float8_e4m3fn) * 1.9 <= \
+        kv_bytes_per_token(32, 8, 128, torch.bfloat16)
 
 
 def test_fp8_and_bf16_blocks_never_share_hashes(llama_dir):
@@ -135,7 +137,7 @@ def test_fp8_and_bf16_blocks_never_share_hashes(llama_dir):
     for dtype in ("bfloat16", "fp8"):
         with LLM(llama_dir, kv_cache_dtype=dtype, kv_cache_memory="4MiB",
                  max_model_len=128) as llm:
-            scopes.append(llm.prefix.hasher.scope_digest)
+            scopes.append(llm._rt.prefix.hasher.scope_digest)
     assert scopes[0] != scopes[1]
 
 

@@ -244,9 +244,9 @@ def test_padded_decode_buckets_match_unpadded(llama_dir, backend):
     for padded in (False, True):
         with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=128,
                  attention_backend=backend) as llm:
-            runner = llm._loop.engine.runner
+            runner = llm._rt.engine.runner
             if padded:
-                runner.graphs = DecodeGraphs(llm.model, llm.kv, llm.config.device,
+                runner.graphs = DecodeGraphs(llm._rt.model, llm._rt.kv, llm.config.device,
                                              runner.backend, blocks_for(128, 16), 8,
                                              capture=False)
                 assert runner.graphs.buckets == [1, 2, 4, 8]

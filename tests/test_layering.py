@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# the API and application layer (kvsession.worker: the prefill worker builds an LLM)
+# the API and application layer: the facade, sessions, the runtime that wires the engine
+# (kvsession.worker, the prefill worker, and kvsession.numerics build a Runtime)
 API = {"kvsession.llm", "kvsession.session", "kvsession.session_store", "kvsession.cli",
-       "kvsession.demo", "kvsession.testing", "kvsession.worker", "kvsession"}
+       "kvsession.demo", "kvsession.testing", "kvsession.worker", "kvsession.runtime",
+       "kvsession.numerics", "kvsession"}
 # module prefix -> the kvsession modules (by prefix) it must not import
 FORBIDDEN = {
     "kvsession.kernels": {"kvsession.cache", "kvsession.engine", "kvsession.model",

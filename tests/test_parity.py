@@ -14,11 +14,11 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 def run(model_dir, prompts, **kwargs):
     with LLM(model_dir, max_model_len=512, **kwargs) as llm:
         seen = []
-        llm._loop.engine.step_observers.append(llm.pool.check_integrity)
-        llm._loop.engine.step_observers.append(
-            lambda: seen.append(llm.scheduler.num_preemptions))
+        llm._rt.engine.step_observers.append(llm._rt.check_integrity_now)
+        llm._rt.engine.step_observers.append(
+            lambda: seen.append(llm._rt.scheduler.num_preemptions))
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
-        return [o.token_ids for o in outs], llm.scheduler.num_preemptions
+        return [o.token_ids for o in outs], llm._rt.scheduler.num_preemptions
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -22,7 +22,7 @@ def gen(llm, prompts, params=GREEDY):
 @pytest.fixture(scope="module")
 def cached(llama_dir):
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=512, block_size=BS) as llm:
-        llm._loop.engine.step_observers.append(llm.pool.check_integrity)
+        llm._rt.engine.step_observers.append(llm._rt.check_integrity_now)
         yield llm
 
 
@@ -56,7 +56,7 @@ def test_hashes_are_chained(cached, uncached):
 def test_collisions_are_rejected_by_token_verification(llama_dir, uncached):
     prompts = random_prompts(23, [40, 40, 40], 500)
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=512, block_size=BS) as llm:
-        llm.prefix.hasher.hash_fn = lambda data: b"\0" * 32  # every block collides
+        llm._rt.prefix.hasher.hash_fn = lambda data: b"\0" * 32  # every block collides
         outs = [gen(llm, [p])[0] for p in prompts]
         again = gen(llm, [prompts[0]])[0]
         llm.check_integrity()
@@ -100,7 +100,7 @@ def test_outputs_with_cache_equal_outputs_without(llama_dir, data):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     with LLM(llama_dir, **kwargs) as on, LLM(llama_dir, enable_prefix_caching=False,
                                              **kwargs) as off:
-        on._loop.engine.step_observers.append(on.pool.check_integrity)
+        on._rt.engine.step_observers.append(on._rt.check_integrity_now)
         got = [o.token_ids for o in gen(on, prompts, params)]
         got += [o.token_ids for o in gen(on, prompts[::-1], params)]
         want = [o.token_ids for o in gen(off, prompts, params)]
@@ -148,16 +148,16 @@ def test_pin_budget_overflow_keeps_existing_pins(llama_dir):
 def test_pin_ttl_expires_after_idle_time(llama_dir):
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256) as llm:
         now = [1000.0]
-        llm.prefix.clock = lambda: now[0]
+        llm._rt.prefix.clock = lambda: now[0]
         system = random_prompts(34, [48], 500)[0]
         pin = llm.pin(system, ttl_s=10.0)
-        housekeeping = llm._loop.engine.housekeeping
+        housekeeping = llm._rt.engine.housekeeping
         now[0] += 8.0
         assert gen(llm, [system + [7]])[0].num_cached_tokens == 48  # a hit refreshes the TTL
         now[0] += 8.0
-        llm._loop.call(housekeeping).result()
+        llm._rt.call(housekeeping).result()
         assert pin.active
         now[0] += 2.5
-        llm._loop.call(housekeeping).result()
+        llm._rt.call(housekeeping).result()
         assert not pin.active and llm.stats().prefix.num_pins == 0
         llm.check_integrity()

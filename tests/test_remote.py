@@ -82,8 +82,8 @@ def assert_no_leak(llm):
     llm.check_integrity()
     dev = llm.stats().tiers["device"]
     assert dev.blocks_used == dev.blocks_pinned == 0
-    assert not llm.connector.pending and not llm.connector.quarantine
-    assert not llm.scheduler.quarantine and not llm.scheduler.remote
+    assert not llm._rt.connector.pending and not llm._rt.connector.quarantine
+    assert not llm._rt.scheduler.quarantine and not llm._rt.scheduler.remote
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "fp8"])
@@ -98,7 +98,7 @@ def test_outputs_with_a_worker_equal_outputs_without(llama_dir, tmp_path, kv_dty
             st = llm.stats().remote
             assert st.prefills >= 8 and st.bytes > 0 and not st.fallbacks
             assert_no_leak(llm)
-        assert llm.connector.num_registrations == 0
+        assert llm._rt.connector.num_registrations == 0
     finally:
         assert w.stop() == 0
 
@@ -146,7 +146,7 @@ def test_mismatched_worker_is_refused_and_fallback_works(llama_dir, model_dirs):
         ps = prompts(5, 4)
         with LLM(llama_dir, prefill_worker=other.address, remote_prefill="always",
                  **KW) as llm:
-            assert not llm.connector.healthy()
+            assert not llm._rt.connector.healthy()
             assert generate(llm, ps) == local(llama_dir, ps)
             st = llm.stats().remote
             assert st.prefills == 0 and st.fallbacks.get("handshake refused") == 1
@@ -158,7 +158,7 @@ def test_unreachable_worker_falls_back(llama_dir):
     ps = prompts(6, 3)
     with LLM(llama_dir, prefill_worker=f"tcp://127.0.0.1:{free_port()}",
              remote_prefill="always", remote_prefill_timeout_s=0.5, **KW) as llm:
-        assert not llm.connector.healthy()
+        assert not llm._rt.connector.healthy()
         assert generate(llm, ps) == local(llama_dir, ps)
         assert llm.stats().remote.prefills == 0
 
@@ -171,7 +171,7 @@ def test_shared_prefix_sticks_to_one_worker(llama_dir, worker):
                  remote_prefill="always", **KW) as llm:
             for p in ps:  # one at a time: each is offloaded on its own
                 generate(llm, [p])
-            counts = sorted(w.num_requests for w in llm.connector.workers)
+            counts = sorted(w.num_requests for w in llm._rt.connector.workers)
             assert counts[0] == 0 and counts[1] > 0
             assert_no_leak(llm)
     finally:
@@ -182,9 +182,9 @@ def test_auto_mode_uses_the_cost_model(llama_dir, worker):
     with LLM(llama_dir, prefill_worker=worker.address, remote_prefill="auto", **KW) as llm:
         # a measured transfer bandwidth at which ~100 prompt tokens take ~0.1 s to move:
         # worth it for a long answer (saved decode stalls), not for a 1-token one
-        assert llm.connector.bandwidth_bytes_per_s == 0.0  # nothing measured yet
-        llm.connector.transfer_rate.observe(100 * llm.runtime.kv_bytes_per_token, 0.1)
-        assert llm.connector.bandwidth_bytes_per_s == pytest.approx(
+        assert llm._rt.connector.bandwidth_bytes_per_s == 0.0  # nothing measured yet
+        llm._rt.connector.transfer_rate.observe(100 * llm.runtime.kv_bytes_per_token, 0.1)
+        assert llm._rt.connector.bandwidth_bytes_per_s == pytest.approx(
             100 * llm.runtime.kv_bytes_per_token / 0.1)
         short_answer = SamplingParams(max_tokens=1, temperature=0.0)
         long_answer = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)

@@ -31,7 +31,7 @@ def as_list(msg):
 
 def new_llm(model_dir, **kw):
     llm = LLM(model_dir, **{"kv_cache_memory": "8MiB", "max_model_len": 1024, **kw})
-    llm._loop.engine.step_observers.append(llm.pool.check_integrity)
+    llm._rt.engine.step_observers.append(llm._rt.check_integrity_now)
     return llm
 
 
@@ -131,7 +131,7 @@ def test_sessions_batched_from_threads_and_asyncio(llama_dir):
         llm.check_integrity()
         dev = llm.stats().tiers["device"]
         assert dev.blocks_used == dev.blocks_pinned == 0
-        assert llm._loop.engine.num_steps < sum(len(c) for c in sequential) * 10 * 2
+        assert llm._rt.engine.num_steps < sum(len(c) for c in sequential) * 10 * 2
 
 
 def test_same_session_sends_run_in_call_order(llama_dir):
@@ -216,9 +216,9 @@ def test_slo_goodput_and_reply_metrics(llama_dir):
         s = llm.session(sampling=G)
         r = s.send("hello")
         assert 0 < r.metrics.ttft_s <= r.metrics.e2e_s and r.metrics.queue_s >= 0
-        llm.slo = SLO(ttft_s=1e-9, tpot_s=1e-9)
+        llm._rt.slo = SLO(ttft_s=1e-9, tpot_s=1e-9)
         assert llm.stats().slo_attainment == 0 and llm.stats().goodput_tokens_per_s == 0
-        llm.slo = SLO(ttft_s=60, tpot_s=60)
+        llm._rt.slo = SLO(ttft_s=60, tpot_s=60)
         st = llm.stats()
         assert st.slo_attainment == 1 and st.goodput_tokens_per_s > 0
         with pytest.raises(ConfigError):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from kvsession import LLM, SamplingParams
-from kvsession.tiers.policy import Tier
+from kvsession.cache.manager import Tier
 
 SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."
 G = SamplingParams(max_tokens=8, temperature=0.0)
@@ -21,7 +21,7 @@ TURNS = ["List the files.", "Read a.py please", "Run the tests", "What failed?"]
 def make_llm(model_dir, **kw):
     llm = LLM(model_dir, **{"kv_cache_memory": "8MiB", "max_model_len": 512,
                             "host_cache_memory": "2MiB", **kw})
-    llm._loop.engine.step_observers.append(llm.pool.check_integrity)
+    llm._rt.engine.step_observers.append(llm._rt.check_integrity_now)
     return llm
 
 
@@ -32,7 +32,7 @@ def reference(model_dir, kv_dtype, n=4, **kw):
 
 
 def on_engine(llm, fn):
-    return llm._loop.call(fn).result()
+    return llm._rt.call(fn).result()
 
 
 @pytest.mark.parametrize("kv_dtype, backend", [("float32", "torch"), ("fp8", "torch"),
@@ -43,25 +43,25 @@ def test_every_path_continues_exactly(llama_dir, tmp_path, kv_dtype, backend):
     want = reference(llama_dir, kv_dtype, attention_backend=backend)
     with make_llm(llama_dir, kv_cache_dtype=kv_dtype, session_dir=tmp_path / "sd",
                   attention_backend=backend) as llm:
-        assert (llm.host.staged, llm.kv.use_kernels) == ((backend == "triton"),) * 2
+        assert (llm._rt.host.staged, llm._rt.kv.use_kernels) == ((backend == "triton"),) * 2
         s = llm.session(system=SYSTEM, sampling=G, session_id="agent-1")
         got = [s.send(TURNS[0]).token_ids]
         # device -> host -> device
-        assert on_engine(llm, lambda: llm.policy.spill(s._kv, Tier.HOST)) is Tier.HOST
+        assert on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.HOST)) is Tier.HOST
         assert s.state == "host"
         r = s.send(TURNS[1])
         got.append(r.token_ids)
         assert r.restored_from == "host" and r.cached_tokens > 32
         # device -> host -> disk -> device
-        on_engine(llm, lambda: llm.policy.spill(s._kv, Tier.HOST))
-        assert on_engine(llm, lambda: llm.policy.spill(s._kv, Tier.DISK)) is Tier.DISK
+        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.HOST))
+        assert on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.DISK)) is Tier.DISK
         assert s.state == "disk"
         r = s.send(TURNS[2])
         got.append(r.token_ids)
         assert r.restored_from == "disk"
         # recompute instead of load: a host tier measured slower than recomputing
-        on_engine(llm, lambda: llm.policy.spill(s._kv, Tier.HOST))
-        llm.policy.host_bytes_per_s.value = 1.0
+        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.HOST))
+        llm._rt.mover.host_bytes_per_s.value = 1.0
         before = llm.stats().recomputes
         r = s.send(TURNS[3])
         got.append(r.token_ids)
@@ -161,10 +161,10 @@ def test_suspend_decisions(llama_dir, tmp_path):
         assert s.suspend(expected_idle_s=120.0) == "host" and s.state == "host"
         s.prefetch().result()
         assert s.state == "idle"
-        llm.policy.disk_read_bytes_per_s.value = 1e12  # a fast disk: long waits go there
+        llm._rt.mover.disk_read_bytes_per_s.value = 1e12  # a fast disk: long waits go there
         assert s.suspend(expected_idle_s=3600.0) == "disk" and s.state == "disk"
         s.send("again")
-        llm.policy.disk_read_bytes_per_s.value = 1.0  # a disk slower than recomputing
+        llm._rt.mover.disk_read_bytes_per_s.value = 1.0  # a disk slower than recomputing
         assert s.suspend(expected_idle_s=3600.0) == "drop"
         assert s.num_cached_tokens == 0
         r = s.send("third")
@@ -178,14 +178,14 @@ def test_spill_after_idle(llama_dir):
     with make_llm(llama_dir, spill_after_s=1e-3) as llm:
         s = llm.session(sampling=G)
         s.send("hello")
-        on_engine(llm, lambda: llm.policy.housekeeping(s._kv.last_used + 1.0))
+        on_engine(llm, lambda: llm._rt.policy.housekeeping(s.kv.last_used + 1.0))
         assert s.state == "host"
         assert s.send("more").restored_from == "host"
         s.close()
 
 
 def test_disk_full_keeps_the_session(llama_dir, tmp_path, monkeypatch, caplog):
-    import kvsession.tiers.policy as policy_mod
+    import kvsession.tiers.mover as mover_mod
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -194,13 +194,13 @@ def test_disk_full_keeps_the_session(llama_dir, tmp_path, monkeypatch, caplog):
     with make_llm(llama_dir, session_dir=tmp_path / "sd") as llm:
         s = llm.session(system=SYSTEM, sampling=G)
         got = [s.send(TURNS[0]).token_ids]
-        monkeypatch.setattr(policy_mod, "write_snapshot", full)
+        monkeypatch.setattr(mover_mod, "write_snapshot", full)
         with caplog.at_level(logging.WARNING, logger="kvsession"):
-            assert on_engine(llm, lambda: llm.policy.spill(s._kv, Tier.DISK)) is Tier.DEVICE
+            assert on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.DISK)) is Tier.DEVICE
         assert "No space left" in caplog.text and s.state == "idle"
-        on_engine(llm, lambda: llm.policy.spill(s._kv, Tier.HOST))
-        assert on_engine(llm, lambda: llm.policy.spill(s._kv, Tier.DISK)) is Tier.HOST
-        assert llm.policy.spill_failures == 2 and s.state == "host"
+        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.HOST))
+        assert on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.DISK)) is Tier.HOST
+        assert llm._rt.policy.spill_failures == 2 and s.state == "host"
         got.append(s.send(TURNS[1]).token_ids)
         assert list((tmp_path / "sd").iterdir()) == []  # no torn or temporary file left
         s.close()

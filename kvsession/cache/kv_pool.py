@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsession.kernels.reference import FP8_DTYPE, is_fp8
+from kvsession.kernels.reference import is_fp8
 
 # float16 scales: 2 bytes per token-head keeps an fp8 pool at >= 1.94x the tokens of a
 # bf16 pool for head_dim >= 64 (float32 scales: 1.88x at head_dim 64). Quantization uses the

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-
 from typing import ClassVar
 
 from kvsession.cache.block_pool import Block

@@ -17,11 +17,11 @@ Messages are msgspec msgpack structs (tagged union): no pickle, nothing executab
 from __future__ import annotations
 
 import abc
-import hashlib
-import json
 from dataclasses import dataclass
 
 import msgspec
+
+from kvsession.cache.hashing import CacheIdentity
 
 PROTOCOL_VERSION = 1
 
@@ -100,12 +100,10 @@ def decode(data: bytes) -> Message:
     return _decoder.decode(data)
 
 
-def compat_hash(model_fingerprint: str, kv_dtype: str, block_size: int,
-                layout_version: int) -> str:
-    """Both sides must agree on this before any KV moves."""
-    blob = json.dumps([model_fingerprint, kv_dtype, block_size, layout_version,
-                       PROTOCOL_VERSION])
-    return hashlib.sha256(blob.encode()).hexdigest()
+def compat_hash(identity: CacheIdentity) -> str:
+    """Both sides must agree on this before any KV moves: the cache identity (model, kv
+    dtype, block size, layout) and the protocol version."""
+    return identity.digest(PROTOCOL_VERSION)
 
 
 @dataclass(frozen=True)

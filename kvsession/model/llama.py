@@ -90,6 +90,9 @@ class LayerWeights:
 class LlamaModel:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_model_len: int):
         self.spec = spec
+        # the paged attention op; an instance attribute so a measurement tool can wrap it
+        # for one model (kvsession.numerics) without patching the module for everyone
+        self.attention_fn = attention
         self.embed = weights["model.embed_tokens.weight"]
         self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]
@@ -138,7 +141,7 @@ class LlamaModel:
             q = rms_norm(q, lw.q_norm, spec.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, spec.rms_norm_eps)
         q, k = self.rope(q, *cos_sin), self.rope(k, *cos_sin)
-        o = attention(q, k, v, kv.layer(layer_idx), meta)
+        o = self.attention_fn(q, k, v, kv.layer(layer_idx), meta)
         return linear(o.reshape(num_tokens, q_size), lw.o, lw.o_bias)
 
     def mlp(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:

@@ -19,7 +19,6 @@ import torch
 from kvsession import costmodel
 from kvsession.cache.block_pool import Block, blocks_for
 from kvsession.cache.hashing import BlockHasher
-from kvsession.cache.kv_pool import KVPool
 from kvsession.cache.manager import KVCacheManager, SessionKV, Tier, Transient
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
