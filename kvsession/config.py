@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvsession.errors import ConfigError
+from kvsession.kernels.reference import is_fp8
 from kvsession.validation import (
     SEED_RANGE,
     check_bool,
@@ -185,7 +186,7 @@ class EngineConfig:
 
     @property
     def kv_cache_dtype_name(self) -> str:
-        return "fp8_e4m3" if self.kv_cache_dtype == torch.float8_e4m3fn else str(
+        return "fp8_e4m3" if is_fp8(self.kv_cache_dtype) else str(
             self.kv_cache_dtype).removeprefix("torch.")
 
 

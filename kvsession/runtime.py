@@ -153,6 +153,7 @@ class Runtime:
             [spec.to_dict(), weights_digest(cfg.model)], sort_keys=True).encode()).hexdigest()
         self.info = RuntimeInfo(spec, max_model_len, num_blocks, bpt, fingerprint)
         self.identity = CacheIdentity(fingerprint, cfg.kv_cache_dtype_name, cfg.block_size)
+        self.disk = DiskTier(cfg.session_dir) if cfg.session_dir is not None else None
 
         # ---- memory: weights and the KV pool
         self.model = LlamaModel(spec, load_weights(cfg.model, spec, cfg.dtype, cfg.device),
@@ -178,7 +179,6 @@ class Runtime:
         # ---- tiers: the mover copies, the policy decides
         host_blocks = cfg.host_cache_memory_bytes // (bpt * cfg.block_size)
         self.host = HostPool(self.kv, host_blocks) if host_blocks > 0 else None
-        self.disk = DiskTier(cfg.session_dir) if cfg.session_dir is not None else None
         self.header_fields = {
             "model_fingerprint": fingerprint,
             "tokenizer_digest": self.tokenizer.digest,

@@ -21,7 +21,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvsession.cache.manager import SessionKV
@@ -174,7 +174,7 @@ class Session:
         caller's thread, after the previous turn of this session finished."""
         self._check_open()
         new_msgs = self._normalize(message)
-        params = replace(self.sampling, **overrides) if overrides else self.sampling
+        params = self.sampling.with_overrides(**overrides) if overrides else self.sampling
         ids = self._store.encode_turn(self._messages + new_msgs)
         seq, info, fut = self._store.submit_turn(self.kv, ids, params, on_update)
         return seq, new_msgs, info, fut

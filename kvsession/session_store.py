@@ -115,19 +115,9 @@ class SessionStore:
         re-referenced, not re-read). If the device is full even after spilling idle
         sessions, the file is only validated and stays the session's disk tier: its next
         turn loads or recomputes."""
-        rt = self.rt
-        rt.manager.on_disk(kv, h.token_ids, [bytes.fromhex(x) for x in h.block_hashes], path)
-        if rt.pool.num_free < h.num_blocks:
-            rt.policy.reclaim(h.num_blocks - rt.pool.num_free, exclude=kv)
-        if rt.pool.num_free < h.num_blocks:
-            rt.mover.validate_file(path, h)
-            return
-        try:
-            rt.mover.load(kv, 0, h)
-        except BaseException:
-            rt.manager.forget(kv)
-            raise
-        rt.policy.restores["disk"] += 1
+        self.rt.manager.on_disk(kv, h.token_ids, [bytes.fromhex(x) for x in h.block_hashes],
+                                path)
+        self.rt.policy.restore_snapshot(kv, h)
 
     # ---- what a Session asks of the engine ----------------------------------------------------
 

@@ -108,8 +108,8 @@ def fp8_default_and_staged_host_tier() -> None:
     """The GPU default (fp8 KV), a bf16 model, a session spilled to pinned host memory
     through the staging path and restored: its continuation equals the never-spilled one."""
     from kvsession import LLM, SamplingParams
-    from kvsession.testing import make_tiny_model
     from kvsession.cache.manager import Tier
+    from kvsession.testing import make_tiny_model
 
     dev = _device()
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import ClassVar, Protocol
 
 from kvsession.cache.block_pool import Block, BlockPool, blocks_for
 from kvsession.cache.kv_pool import KVPool
+from kvsession.errors import CacheFullError
 
 
 class HolderKind(enum.Enum):
@@ -94,7 +96,10 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool, kv: KVPool):
         self.pool, self.kv = pool, kv
         self.block_size = pool.block_size
-        self._holders: dict[int, Holder] = {}  # id -> every holder with a non-empty table
+        # every holder with a non-empty table, weakly: a holder dropped without `release`
+        # vanishes from here, and its references then show up as unaccounted
+        self._holders: weakref.WeakValueDictionary[int, Holder] = \
+            weakref.WeakValueDictionary()
 
     # ---- the only writer of holder tables ----------------------------------------------
 
@@ -132,12 +137,13 @@ class KVCacheManager:
         where one is given (touched first, so the allocation cannot evict it), a fresh block
         is allocated where None. All or nothing. Returns the fresh blocks."""
         hits = [b for b in targets if b is not None]
+        num_fresh = len(targets) - len(hits)
+        revived = sum(1 for b in hits if b.ref_cnt == 0)  # they leave the free queue
+        if num_fresh + revived > self.pool.num_free:
+            raise CacheFullError(f"asked for {num_fresh} KV blocks (+{revived} cached ones "
+                                 f"revived), {self.pool.num_free} free")
         self.pool.touch(hits)
-        try:
-            fresh = iter(self.pool.allocate(len(targets) - len(hits)))
-        except BaseException:
-            self.pool.free(hits)
-            raise
+        fresh = iter(self.pool.allocate(num_fresh))
         table = [b if b is not None else next(fresh) for b in targets]
         self._set(holder, table)
         return {b for b, t in zip(table, targets, strict=True) if t is None}
@@ -166,13 +172,13 @@ class KVCacheManager:
         """Replace the holder's table by the indexed copy of each of its first
         len(hashes) full blocks (publishing the ones not indexed yet). A recomputed
         duplicate of cached content is not what lookups find, so a pin must hold the
-        indexed copy."""
+        indexed copy. A block whose hash indexes other tokens (a collision) stays as is."""
         bs = self.block_size
         indexed = []
         for i, h in enumerate(hashes):
             tokens = token_ids[i * bs:(i + 1) * bs]
             self.pool.cache_full_block(holder.blocks[i], h, tokens)
-            indexed.append(self.pool.lookup(h, tokens))
+            indexed.append(self.pool.lookup(h, tokens) or holder.blocks[i])
         self.pool.touch(indexed)
         self.pool.free(holder.blocks)
         self._set(holder, indexed)

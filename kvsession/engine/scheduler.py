@@ -94,7 +94,7 @@ class Scheduler:
     def schedule(self) -> tuple[list[ScheduledSeq], list[Sequence]]:
         """Pick this step's work. Returns (scheduled, failed): `failed` holds sequences that
         can never fit (more blocks than the pool can ever free for them); they are removed
-        and their blocks released."""
+        from the queues, and the engine fails them (`finish` releases what they hold)."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         failed: list[Sequence] = []

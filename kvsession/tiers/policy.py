@@ -22,6 +22,7 @@ from kvsession.cache.manager import SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
 from kvsession.errors import SnapshotError
 from kvsession.tiers.mover import TierMover
+from kvsession.tiers.snapshot import SnapshotHeader
 
 log = logging.getLogger("kvsession")
 
@@ -109,7 +110,7 @@ class TierPolicy:
                 self.spills["host"] += 1
                 self._note(s, "spill to host", reason)
                 return Tier.HOST
-        if self.disk is not None and self._to_disk(s, lead, reason):
+        if to in (None, Tier.DISK) and self.disk is not None and self._to_disk(s, lead, reason):
             return Tier.DISK
         if to is None or to is Tier.DEVICE:
             self.drop(s, reason=reason or "no room in any tier")
@@ -191,6 +192,26 @@ class TierPolicy:
         self.restores[tier.value] += 1
         self._note(s, f"load from {tier.value}", why)
         return tier.value
+
+    def restore_snapshot(self, s: SessionKV, header: SnapshotHeader) -> None:
+        """A session just restored from a snapshot (its KV only in the file): load it now
+        when the device has room, after spilling idle sessions; otherwise only validate the
+        file, which stays the session's disk tier (its next turn loads or recomputes). A
+        damaged file raises SnapshotError and the session holds nothing."""
+        need = header.num_blocks
+        if self.pool.num_free < need:
+            self.reclaim(need - self.pool.num_free, exclude=s)
+        try:
+            if self.pool.num_free < need:
+                self.mover.validate_file(s.disk_path, header)
+                self._note(s, "restored, left on disk", "no device room")
+                return
+            self.mover.load(s, 0, header)
+        except BaseException:
+            self.mover.release(s, delete_file=False)
+            raise
+        self.restores["disk"] += 1
+        self._note(s, "load from disk", "restored from a snapshot")
 
     # ---- hints -----------------------------------------------------------------------------
 

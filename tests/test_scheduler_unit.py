@@ -1,0 +1,266 @@
+"""The Scheduler alone, on a real KVCacheManager and PrefixCache: exact work per step,
+exact block ids, preemption order, failures, in-flight blocks and the reclaimer hook."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsession import costmodel
+from kvsession.cache.block_pool import BlockPool
+from kvsession.cache.hashing import CacheIdentity
+from kvsession.cache.kv_pool import KVPool
+from kvsession.cache.manager import HolderKind, KVCacheManager, SessionKV, Tier
+from kvsession.cache.prefix import PrefixCache
+from kvsession.engine.scheduler import Scheduler
+from kvsession.engine.sequence import Sequence, SequenceStatus
+from kvsession.params import SamplingParams
+from kvsession.tiers.host import HostPool
+from kvsession.tiers.mover import TierMover
+from kvsession.tiers.policy import TierPolicy
+
+BS = 4
+HEADER = {"model_fingerprint": "m", "tokenizer_digest": "t", "template_digest": "c",
+          "kv_dtype": "float32", "block_size": BS, "num_layers": 2, "num_kv_heads": 1,
+          "head_dim": 4, "tensor_names": ["k", "v"]}
+
+
+def build(num_blocks=8, max_num_seqs=4, budget=64):
+    kv = KVPool(2, num_blocks, BS, 1, 4, torch.float32, torch.device("cpu"))
+    m = KVCacheManager(BlockPool(num_blocks, BS), kv)
+    prefix = PrefixCache(m, CacheIdentity("m", "float32", BS).hasher())
+    return m, Scheduler(m, prefix, max_num_seqs, budget)
+
+
+def seq(tokens) -> Sequence:
+    return Sequence(token_ids=list(tokens), params=SamplingParams(max_tokens=8, temperature=0.0),
+                    max_model_len=64)
+
+
+def fifo(m):
+    return [b.block_id for b in m.pool.free_queue]
+
+
+def ids(holder):
+    return [b.block_id for b in holder.blocks]
+
+
+def work(scheduled):
+    return [(item.seq, item.num_new_tokens) for item in scheduled]
+
+
+def run(sched, scheduled, token=7):
+    """What the engine does after the model ran: update, then append a sampled token."""
+    sampling = [item.seq for item in scheduled if item.samples]
+    sched.update(scheduled)
+    for s in sampling:
+        s.append_token(token, None)
+
+
+def test_chunked_prefill_within_the_token_budget():
+    m, sched = build(budget=8)
+    a, b = seq(range(10)), seq(range(100, 106))
+    sched.add(a)
+    sched.add(b)
+    assert sched.queue_depth() == 2
+    scheduled, failed = sched.schedule()
+    assert work(scheduled) == [(a, 8)] and failed == [] and not scheduled[0].samples
+    assert ids(a) == [0, 1] and list(sched.waiting) == [b] and sched.running == [a]
+    assert sched.queue_depth() == 2 and fifo(m) == [2, 3, 4, 5, 6, 7]
+    run(sched, scheduled)
+    assert a.num_computed_tokens == 8 and sched.prefix.pending == {}
+    assert [blk.block_hash for blk in a.blocks] == a.block_hashes
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 2), (b, 6)] and all(x.samples for x in scheduled)
+    assert ids(a) == [0, 1, 2] and ids(b) == [3, 4] and sched.running == [a, b]
+    run(sched, scheduled)
+    assert sched.queue_depth() == 0 and a.num_tokens == 11 and b.num_tokens == 7
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 1), (b, 1)] and fifo(m) == [5, 6, 7]
+    m.check_integrity()
+
+
+def test_max_num_seqs_caps_admission():
+    m, sched = build(max_num_seqs=2)
+    a, b, c = seq(range(4)), seq(range(10, 14)), seq(range(20, 24))
+    for s in (a, b, c):
+        sched.add(s)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 4), (b, 4)] and list(sched.waiting) == [c]
+    run(sched, scheduled)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 1), (b, 1)] and ids(a) == [0, 2] and ids(b) == [1, 3]
+    run(sched, scheduled)
+    sched.finish(a)
+    assert a.status is SequenceStatus.FINISHED and fifo(m) == [4, 5, 6, 7, 2, 0]
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(b, 1), (c, 4)] and ids(c) == [4] and not sched.waiting
+    m.check_integrity()
+
+
+def test_prefix_hits_reuse_a_finished_sequences_blocks():
+    m, sched = build()
+    prompt = list(range(10))
+    a = seq(prompt)
+    sched.add(a)
+    scheduled, _ = sched.schedule()
+    run(sched, scheduled)
+    sched.finish(a)
+    assert fifo(m) == [3, 4, 5, 6, 7, 2, 1, 0] and m.holders() == []
+    b = seq(prompt)
+    sched.add(b)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(b, 2)] and ids(b) == [0, 1, 3]  # hits 0, 1 (revived)
+    assert b.num_computed_tokens == b.num_cached_tokens == 8
+    assert fifo(m) == [4, 5, 6, 7, 2]
+    assert (sched.prefix.queried_tokens, sched.prefix.hit_tokens) == (18, 8)
+    c = seq(range(8))  # one full block short of the lookup limit: the last token computes
+    sched.add(c)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(b, 2), (c, 4)] and ids(c) == [0, 4]
+    assert [blk.ref_cnt for blk in m.pool.blocks[:5]] == [2, 1, 0, 1, 1]
+    m.check_integrity()
+
+
+def test_preemption_frees_the_newest_tail_first():
+    m, sched = build(num_blocks=4)
+    a, b = seq(range(8)), seq(range(100, 107))
+    sched.add(a)
+    sched.add(b)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 8), (b, 7)] and ids(b) == [2, 3] and fifo(m) == []
+    run(sched, scheduled)
+    scheduled, failed = sched.schedule()  # a needs a block: b is preempted
+    assert work(scheduled) == [(a, 1)] and failed == []
+    # b freed [3, 2] tail first: a took 3 (unpublished), 2 stays cached
+    assert ids(a) == [0, 1, 3] and fifo(m) == [2] and m.pool.num_evictions == 0
+    assert m.pool.blocks[2].block_hash == b.block_hashes[0]
+    assert b.blocks == () and b.num_computed_tokens == 0 and b.status is SequenceStatus.WAITING
+    assert list(sched.waiting) == [b] and sched.running == [a]
+    assert b.num_preemptions == 1 and sched.num_preemptions == 1
+    run(sched, scheduled)
+    scheduled, failed = sched.schedule()  # b needs its hit plus one block: 1 free
+    assert work(scheduled) == [(a, 1)] and failed == [] and list(sched.waiting) == [b]
+    sched.finish(a)
+    assert fifo(m) == [2, 3, 1, 0]
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(b, 4)] and ids(b) == [2, 3] and b.num_computed_tokens == 4
+    m.check_integrity()
+
+
+def test_a_sequence_too_big_to_ever_fit_fails():
+    m, sched = build(num_blocks=4)
+    big = seq(range(20))
+    sched.add(big)
+    assert sched.schedule() == ([], [big])
+    assert not sched.waiting and m.holders() == [] and fifo(m) == [0, 1, 2, 3]
+    assert sched.prefix.queried_tokens == 0  # the lookup is not counted
+
+
+def test_a_running_sequence_that_outgrows_the_pool_fails():
+    m, sched = build(num_blocks=2, budget=8)
+    long = seq(range(12))
+    sched.add(long)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(long, 8)] and ids(long) == [0, 1]
+    run(sched, scheduled)
+    assert sched.schedule() == ([], [long])
+    assert long.blocks == () and sched.running == [] and fifo(m) == [1, 0]
+    m.check_integrity()
+
+
+def test_attached_sequence_that_can_never_fit_fails():
+    m, sched = build(num_blocks=4)
+    turn = seq(range(20))
+    m.allocate_slots(turn, 1)  # a session's next turn: KV of its first 4 tokens attached
+    turn.num_computed_tokens = 4
+    sched.add(turn)
+    assert sched.schedule() == ([], [turn])
+    sched.finish(turn)  # what the engine does with a failed sequence
+    assert m.holders() == [] and fifo(m) == [1, 2, 3, 0]
+    m.check_integrity()
+
+
+def test_a_block_being_computed_defers_the_second_request():
+    m, sched = build(budget=12)
+    a, b = seq(range(10)), seq(range(10))
+    sched.add(a)
+    sched.add(b)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 10)] and list(sched.waiting) == [b]
+    assert sched.prefix.pending == {a.block_hashes[0]: a.seq_id, a.block_hashes[1]: a.seq_id}
+    assert b.blocks == () and b.num_cached_tokens == -1
+    assert sched.prefix.queried_tokens == 9 and sched.queue_depth() == 2
+    run(sched, scheduled)
+    assert sched.prefix.pending == {}
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 1), (b, 2)] and ids(b) == [0, 1, 3]
+    assert b.num_cached_tokens == 8
+    assert [blk.ref_cnt for blk in m.pool.blocks[:4]] == [2, 2, 1, 1]
+    m.check_integrity()
+
+
+def idle_session(m, sched, tokens, sid="s1"):
+    """A finished turn's KV checked into a session, as the session store does."""
+    x = seq(tokens)
+    sched.add(x)
+    scheduled, _ = sched.schedule()
+    sched.update(scheduled)
+    sched.finish(x, release=False)
+    s = SessionKV(sid, meta=lambda: {"messages": [], "system": None, "sampling": {}})
+    m.checkin(s, x, x.token_ids, x.block_hashes)
+    return s
+
+
+def with_policy(m, sched):
+    host = HostPool(m.kv, 4)
+    mover = TierMover(m, host, None, sched.prefix.hasher, HEADER)
+    policy = TierPolicy(mover, sched.prefix, load=sched,
+                        prefill_tps=costmodel.RateEstimator(prior=2000.0), bytes_per_token=64)
+    sched.attach_reclaimer(policy)
+    return host, policy
+
+
+@pytest.mark.parametrize("reclaimer", [True, False])
+def test_reclaimer_is_tried_before_preempting(reclaimer):
+    m, sched = build(num_blocks=4)
+    s = idle_session(m, sched, range(50, 54))
+    assert ids(s) == [0]
+    if reclaimer:
+        host, policy = with_policy(m, sched)
+        policy.register(s)
+    a, b = seq(range(5)), seq(range(100, 103))
+    sched.add(a)
+    sched.add(b)
+    for _ in range(2):
+        scheduled, _ = sched.schedule()
+        run(sched, scheduled)
+    assert ids(a) == [1, 2] and ids(b) == [3] and fifo(m) == [] and b.num_tokens == 5
+    scheduled, _ = sched.schedule()  # b needs a block
+    if reclaimer:
+        assert work(scheduled) == [(a, 1), (b, 1)] and sched.num_preemptions == 0
+        assert ids(b) == [3, 0] and m.pool.num_evictions == 1
+        assert s.tier is Tier.HOST and s.blocks == () and s.host_ids == (0,)
+        assert policy.spills == {"host": 1, "disk": 0}
+        assert policy.decisions == [("s1", "spill to host", "device pool short of 1 blocks")]
+        m.check_integrity(host.num_blocks, host.free_ids())
+    else:
+        assert work(scheduled) == [(a, 1)] and sched.num_preemptions == 1
+        assert list(sched.waiting) == [b] and fifo(m) == [3] and ids(s) == [0]
+        m.check_integrity()
+
+
+def test_reclaimer_makes_room_for_admission():
+    m, sched = build(num_blocks=4)
+    s = idle_session(m, sched, range(50, 58))
+    host, policy = with_policy(m, sched)
+    policy.register(s)
+    c = seq(range(100, 109))  # 3 blocks, 2 free
+    queried = sched.prefix.queried_tokens
+    sched.add(c)
+    scheduled, failed = sched.schedule()
+    assert work(scheduled) == [(c, 9)] and failed == [] and ids(c) == [2, 3, 1]
+    assert s.host_ids == (0, 1) and s.blocks == () and fifo(m) == [0]
+    assert sched.prefix.queried_tokens - queried == 8 and sched.num_preemptions == 0
+    assert m.num_held(HolderKind.SEQUENCE) == 3 and m.num_held(HolderKind.SESSION) == 0
+    m.check_integrity(host.num_blocks, host.free_ids())
