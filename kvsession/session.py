@@ -82,6 +82,17 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
                    "stop_token_ids", "ignore_eos", "logprobs", "cache_salt")
 
 
+UNSET = object()  # an override not given (None is a value: e.g. seed=None)
+
+
+def _overrides(args: dict) -> dict:
+    """The per-turn overrides given to send/asend/stream, unknown names included (they are
+    refused with a suggestion by SamplingParams.with_overrides)."""
+    given = {k: v for k, v in args.items()
+             if k in SAMPLING_FIELDS and v is not UNSET}
+    return given | args["unknown"]
+
+
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -200,9 +211,13 @@ class Session:
         st.ttfts_s.append(out.metrics.ttft_s)
         return reply
 
-    def send(self, message, **sampling_overrides) -> Reply:
+    def send(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET, top_k=UNSET,
+             seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET, logprobs=UNSET,
+             cache_salt=UNSET, **unknown) -> Reply:
         """Add `message` (a string is a user message; or a dict / list of dicts) and
-        generate the assistant's reply. Blocks until done."""
+        generate the assistant's reply. Blocks until done. Keyword arguments override the
+        session's SamplingParams for this turn (unknown names: ConfigError)."""
+        sampling_overrides = _overrides(locals())
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
@@ -212,8 +227,11 @@ class Session:
         finally:
             self._leave_turn(mine)
 
-    async def asend(self, message, **sampling_overrides) -> Reply:
+    async def asend(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET,
+                    top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET,
+                    ignore_eos=UNSET, logprobs=UNSET, cache_salt=UNSET, **unknown) -> Reply:
         """`send` for asyncio: awaits the engine without blocking the event loop."""
+        sampling_overrides = _overrides(locals())
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
@@ -223,8 +241,11 @@ class Session:
         finally:
             self._leave_turn(mine)
 
-    def stream(self, message, **sampling_overrides) -> Iterator[StreamChunk]:
+    def stream(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET, top_k=UNSET,
+             seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET, logprobs=UNSET,
+             cache_salt=UNSET, **unknown) -> Iterator[StreamChunk]:
         """Like `send`, yielding text as it is generated; the last chunk has `.reply`."""
+        sampling_overrides = _overrides(locals())
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
