@@ -30,7 +30,7 @@ from kvsession.attention import resolve_backend
 from kvsession.cache.block_pool import BlockPool, blocks_for
 from kvsession.cache.hashing import CacheIdentity
 from kvsession.cache.kv_pool import KVPool, kv_bytes_per_token
-from kvsession.cache.manager import KVCacheManager, Tier, Transient
+from kvsession.cache.manager import HolderKind, KVCacheManager, Tier, Transient
 from kvsession.cache.prefix import Pin, PrefixCache
 from kvsession.config import AttentionBackend, EngineConfig, RemotePrefillMode
 from kvsession.engine.graphs import DecodeGraphs
@@ -252,7 +252,7 @@ class Runtime:
             return
         if self.checking:
             try:
-                self._loop.call(self.check_integrity_now).result(timeout=60)
+                self._loop.call(self._check_at_rest).result(timeout=60)
             except AssertionError as e:
                 self._integrity_failure = self._integrity_failure or e
         self._loop.close()
@@ -377,6 +377,18 @@ class Runtime:
             return RemoteStats()
         return RemoteStats(prefills=conn.num_prefills, fallbacks=dict(conn.fallbacks),
                            bytes=conn.bytes, bandwidth_gbps=conn.bandwidth_bytes_per_s * 8 / 1e9)
+
+    def _check_at_rest(self) -> None:
+        """Engine thread, at close: integrity, and when no request is in flight the pool is
+        back to its baseline: only sessions and pins hold blocks."""
+        self.check_integrity_now()
+        if self.scheduler.has_work():
+            return
+        for kind in (HolderKind.SEQUENCE, HolderKind.QUARANTINE, HolderKind.TRANSIENT):
+            if self.manager.num_held(kind):
+                raise AssertionError(f"{self.manager.num_held(kind)} block references still "
+                                     f"held by {kind.value} holders with no request in flight: "
+                                     f"{self.manager.holders()}")
 
     def check_integrity_now(self) -> None:
         """Engine thread: the pool's invariants, every device reference accounted to a
