@@ -83,6 +83,24 @@ def _path(value, name: str, allow_none: bool = False) -> Path | None:
     return Path(value).expanduser()
 
 
+def _auth_key_file(value) -> Path | None:
+    """The caller's key file for authenticated prefill workers: it must exist and parse
+    (docs/security.md)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"prefill_auth_key_file must be None or the path of a caller key "
+                          f"file, got {value!r}")
+    from kvsession.connector.base import load_keys
+
+    path = Path(value).expanduser()
+    try:
+        load_keys(path, "caller")
+    except ConfigError as e:
+        raise ConfigError(f"prefill_auth_key_file: {e}") from None
+    return path
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM(...)` was asked for, resolved and validated (no runtime facts)."""
@@ -107,6 +125,7 @@ class EngineConfig:
     remote_prefill_timeout_s: float
     attention_backend: AttentionBackend
     seed: int
+    prefill_auth_key_file: Path | None = None  # the caller's CURVE key file
 
     @staticmethod
     def from_args(
@@ -115,7 +134,8 @@ class EngineConfig:
         host_cache_memory="4GiB", session_dir=None, max_num_seqs=64,
         max_num_batched_tokens=2048, enable_prefix_caching=True, max_pinned_fraction=0.5,
         spill_after_s=None, prefill_worker=None, remote_prefill="auto",
-        remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0, **unknown,
+        remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0,
+        prefill_auth_key_file=None, **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -159,6 +179,7 @@ class EngineConfig:
             if not isinstance(w, str) or not re.fullmatch(r"tcp://[^:/]+:\d+", w):
                 raise ConfigError(f"prefill_worker must look like 'tcp://host:port', got {w!r}")
         _choice(remote_prefill, "remote_prefill", {m.value for m in RemotePrefillMode})
+        auth_file = _auth_key_file(prefill_auth_key_file)
         _choice(attention_backend, "attention_backend", {b.value for b in AttentionBackend})
         return EngineConfig(
             model=model_path, device=dev, dtype=compute, kv_cache_dtype=kv,
@@ -182,6 +203,7 @@ class EngineConfig:
                 min_inclusive=False),
             attention_backend=AttentionBackend(attention_backend),
             seed=check_int("seed", seed, min_value=SEED_RANGE[0], max_value=SEED_RANGE[1]),
+            prefill_auth_key_file=auth_file,
         )
 
     @property

@@ -49,7 +49,8 @@ class LLM:
                  max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True,
                  max_pinned_fraction=0.5, spill_after_s=None, prefill_worker=None,
                  remote_prefill="auto", remote_prefill_timeout_s=30.0,
-                 attention_backend="auto", seed=0, **unknown):
+                 attention_backend="auto", seed=0,
+                 prefill_auth_key_file=None, **unknown):
         self._rt: Runtime | None = None
         self.config = EngineConfig.from_args(
             model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -61,7 +62,8 @@ class LLM:
             max_pinned_fraction=max_pinned_fraction, spill_after_s=spill_after_s,
             prefill_worker=prefill_worker, remote_prefill=remote_prefill,
             remote_prefill_timeout_s=remote_prefill_timeout_s,
-            attention_backend=attention_backend, seed=seed, **unknown)
+            attention_backend=attention_backend, seed=seed,
+            prefill_auth_key_file=prefill_auth_key_file, **unknown)
         self._rt = Runtime(self.config)
         self._store = SessionStore(self._rt)
         self.tokenizer = self._rt.tokenizer

@@ -55,11 +55,27 @@ class PrefixStats(msgspec.Struct):
     num_pins: int = 0
 
 
+class WorkerStats(msgspec.Struct):
+    """One prefill worker's connection (docs/remote-prefill.md, "Connections")."""
+
+    state: str = "connecting"  # connecting | ready | dead (reconnect pending) | refused
+    reason: str = ""  # why it is not ready
+    attempts: int = 0  # connection attempts, the first included
+    connects: int = 0  # handshakes completed
+    reconnects: int = 0  # handshakes completed after a death
+    deaths: dict[str, int] = msgspec.field(default_factory=dict)  # by reason
+    heartbeats: int = 0  # heartbeats answered
+    rejected: int = 0  # messages the worker rejected
+    requests: int = 0  # prefills sent to it
+
+
 class RemoteStats(msgspec.Struct):
     prefills: int = 0
     fallbacks: dict[str, int] = msgspec.field(default_factory=dict)
     bytes: int = 0
     bandwidth_gbps: float = 0.0
+    workers: dict[str, WorkerStats] = msgspec.field(default_factory=dict)  # by address
+    foreign_notifications: int = 0  # NIXL notifications not from the request's worker
 
 
 class LatencyStats(msgspec.Struct):

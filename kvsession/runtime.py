@@ -14,6 +14,7 @@ the `SessionStore` talk to the engine thread only through the methods here (`cal
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -40,7 +41,15 @@ from kvsession.engine.sampler import Sampler
 from kvsession.engine.scheduler import Scheduler
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import CacheFullError, ConfigError, EngineClosedError
-from kvsession.metrics import SLO, LatencyTracker, PrefixStats, RemoteStats, Stats, TierStats
+from kvsession.metrics import (
+    SLO,
+    LatencyTracker,
+    PrefixStats,
+    RemoteStats,
+    Stats,
+    TierStats,
+    WorkerStats,
+)
 from kvsession.model.config import ModelSpec, check_sliding_window, load_model_spec
 from kvsession.model.llama import LlamaModel
 from kvsession.model.loader import load_weights, weights_digest
@@ -99,23 +108,32 @@ def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, bytes_per_token: int) -> i
 class RemoteOffload:
     """remote_prefill: "always" when a worker is healthy; "auto": when the cost model's gain
     (decode time no longer stalled minus the KV transfer, docs/cost-model.md) is positive,
-    with the transfer bandwidth measured on past transfers."""
+    with the transfer bandwidth measured on past transfers. A request that should go remote
+    but that no worker can take is counted once in the connector's fallbacks (so a dead
+    worker shows in stats().remote even while nothing is sent to it)."""
 
     def __init__(self, connector, mode: RemotePrefillMode, latency: LatencyTracker,
                  kv_bytes_per_token: int):
         self.connector, self.mode, self.latency = connector, mode, latency
         self.kv_bytes_per_token = kv_bytes_per_token
+        # admission may ask again for a sequence it could not place: count each once
+        self._counted: collections.deque[int] = collections.deque(maxlen=4096)
 
     def should_offload(self, seq: Sequence) -> bool:
-        if not self.connector.healthy():
-            return False
-        if self.mode is RemotePrefillMode.ALWAYS:
-            return True
-        tpot_ms = (self.latency.tpot_p50_s() or 0.025) * 1000
-        gain = costmodel.pd_split_gain_ms(
-            seq.num_tokens - 1, seq.params.max_tokens, self.kv_bytes_per_token,
-            self.connector.bandwidth_bytes_per_s or 5e9, tpot_ms, REMOTE_STALL_RATIO)
-        return gain > 0
+        if self.mode is not RemotePrefillMode.ALWAYS:
+            tpot_ms = (self.latency.tpot_p50_s() or 0.025) * 1000
+            gain = costmodel.pd_split_gain_ms(
+                seq.num_tokens - 1, seq.params.max_tokens, self.kv_bytes_per_token,
+                self.connector.bandwidth_bytes_per_s or 5e9, tpot_ms, REMOTE_STALL_RATIO)
+            if gain <= 0:
+                return False
+        conn = self.connector
+        reason = "no healthy worker" if not conn.healthy() else \
+            "" if conn.accepts(seq.num_tokens - 1) else "prompt too long for the workers"
+        if reason and seq.seq_id not in self._counted:
+            self._counted.append(seq.seq_id)
+            conn.fallbacks[reason] = conn.fallbacks.get(reason, 0) + 1
+        return not reason
 
 
 def _remote_client_class():
@@ -212,13 +230,23 @@ class Runtime:
                  cfg.block_size, num_blocks * cfg.block_size, bpt)
 
     def _connect(self, client_class):
-        """Connect the prefill workers; handshakes finish here, before the engine thread
-        starts."""
-        from kvsession.connector.base import compat_hash
+        """Connect the prefill workers (with the caller's CURVE keys when configured);
+        handshakes finish here, before the engine thread starts. Later the client asks the
+        engine thread for a poll whenever it idles (heartbeats, reconnects)."""
+        from kvsession.connector.base import compat_hash, load_keys
 
         cfg = self.config
+        auth = None if cfg.prefill_auth_key_file is None else load_keys(
+            cfg.prefill_auth_key_file, "caller")
+
+        def schedule(fn: Callable[[], None]) -> None:  # any thread
+            loop = self._loop
+            if loop is not None:
+                loop.call(fn)
+
         conn = client_class(list(cfg.prefill_workers), self.kv.tensors(),
-                            compat_hash(self.identity), cfg.remote_prefill_timeout_s)
+                            compat_hash(self.identity), cfg.remote_prefill_timeout_s,
+                            auth=auth, schedule=schedule)
         deadline = time.monotonic() + min(cfg.remote_prefill_timeout_s, 5.0)
         while time.monotonic() < deadline and any(
                 w.state == "connecting" for w in conn.workers):
@@ -375,8 +403,13 @@ class Runtime:
         conn = self.connector
         if conn is None:
             return RemoteStats()
+        workers = {w.address: WorkerStats(
+            state=w.state, reason=w.reason, attempts=w.attempts, connects=w.connects,
+            reconnects=w.reconnects, deaths=dict(w.deaths), heartbeats=w.heartbeats,
+            rejected=w.rejected, requests=w.num_requests) for w in conn.workers}
         return RemoteStats(prefills=conn.num_prefills, fallbacks=dict(conn.fallbacks),
-                           bytes=conn.bytes, bandwidth_gbps=conn.bandwidth_bytes_per_s * 8 / 1e9)
+                           bytes=conn.bytes, bandwidth_gbps=conn.bandwidth_bytes_per_s * 8 / 1e9,
+                           workers=workers, foreign_notifications=conn.foreign_notifications)
 
     def _check_at_rest(self) -> None:
         """Engine thread, at close: integrity, and when no request is in flight the pool is

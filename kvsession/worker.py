@@ -1,14 +1,20 @@
-"""The prefill worker: `python -m kvsession.worker --model DIR --listen tcp://HOST:PORT`.
+"""The prefill worker: `python -m kvsession.worker --model DIR --listen tcp://HOST:PORT
+[--auth-key-file FILE]` (`--make-keys DIR` writes a worker and a caller key file).
 
 An application on top of the library (it builds an `LLM`), not part of the connector
 package, which holds only the protocol (`kvsession.connector.base`) and the NIXL helpers
 (`kvsession.connector.nixl`). It runs the same engine (its own prefix cache included) in a
-prefill-only role. The main thread owns the zmq ROUTER socket (handshakes are answered in
-order; heartbeats at once, so a busy worker is never mistaken for a dead one); one job
-thread owns the NIXL agent and runs prefills: compute the KV with the local engine, then
-write the caller's blocks layer by layer with NIXL WRITEs, each layer's request carrying a
-notification, and answer when every write has completed. SIGTERM / SIGINT / Bye shut it
-down cleanly (agents and registrations released explicitly, exit code 0).
+prefill-only role. The main thread owns the zmq ROUTER socket: it checks every message
+(frame count, size, decoding, token ids and block counts) and answers what it cannot take
+with an error (`Rejected`, `PrefillFailed`), answers heartbeats and status queries at once
+(so a busy worker is never mistaken for a dead one), and hands handshakes and prefills to a
+bounded job queue (full: an error reply; the socket loop never blocks). One job thread owns
+the NIXL agent and runs prefills: compute the KV with the local engine, then write the
+caller's blocks layer by layer with NIXL WRITEs, each layer's request carrying a
+notification, and answer when every write has completed. With `--auth-key-file`, callers
+authenticate with CURVE (ZAP, `zmq.auth`); without it the worker only listens on loopback
+(docs/security.md). SIGTERM / SIGINT shut it down within a bound (agents and registrations
+released explicitly, exit code 0).
 
 Testing only: `KVSESSION_WORKER_FAULTS` injects faults (see `Faults`,
 docs/remote-prefill.md "Testing: fault injection").
@@ -17,11 +23,13 @@ docs/remote-prefill.md "Testing: fault injection").
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import math
 import os
 import queue
 import random
+import re
 import signal
 import sys
 import threading
@@ -31,8 +39,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from kvsession.cache.kv_pool import block_runs
+from kvsession.cache.manager import HolderKind
 from kvsession.config import EngineConfig
 from kvsession.connector.base import (
+    AuthKeys,
     Bye,
     Hello,
     HelloOk,
@@ -43,9 +53,17 @@ from kvsession.connector.base import (
     PrefillRequest,
     PrefillService,
     Refused,
+    Rejected,
+    StatsQuery,
+    WorkerStatus,
+    check_request,
     compat_hash,
     decode,
     encode,
+    load_keys,
+    max_message_bytes,
+    recv_message,
+    write_keys,
 )
 from kvsession.connector.nixl import describe_tensors, layer_descs, make_agent
 from kvsession.runtime import Runtime
@@ -53,6 +71,9 @@ from kvsession.runtime import Runtime
 log = logging.getLogger("kvsession")
 
 FAULTS_ENV = "KVSESSION_WORKER_FAULTS"
+SHUTDOWN_S = 10.0  # SIGTERM: the job thread gets this long to finish, then the process exits
+MAX_CALLERS = 256  # registered caller agents
+BURST = 256  # messages read per wake-up, so replies, signals and the job thread get a turn
 
 
 @dataclass(frozen=True)
@@ -111,11 +132,17 @@ class Faults:
 
 class NixlPrefillService(PrefillService):
     """The worker's engine is a `Runtime` (the engine side of an LLM, no sessions): it
-    submits prefill-only sequences and releases their blocks through the KV manager."""
+    submits prefill-only sequences and releases their blocks through the KV manager. A
+    prefill gives up (PrefillFailed) at `request_timeout_s` or when `stop` is set."""
 
-    def __init__(self, rt: Runtime):
+    def __init__(self, rt: Runtime, stop: threading.Event | None = None,
+                 request_timeout_s: float = 60.0):
         self.rt = rt
+        self.stop = stop or threading.Event()
+        self.request_timeout_s = request_timeout_s
         self.compat = compat_hash(rt.identity)
+        self.max_tokens = rt.info.max_model_len - 1  # the worker's sequence samples one
+        self.max_bytes = max_message_bytes(rt.info.max_model_len)
         self.agent = make_agent("kvs-worker")
         self.tensors = rt.kv.tensors()
         self.reg = self.agent.register_memory(list(self.tensors.values()))
@@ -127,21 +154,47 @@ class NixlPrefillService(PrefillService):
             return Refused("incompatible: model fingerprint, kv dtype, block size, layout or "
                            "protocol version differ")
         if [t.name for t in hello.tensors] != [t.name for t in self.local]:
-            return Refused(f"tensor layout differs: {[t.name for t in hello.tensors]}")
-        if caller in self.callers:
-            self.disconnect(caller)
-        name = self.agent.add_remote_agent(hello.agent_metadata)
+            return Refused(f"tensor layout differs: {[t.name for t in hello.tensors][:8]}")
+        for t, mine in zip(hello.tensors, self.local, strict=True):
+            if (t.num_layers, t.block_bytes) != (mine.num_layers, mine.block_bytes):
+                return Refused(f"tensor {t.name}: {t.num_layers} layers of {t.block_bytes}-byte "
+                               f"blocks, this worker has {mine.num_layers} of {mine.block_bytes}")
+            if t.num_blocks < 1 or t.addr <= 0 or t.device_id < 0 or \
+                    t.mem_type not in ("DRAM", "VRAM"):
+                return Refused(f"tensor {t.name}: invalid descriptor")
+        if caller not in self.callers and len(self.callers) >= MAX_CALLERS:
+            return Refused(f"this worker already serves {MAX_CALLERS} callers")
+        # a caller that reconnects (a new socket) keeps its agent: drop the old entry
+        for other, (name, _) in list(self.callers.items()):
+            if other == caller or name == hello.agent_name:
+                self.disconnect(other)
+        try:
+            name = self.agent.add_remote_agent(hello.agent_metadata)
+        except Exception as e:  # NIXL refuses what it cannot deserialize
+            return Refused(f"bad agent metadata: {type(e).__name__}")
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != hello.agent_name:
+            if all(n != name for n, _ in self.callers.values()):
+                self.agent.remove_remote_agent(name)
+            return Refused("the agent metadata names another agent than agent_name")
         self.callers[caller] = (name, hello.tensors)
-        return HelloOk(self.agent.name)
+        return HelloOk(self.agent.name, self.max_tokens, self.max_bytes)
 
-    def prefill(self, caller: str, req: PrefillRequest) -> PrefillDone | PrefillFailed:
+    def prefill(self, caller: str, req: PrefillRequest) -> PrefillDone | PrefillFailed | None:
+        """None: a write could not be cancelled, so no answer may release the caller's
+        blocks (it keeps them in quarantine until it drops this worker)."""
         from kvsession.engine.sequence import Sequence
         from kvsession.params import SamplingParams
 
         if caller not in self.callers:
             return PrefillFailed(req.req_id, "no handshake")
         agent_name, remote = self.callers[caller]
+        limit = min(t.num_blocks for t in remote)
+        if max(req.block_ids) >= limit:
+            return PrefillFailed(req.req_id, f"block id {max(req.block_ids)} is outside the "
+                                             f"caller's {limit} blocks")
         rt = self.rt
+        deadline = time.monotonic() + self.request_timeout_s
         seq = Sequence(token_ids=list(req.token_ids), max_model_len=rt.info.max_model_len,
                        params=SamplingParams(max_tokens=1, temperature=0.0,
                                              cache_salt=req.cache_salt), retain_blocks=True)
@@ -165,8 +218,15 @@ class NixlPrefillService(PrefillService):
         # intervals): the data plane's own speed, whatever the overlap with compute
         busy_s, active_since = 0.0, 0.0
 
+        def bounded() -> None:
+            if self.stop.is_set():
+                raise RuntimeError("the worker is shutting down")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not done within {self.request_timeout_s} s")
+
         def reap() -> None:
             nonlocal busy_s
+            bounded()
             for h in list(in_flight):
                 state = self.agent.check_xfer_state(h)  # also drives progress
                 if state == "DONE":
@@ -211,23 +271,31 @@ class NixlPrefillService(PrefillService):
                 posted += 1
             while in_flight and not fut.done():  # keep the writes moving meanwhile
                 reap()
-            seq = fut.result()
+            seq = fut.result(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
             if posted < num_layers:
                 raise RuntimeError("the prefill finished without every layer")
             while in_flight:
                 reap()
-            return PrefillDone(req.req_id, moved, busy_s)
+            reply = PrefillDone(req.req_id, moved, busy_s)
         except Exception as e:
-            return PrefillFailed(req.req_id, f"prefill or transfer failed: {e}")
-        finally:
-            for h in handles:
-                self.agent.release_xfer_handle(h)
+            reply = PrefillFailed(req.req_id, f"prefill or transfer failed: {e}")
+        cancelled = True
+        for h in handles:  # an active transfer is cancelled; one that cannot be is kept
             try:
-                seq = fut.result()
+                self.agent.release_xfer_handle(h)
             except Exception:
-                pass
-            if seq.blocks:
-                rt.call(lambda: rt.manager.release(seq)).result()
+                cancelled = False
+        try:
+            seq = fut.result(timeout=60)  # the engine finishes the sequence in any case
+        except Exception:
+            pass
+        if seq.blocks:
+            rt.call(lambda: rt.manager.release(seq)).result(timeout=60)
+        if not cancelled:
+            log.error("request %d: a NIXL write could not be cancelled; not answering it",
+                      req.req_id)
+            return None
+        return reply
 
     def disconnect(self, caller: str) -> None:
         entry = self.callers.pop(caller, None)
@@ -241,96 +309,289 @@ class NixlPrefillService(PrefillService):
         self.agent = None
 
 
-def serve(args, faults: Faults) -> int:
-    import zmq
+class _AllowedKeys:
+    """ZAP credentials provider: the callers' public keys from the key file."""
 
+    def __init__(self, keys: AuthKeys):
+        self.allowed = set(keys.peers)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.allowed
+
+
+@dataclass
+class _Counters:
+    served: int = 0
+    failed: int = 0
+    rejected: int = 0
+    busy: bool = False
+
+
+def serve(args, faults: Faults, keys: AuthKeys | None, stop: threading.Event) -> int:
     rt = Runtime(EngineConfig.from_args(
         args.model, device=args.device, kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
         block_size=args.block_size))
-    service = NixlPrefillService(rt)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(args.listen)
-    jobs: queue.Queue = queue.Queue()
-    replies: queue.Queue = queue.Queue()
-    stop = threading.Event()
+    try:
+        return _serve(rt, args, faults, keys, stop)
+    finally:
+        rt.close()  # with integrity checking on, raises if a block reference leaked
+
+
+def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
+           stop: threading.Event) -> int:
+    import zmq
+    from zmq.auth.thread import ThreadAuthenticator
+
+    service = NixlPrefillService(rt, stop, args.request_timeout_s)
+    jobs: queue.Queue = queue.Queue(maxsize=args.max_queue)
+    replies: queue.Queue = queue.Queue()  # one per job or status query at most
+    counters = _Counters()
     rng = random.Random(faults.seed)
 
-    def job_thread():  # the only thread that touches the NIXL agent
-        while (job := jobs.get()) is not None:
-            caller, msg = job
-            if isinstance(msg, Hello):
-                replies.put((caller, service.handshake(caller, msg)))
-            elif isinstance(msg, Bye):
-                service.disconnect(caller)
-            else:
-                if faults.delay_s and rng.random() < faults.delay_rate:
-                    time.sleep(faults.delay_s)  # injected fault: slower than the timeout
-                reply = service.prefill(caller, msg)
-                if faults.drop_rate and rng.random() < faults.drop_rate:
-                    continue  # injected fault: the answer is lost
-                replies.put((caller, reply))
-        service.close()
+    def run_job(caller: str, msg):
+        if isinstance(msg, Hello):
+            return service.handshake(caller, msg)
+        if isinstance(msg, Bye):
+            service.disconnect(caller)
+            return None
+        if faults.delay_s and rng.random() < faults.delay_rate:
+            stop.wait(faults.delay_s)  # injected fault: slower than the timeout
+        if stop.is_set():
+            return PrefillFailed(msg.req_id, "the worker is shutting down")
+        reply = service.prefill(caller, msg)
+        if isinstance(reply, PrefillDone):
+            counters.served += 1
+        else:
+            counters.failed += 1
+        if faults.drop_rate and rng.random() < faults.drop_rate:
+            return None  # injected fault: the answer is lost
+        return reply
 
-    worker = threading.Thread(target=job_thread, name="kvsession-worker-jobs")
+    def job_thread():  # the only thread that touches the NIXL agent
+        try:
+            while not stop.is_set():
+                try:
+                    ident, msg = jobs.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                counters.busy = True
+                try:
+                    reply = run_job(ident.hex(), msg)
+                except Exception as e:  # one job's failure never stops the thread
+                    log.exception("worker job failed")
+                    reply = (PrefillFailed(msg.req_id, f"internal error: {e}")
+                             if isinstance(msg, PrefillRequest) else
+                             Refused(f"internal error: {e}") if isinstance(msg, Hello) else None)
+                finally:
+                    counters.busy = False
+                if reply is not None:
+                    replies.put((ident, reply))
+        finally:
+            service.close()
+
+    worker = threading.Thread(target=job_thread, name="kvsession-worker-jobs", daemon=True)
     worker.start()
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda *_: stop.set())
-    print(f"kvsession worker listening on {args.listen}", flush=True)
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    while not stop.is_set():
-        if dict(poller.poll(10)):
-            while True:
-                try:
-                    caller_id, data = sock.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                caller = caller_id.hex()
-                try:
-                    msg = decode(data)
-                except Exception:
-                    continue  # malformed input is ignored; the caller times out
-                if isinstance(msg, Ping):
-                    sock.send_multipart([caller_id, encode(Pong(msg.t))])
-                elif isinstance(msg, Hello | Bye | PrefillRequest):
-                    jobs.put((caller, msg))
-        while not replies.empty():
-            caller, reply = replies.get()
-            sock.send_multipart([bytes.fromhex(caller), encode(reply)])
-    jobs.put(None)
-    worker.join()
-    sock.close()
-    ctx.term()
-    rt.close()
+    ctx = zmq.Context()
+    auth = None
+    sock = ctx.socket(zmq.ROUTER)
+    stats_lock = threading.Lock()
+    stats_waiters: list[bytes] = []
+
+    def send(ident: bytes, msg) -> None:
+        try:  # a ROUTER drops what a peer cannot take; it never blocks here
+            sock.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.debug("reply to %s dropped: %s", ident.hex(), e)
+
+    def reject(ident: bytes, reason: str, req_id: int | None = None) -> None:
+        counters.rejected += 1
+        send(ident, Rejected(reason) if req_id is None else PrefillFailed(req_id, reason))
+
+    def snapshot():  # engine thread: the pool, and its invariants
+        integrity = "ok"
+        try:
+            rt.check_integrity_now()
+        except AssertionError as e:
+            integrity = str(e)[:300] or "failed"
+        held = sum(rt.manager.num_held(k) for k in
+                   (HolderKind.SEQUENCE, HolderKind.QUARANTINE, HolderKind.TRANSIENT))
+        return rt.pool.num_blocks, rt.pool.num_free, held, integrity
+
+    def status_ready(fut) -> None:
+        try:
+            pool = fut.result()
+        except Exception as e:
+            pool = (-1, -1, -1, f"status failed: {e}")
+        status = WorkerStatus(*pool, callers=len(service.callers), queued=jobs.qsize(),
+                              busy=counters.busy, served=counters.served,
+                              failed=counters.failed, rejected=counters.rejected)
+        with stats_lock:
+            waiters = stats_waiters[:]
+            stats_waiters.clear()
+        for ident in waiters:
+            replies.put((ident, status))
+
+    def handle(ident: bytes, data: bytes) -> None:
+        try:
+            msg = decode(data)
+        except Exception as e:
+            return reject(ident, f"malformed message: {str(e)[:200]}")
+        if isinstance(msg, Ping):
+            send(ident, Pong(msg.t))
+        elif isinstance(msg, StatsQuery):
+            with stats_lock:  # one snapshot at a time answers every query waiting
+                stats_waiters.append(ident)
+                first = len(stats_waiters) == 1
+            if first:
+                rt.call(snapshot).add_done_callback(status_ready)
+        elif isinstance(msg, PrefillRequest):
+            why = check_request(msg, rt.info.spec.vocab_size, service.max_tokens,
+                                rt.config.block_size)
+            if why:
+                return reject(ident, why, msg.req_id)
+            try:
+                jobs.put_nowait((ident, msg))
+            except queue.Full:
+                reject(ident, f"worker busy: {jobs.maxsize} jobs queued", msg.req_id)
+        elif isinstance(msg, Hello | Bye):
+            try:
+                jobs.put_nowait((ident, msg))
+            except queue.Full:
+                reject(ident, f"worker busy: {jobs.maxsize} jobs queued; retry later")
+        else:
+            reject(ident, f"unexpected message {type(msg).__name__}")
+
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        # frames above twice the limit are dropped by zmq with the connection, before any
+        # buffer is allocated; between the limit and that, they get a Rejected
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * service.max_bytes)
+        sock.setsockopt(zmq.RCVHWM, 64)  # messages buffered per peer
+        if keys is not None:
+            auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvsession.zap"))
+            auth.start()
+            auth.configure_curve_callback("*", credentials_provider=_AllowedKeys(keys))
+            sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
+            sock.curve_server = True
+        sock.bind(args.listen)
+        print(f"kvsession worker listening on {args.listen}", flush=True)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not stop.is_set():
+            if not worker.is_alive():
+                raise RuntimeError("the job thread died")
+            if poller.poll(10):
+                for _ in range(BURST):
+                    got = recv_message(sock, service.max_bytes)
+                    if got is None:
+                        break
+                    ident, data, error = got
+                    try:
+                        if error:
+                            reject(ident, error)
+                        else:
+                            handle(ident, data)
+                    except Exception as e:  # one message never stops the loop
+                        log.exception("handling a message failed")
+                        reject(ident, f"internal error: {type(e).__name__}")
+            while not replies.empty():
+                send(*replies.get())
+    finally:
+        stop.set()
+        worker.join(timeout=SHUTDOWN_S)
+        sock.close(linger=0)
+        if auth is not None:
+            auth.stop()
+        ctx.term()
+        if worker.is_alive():  # stuck in NIXL or the engine: leave without releasing
+            print(f"kvsession worker: a job did not stop within {SHUTDOWN_S:.0f} s; exiting",
+                  file=sys.stderr, flush=True)
+            os._exit(0)
     return 0
+
+
+LISTEN_RE = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(\d+)")
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname, an interface name or '*'
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvsession.worker",
                                 description="a kvsession remote prefill worker")
-    p.add_argument("--model", required=True)
-    p.add_argument("--listen", required=True, help="tcp://HOST:PORT")
+    p.add_argument("--model")
+    p.add_argument("--listen", help="tcp://HOST:PORT (loopback only without --auth-key-file)")
+    p.add_argument("--auth-key-file", metavar="FILE",
+                   help="the worker key file: only callers whose keys it lists may connect "
+                        "(CURVE; docs/security.md)")
+    p.add_argument("--make-keys", metavar="DIR",
+                   help="write worker.keys and caller.keys into DIR and exit")
     p.add_argument("--device", default="auto")
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="handshakes and prefills waiting; beyond it they get an error reply")
+    p.add_argument("--request-timeout-s", type=float, default=60.0,
+                   help="a prefill and its writes that take longer fail")
     args = p.parse_args(argv)
+    from kvsession.errors import KVSessionError
+
+    if args.make_keys:
+        try:
+            worker_file, caller_file = write_keys(args.make_keys)
+        except (KVSessionError, OSError) as e:
+            print(f"error: --make-keys: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {worker_file} (for --auth-key-file) and {caller_file} (for "
+              f"LLM(prefill_auth_key_file=...)); keep both secret")
+        return 0
+    if not args.model or not args.listen:
+        p.error("--model and --listen are required (or --make-keys DIR)")
+    if args.max_queue < 1 or not args.request_timeout_s > 0:
+        p.error("--max-queue must be >= 1 and --request-timeout-s > 0")
     try:
         faults = Faults.from_env()
     except ValueError as e:
         print(f"error: {FAULTS_ENV}: {e}", file=sys.stderr)
         return 2
+    m = LISTEN_RE.fullmatch(args.listen)
+    if m is None:
+        print(f"error: --listen must look like tcp://HOST:PORT, got {args.listen!r}",
+              file=sys.stderr)
+        return 2
+    keys = None
+    if args.auth_key_file:
+        try:
+            keys = load_keys(args.auth_key_file, "worker")
+        except KVSessionError as e:
+            print(f"error: --auth-key-file: {e}", file=sys.stderr)
+            return 2
+    elif not is_loopback(m.group(1)):
+        print(f"error: --listen {args.listen} is not a loopback address; without "
+              f"--auth-key-file anyone who can reach it could use this worker "
+              f"(docs/security.md)", file=sys.stderr)
+        return 2
+    else:
+        print("kvsession worker: no --auth-key-file: unauthenticated, listening on loopback "
+              "only (docs/security.md)", file=sys.stderr, flush=True)
     if faults.active:
         print(f"kvsession worker: injecting faults ({FAULTS_ENV}): {faults}", file=sys.stderr,
               flush=True)
-    from kvsession.errors import KVSessionError
-
+    stop = threading.Event()  # before the model loads: SIGTERM is always a clean exit
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
     try:
-        return serve(args, faults)
+        return serve(args, faults, keys, stop)
     except KVSessionError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -1,6 +1,6 @@
 """Remote prefill over NIXL with real worker processes on loopback: exactness, failure
-semantics (kill, timeout, dropped answers, refused handshake, unreachable), no leaks,
-prefix affinity."""
+semantics (kill, timeout, dropped answers, refused handshake, unreachable), idle heartbeats
+and reconnects, CURVE authentication, no leaks, prefix affinity."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 
 import pytest
 
 from kvsession import LLM, SamplingParams
+from kvsession.connector.nixl import make_agent
+from kvsession.errors import ConfigError
 from kvsession.worker import FAULTS_ENV, Faults
 
 G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -34,24 +39,42 @@ def worker_env(faults: str | None = None) -> dict[str, str]:
 
 
 class Worker:
-    def __init__(self, model_dir, *extra, faults: str | None = None):
-        self.address = f"tcp://127.0.0.1:{free_port()}"
+    """A worker process; `address` reuses one (a restart), `key_file` turns on CURVE."""
+
+    def __init__(self, model_dir, *extra, faults: str | None = None, address: str | None = None,
+                 key_file=None):
+        self.address = address or f"tcp://127.0.0.1:{free_port()}"
+        auth = ["--auth-key-file", str(key_file)] if key_file is not None else []
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # a file: a pipe could fill up
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvsession.worker", "--model", str(model_dir), "--listen",
-             self.address, "--kv-cache-memory", "8MiB", "--max-model-len", "512", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+             self.address, "--kv-cache-memory", "8MiB", "--max-model-len", "512", *auth,
+             *extra], stdout=subprocess.PIPE, stderr=self.stderr, text=True,
             env=worker_env(faults))
         line = "x"
         while line and "listening" not in line:  # the worker says when it listens
             line = self.proc.stdout.readline()
         if "listening" not in line:
             self.proc.kill()
-            raise AssertionError("the worker did not start")
+            raise AssertionError(f"the worker did not start: {self.errors()}")
+
+    def errors(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()
 
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=30)
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    """Poll `condition` until it holds; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +272,193 @@ def test_fault_flags_are_not_part_of_the_cli():
     assert "fault" not in help_text.stdout
     old = run_worker("--model", "x", "--listen", "tcp://127.0.0.1:1", "--fault-rate", "0.5")
     assert old.returncode == 2 and "unrecognized arguments: --fault-rate" in old.stderr
+
+
+# ---- connections: idle heartbeats, reconnects ----------------------------------------------
+
+def worker_stats(llm, address):
+    return llm.stats().remote.workers[address]
+
+
+def test_an_idle_gap_longer_than_the_heartbeat_timeout_keeps_the_worker(llama_dir, worker):
+    ps = prompts(8, 2)
+    want = local(llama_dir, ps)
+    with LLM(llama_dir, prefill_worker=worker.address, remote_prefill="always", **KW) as llm:
+        conn = llm._rt.connector
+        conn.heartbeat_s, conn.dead_after_s = 0.05, 0.4  # the client's own knobs, made small
+        assert generate(llm, ps[:1]) == want[:1]
+        idle_from = time.monotonic()
+        before = worker_stats(llm, worker.address).heartbeats
+        # idle (nothing in flight) for several dead_after_s: heartbeats keep being answered
+        wait_for(lambda: worker_stats(llm, worker.address).heartbeats >= before + 10
+                 and time.monotonic() - idle_from > 3 * conn.dead_after_s, 20,
+                 "heartbeats while idle")
+        assert generate(llm, ps[1:]) == want[1:]
+        st = llm.stats().remote
+        w = st.workers[worker.address]
+        assert st.prefills == 2 and not st.fallbacks
+        assert w.state == "ready" and w.deaths == {} and w.connects == 1
+        assert_no_leak(llm)
+
+
+def test_a_restarted_worker_on_the_same_address_is_used_again(llama_dir):
+    first = Worker(llama_dir)
+    addr = first.address
+    ps = prompts(9, 8)
+    want = local(llama_dir, ps)
+    second = None
+    try:
+        with LLM(llama_dir, prefill_worker=addr, remote_prefill="always",
+                 remote_prefill_timeout_s=5.0, **KW) as llm:
+            conn = llm._rt.connector
+            conn.reconnect_min_s, conn.reconnect_max_s = 0.1, 0.5
+            got = generate(llm, ps[:3])
+            assert llm.stats().remote.prefills == 3
+            first.proc.kill()
+            first.proc.wait()
+            wait_for(lambda: worker_stats(llm, addr).state != "ready", 15, "the death")
+            got += generate(llm, ps[3:5])  # prefilled locally meanwhile, and counted
+            st = llm.stats().remote
+            assert st.prefills == 3 and st.fallbacks.get("no healthy worker", 0) >= 1
+            second = Worker(llama_dir, address=addr)
+            wait_for(lambda: worker_stats(llm, addr).state == "ready", 30, "the reconnect")
+            got += generate(llm, ps[5:])
+            assert got == want
+            st = llm.stats().remote
+            w = st.workers[addr]
+            assert st.prefills == 6
+            assert w.connects == 2 and w.reconnects == 1 and w.attempts >= 2
+            assert set(w.deaths) <= {"connection lost", "no heartbeat", "unreachable"}
+            assert w.deaths.get("connection lost", 0) + w.deaths.get("no heartbeat", 0) == 1
+            assert_no_leak(llm)
+    finally:
+        first.proc.kill()
+        if second is not None:
+            assert second.stop() == 0
+
+
+def test_notifications_from_another_agent_do_not_complete_a_request(llama_dir):
+    slow = Worker(llama_dir, faults="delay_rate=1,delay_s=1.5")  # answers after 1.5 s
+    ps = prompts(10, 1)
+    want = local(llama_dir, ps)
+    rogue = make_agent("rogue")
+    try:
+        with LLM(llama_dir, prefill_worker=slow.address, remote_prefill="always",
+                 **KW) as llm:
+            conn = llm._rt.connector
+            out = []
+            t = threading.Thread(target=lambda: out.append(generate(llm, ps)))
+            t.start()
+            wait_for(lambda: bool(conn.pending), 10, "the request to be sent")
+            req_id = next(iter(conn.pending))
+            caller = rogue.add_remote_agent(conn.agent.get_agent_metadata())
+            for layer in range(conn.num_layers):  # forge "done" for every layer
+                rogue.send_notif(caller, f"{req_id}:{layer}".encode())
+            # (the rogue agent's progress is driven by polling it, like the caller's)
+            wait_for(lambda: rogue.get_new_notifs() is not None and
+                     llm.stats().remote.foreign_notifications >= conn.num_layers, 10,
+                     "the forged notifications")
+            assert req_id in conn.pending  # still waiting for the real worker
+            t.join(timeout=60)
+            assert out == [want]
+            assert llm.stats().remote.prefills == 1
+            rogue.remove_remote_agent(caller)
+            assert_no_leak(llm)
+    finally:
+        assert slow.stop() == 0
+
+
+# ---- authentication (CURVE) ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """Two independent sets of key files, written by the worker's own helper."""
+    out = []
+    for name in ("a", "b"):
+        d = tmp_path_factory.mktemp(f"keys-{name}")
+        made = run_worker("--make-keys", str(d))
+        assert made.returncode == 0, made.stderr
+        assert (d / "worker.keys").stat().st_mode & 0o077 == 0  # secret: owner only
+        out.append(d)
+    return out
+
+
+def test_authenticated_remote_prefill(llama_dir, keys):
+    w = Worker(llama_dir, key_file=keys[0] / "worker.keys")
+    try:
+        assert "unauthenticated" not in w.errors()
+        ps = prompts(11, 4)
+        with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always",
+                 prefill_auth_key_file=keys[0] / "caller.keys", **KW) as llm:
+            assert generate(llm, ps) == local(llama_dir, ps)
+            st = llm.stats().remote
+            assert st.prefills == 4 and not st.fallbacks
+            assert_no_leak(llm)
+    finally:
+        assert w.stop() == 0
+
+
+@pytest.mark.parametrize("caller_keys, reason", [
+    (None, "security handshake failed"),  # no key at all
+    ("b/caller.keys", "security handshake failed"),  # another deployment's keys
+])
+def test_a_caller_without_the_workers_key_cannot_use_it(llama_dir, keys, caller_keys, reason):
+    w = Worker(llama_dir, key_file=keys[0] / "worker.keys")
+    try:
+        key_file = None if caller_keys is None else keys[1] / caller_keys.split("/")[1]
+        ps = prompts(12, 2)
+        with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always",
+                 prefill_auth_key_file=key_file, **KW) as llm:
+            assert not llm._rt.connector.healthy()
+            assert generate(llm, ps) == local(llama_dir, ps)
+            st = llm.stats().remote
+            assert st.prefills == 0 and st.fallbacks.get("no healthy worker") == 2
+            assert st.workers[w.address].deaths.get(reason, 0) >= 1
+            assert st.workers[w.address].connects == 0
+    finally:
+        assert w.stop() == 0
+
+
+def test_a_worker_rejects_a_caller_key_it_does_not_list(llama_dir, keys, tmp_path):
+    # the caller knows the worker's public key but its own key is not in the worker's file
+    caller = (keys[1] / "caller.keys").read_text().splitlines()
+    worker_pub = next(line for line in (keys[0] / "caller.keys").read_text().splitlines()
+                      if line.startswith("peer-key"))
+    forged = tmp_path / "caller.keys"
+    forged.write_text("\n".join(worker_pub if line.startswith("peer-key") else line
+                                for line in caller))
+    w = Worker(llama_dir, key_file=keys[0] / "worker.keys")
+    try:
+        with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always",
+                 prefill_auth_key_file=forged, **KW) as llm:
+            assert not llm._rt.connector.healthy()
+            deaths = llm.stats().remote.workers[w.address].deaths
+            assert deaths.get("authentication refused", 0) >= 1
+    finally:
+        assert w.stop() == 0
+
+
+def test_bad_key_files_are_config_errors(llama_dir, keys, tmp_path):
+    bad = tmp_path / "bad.keys"
+    bad.write_text("role = caller\npublic-key = nope\n")
+    cases = [(tmp_path / "missing.keys", "cannot be read"), (bad, "needs exactly one"),
+             (keys[0] / "worker.keys", "is a 'worker' key file"), (5, "must be None or")]
+    for value, message in cases:
+        with pytest.raises(ConfigError, match="prefill_auth_key_file") as e:
+            LLM(llama_dir, prefill_auth_key_file=value, **KW)
+        assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_worker_without_a_key_listens_on_loopback_only(llama_dir, keys):
+    out = run_worker("--model", str(llama_dir), "--listen", f"tcp://0.0.0.0:{free_port()}")
+    assert out.returncode == 2 and not out.stdout
+    assert len(out.stderr.splitlines()) == 1
+    assert "not a loopback address" in out.stderr and "--auth-key-file" in out.stderr
+    w = Worker(llama_dir)
+    try:
+        assert "unauthenticated, listening on loopback only" in w.errors()
+    finally:
+        assert w.stop() == 0
+    bad = run_worker("--model", str(llama_dir), "--listen", f"tcp://0.0.0.0:{free_port()}",
+                     "--auth-key-file", str(keys[0] / "caller.keys"))
+    assert bad.returncode == 2 and "is a 'caller' key file" in bad.stderr

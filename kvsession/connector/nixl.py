@@ -11,7 +11,9 @@ notification for every layer (a notification is delivered after its transfer's d
 A request that times out keeps its blocks in quarantine until the worker answers for it or
 is declared dead; a dead worker is fenced by re-registering the KV memory (its remote keys
 stop working) and re-handshaking the live workers, so a late write can never land in a
-block that was handed to someone else.
+block that was handed to someone else. A notification counts only when it comes from the
+agent of the worker the request was sent to. A dead worker is reconnected with backoff
+(docs/remote-prefill.md, "Connections").
 """
 
 from __future__ import annotations
@@ -20,23 +22,28 @@ import hashlib
 import itertools
 import logging
 import os
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from kvsession.connector.base import (
+    AuthKeys,
     Bye,
     Completion,
     Hello,
     HelloOk,
     Ping,
+    Pong,
     PrefillConnector,
     PrefillDone,
     PrefillFailed,
     PrefillRequest,
     Refused,
+    Rejected,
     TensorDesc,
     decode,
     encode,
@@ -79,12 +86,30 @@ def layer_descs(local: list[TensorDesc], remote: list[TensorDesc], layer: int,
 @dataclass
 class _Worker:
     address: str
-    socket: object
+    socket: object = None
+    monitor: object = None  # the socket's event monitor (a PAIR socket)
     state: str = "connecting"  # connecting | ready | refused | dead
-    last_heard: float = field(default_factory=time.monotonic)
+    since: float = field(default_factory=time.monotonic)  # when the current state began
     last_ping: float = 0.0
-    reason: str = ""
+    # when the oldest unanswered ping left (None: nothing outstanding); liveness is judged
+    # on this, never on the time since we last heard from it (an idle gap is not a death)
+    awaiting_pong: float | None = None
+    reason: str = ""  # why it is not ready
+    agent_name: str = ""  # its NIXL agent: the only sender whose notifications count
+    max_tokens: int = 0
+    max_message_bytes: int = 0
+    handshake_failure: str = ""  # the last security-handshake failure the monitor saw
+    retry_at: float = 0.0
+    backoff: float = 0.0
+    died: bool = False  # dead since its last handshake (the next one is a reconnect)
     num_requests: int = 0
+    # counters, for stats().remote.workers
+    attempts: int = 0
+    connects: int = 0
+    reconnects: int = 0
+    heartbeats: int = 0
+    rejected: int = 0
+    deaths: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -97,49 +122,120 @@ class _Request:
     num_bytes: int = 0
 
 
+def _handshake_failures(zmq) -> dict[int, str]:
+    """Security-handshake failures the socket monitor reports, as death reasons: the worker
+    refused our key (ZAP), or the handshake itself failed (a key on one side only, or the
+    wrong worker public key: zmq does not tell these apart reliably)."""
+    return {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused",
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "security handshake failed",
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "security handshake failed"}
+
+
 class NixlPrefillClient(PrefillConnector):
+    """Connections: each worker is `connecting` (a fresh DEALER socket, Hello sent), `ready`,
+    `dead` (socket closed; a new attempt at `retry_at`, the delay doubling from
+    reconnect_min_s to reconnect_max_s and reset by a completed handshake) or `refused` (an
+    incompatible worker: never retried). `schedule(fn)` runs fn on the engine thread
+    (`EngineLoop.call`); given, a small timer thread asks for a `poll` whenever the engine
+    has not polled for `heartbeat_s`, so heartbeats and reconnects go on while it is idle.
+    Sockets are only ever touched from the engine thread."""
+
     def __init__(self, addresses: list[str], tensors: dict[str, torch.Tensor], compat: str,
-                 timeout_s: float, heartbeat_s: float = 0.25, dead_after_s: float = 2.0):
+                 timeout_s: float, heartbeat_s: float = 0.25, dead_after_s: float = 2.0,
+                 connect_timeout_s: float = 5.0, reconnect_min_s: float = 0.5,
+                 reconnect_max_s: float = 10.0, auth: AuthKeys | None = None,
+                 schedule: Callable[[Callable[[], None]], object] | None = None):
         import zmq
 
         self.zmq = zmq
         self.compat, self.timeout_s = compat, timeout_s
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
+        self.connect_timeout_s = connect_timeout_s
+        self.reconnect_min_s, self.reconnect_max_s = reconnect_min_s, reconnect_max_s
+        self.auth = auth
         self.tensors = tensors
         self.num_layers = next(iter(tensors.values())).shape[0]
         self._bytes_per_block = sum(t[:, 0].numel() * t.element_size() for t in tensors.values())
         self.agent = make_agent("kvs-caller")
         self.reg = self.agent.register_memory(list(tensors.values()))
         self.ctx = zmq.Context()
-        self.workers = [self._connect(a) for a in addresses]
+        self._monitor_ids = itertools.count()
+        self._failures = _handshake_failures(zmq)
         self.pending: dict[int, _Request] = {}
         self.quarantine: dict[int, _Request] = {}
         self._ids = itertools.count(1)
         self.fallbacks: dict[str, int] = {}
         self.num_prefills = 0
         self.bytes = 0
+        self.foreign_notifications = 0  # from agents other than the request's worker
         # the worker's measured write times (posting to the last completion): the cost
         # model's transfer input. Prior 0: "not measured yet" (the caller picks its default)
         self.transfer_rate = RateEstimator(prior=0.0)
+        self.workers = [_Worker(a, backoff=reconnect_min_s) for a in addresses]
+        for w in self.workers:
+            self._open(w)
+        # idle ticks (see the class docstring); an exception in one is raised by next poll
+        self._carry: list[Completion] = []
+        self._error: BaseException | None = None
+        self._last_poll = time.monotonic()
+        self._tick_queued = False
+        self._schedule = schedule
+        self._stop = threading.Event()
+        self._ticker = None
+        if schedule is not None:
+            self._ticker = threading.Thread(target=self._tick_loop, daemon=True,
+                                            name="kvsession-prefill-heartbeat")
+            self._ticker.start()
 
     # ---- connections ------------------------------------------------------------------
 
-    def _connect(self, address: str) -> _Worker:
-        sock = self.ctx.socket(self.zmq.DEALER)
-        sock.setsockopt(self.zmq.LINGER, 0)
-        sock.connect(address)
-        w = _Worker(address, sock)
+    def _open(self, w: _Worker) -> None:
+        """A fresh socket (a restarted worker knows nothing of the old one) and a Hello."""
+        zmq = self.zmq
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.auth is not None:
+            sock.curve_secretkey = self.auth.secret
+            sock.curve_publickey = self.auth.public
+            sock.curve_serverkey = self.auth.peers[0]
+        endpoint = f"inproc://kvsession-monitor-{next(self._monitor_ids)}"
+        sock.monitor(endpoint, zmq.EVENT_DISCONNECTED | sum(self._failures))
+        mon = self.ctx.socket(zmq.PAIR)
+        mon.setsockopt(zmq.LINGER, 0)
+        mon.connect(endpoint)
+        sock.connect(w.address)
+        w.socket, w.monitor, w.handshake_failure = sock, mon, ""
+        w.attempts += 1
         self._hello(w)
-        return w
+
+    def _close_socket(self, w: _Worker, linger_ms: int = 0) -> None:
+        if w.socket is None:
+            return
+        try:
+            w.socket.disable_monitor()
+        except self.zmq.ZMQError:
+            pass
+        w.socket.close(linger=linger_ms)
+        w.monitor.close(linger=0)
+        w.socket = w.monitor = None
 
     def _hello(self, w: _Worker) -> None:
-        w.state = "connecting"
-        w.socket.send(encode(Hello(self.compat, self.agent.name,
-                                   self.agent.get_agent_metadata(),
-                                   describe_tensors(self.tensors))))
+        w.state, w.since, w.awaiting_pong = "connecting", time.monotonic(), None
+        try:
+            w.socket.send(encode(Hello(self.compat, self.agent.name,
+                                       self.agent.get_agent_metadata(),
+                                       describe_tensors(self.tensors))),
+                          flags=self.zmq.NOBLOCK)
+        except self.zmq.ZMQError:
+            pass  # queue full: the connect timeout retries
 
     def healthy(self) -> bool:
         return any(w.state == "ready" for w in self.workers)
+
+    def accepts(self, num_tokens: int) -> bool:
+        """A ready worker takes requests of `num_tokens` tokens (its max_model_len)."""
+        return any(w.state == "ready" and (not w.max_tokens or num_tokens <= w.max_tokens)
+                   for w in self.workers)
 
     def _pick(self, affinity: bytes) -> _Worker | None:
         """Rendezvous hashing on the request's first block hash: the same prefix keeps
@@ -157,10 +253,13 @@ class NixlPrefillClient(PrefillConnector):
         if w is None:
             return False
         req_id = next(self._ids)
+        data = encode(PrefillRequest(req_id, list(token_ids), first_block, list(block_ids),
+                                     cache_salt))
+        if (w.max_tokens and len(token_ids) > w.max_tokens) or (
+                w.max_message_bytes and len(data) > w.max_message_bytes):
+            return False  # beyond the worker's limits: it would refuse it
         try:
-            w.socket.send(encode(PrefillRequest(req_id, list(token_ids), first_block,
-                                                list(block_ids), cache_salt)),
-                          flags=self.zmq.NOBLOCK)
+            w.socket.send(data, flags=self.zmq.NOBLOCK)
         except self.zmq.ZMQError:
             return False
         self.pending[req_id] = _Request(seq_id, w, time.monotonic(), self.num_layers,
@@ -169,37 +268,58 @@ class NixlPrefillClient(PrefillConnector):
         return True
 
     def poll(self, timeout_s: float = 0.0) -> list[Completion]:
-        out: list[Completion] = []
+        self._last_poll = time.monotonic()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        out, self._carry = self._carry, []
         self._notifications(out)
+        live = [w for w in self.workers if w.socket is not None]
         poller = self.zmq.Poller()
-        for w in self.workers:
-            if w.state != "dead":
-                poller.register(w.socket, self.zmq.POLLIN)
-        ready = dict(poller.poll(int(timeout_s * 1000))) if self.workers else {}
-        for w in self.workers:
-            while w.socket in ready and w.state != "dead":
+        for w in live:
+            poller.register(w.socket, self.zmq.POLLIN)
+            poller.register(w.monitor, self.zmq.POLLIN)
+        ready = dict(poller.poll(int(timeout_s * 1000))) if live else {}
+        for w in live:
+            while w.socket is not None and w.socket in ready:
                 try:
                     data = w.socket.recv(flags=self.zmq.NOBLOCK)
                 except self.zmq.Again:
                     break
                 self._on_message(w, data, out)
+            if w.monitor is not None and w.monitor in ready:
+                self._monitor_events(w, out)
         self._notifications(out)
         self._timers(out)
         return out
 
     def _notifications(self, out: list[Completion]) -> None:
-        """Drive NIXL progress; per-layer notifications complete requests."""
-        for msgs in self.agent.get_new_notifs().values():
+        """Drive NIXL progress; per-layer notifications complete requests, counted only
+        when they come from the agent of the worker the request was sent to."""
+        for sender, msgs in self.agent.get_new_notifs().items():
+            name = sender.decode() if isinstance(sender, bytes) else str(sender)
             for m in msgs:
                 try:
                     req_id, layer = (int(x) for x in m.decode().split(":"))
-                except ValueError:
+                except ValueError:  # UnicodeDecodeError included
+                    self._foreign(name, m)
                     continue
                 r = self.pending.get(req_id)
-                if r is not None:
-                    r.layers_done.add(layer)
-                    if len(r.layers_done) == r.num_layers:
-                        self._done(req_id, out)
+                if r is None:
+                    continue  # a late notification of a request that failed: harmless
+                if name != r.worker.agent_name or not 0 <= layer < r.num_layers:
+                    self._foreign(name, m)
+                    continue
+                r.layers_done.add(layer)
+                if len(r.layers_done) == r.num_layers:
+                    self._done(req_id, out)
+
+    def _foreign(self, sender: str, msg: bytes) -> None:
+        self.foreign_notifications += 1
+        if self.foreign_notifications == 1:  # once: a misbehaving agent can send many
+            log.warning("ignoring NIXL notification %r from agent %r: not the worker of that "
+                        "request (counted in stats().remote.foreign_notifications)",
+                        msg[:40], sender)
 
     def _done(self, req_id: int, out: list[Completion]) -> None:
         r = self.pending.pop(req_id)
@@ -222,29 +342,70 @@ class NixlPrefillClient(PrefillConnector):
         out.append(Completion(r.seq_id, "failed", reason=reason, fenced=fenced))
 
     def _on_message(self, w: _Worker, data: bytes, out: list[Completion]) -> None:
-        w.last_heard = time.monotonic()
+        w.awaiting_pong = None  # anything it says proves it alive
         try:
             msg = decode(data)
         except Exception as e:  # malformed: the worker cannot be trusted any more
             log.warning("malformed message from prefill worker %s: %s", w.address, e)
             self._declare_dead(w, "malformed message", out)
             return
-        if isinstance(msg, HelloOk):
-            w.state = "ready"
+        if isinstance(msg, Pong):
+            w.heartbeats += 1
+        elif isinstance(msg, HelloOk):
+            if w.state != "connecting":
+                return
+            w.state, w.since, w.reason = "ready", time.monotonic(), ""
+            w.agent_name = msg.agent_name
+            w.max_tokens, w.max_message_bytes = msg.max_tokens, msg.max_message_bytes
+            w.connects += 1
+            w.reconnects += w.died
+            w.died, w.backoff = False, self.reconnect_min_s
         elif isinstance(msg, Refused):
             w.state, w.reason = "refused", msg.reason
+            self._close_socket(w)
             log.warning("prefill worker %s refused the handshake: %s", w.address, msg.reason)
+            w.deaths["handshake refused"] = w.deaths.get("handshake refused", 0) + 1
             self.fallbacks["handshake refused"] = self.fallbacks.get("handshake refused", 0) + 1
+        elif isinstance(msg, Rejected):
+            w.rejected += 1
+            log.warning("prefill worker %s rejected a message: %s", w.address, msg.reason)
+            if w.state == "connecting":  # e.g. its queue was full: try again later
+                self._declare_dead(w, "handshake rejected", out)
         elif isinstance(msg, PrefillDone):
+            r = self.pending.get(msg.req_id) or self.quarantine.get(msg.req_id)
+            if r is None or r.worker is not w:
+                return  # not this worker's request: it cannot complete or fence it
             self.transfer_rate.observe(msg.num_bytes, msg.seconds)
             if msg.req_id in self.quarantine:  # a late answer fences the blocks
                 out.append(Completion(self.quarantine.pop(msg.req_id).seq_id, "fenced"))
             # for a pending request, completion comes with its last NIXL notification
         elif isinstance(msg, PrefillFailed):
+            r = self.pending.get(msg.req_id) or self.quarantine.get(msg.req_id)
+            if r is None or r.worker is not w:
+                return
             if msg.req_id in self.pending:
+                log.info("prefill worker %s failed request %d: %s", w.address, msg.req_id,
+                         msg.reason)
                 self._fail(msg.req_id, "worker error", True, out)
-            elif msg.req_id in self.quarantine:
+            else:
                 out.append(Completion(self.quarantine.pop(msg.req_id).seq_id, "fenced"))
+
+    def _monitor_events(self, w: _Worker, out: list[Completion]) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while w.monitor is not None:
+            try:
+                event = recv_monitor_message(w.monitor, flags=self.zmq.NOBLOCK)["event"]
+            except self.zmq.Again:
+                return
+            if event in self._failures and w.state == "connecting":
+                w.handshake_failure = self._failures[event]
+                log.warning("prefill worker %s: %s: are the keys right? (docs/security.md)",
+                            w.address, w.handshake_failure)
+                self._declare_dead(w, w.handshake_failure, out)
+            elif event == self.zmq.EVENT_DISCONNECTED and w.state == "ready":
+                # the worker knows a caller by its connection: a new one has no handshake
+                self._declare_dead(w, "connection lost", out)
 
     def _timers(self, out: list[Completion]) -> None:
         now = time.monotonic()
@@ -252,31 +413,43 @@ class NixlPrefillClient(PrefillConnector):
             if now - r.started > self.timeout_s:
                 self._fail(req_id, "timeout", False, out)
         for w in self.workers:
-            if w.state in ("ready", "connecting") and now - w.last_ping > self.heartbeat_s:
-                w.last_ping = now
-                try:
-                    w.socket.send(encode(Ping(now)), flags=self.zmq.NOBLOCK)
-                except self.zmq.ZMQError:
-                    pass
-            busy = any(r.worker is w for r in itertools.chain(self.pending.values(),
-                                                              self.quarantine.values()))
-            if w.state in ("ready", "connecting") and (busy or w.state == "ready") \
-                    and now - w.last_heard > self.dead_after_s:
-                reason = "unreachable" if w.state == "connecting" else "worker died"
-                self._declare_dead(w, reason, out)
+            if w.state == "ready":
+                if now - w.last_ping >= self.heartbeat_s:
+                    w.last_ping = now
+                    if w.awaiting_pong is None:
+                        w.awaiting_pong = now
+                    try:
+                        w.socket.send(encode(Ping(now)), flags=self.zmq.NOBLOCK)
+                    except self.zmq.ZMQError:
+                        pass
+                if w.awaiting_pong is not None and now - w.awaiting_pong > self.dead_after_s:
+                    self._declare_dead(w, "no heartbeat", out)
+            elif w.state == "connecting" and now - w.since > self.connect_timeout_s:
+                self._declare_dead(w, w.handshake_failure or "unreachable", out)
+            elif w.state == "dead" and now >= w.retry_at:
+                log.info("prefill worker %s: reconnecting (attempt %d)", w.address,
+                         w.attempts + 1)
+                self._open(w)
 
     def _declare_dead(self, w: _Worker, reason: str, out: list[Completion]) -> None:
         """Fence everything the worker could still write: re-register the KV memory (its
-        remote keys stop working), re-handshake live workers, then release quarantines."""
-        if w.state == "dead":
+        remote keys stop working), re-handshake live workers, then release quarantines.
+        Then schedule a reconnect."""
+        if w.state in ("dead", "refused"):
             return
         was_ready = w.state == "ready"
-        w.state, w.reason = "dead", reason
-        w.socket.close(linger=0)
-        log.warning("prefill worker %s is %s; fencing its transfers", w.address, reason)
+        w.state, w.reason, w.died = "dead", reason, True
+        w.deaths[reason] = w.deaths.get(reason, 0) + 1
+        self._close_socket(w)
+        now = time.monotonic()
+        w.since, w.retry_at = now, now + w.backoff
+        w.backoff = min(w.backoff * 2, self.reconnect_max_s)
         mine = [q for q, r in self.pending.items() if r.worker is w]
         stale = [q for q, r in self.quarantine.items() if r.worker is w]
-        if was_ready or mine or stale:
+        fence = was_ready or mine or stale
+        log.warning("prefill worker %s: %s;%s retrying in %.1f s", w.address, reason,
+                    " fencing its transfers," if fence else "", w.retry_at - now)
+        if fence:
             self.agent.deregister_memory(self.reg)
             self.reg = self.agent.register_memory(list(self.tensors.values()))
             for other in self.workers:
@@ -287,14 +460,38 @@ class NixlPrefillClient(PrefillConnector):
         for q in stale:
             out.append(Completion(self.quarantine.pop(q).seq_id, "fenced"))
 
+    # ---- idle ticks ---------------------------------------------------------------------
+
+    def _tick_loop(self) -> None:
+        """Timer thread: never touches a socket, only asks the engine thread to poll."""
+        try:
+            while not self._stop.wait(self.heartbeat_s):
+                if self._tick_queued or time.monotonic() - self._last_poll < self.heartbeat_s:
+                    continue
+                self._tick_queued = True
+                self._schedule(self._tick)
+        except Exception as e:  # reaches the engine at its next poll
+            log.exception("the prefill heartbeat thread failed")
+            self._error = e
+
+    def _tick(self) -> None:  # engine thread
+        self._tick_queued = False
+        try:
+            self._carry.extend(self.poll(0.0))
+        except Exception as e:
+            self._error = e
+
     def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5.0)
         for w in self.workers:
-            if w.state != "dead":
+            if w.socket is not None:
                 try:
                     w.socket.send(encode(Bye()), flags=self.zmq.NOBLOCK)
                 except self.zmq.ZMQError:
                     pass
-                w.socket.close(linger=100)
+                self._close_socket(w, linger_ms=100)
         self.ctx.term()
         if self.reg is not None:
             self.agent.deregister_memory(self.reg)
