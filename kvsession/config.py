@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvsession.cache.eviction import EvictionPolicy
 from kvsession.errors import ConfigError
 from kvsession.kernels.reference import is_fp8
 from kvsession.validation import (
@@ -126,6 +127,7 @@ class EngineConfig:
     attention_backend: AttentionBackend
     seed: int
     prefill_auth_key_file: Path | None = None  # the caller's CURVE key file
+    eviction_policy: EvictionPolicy = EvictionPolicy.COST
 
     @staticmethod
     def from_args(
@@ -135,7 +137,8 @@ class EngineConfig:
         max_num_batched_tokens=2048, enable_prefix_caching=True, max_pinned_fraction=0.5,
         spill_after_s=None, prefill_worker=None, remote_prefill="auto",
         remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0,
-        prefill_auth_key_file=None, **unknown,
+        prefill_auth_key_file=None,
+        eviction_policy="cost", **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -181,6 +184,7 @@ class EngineConfig:
         _choice(remote_prefill, "remote_prefill", {m.value for m in RemotePrefillMode})
         auth_file = _auth_key_file(prefill_auth_key_file)
         _choice(attention_backend, "attention_backend", {b.value for b in AttentionBackend})
+        _choice(eviction_policy, "eviction_policy", {p.value for p in EvictionPolicy})
         return EngineConfig(
             model=model_path, device=dev, dtype=compute, kv_cache_dtype=kv,
             max_model_len=max_model_len, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
@@ -204,6 +208,7 @@ class EngineConfig:
             attention_backend=AttentionBackend(attention_backend),
             seed=check_int("seed", seed, min_value=SEED_RANGE[0], max_value=SEED_RANGE[1]),
             prefill_auth_key_file=auth_file,
+            eviction_policy=EvictionPolicy(eviction_policy),
         )
 
     @property

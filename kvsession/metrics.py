@@ -53,6 +53,11 @@ class PrefixStats(msgspec.Struct):
     pinned_blocks: int = 0
     pinned_bytes: int = 0
     num_pins: int = 0
+    eviction_policy: str = "cost"
+    # evicted cached blocks by where a copy survives ("none", "host", "disk") and by why
+    # they were the victim ("lru", "score", "non_leaf")
+    evictions_by_copy: dict[str, int] = msgspec.field(default_factory=dict)
+    evictions_by_reason: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class WorkerStats(msgspec.Struct):

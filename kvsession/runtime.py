@@ -181,7 +181,8 @@ class Runtime:
                          use_kernels=backend == AttentionBackend.TRITON)
 
         # ---- the cache and the scheduler
-        self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                              cfg.eviction_policy)
         self.manager = KVCacheManager(self.pool, self.kv)
         self.prefix = PrefixCache(self.manager, self.identity.hasher(),
                                   int(cfg.max_pinned_fraction * num_blocks))
@@ -205,9 +206,9 @@ class Runtime:
             "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
             "head_dim": spec.head_dim, "tensor_names": list(self.kv.tensors()),
         }
-        self.mover = TierMover(self.manager, self.host, self.disk, self.prefix.hasher,
-                               self.header_fields)
         prefill_tps = costmodel.RateEstimator(prior=2000.0)
+        self.mover = TierMover(self.manager, self.host, self.disk, self.prefix.hasher,
+                               self.header_fields, prefill_tps)
         self.policy = TierPolicy(self.mover, self.prefix, self.scheduler, prefill_tps, bpt,
                                  cfg.spill_after_s)
         self.scheduler.attach_reclaimer(self.policy)
@@ -392,7 +393,10 @@ class Runtime:
                                evictions=pool.num_evictions, cached_blocks=len(pool.index),
                                pinned_blocks=pins.num_pinned_blocks,
                                pinned_bytes=pins.num_pinned_blocks * bs * bpt,
-                               num_pins=len(pins.pins)),
+                               num_pins=len(pins.pins),
+                               eviction_policy=pool.eviction.value,
+                               evictions_by_copy=dict(pool.evictions_by_copy),
+                               evictions_by_reason=dict(pool.evictions_by_reason)),
             spills=dict(self.policy.spills), restores=dict(self.policy.restores),
             recomputes=self.policy.recomputes, remote=self._remote_stats(), latency=lat,
             goodput_tokens_per_s=goodput, slo_attainment=attainment,

@@ -6,18 +6,24 @@ Invariants (checked by `check_integrity`):
 - the hash index maps a hash to exactly one block whose `block_hash` equals it, and every
   block with a hash is in the index; a block's hash is set once (when it becomes full) and
   cleared only when the block is reused for other content (eviction);
-- a freed block keeps its content and its hash (content-retaining LRU): a later prefix hit
-  revives it from the middle of the free queue in O(1).
+- a freed block keeps its content and its hash (content-retaining): a later prefix hit
+  revives it from the middle of the free queue;
+- a cached block counts its cached children (the blocks published with it as their chain
+  parent), so the eviction policy can evict leaves first.
 
-Callers free a sequence's blocks tail-first (`free(blocks)` reverses them): the last block
-of a sequence, the one least likely to be shared, is evicted first, and a shared prefix
-survives longest.
+Which free block is reused next is the eviction policy's (cache/eviction.py): LRU (least
+recently freed first) or COST (the default in the engine: scan resistant and cost aware,
+leaf first). Callers free a sequence's blocks tail-first (`free(blocks)` reverses them): the
+last block of a sequence, the one least likely to be shared, goes first among equals, and a
+shared prefix survives longest.
 """
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
+from kvsession.cache.eviction import CostAwareQueue, EvictionPolicy
 from kvsession.errors import CacheFullError
 
 
@@ -27,7 +33,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev", "next", "parent",
+                 "generation", "num_children", "depth", "hits", "copy_tier", "copy_cost",
+                 "heap_key", "parked_key")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -36,6 +44,18 @@ class Block:
         self.token_ids: tuple[int, ...] | None = None  # stored for hit verification
         self.prev: Block | None = None  # intrusive free-queue links
         self.next: Block | None = None
+        # chain structure of cached content: (parent block, its generation when linked);
+        # the generation changes whenever a block's content is evicted, so a link to
+        # content that is gone is recognised as stale
+        self.parent: tuple[Block, int] | None = None
+        self.generation = 0
+        self.num_children = 0
+        self.depth = 0  # position of the block in its chain (0: the first block)
+        self.hits = 0  # references taken on this content since it was cached
+        self.copy_tier: str | None = None  # the content also lives in "host" / "disk"
+        self.copy_cost = 1.0  # reload cost from that copy, as a fraction of recomputing
+        self.heap_key: tuple[float, int] | None = None  # CostAwareQueue bookkeeping
+        self.parked_key: tuple[float, int] | None = None
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -44,6 +64,8 @@ class Block:
 
 class FreeQueue:
     """Intrusive doubly linked list of blocks: O(1) append, popleft and remove-from-middle."""
+
+    last_reason = "lru"  # why the last victim was chosen (stats)
 
     def __init__(self, blocks: Iterable[Block]):
         self.head = Block(-1)  # sentinels
@@ -81,13 +103,25 @@ class FreeQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 eviction: EvictionPolicy = EvictionPolicy.LRU):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_caching = enable_caching
+        self.enable_caching, self.eviction = enable_caching, eviction
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeQueue(self.blocks)
+        self.free_queue: FreeQueue | CostAwareQueue = (
+            FreeQueue(self.blocks) if eviction is EvictionPolicy.LRU
+            else CostAwareQueue(self.blocks, block_size, FreeQueue, num_blocks))
         self.index: dict[bytes, Block] = {}
         self.num_evictions = 0
+        # evicted cached content, by where a copy of it survives ("none", "host", "disk"),
+        # and by why it was the victim ("lru"; "score": the cheapest leaf; "non_leaf":
+        # only prefixes of blocks in use were free)
+        self.evictions_by_copy: Counter[str] = Counter()
+        self.evictions_by_reason: Counter[str] = Counter()
+        # ghosts: the hit counts of recently evicted content (hash -> hits), at most one
+        # pool's worth. Content computed again while its ghost remembers it is a re-use,
+        # not a one-off: it keeps its frequency (the ghost queue of S3-FIFO / ARC)
+        self.ghosts: OrderedDict[bytes, int] = OrderedDict()
 
     @property
     def num_free(self) -> int:
@@ -103,6 +137,8 @@ class BlockPool:
         out = []
         for _ in range(num_blocks):
             b = self.free_queue.popleft()
+            if b.block_hash is not None:
+                self.evictions_by_reason[self.free_queue.last_reason] += 1
             self._evict(b)
             b.ref_cnt = 1
             out.append(b)
@@ -111,8 +147,23 @@ class BlockPool:
     def _evict(self, b: Block) -> None:
         if b.block_hash is not None:
             del self.index[b.block_hash]
+            if self.eviction is EvictionPolicy.COST:
+                self.ghosts[b.block_hash] = b.hits
+                if len(self.ghosts) > self.num_blocks:
+                    self.ghosts.popitem(last=False)
             b.block_hash = b.token_ids = None
             self.num_evictions += 1
+            self.evictions_by_copy[b.copy_tier or "none"] += 1
+            if b.parent is not None:
+                parent, generation = b.parent
+                if parent.generation == generation:
+                    parent.num_children -= 1
+                    if parent.num_children == 0 and parent.ref_cnt == 0 and \
+                            isinstance(self.free_queue, CostAwareQueue):
+                        self.free_queue.leaf(parent)
+        b.generation += 1
+        b.parent, b.num_children, b.depth, b.hits = None, 0, 0, 0
+        b.copy_tier, b.copy_cost = None, 1.0
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Add a reference to each block (prefix hit, fork, pin); a free block is revived
@@ -121,6 +172,9 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
+            if b.block_hash is not None:
+                b.hits += 1
+                b.copy_tier = None  # whoever held the copy takes this block instead
 
     def free(self, blocks: Sequence[Block]) -> None:
         """Drop one reference from each of a sequence's blocks, tail first; blocks reaching
@@ -134,15 +188,35 @@ class BlockPool:
                     self._evict(b)
                 self.free_queue.append(b)
 
-    def cache_full_block(self, b: Block, block_hash: bytes, token_ids: Sequence[int]) -> None:
-        """Publish a full, computed block under its chained hash. If another block already
-        holds that content, this one stays unpublished (it is freed like any other)."""
+    def cache_full_block(self, b: Block, block_hash: bytes, token_ids: Sequence[int],
+                         parent_hash: bytes | None = None) -> None:
+        """Publish a full, computed block under its chained hash (`parent_hash`: the hash of
+        the block before it in its sequence, None for the first block). If another block
+        already holds that content, this one stays unpublished (it is freed like any
+        other)."""
         if not self.enable_caching or b.block_hash is not None:
             return
         if block_hash in self.index:
             return
         b.block_hash, b.token_ids = block_hash, tuple(token_ids)
         self.index[block_hash] = b
+        b.hits = self.ghosts.pop(block_hash, 0) + 1
+        parent = self.index.get(parent_hash) if parent_hash is not None else None
+        if parent is not None:
+            b.parent, b.depth = (parent, parent.generation), parent.depth + 1
+            if parent.num_children == 0:
+                # it extends a chain end (a conversation's next turn): as likely to be
+                # reused as the history it extends. A branch off a prefix that already has
+                # continuations (a one-off query under a shared system prompt) does not.
+                b.hits = max(b.hits, parent.hits)
+            parent.num_children += 1
+
+    def note_copy(self, blocks: Iterable[Block], tier: str, copy_cost: float) -> None:
+        """The content of `blocks` (about to be freed) now also lives in `tier`, from where
+        reloading costs `copy_cost` (a fraction of recomputing): cheaper to evict."""
+        for b in blocks:
+            if b.block_hash is not None:
+                b.copy_tier, b.copy_cost = tier, min(max(copy_cost, 0.0), 1.0)
 
     def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> Block | None:
         """The cached block with this hash *and* these exact tokens, else None. Does not
@@ -168,3 +242,9 @@ class BlockPool:
         for h, b in self.index.items():
             if b.block_hash != h or b.token_ids is None or len(b.token_ids) != self.block_size:
                 raise AssertionError(f"index entry inconsistent: {b}")
+        children = Counter(b.parent[0].block_id for b in self.blocks if b.parent is not None
+                           and b.parent[0].generation == b.parent[1])
+        for b in self.blocks:
+            if b.num_children != children[b.block_id]:
+                raise AssertionError(f"{b}: counts {b.num_children} cached children, "
+                                     f"{children[b.block_id]} link to it")

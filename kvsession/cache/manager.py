@@ -177,7 +177,7 @@ class KVCacheManager:
         indexed = []
         for i, h in enumerate(hashes):
             tokens = token_ids[i * bs:(i + 1) * bs]
-            self.pool.cache_full_block(holder.blocks[i], h, tokens)
+            self.pool.cache_full_block(holder.blocks[i], h, tokens, hashes[i - 1] if i else None)
             indexed.append(self.pool.lookup(h, tokens) or holder.blocks[i])
         self.pool.touch(indexed)
         self.pool.free(holder.blocks)
@@ -227,15 +227,20 @@ class KVCacheManager:
         child.tokens, child.hashes = parent.tokens, parent.hashes
         child.tier = Tier.DEVICE
 
-    def spill_to_host(self, s: SessionKV, num_lead: int, host_ids: Sequence[int]) -> None:
-        """The private blocks (after the pinned lead) were copied to `host_ids`."""
+    def spill_to_host(self, s: SessionKV, num_lead: int, host_ids: Sequence[int],
+                      copy_cost: float = 1.0) -> None:
+        """The private blocks (after the pinned lead) were copied to `host_ids`; reloading
+        them costs `copy_cost` of a recompute (the eviction order uses it)."""
+        self.pool.note_copy(s.blocks[num_lead:], Tier.HOST.value, copy_cost)
         self.truncate(s, num_lead)
         self._set_host(s, host_ids)
         s.tier = Tier.HOST
 
-    def spill_to_disk(self, s: SessionKV, num_lead: int, path: Path) -> tuple[int, ...]:
+    def spill_to_disk(self, s: SessionKV, num_lead: int, path: Path,
+                      copy_cost: float = 1.0) -> tuple[int, ...]:
         """The whole KV is in `path`; returns the host ids the session no longer holds
         (the caller returns them to the host pool)."""
+        self.pool.note_copy(s.blocks[num_lead:], Tier.DISK.value, copy_cost)
         self.truncate(s, num_lead)
         s.disk_path, s.tier = path, Tier.DISK
         return self._set_host(s, ())

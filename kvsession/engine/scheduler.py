@@ -277,7 +277,8 @@ class Scheduler:
                                           seq.params.cache_salt)
                 for i in range(before, after):
                     self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i],
-                                               seq.token_ids[i * bs:(i + 1) * bs])
+                                               seq.token_ids[i * bs:(i + 1) * bs],
+                                               seq.block_hashes[i - 1] if i else None)
                 self.prefix.clear_pending(seq.seq_id, seq.block_hashes[before:after])
 
     def finish(self, seq: Sequence, release: bool = True) -> None:

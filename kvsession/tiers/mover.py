@@ -29,9 +29,12 @@ log = logging.getLogger("kvsession")
 
 class TierMover:
     def __init__(self, manager: KVCacheManager, host: HostPool | None, disk: DiskTier | None,
-                 hasher: BlockHasher, header_fields: dict):
+                 hasher: BlockHasher, header_fields: dict,
+                 prefill_tps: costmodel.RateEstimator | None = None):
         """header_fields: this engine's identity as snapshot headers record it (model,
-        tokenizer, template, kv dtype, block size, geometry, tensor names)."""
+        tokenizer, template, kv dtype, block size, geometry, tensor names). prefill_tps
+        (measured by the engine) prices a spilled block's reload for eviction."""
+        self.prefill_tps = prefill_tps
         self.manager, self.kv, self.host, self.disk = manager, manager.kv, host, disk
         self.pool, self.hasher, self.header_fields = manager.pool, hasher, dict(header_fields)
         self.bs = manager.block_size
@@ -43,6 +46,15 @@ class TierMover:
     def bandwidth(self, tier: Tier) -> float:
         """Measured bytes/s of loading from `tier`."""
         return (self.host_bytes_per_s if tier is Tier.HOST else self.disk_read_bytes_per_s).value
+
+    def copy_cost(self, tier: Tier) -> float:
+        """Reloading a block from `tier` as a fraction of recomputing it (at the measured
+        rates; the device pool's eviction uses it to drop blocks with a copy first)."""
+        if self.prefill_tps is None:
+            return 1.0
+        block_bytes = sum(t[:, :1].numel() * t.element_size() for t in self.kv.tensors().values())
+        load = costmodel.load_ms(1, block_bytes, self.bandwidth(tier))
+        return min(1.0, load / costmodel.recompute_ms(self.bs, self.prefill_tps.value))
 
     def _give_back(self, host_ids: tuple[int, ...]) -> None:
         if host_ids:
@@ -59,7 +71,7 @@ class TierMover:
         t0 = time.perf_counter()
         moved = self.host.store(self.kv, [b.block_id for b in private], ids)
         self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
-        self.manager.spill_to_host(s, lead, ids)
+        self.manager.spill_to_host(s, lead, ids, self.copy_cost(Tier.HOST))
 
     def to_disk(self, s: SessionKV, lead: int) -> bool:
         """Write the whole KV to the session's file; then release all but the pinned lead
@@ -73,7 +85,7 @@ class TierMover:
             log.warning("could not spill session %s to %s: %s; it stays in %s",
                         s.session_id, path, e, s.tier.value)
             return False
-        self._give_back(self.manager.spill_to_disk(s, lead, path))
+        self._give_back(self.manager.spill_to_disk(s, lead, path, self.copy_cost(Tier.DISK)))
         return True
 
     def drop(self, s: SessionKV, lead: int) -> None:
