@@ -198,6 +198,20 @@ class LLM:
 
     # ---- observability ---------------------------------------------------------------
 
+    @property
+    def slo(self):
+        """The latency targets (`SLO`) that goodput and attainment in `stats()` are
+        measured against; replace them with `llm.slo = SLO(...)`."""
+        return self._rt.slo
+
+    @slo.setter
+    def slo(self, value) -> None:
+        from kvsession.metrics import SLO
+
+        if not isinstance(value, SLO):
+            raise ConfigError(f"slo must be a kvsession.metrics.SLO, got {value!r}")
+        self._rt.slo = value
+
     def stats(self) -> Stats:
         """A consistent snapshot, taken on the engine thread between steps."""
         return self._rt.call(self._rt.stats_now).result()

@@ -216,9 +216,9 @@ def test_slo_goodput_and_reply_metrics(llama_dir):
         s = llm.session(sampling=G)
         r = s.send("hello")
         assert 0 < r.metrics.ttft_s <= r.metrics.e2e_s and r.metrics.queue_s >= 0
-        llm._rt.slo = SLO(ttft_s=1e-9, tpot_s=1e-9)
+        llm.slo = SLO(ttft_s=1e-9, tpot_s=1e-9)
         assert llm.stats().slo_attainment == 0 and llm.stats().goodput_tokens_per_s == 0
-        llm._rt.slo = SLO(ttft_s=60, tpot_s=60)
+        llm.slo = SLO(ttft_s=60, tpot_s=60)
         st = llm.stats()
         assert st.slo_attainment == 1 and st.goodput_tokens_per_s > 0
         with pytest.raises(ConfigError):
