@@ -105,10 +105,18 @@ class RateEstimator:
 
     def __init__(self, prior: float, alpha: float = 0.3):
         self.value, self.alpha, self.num_samples = prior, alpha, 0
+        self.fixed = False
         self._lock = threading.Lock()
 
+    def fix(self, value: float) -> None:
+        """Hold the estimate at `value` from now on, ignoring measurements: for tests that
+        control a cost-based decision instead of depending on the machine's speed, and for
+        operators who know their hardware."""
+        with self._lock:
+            self.value, self.fixed = float(value), True
+
     def observe(self, amount: float, seconds: float) -> None:
-        if seconds <= 0 or amount <= 0:
+        if seconds <= 0 or amount <= 0 or self.fixed:
             return
         rate = amount / seconds
         with self._lock:

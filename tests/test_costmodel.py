@@ -100,3 +100,12 @@ def test_goodput_counts_only_requests_meeting_both_slos():
     # a tie meets the SLO
     assert cm.meets_slo(0.2, 0.05, 0.2, 0.05)
     assert not cm.meets_slo(0.2, 0.0501, 0.2, 0.05)
+
+
+def test_a_fixed_estimate_ignores_measurements():
+    r = cm.RateEstimator(prior=5.0)
+    r.observe(10.0, 1.0)
+    assert r.value == 10.0 and r.num_samples == 1
+    r.fix(2.0)
+    r.observe(1000.0, 1.0)
+    assert r.value == 2.0 and r.num_samples == 1

@@ -225,7 +225,8 @@ def test_restore_loads_or_recomputes_by_measured_rates(tmp_path, host_bw, tps, d
     e = build(tmp_path)
     s = add_session(e, "s1", 10, last_used=1.0)
     e.policy.spill(s)
-    e.mover.host_bytes_per_s.value, e.policy.prefill_tps.value = host_bw, tps
+    e.mover.host_bytes_per_s.fix(host_bw)
+    e.policy.prefill_tps.fix(tps)
     e.probe.depth = depth
     assert costmodel.should_load(10, BPT, host_bw, tps, depth) is load
     if load:
@@ -267,8 +268,9 @@ def test_suspend_decisions(tmp_path, idle_s, fill, host_bw, disk_bw, tps, want):
     s = add_session(e, "s1", 10, last_used=1.0)
     filler = Transient()
     e.m.allocate_slots(filler, fill)
-    e.mover.host_bytes_per_s.value, e.mover.disk_read_bytes_per_s.value = host_bw, disk_bw
-    e.policy.prefill_tps.value = tps
+    e.mover.host_bytes_per_s.fix(host_bw)
+    e.mover.disk_read_bytes_per_s.fix(disk_bw)
+    e.policy.prefill_tps.fix(tps)
     assert e.policy.suspend(s, idle_s) == want
     tier, decision = {"keep": (Tier.DEVICE, "keep"), "host": (Tier.HOST, "spill to host"),
                       "disk": (Tier.DISK, "spill to disk"),
@@ -286,7 +288,7 @@ def test_suspend_decisions(tmp_path, idle_s, fill, host_bw, disk_bw, tps, want):
 def test_suspend_writes_no_file_when_it_decides_to_drop(tmp_path):
     e = build(tmp_path, host_blocks=1)
     s = add_session(e, "s1", 10, last_used=1.0)
-    e.mover.disk_read_bytes_per_s.value = 1.0  # disk slower than recompute
+    e.mover.disk_read_bytes_per_s.fix(1.0)  # disk slower than recompute
     assert e.policy.suspend(s, 120.0) == "drop"
     assert not (tmp_path / "s1.kvs").exists()
     assert e.policy.spills == {"host": 0, "disk": 0}
