@@ -42,6 +42,7 @@ from kvsession.cache.kv_pool import block_runs
 from kvsession.cache.manager import HolderKind
 from kvsession.config import EngineConfig
 from kvsession.connector.base import (
+    NO_HANDSHAKE,
     AuthKeys,
     Bye,
     Hello,
@@ -187,7 +188,7 @@ class NixlPrefillService(PrefillService):
         from kvsession.params import SamplingParams
 
         if caller not in self.callers:
-            return PrefillFailed(req.req_id, "no handshake")
+            return PrefillFailed(req.req_id, NO_HANDSHAKE)
         agent_name, remote = self.callers[caller]
         limit = min(t.num_blocks for t in remote)
         if max(req.block_ids) >= limit:
@@ -397,6 +398,19 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
     sock = ctx.socket(zmq.ROUTER)
     stats_lock = threading.Lock()
     stats_waiters: list[bytes] = []
+    # callers that sent a Hello: when each last said anything. One silent for
+    # caller_timeout_s (a live caller heartbeats) has vanished: its registration is dropped
+    seen: dict[bytes, float] = {}
+    last_sweep = time.monotonic()
+
+    def sweep(now: float) -> None:
+        for ident, t in list(seen.items()):
+            if now - t > args.caller_timeout_s:
+                try:
+                    jobs.put_nowait((ident, Bye()))
+                except queue.Full:
+                    return  # next sweep
+                del seen[ident]
 
     def send(ident: bytes, msg) -> None:
         try:  # a ROUTER drops what a peer cannot take; it never blocks here
@@ -455,6 +469,10 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
             except queue.Full:
                 reject(ident, f"worker busy: {jobs.maxsize} jobs queued", msg.req_id)
         elif isinstance(msg, Hello | Bye):
+            if isinstance(msg, Hello):
+                seen[ident] = time.monotonic()
+            else:
+                seen.pop(ident, None)
             try:
                 jobs.put_nowait((ident, msg))
             except queue.Full:
@@ -487,6 +505,8 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
                     if got is None:
                         break
                     ident, data, error = got
+                    if ident in seen:
+                        seen[ident] = time.monotonic()
                     try:
                         if error:
                             reject(ident, error)
@@ -497,6 +517,9 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
                         reject(ident, f"internal error: {type(e).__name__}")
             while not replies.empty():
                 send(*replies.get())
+            if time.monotonic() - last_sweep > 1.0:
+                last_sweep = time.monotonic()
+                sweep(last_sweep)
     finally:
         stop.set()
         worker.join(timeout=SHUTDOWN_S)
@@ -543,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="handshakes and prefills waiting; beyond it they get an error reply")
     p.add_argument("--request-timeout-s", type=float, default=60.0,
                    help="a prefill and its writes that take longer fail")
+    p.add_argument("--caller-timeout-s", type=float, default=30.0,
+                   help="a caller silent this long (no heartbeat) is forgotten")
     args = p.parse_args(argv)
     from kvsession.errors import KVSessionError
 
@@ -557,8 +582,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model or not args.listen:
         p.error("--model and --listen are required (or --make-keys DIR)")
-    if args.max_queue < 1 or not args.request_timeout_s > 0:
-        p.error("--max-queue must be >= 1 and --request-timeout-s > 0")
+    if args.max_queue < 1 or not args.request_timeout_s > 0 or not args.caller_timeout_s > 0:
+        p.error("--max-queue must be >= 1, --request-timeout-s and --caller-timeout-s > 0")
     try:
         faults = Faults.from_env()
     except ValueError as e:

@@ -31,6 +31,7 @@ from kvsession.errors import ConfigError
 # 2: HelloOk carries the worker's limits; Rejected, StatsQuery and WorkerStatus
 PROTOCOL_VERSION = 2
 MAX_CACHE_SALT = 1024  # characters
+NO_HANDSHAKE = "no handshake"  # PrefillFailed.reason: the worker forgot us; say Hello again
 
 
 class TensorDesc(msgspec.Struct, frozen=True):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsession.connector.base import (
+    NO_HANDSHAKE,
     AuthKeys,
     Bye,
     Completion,
@@ -387,6 +388,8 @@ class NixlPrefillClient(PrefillConnector):
                 log.info("prefill worker %s failed request %d: %s", w.address, msg.req_id,
                          msg.reason)
                 self._fail(msg.req_id, "worker error", True, out)
+                if msg.reason == NO_HANDSHAKE and w.state == "ready":
+                    self._hello(w)  # it dropped our registration (e.g. it restarted)
             else:
                 out.append(Completion(self.quarantine.pop(msg.req_id).seq_id, "fenced"))
 

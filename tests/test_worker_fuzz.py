@@ -1,0 +1,537 @@
+"""The prefill worker's protocol under hostile input (seeded, CI-sized), against a real
+authenticated worker process: wrong frame counts, random bytes, huge messages, valid-looking
+requests with bad ids / tokens / block counts, bad handshakes, unauthenticated peers and a
+caller that vanishes mid-transfer. After each suite the worker still serves an
+authenticated caller with exactly the tokens of a local LLM, and its pool is back to its
+baseline (the worker's `WorkerStatus`: every block free, none held, invariants intact).
+
+Each suite records (cases, clean error replies) in REPORT; `pytest -s` prints it."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+from test_remote import KW, Worker, generate, prompts, run_worker, wait_for
+from zmq.utils.monitor import recv_monitor_message
+
+from kvsession import LLM
+from kvsession.cache.block_pool import blocks_for
+from kvsession.connector.base import (
+    Hello,
+    HelloOk,
+    Ping,
+    Pong,
+    PrefillDone,
+    PrefillFailed,
+    PrefillRequest,
+    Refused,
+    Rejected,
+    StatsQuery,
+    TensorDesc,
+    WorkerStatus,
+    compat_hash,
+    decode,
+    encode,
+    load_keys,
+    max_message_bytes,
+    write_keys,
+)
+from kvsession.connector.nixl import describe_tensors, make_agent
+
+MiB = 2**20
+REPORT: dict[str, dict[str, object]] = {}
+_monitors = itertools.count()
+
+
+def vm_hwm_bytes(pid: int) -> int:
+    """The process's peak resident set size (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+class Peer:
+    """A raw DEALER socket (CURVE when `keys` are given) with an event monitor."""
+
+    def __init__(self, ctx, address: str, keys=None, server_key: bytes | None = None):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            self.sock.curve_secretkey, self.sock.curve_publickey = keys.secret, keys.public
+            self.sock.curve_serverkey = server_key or keys.peers[0]
+        endpoint = f"inproc://fuzz-monitor-{next(_monitors)}"
+        self.sock.monitor(endpoint, zmq.EVENT_ALL)
+        self.monitor = ctx.socket(zmq.PAIR)
+        self.monitor.setsockopt(zmq.LINGER, 0)
+        self.monitor.connect(endpoint)
+        self.sock.connect(address)
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout_s: float = 20.0):
+        assert self.sock.poll(int(timeout_s * 1000)), f"no reply within {timeout_s} s"
+        return decode(self.sock.recv())
+
+    def ask(self, msg, timeout_s: float = 20.0):
+        self.send(encode(msg))
+        return self.recv(timeout_s)
+
+    def wait_event(self, events: set[int], timeout_s: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.monitor.poll(50):
+                event = recv_monitor_message(self.monitor)["event"]
+                if event in events:
+                    return event
+        raise AssertionError(f"none of the socket events {events} within {timeout_s} s")
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.sock.close(linger=0)
+        self.monitor.close(linger=0)
+
+
+class FuzzCaller:
+    """A NIXL agent with its own KV-shaped tensors and an authenticated socket: what a
+    caller is, minus the engine, so it can send anything."""
+
+    def __init__(self, ctx, address: str, keys, like: dict[str, torch.Tensor], compat: str):
+        self.tensors = {n: torch.zeros_like(t) for n, t in like.items()}
+        self.agent = make_agent("kvs-fuzz")
+        self.reg = self.agent.register_memory(list(self.tensors.values()))
+        self.peer = Peer(ctx, address, keys)
+        self.num_blocks = next(iter(self.tensors.values())).shape[1]
+        self.hello = Hello(compat, self.agent.name, self.agent.get_agent_metadata(),
+                           describe_tensors(self.tensors))
+
+    def prefill(self, req: PrefillRequest, timeout_s: float = 30.0):
+        """Send a request and drive this agent's NIXL progress (as a caller's engine thread
+        does) until the answer: (answer, notifications received)."""
+        self.peer.send(encode(req))
+        notes: list[bytes] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for msgs in self.agent.get_new_notifs().values():
+                notes += msgs
+            if self.peer.sock.poll(5):
+                return decode(self.peer.sock.recv()), notes
+        raise AssertionError(f"no answer within {timeout_s} s")
+
+    def close(self) -> None:
+        self.peer.close()
+        self.agent.deregister_memory(self.reg)
+        self.agent = None
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture(scope="module")
+def key_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz-keys")
+    assert run_worker("--make-keys", str(d)).returncode == 0
+    return d
+
+
+@pytest.fixture(scope="module")
+def caller_keys(key_dir):
+    return load_keys(key_dir / "caller.keys", "caller")
+
+
+@pytest.fixture(scope="module")
+def target(llama_dir, key_dir):
+    """The worker under test: authenticated, forgets silent callers after 3 s."""
+    w = Worker(llama_dir, "--caller-timeout-s", "3", "--request-timeout-s", "20",
+               key_file=key_dir / "worker.keys")
+    yield w
+    assert w.stop() == 0  # a clean exit, and the worker's own integrity check at close passed
+    if REPORT:
+        print("\nworker fuzz report:")
+        for suite, row in REPORT.items():
+            print(f"  {suite}: {row}")
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """A local LLM (no worker): the tokens the caller must get. Each check uses new prompts
+    (a repeated one would be a prefix-cache hit, not a remote prefill)."""
+    with LLM(llama_dir, **KW) as llm:
+        yield llm, itertools.count(100)
+
+
+@pytest.fixture(scope="module")
+def caller(llama_dir, target, key_dir):
+    """The authenticated caller whose service must never change."""
+    with LLM(llama_dir, prefill_worker=target.address, remote_prefill="always",
+             prefill_auth_key_file=key_dir / "caller.keys", **KW) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def status_peer(ctx, target, caller_keys):
+    p = Peer(ctx, target.address, caller_keys)
+    yield p
+    p.close()
+
+
+def status(peer: Peer) -> WorkerStatus:
+    st = peer.ask(StatsQuery())
+    assert isinstance(st, WorkerStatus)
+    return st
+
+
+def at_baseline(st: WorkerStatus) -> bool:
+    return (st.free_blocks == st.num_blocks and st.held_blocks == 0 and st.integrity == "ok"
+            and st.queued == 0 and not st.busy)
+
+
+def still_serving(caller_llm, reference, status_peer) -> None:
+    """The authenticated caller gets exactly the local tokens, through the worker, and the
+    worker's pool returns to its baseline."""
+    local_llm, seeds = reference
+    ps = prompts(next(seeds), 4, shared=32)
+    before = caller_llm.stats().remote
+    assert generate(caller_llm, ps) == generate(local_llm, ps)
+    after = caller_llm.stats().remote
+    assert after.prefills == before.prefills + len(ps) and after.fallbacks == before.fallbacks
+    wait_for(lambda: at_baseline(status(status_peer)), 30, "the worker's pool at baseline")
+
+
+def record(suite: str, tried: int, clean: int, **extra) -> None:
+    REPORT[suite] = {"cases": tried, "clean errors": clean, **extra}
+
+
+# ---- item 2: one bad message never disables the worker ---------------------------------------
+
+def test_a_two_frame_message_is_rejected_and_the_worker_keeps_serving(
+        ctx, target, caller_keys, caller, reference, status_peer):
+    peer = Peer(ctx, target.address, caller_keys)
+    try:
+        peer.send(b"one", b"two")
+        reply = peer.recv()
+        assert isinstance(reply, Rejected) and "expected one frame" in reply.reason
+        assert isinstance(peer.ask(Ping(1.0)), Pong)
+    finally:
+        peer.close()
+    still_serving(caller, reference, status_peer)
+
+
+def test_malformed_frames(ctx, target, caller_keys, caller, reference, status_peer):
+    rng = random.Random(20240601)
+    cases: list[tuple[str, list[bytes]]] = []
+    for n in (2, 3, 5, 9):
+        cases.append((f"{n} frames", [rng.randbytes(rng.randint(0, 64)) for _ in range(n)]))
+    cases.append(("empty frame", [b""]))
+    cases += [("random bytes", [rng.randbytes(rng.randint(1, 4000))]) for _ in range(60)]
+    for obj in ([], {}, 0, -1, "x", None, True, 1.5, [1, 2, 3], {"type": "Nope"},
+                {"type": "PrefillRequest"}, {"type": "Ping", "t": "soon"},
+                {"type": "PrefillRequest", "req_id": "a", "token_ids": [1], "first_block": 0,
+                 "block_ids": [0]},
+                {"type": "PrefillRequest", "req_id": 1, "token_ids": [1.5], "first_block": 0,
+                 "block_ids": [0]},
+                {"type": "PrefillRequest", "req_id": 1.5, "token_ids": [1],
+                 "first_block": 0, "block_ids": [0]}):
+        cases.append(("wrong schema", [msgspec.msgpack.encode(obj)]))
+    for msg in (HelloOk("x"), Pong(0.0), PrefillDone(1, 0, 0.0), Rejected("x"),
+                Refused("x"), WorkerStatus(1, 1, 0, "ok", 0, 0, False, 0, 0, 0)):
+        cases.append(("unexpected type", [encode(msg)]))
+    peer = Peer(ctx, target.address, caller_keys)
+    clean = 0
+    try:
+        for kind, frames in cases:
+            peer.send(*frames)
+            reply = peer.recv()
+            assert isinstance(reply, Rejected), (kind, reply)
+            clean += 1
+    finally:
+        peer.close()
+    record("malformed frames", len(cases), clean)
+    still_serving(caller, reference, status_peer)
+
+
+def test_huge_messages_are_refused_without_growing_the_worker(
+        ctx, target, caller_keys, caller, reference, status_peer):
+    limit = max_message_bytes(512)  # the worker's max_model_len
+    peak_before = vm_hwm_bytes(target.proc.pid)
+    peer = Peer(ctx, target.address, caller_keys)
+    peer.wait_event({zmq.EVENT_HANDSHAKE_SUCCEEDED})
+    tried = clean = dropped = 0
+    try:
+        replies = {
+            "just over the limit": [b"\x00" * (limit + 1)],
+            "two 1.5 MiB frames": [b"\x01" * (3 * MiB // 2)] * 2,
+            "100k token ids": [encode(PrefillRequest(1, [1] * 100_000, 0,
+                                                     list(range(6250))))],
+        }
+        for kind, frames in replies.items():
+            peer.send(*frames)
+            reply = peer.recv()
+            tried += 1
+            assert isinstance(reply, Rejected | PrefillFailed), (kind, reply)
+            clean += 1
+        # far above the limit: zmq drops the connection after reading the frame's size,
+        # before buffering it (the worker never sees it); the peer reconnects by itself
+        rejected = status(status_peer).rejected
+        for size in (29 * MiB, 64 * MiB):
+            peer.send(b"\x02" * size)
+            tried += 1
+            peer.wait_event({zmq.EVENT_DISCONNECTED})
+            dropped += 1
+            peer.wait_event({zmq.EVENT_HANDSHAKE_SUCCEEDED})
+        assert status(status_peer).rejected == rejected
+        assert isinstance(peer.ask(Ping(2.0)), Pong)
+    finally:
+        peer.close()
+    growth = vm_hwm_bytes(target.proc.pid) - peak_before
+    record("huge messages", tried, clean, dropped_by_zmq=dropped,
+           worker_vm_hwm_mib=round(vm_hwm_bytes(target.proc.pid) / MiB, 1),
+           vm_hwm_growth_mib=round(growth / MiB, 1))
+    assert growth < 32 * MiB, f"the worker's peak RSS grew by {growth / MiB:.1f} MiB"
+    still_serving(caller, reference, status_peer)
+
+
+# ---- valid-looking messages --------------------------------------------------------------------
+
+def bad_requests(rng: random.Random, vocab: int, num_blocks: int, bs: int = 16):
+    """(kind, request) pairs that must each get a PrefillFailed."""
+
+    def req(tokens, first=0, blocks=None, salt=None):
+        n = blocks_for(len(tokens), bs) - first if tokens else 1
+        blocks = list(range(10, 10 + max(n, 0))) if blocks is None else blocks
+        return PrefillRequest(rng.randrange(1, 2**31), tokens, first, blocks, salt)
+
+    def toks(n):
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    out = [("negative token", req(toks(20) + [-1])),
+           ("token = vocab", req(toks(20) + [vocab])),
+           ("huge token", req([2**62] + toks(5))),
+           ("no tokens", req([])),
+           ("too many tokens", req(toks(600))),
+           ("first_block < 0", req(toks(40), first=-1)),
+           ("first_block past the end", req(toks(40), first=3)),
+           ("too few blocks", req(toks(40), blocks=[1, 2])),
+           ("too many blocks", req(toks(40), blocks=[1, 2, 3, 4])),
+           ("negative block id", req(toks(40), blocks=[1, -2, 3])),
+           ("repeated block id", req(toks(40), blocks=[1, 1, 3])),
+           ("block id past the caller's pool", req(toks(40), blocks=[1, 2, num_blocks])),
+           ("huge block id", req(toks(40), blocks=[1, 2, 2**40])),
+           ("long cache salt", req(toks(20), salt="s" * 2000))]
+    for i in range(40):  # random corruptions of a valid request
+        n = rng.randint(1, 120)
+        tokens = toks(n)
+        first = rng.randrange(blocks_for(n, bs))
+        blocks = list(range(20, 20 + blocks_for(n, bs) - first))
+        what = rng.choice(["token", "count", "block", "first"])
+        if what == "token":
+            tokens[rng.randrange(n)] = rng.choice([-rng.randint(1, 2**31), vocab + rng.randrange(
+                2**20)])
+        elif what == "count":
+            blocks = blocks + [99] if rng.random() < 0.5 or len(blocks) < 2 else blocks[:-1]
+        elif what == "block":
+            blocks[rng.randrange(len(blocks))] = rng.choice([-1, num_blocks + rng.randrange(99)])
+        else:
+            first = rng.choice([-rng.randint(1, 5), blocks_for(n, bs) + rng.randint(0, 5)])
+        out.append((f"random {what}", PrefillRequest(1000 + i, tokens, first, blocks)))
+    return out
+
+
+def test_valid_looking_requests_with_bad_ids_tokens_or_blocks(
+        ctx, target, caller_keys, caller, reference, status_peer):
+    rt = caller._rt
+    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv.tensors(), compat_hash(rt.identity))
+    rng = random.Random(7)
+    tried = clean = 0
+    try:
+        # before a handshake nothing is computed
+        no_hello = PrefillRequest(5, [1, 2, 3], 0, [0])
+        reply = fc.peer.ask(no_hello)
+        assert isinstance(reply, PrefillFailed) and reply.reason == "no handshake"
+        assert isinstance(fc.peer.ask(fc.hello), HelloOk)
+        vocab = rt.info.spec.vocab_size
+        for kind, req in bad_requests(rng, vocab, fc.num_blocks):
+            reply = fc.peer.ask(req)
+            tried += 1
+            assert isinstance(reply, PrefillFailed) and reply.req_id == req.req_id, (kind, reply)
+            clean += 1
+        # odd but valid request ids are served (into the fuzz caller's own tensors)
+        for req_id in (-7, 0, 2**62):
+            reply, notes = fc.prefill(PrefillRequest(req_id, [3] * 40, 0, [4, 5, 6]))
+            assert isinstance(reply, PrefillDone) and reply.req_id == req_id
+            assert sorted(notes) == sorted(f"{req_id}:{layer}".encode()
+                                           for layer in range(rt.info.spec.num_layers))
+    finally:
+        fc.close()
+    record("valid-looking requests", tried + 1, clean + 1, served_odd_ids=3)
+    still_serving(caller, reference, status_peer)
+
+
+def test_bad_handshakes_are_refused(ctx, target, caller_keys, caller, reference, status_peer):
+    rt = caller._rt
+    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv.tensors(), compat_hash(rt.identity))
+    other = make_agent("kvs-fuzz-other")
+    rng = random.Random(11)
+    h = fc.hello
+    t0 = h.tensors[0]
+
+    def with_tensor(**change):
+        return Hello(h.compat, h.agent_name, h.agent_metadata,
+                     [msgspec.structs.replace(t0, **change), *h.tensors[1:]])
+
+    cases = [
+        ("wrong compat", Hello("0" * 64, h.agent_name, h.agent_metadata, h.tensors)),
+        ("no tensors", Hello(h.compat, h.agent_name, h.agent_metadata, [])),
+        ("renamed tensor", with_tensor(name="evil")),
+        ("wrong layer count", with_tensor(num_layers=t0.num_layers + 1)),
+        ("wrong block size", with_tensor(block_bytes=t0.block_bytes * 2)),
+        ("no blocks", with_tensor(num_blocks=0)),
+        ("null address", with_tensor(addr=0)),
+        ("unknown memory type", with_tensor(mem_type="XPU")),
+        ("extra tensor", Hello(h.compat, h.agent_name, h.agent_metadata,
+                               [*h.tensors, TensorDesc("x", 1, 1, 1, 1)])),
+        ("metadata of another agent", Hello(h.compat, h.agent_name,
+                                            other.get_agent_metadata(), h.tensors)),
+        ("empty metadata", Hello(h.compat, h.agent_name, b"", h.tensors)),
+    ]
+    cases += [("random metadata", Hello(h.compat, f"kvs-fuzz-{i}",
+                                        b"junk" + rng.randbytes(rng.randint(0, 3000)), h.tensors))
+              for i in range(20)]
+    clean = 0
+    try:
+        for kind, hello in cases:
+            reply = fc.peer.ask(hello)
+            assert isinstance(reply, Refused), (kind, reply)
+            clean += 1
+        assert isinstance(fc.peer.ask(fc.hello), HelloOk)  # the real one still works
+    finally:
+        fc.close()
+        other = None
+    record("bad handshakes", len(cases), clean)
+    still_serving(caller, reference, status_peer)
+
+
+# ---- unauthenticated peers ---------------------------------------------------------------------
+
+def test_unauthenticated_peers_get_nothing(ctx, target, caller_keys, caller, reference,
+                                           status_peer, tmp_path):
+    rt = caller._rt
+    _, stranger_caller_file = write_keys(tmp_path)
+    stranger = load_keys(stranger_caller_file, "caller")
+    hello = Hello(compat_hash(rt.identity), "kvs-stranger", b"", describe_tensors(
+        rt.kv.tensors()))
+    before = status(status_peer)
+    failures = {zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
+    peers = {"no key": (None, None),
+             "a key the worker does not list": (stranger, caller_keys.peers[0]),
+             "the wrong worker key": (caller_keys, stranger.peers[0])}
+    tried = 0
+    for kind, (keys, server_key) in peers.items():
+        peer = Peer(ctx, target.address, keys, server_key)
+        try:
+            for msg in (hello, PrefillRequest(1, [1] * 40, 0, [1, 2, 3]), Ping(0.0),
+                        StatsQuery()):
+                peer.send(encode(msg))
+                tried += 1
+            peer.wait_event(failures)
+            assert not peer.sock.poll(0), kind  # nothing came back
+        finally:
+            peer.close()
+    after = status(status_peer)
+    assert (after.callers, after.rejected, after.served, after.failed) == (
+        before.callers, before.rejected, before.served, before.failed)
+    record("unauthenticated peers", tried, 0, handshakes_failed=len(peers),
+           messages_reaching_the_worker=0)
+    still_serving(caller, reference, status_peer)
+
+
+# ---- a caller that vanishes mid-transfer -------------------------------------------------------
+
+VANISHING_CALLER = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    from kvsession import LLM, SamplingParams
+    model, address, key_file = sys.argv[1:4]
+    llm = LLM(model, prefill_worker=address, remote_prefill="always",
+              prefill_auth_key_file=key_file, kv_cache_memory="8MiB", max_model_len=512)
+    conn = llm._rt.connector
+    ps = [[(7 * i + j) % 500 for j in range(400)] for i in range(6)]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    threading.Thread(target=llm.generate, daemon=True,
+                     kwargs=dict(prompt_token_ids=ps, sampling_params=params,
+                                 use_tqdm=False)).start()
+    deadline = time.monotonic() + 60
+    while not conn.pending and time.monotonic() < deadline:
+        time.sleep(0.001)
+    print("pending" if conn.pending else "never", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no Bye, no deregistration: gone
+""")
+
+
+def test_a_caller_vanishing_mid_transfer(llama_dir, key_dir, target, caller, reference,
+                                         status_peer):
+    callers = status(status_peer).callers
+    out = subprocess.run([sys.executable, "-c", VANISHING_CALLER, str(llama_dir),
+                          target.address, str(key_dir / "caller.keys")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL and out.stdout.strip() == "pending", out.stderr
+    still_serving(caller, reference, status_peer)
+    # the vanished caller's registration is dropped once it has been silent 3 s
+    wait_for(lambda: status(status_peer).callers == callers, 30, "the caller to be forgotten")
+    record("vanishing caller", 1, 1)
+
+
+# ---- a busy worker: bounded queue, heartbeats, SIGTERM ----------------------------------------
+
+def test_a_full_queue_answers_busy_and_heartbeats_go_on(ctx, llama_dir):
+    w = Worker(llama_dir, "--max-queue", "1", faults="delay_rate=1,delay_s=120")
+    peer = Peer(ctx, w.address)
+    try:
+        req = PrefillRequest(1, [1] * 40, 0, [1, 2, 3])
+        peer.send(encode(req))  # the job thread takes it and sleeps (the injected delay)
+        wait_for(lambda: peer.ask(StatsQuery()).busy, 20, "the job thread to be busy")
+        peer.send(encode(msgspec.structs.replace(req, req_id=2)))  # queued
+        wait_for(lambda: peer.ask(StatsQuery()).queued == 1, 20, "one queued job")
+        reply = peer.ask(msgspec.structs.replace(req, req_id=3))
+        assert isinstance(reply, PrefillFailed) and reply.req_id == 3
+        assert "busy" in reply.reason
+        assert isinstance(peer.ask(Ping(3.0)), Pong)  # the socket loop never blocked
+        rejected = peer.ask(Hello("x", "y", b"", []))  # a handshake cannot queue either
+        assert isinstance(rejected, Rejected) and "busy" in rejected.reason
+    finally:
+        peer.close()
+        t0 = time.monotonic()
+        assert w.stop() == 0  # SIGTERM interrupts the injected delay
+        assert time.monotonic() - t0 < 15
+
+
+def test_sigterm_exits_within_a_bound_during_a_long_job(ctx, llama_dir):
+    w = Worker(llama_dir, faults="delay_rate=1,delay_s=120")
+    peer = Peer(ctx, w.address)
+    try:
+        peer.send(encode(PrefillRequest(1, [1] * 40, 0, [1, 2, 3])))
+        wait_for(lambda: peer.ask(StatsQuery()).busy, 20, "the job thread to be busy")
+    finally:
+        peer.close()
+    t0 = time.monotonic()
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(timeout=30) == 0
+    assert time.monotonic() - t0 < 15  # not the 120 s the job would have taken
