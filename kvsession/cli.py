@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvsession.errors import KVSessionError
+from kvsession.errors import ConfigError, KVSessionError
 
 
 def default_model_dir() -> Path:
@@ -55,7 +55,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from kvsession.tiers.snapshot import describe, read_header
+    from kvsession.tiers.snapshot_read import describe, read_header
 
     print(describe(read_header(args.file), args.file))
     return 0
@@ -64,7 +64,10 @@ def cmd_inspect(args) -> int:
 def cmd_make_tiny_model(args) -> int:
     from kvsession.testing import make_tiny_model
 
-    path = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, layout=args.layout)
+    try:
+        path = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, layout=args.layout)
+    except OSError as e:  # an unwritable or invalid directory: one line, like every error
+        raise ConfigError(f"cannot write a checkpoint to {args.dir!r}: {e}") from None
     print(f"wrote a tiny {args.arch} checkpoint to {path}")
     return 0
 

@@ -76,11 +76,17 @@ class LLM:
     def close(self) -> None:
         """Persist live sessions to session_dir (when set), stop the engine thread (pending
         calls fail with EngineClosedError), close every session and drop the KV cache.
-        Idempotent."""
+        Idempotent.
+
+        If a session cannot be persisted (disk full, session_dir unwritable), nothing is
+        lost: close() closes the sessions that were persisted and raises SnapshotError
+        naming the others (its `.sessions`), which stay live with their KV while the
+        engine stays open. Free space and call close() again, or save them elsewhere
+        (`session.save(path)`), or give them up (`session.close()`) and call close()."""
         rt = self._rt
         if rt is None or rt.closed:
             return
-        self._store.persist_all()
+        self._store.persist_all()  # SnapshotError, nothing closed, if any was not persisted
         self._store.close_all()
         rt.close()
 
@@ -166,7 +172,10 @@ class LLM:
         return self._store.session(system, session_id, pin_system, sampling)
 
     def sessions(self) -> list[str]:
-        """Ids of the sessions persisted in session_dir (empty without one)."""
+        """Ids of the sessions persisted in session_dir: each snapshot file's name
+        (`<id>.kvs`), so a copy under another name is listed as its own session; files
+        that are not intact snapshots (or not regular files) are skipped with a warning.
+        Empty without a session_dir."""
         return self._store.sessions()
 
     def restore(self, path, session_id: str | None = None) -> Session:

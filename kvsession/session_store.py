@@ -8,27 +8,33 @@ them. Snapshots are checked against this engine (model, tokenizer, template, kv 
 block size, geometry) before anything is loaded; a mismatch is a SnapshotError and leaves
 the engine and every other session untouched.
 
+A file in session_dir is the session its name says (`alice-backup.kvs` resumes as
+"alice-backup", whatever id its header records); a session writes and deletes only its own
+file there, and an id whose file holds another session is refused rather than overwritten.
+Restored block hashes are recomputed from the tokens, never taken from the file.
+
 Session ids are validated once, here, where they enter (`session`, `restore`, `fork`).
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
+import os
 from concurrent.futures import Future
 from pathlib import Path
 
 from kvsession.cache.manager import SessionKV, Tier
 from kvsession.engine.loop import OnUpdate
 from kvsession.engine.sequence import Sequence
-from kvsession.errors import CacheFullError, ConfigError, SnapshotError
+from kvsession.errors import CacheFullError, ConfigError, SessionClosedError, SnapshotError
 from kvsession.model.tokenizer import Tokenizer
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
 from kvsession.runtime import PinHandle, Runtime
 from kvsession.session import SAMPLING_FIELDS, Session, TurnInfo, common_prefix_len
 from kvsession.tiers.disk import check_session_id
-from kvsession.tiers.snapshot import SnapshotHeader, check_compatible, read_header
+from kvsession.tiers.snapshot import SnapshotHeader, copy_snapshot
+from kvsession.tiers.snapshot_read import read_header
 
 log = logging.getLogger("kvsession")
 
@@ -49,7 +55,7 @@ class SessionStore:
             disk = self.rt.disk
             if session_id not in self.live and disk is not None \
                     and disk.path_for(session_id).is_file():
-                return self.restore(disk.path_for(session_id), None)
+                return self.restore(disk.path_for(session_id), session_id)
         return self._new_session(session_id, system, sampling,
                                  self._system_key(system) if pin_system else None)
 
@@ -65,11 +71,22 @@ class SessionStore:
 
     def _new_session(self, session_id: str | None, system: str | None,
                      sampling: SamplingParams | None, system_key,
-                     messages: list[dict] | None = None) -> Session:
-        """session_id was validated by the caller."""
+                     messages: list[dict] | None = None, source: Path | None = None
+                     ) -> Session:
+        """session_id was validated by the caller; source: the file it is restored from."""
         self.rt.check_open()
         if session_id is not None and session_id in self.live:
             raise ConfigError(f"session_id {session_id!r} is already in use by a live session")
+        disk = self.rt.disk
+        if session_id is not None and disk is not None:
+            own = disk.path_for(session_id)
+            # the session would write (spill, persist) and may delete this file: it must be
+            # its own, never another session's
+            if os.path.lexists(own) and not (source is not None and _same_file(source, own)):
+                raise ConfigError(
+                    f"session_id {session_id!r} is taken in session_dir: {own} is another "
+                    f"session's file (resume it with llm.session(session_id="
+                    f"{session_id!r})); choose another session_id")
         sess = Session(self, session_id, system, sampling, messages)
         if system_key is not None:
             entry = self._system_pins.get(system_key)
@@ -87,36 +104,47 @@ class SessionStore:
         return sess
 
     def restore(self, path, session_id: str | None) -> Session:
+        """The session's id: `session_id` when given; else, for a file directly in
+        session_dir, the file's name (that file is the session's); else the header's id.
+        Anything wrong with the file is a SnapshotError; an id in use (live, or naming
+        another session's file in session_dir) a ConfigError. Either way nothing changes."""
         path = Path(path)
         if session_id is not None:
             check_session_id(session_id)
-        header = read_header(path)
-        fields = self.rt.header_fields
-        check_compatible(path, header, {k: v for k, v in fields.items() if k != "tensor_names"})
-        if set(header.tensor_names) != set(fields["tensor_names"]):
-            raise SnapshotError(f"{path}: tensors {header.tensor_names} do not match this "
-                                f"engine's cache {fields['tensor_names']}")
-        sid = session_id or header.session_id
+        header = read_header(path, expect=self.rt.header_fields)
+        vocab = self.rt.info.spec.vocab_size
+        if any(t >= vocab for t in header.token_ids):
+            raise SnapshotError(f"{path}: token ids outside this model's vocabulary ({vocab})")
+        disk = self.rt.disk
+        sid = session_id or (disk.id_of(path) if disk is not None else None) \
+            or header.session_id
         if sid in self.live:
             raise ConfigError(f"session {sid!r} is live; pass restore(path, session_id=...)")
-        sampling = SamplingParams(**{k: v for k, v in header.sampling.items()
-                                     if k in SAMPLING_FIELDS})
-        sess = self._new_session(sid, header.system, sampling, self._system_key(header.system),
-                                 list(header.messages))
+        try:  # values from the file: refused as the file's fault
+            sampling = SamplingParams(**{k: v for k, v in header.sampling.items()
+                                         if k in SAMPLING_FIELDS})
+            system_key = self._system_key(header.system)
+        except ConfigError as e:
+            raise SnapshotError(f"{path}: {e}") from None
+        # hashes are recomputed from the tokens: the file's could name other prefixes'
+        # blocks and poison the shared prefix cache
+        hashes = self.rt.mover.block_hashes(header.token_ids, sampling.cache_salt)
+        sess = self._new_session(sid, header.system, sampling, system_key,
+                                 list(header.messages), source=path)
         try:
-            self.rt.call(lambda: self._load_snapshot(sess.kv, path, header)).result()
+            self.rt.call(lambda: self._load_snapshot(sess.kv, path, header, hashes)).result()
         except BaseException:
             sess.close()
             raise
         return sess
 
-    def _load_snapshot(self, kv: SessionKV, path: Path, h: SnapshotHeader) -> None:
+    def _load_snapshot(self, kv: SessionKV, path: Path, h: SnapshotHeader,
+                       hashes: list[bytes]) -> None:
         """Engine thread: the snapshot's KV into device blocks (blocks already resident are
         re-referenced, not re-read). If the device is full even after spilling idle
         sessions, the file is only validated and stays the session's disk tier: its next
         turn loads or recomputes."""
-        self.rt.manager.on_disk(kv, h.token_ids, [bytes.fromhex(x) for x in h.block_hashes],
-                                path)
+        self.rt.manager.on_disk(kv, h.token_ids, hashes, path)
         self.rt.policy.restore_snapshot(kv, h)
 
     # ---- what a Session asks of the engine ----------------------------------------------------
@@ -163,6 +191,8 @@ class SessionStore:
     def fork(self, parent: Session, session_id: str | None) -> Session:
         if session_id is not None:
             check_session_id(session_id)
+        if parent.state == "closed":  # before anything is created (a child, a system pin)
+            raise SessionClosedError(f"session {parent.session_id!r} is closed")
         child = self._new_session(session_id, parent.system, parent.sampling,
                                   parent.system_key, parent.messages)
 
@@ -178,11 +208,13 @@ class SessionStore:
         return child
 
     def save(self, kv: SessionKV, path) -> None:
-        """Engine thread: write the session's snapshot from wherever its KV is."""
+        """Engine thread: write the session's snapshot from wherever its KV is, atomically.
+        Any failure (disk full, unwritable directory) is a SnapshotError naming the cause;
+        the session and the file it replaced are unchanged."""
         path = Path(path)
         if kv.tier is Tier.DISK and kv.disk_path is not None:
-            if kv.disk_path.resolve() != path.resolve():
-                shutil.copyfile(kv.disk_path, path)
+            if not _same_file(kv.disk_path, path):
+                copy_snapshot(kv.disk_path, path)
             return
         self.rt.mover.write_snapshot(kv, path)
 
@@ -193,12 +225,12 @@ class SessionStore:
         return self.rt.call(lambda: self.rt.policy.restore(kv))
 
     def close_session(self, sess: Session, delete: bool) -> None:
+        """delete: also the session's own file in session_dir; never another file (the one
+        it was restored from elsewhere, or another session's)."""
         self.live.pop(sess.session_id, None)
         kv = sess.kv
         if not self.rt.closed:
-            self.rt.call(lambda: self.rt.policy.release(kv, delete_file=delete)).result()
-        if delete and self.rt.disk is not None:
-            self.rt.disk.path_for(sess.session_id).unlink(missing_ok=True)
+            self.rt.call(lambda: self.rt.policy.release(kv)).result()
         entry = self._system_pins.get(sess.system_key)
         if entry is not None:
             entry[1] -= 1
@@ -206,18 +238,52 @@ class SessionStore:
                 del self._system_pins[sess.system_key]
                 pin: PinHandle = entry[0]
                 self.rt.unpin(pin)
+        if delete and self.rt.disk is not None:
+            own = self.rt.disk.path_for(sess.session_id)
+            try:
+                own.unlink(missing_ok=True)
+            except OSError as e:
+                raise SnapshotError(f"{own}: cannot delete: {e}") from None
 
     # ---- shutdown --------------------------------------------------------------------------
 
     def persist_all(self) -> None:
+        """Write every live session to session_dir (the engine still runs). If some cannot
+        be written, the others (safe on disk) are closed and a SnapshotError naming the
+        rest is raised (`.sessions`: them); they stay live with their KV untouched, so a
+        failure never loses a conversation before it is reported."""
         if self.rt.disk is None:
             return
-        for sess in list(self.live.values()):
+        live = list(self.live.values())
+        persisted, failed = [], []
+        for sess in live:
             try:
                 sess.save(self.rt.disk.path_for(sess.session_id))
-            except Exception as e:  # persistence is best effort at shutdown; never lose more
-                log.warning("could not persist session %s: %s", sess.session_id, e)
+                persisted.append(sess)
+            except SessionClosedError:  # closed meanwhile: nothing left to persist
+                continue
+            except Exception as e:  # the session is kept, and named below
+                failed.append((sess, e))
+        if not failed:
+            return
+        for sess in persisted:
+            sess.close()
+        err = SnapshotError(
+            f"{len(failed)} of {len(live)} sessions could not be persisted to "
+            f"{self.rt.disk.root} and are still open with their KV: "
+            + "; ".join(f"{s.session_id} ({e})" for s, e in failed)
+            + ". Free space (or fix the directory) and close() again, save them elsewhere "
+              "(session.save(path)), or close them (session.close()) to give them up")
+        err.sessions = [s for s, _ in failed]
+        raise err
 
     def close_all(self) -> None:
         for sess in list(self.live.values()):
             sess.mark_closed()
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (or cannot be looked at)
+        return False

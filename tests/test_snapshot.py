@@ -214,8 +214,8 @@ while True:
 
 
 def test_a_flush_failing_mid_write_leaves_the_previous_file(saved, tmp_path, monkeypatch):
-    """The writer's sync thread hits ENOSPC: write_snapshot raises it, the file it was
-    replacing is untouched and no temporary file is left."""
+    """The writer's sync thread hits ENOSPC: write_snapshot raises a SnapshotError naming
+    it, the file it was replacing is untouched and no temporary file is left."""
     import shutil
 
     h = snap.read_header(saved)
@@ -234,7 +234,7 @@ def test_a_flush_failing_mid_write_leaves_the_previous_file(saved, tmp_path, mon
 
     monkeypatch.setattr(snap._Writer, "SYNC_BYTES", 1)
     monkeypatch.setattr(snap.os, "fdatasync", no_space)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(SnapshotError, match="No space left"):
         snap.write_snapshot(target, fields, iter(blocks))
     assert calls and target.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["s.kvs"]

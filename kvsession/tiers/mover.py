@@ -20,9 +20,11 @@ from kvsession import costmodel
 from kvsession.cache.block_pool import Block, blocks_for
 from kvsession.cache.hashing import BlockHasher
 from kvsession.cache.manager import KVCacheManager, SessionKV, Tier, Transient
+from kvsession.errors import SnapshotError
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
-from kvsession.tiers.snapshot import SnapshotHeader, read_blocks, read_header, write_snapshot
+from kvsession.tiers.snapshot import SnapshotHeader, write_snapshot
+from kvsession.tiers.snapshot_read import read_blocks, read_header
 
 log = logging.getLogger("kvsession")
 
@@ -81,7 +83,7 @@ class TierMover:
             t0 = time.perf_counter()
             size = write_snapshot(path, self.snapshot_fields(s), self.block_tensors(s))
             self.disk_write_bytes_per_s.observe(size, time.perf_counter() - t0)
-        except OSError as e:  # disk full, unwritable: the session stays where it is
+        except (OSError, SnapshotError) as e:  # disk full, unwritable: it stays where it is
             log.warning("could not spill session %s to %s: %s; it stays in %s",
                         s.session_id, path, e, s.tier.value)
             return False
@@ -93,12 +95,19 @@ class TierMover:
         self._give_back(self.manager.drop(s, lead))
 
     def release(self, s: SessionKV, delete_file: bool) -> None:
-        path = s.disk_path
+        """Free the session's KV; delete_file: also its own file in session_dir (never the
+        file it was restored from elsewhere, nor another session's)."""
         self._give_back(self.manager.forget(s))
-        if delete_file and path is not None:
-            path.unlink(missing_ok=True)
+        if delete_file and self.disk is not None:
+            self.disk.path_for(s.session_id).unlink(missing_ok=True)
 
     # ---- snapshots -------------------------------------------------------------------------
+
+    def block_hashes(self, tokens, cache_salt: str | None) -> list[bytes]:
+        """The chained hashes of every full block of `tokens`, computed here: a restored
+        session's blocks are published (and looked up) under these, never under hashes
+        read from a file, which could name another prefix's blocks."""
+        return self.hasher.extend([], tokens, len(tokens), cache_salt)
 
     def snapshot_fields(self, s: SessionKV) -> dict:
         meta = s.meta()
@@ -148,6 +157,11 @@ class TierMover:
                                        [b.block_id for _, b in copy])
                 self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
             else:
+                if header is None:  # the file may have changed since it was written
+                    header = read_header(s.disk_path, expect=self.header_fields)
+                if tuple(header.token_ids) != s.tokens:
+                    raise SnapshotError(f"{s.disk_path}: no longer holds this session's "
+                                        f"tokens (replaced since it was written)")
                 moved = self.load_file_blocks(s.disk_path, [(lead + j, b) for j, b in copy],
                                               header)
                 self.disk_read_bytes_per_s.observe(moved, time.perf_counter() - t0)
@@ -161,7 +175,7 @@ class TierMover:
         """Read blocks (index in file, device block) from a snapshot into the pool; each is
         validated (checksum, codec, names, shapes, dtypes) before it is copied, or, when it
         was read straight into its (fresh) CPU block, before this returns."""
-        h = header or read_header(path)
+        h = header or read_header(path, expect=self.header_fields)
         target = dict(wanted)
         pool = self.kv.tensors()
         block_bytes = sum(t[:, 0].numel() * t.element_size() for t in pool.values())
