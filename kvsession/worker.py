@@ -1,20 +1,17 @@
 """The prefill worker: `python -m kvsession.worker --model DIR --listen tcp://HOST:PORT
 [--auth-key-file FILE]` (`--make-keys DIR` writes a worker and a caller key file).
 
-An application on top of the library (it builds an `LLM`), not part of the connector
-package, which holds only the protocol (`kvsession.connector.base`) and the NIXL helpers
-(`kvsession.connector.nixl`). It runs the same engine (its own prefix cache included) in a
-prefill-only role. The main thread owns the zmq ROUTER socket: it checks every message
-(frame count, size, decoding, token ids and block counts) and answers what it cannot take
-with an error (`Rejected`, `PrefillFailed`), answers heartbeats and status queries at once
-(so a busy worker is never mistaken for a dead one), and hands handshakes and prefills to a
-bounded job queue (full: an error reply; the socket loop never blocks). One job thread owns
-the NIXL agent and runs prefills: compute the KV with the local engine, then write the
-caller's blocks layer by layer with NIXL WRITEs, each layer's request carrying a
-notification, and answer when every write has completed. With `--auth-key-file`, callers
-authenticate with CURVE (ZAP, `zmq.auth`); without it the worker only listens on loopback
-(docs/security.md). SIGTERM / SIGINT shut it down within a bound (agents and registrations
-released explicitly, exit code 0).
+An application on top of the library (it builds a `Runtime`; the protocol and NIXL helpers
+are in `kvsession.connector`), running the same engine in a prefill-only role. The main
+thread owns the zmq ROUTER socket: it checks every message (frames, size, decoding, token
+ids, block counts), answers what it cannot take with an error (`Rejected`, `PrefillFailed`),
+answers heartbeats and status queries at once (a busy worker never looks dead), and hands
+handshakes and prefills to a bounded job queue (full: an error reply; it never blocks). One
+job thread owns the NIXL agent and runs prefills: compute the KV, write the caller's blocks
+layer by layer with NIXL WRITEs (each carrying a notification), answer when every write is
+done. With `--auth-key-file` callers authenticate with CURVE (ZAP, `zmq.auth`); without it
+the worker only listens on loopback (docs/security.md). SIGTERM / SIGINT shut it down within
+a bound (agents and registrations released, exit code 0).
 
 Testing only: `KVSESSION_WORKER_FAULTS` injects faults (see `Faults`,
 docs/remote-prefill.md "Testing: fault injection").
@@ -23,13 +20,11 @@ docs/remote-prefill.md "Testing: fault injection").
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import math
 import os
 import queue
 import random
-import re
 import signal
 import sys
 import threading
@@ -61,6 +56,7 @@ from kvsession.connector.base import (
     compat_hash,
     decode,
     encode,
+    is_loopback_endpoint,
     load_keys,
     max_message_bytes,
     recv_message,
@@ -310,16 +306,6 @@ class NixlPrefillService(PrefillService):
         self.agent = None
 
 
-class _AllowedKeys:
-    """ZAP credentials provider: the callers' public keys from the key file."""
-
-    def __init__(self, keys: AuthKeys):
-        self.allowed = set(keys.peers)
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.allowed
-
-
 @dataclass
 class _Counters:
     served: int = 0
@@ -489,7 +475,7 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
         if keys is not None:
             auth = ThreadAuthenticator(ctx, log=logging.getLogger("kvsession.zap"))
             auth.start()
-            auth.configure_curve_callback("*", credentials_provider=_AllowedKeys(keys))
+            auth.configure_curve_callback("*", credentials_provider=keys)  # its peer keys
             sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
             sock.curve_server = True
         sock.bind(args.listen)
@@ -534,19 +520,6 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
     return 0
 
 
-LISTEN_RE = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(\d+)")
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a hostname, an interface name or '*'
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvsession.worker",
                                 description="a kvsession remote prefill worker")
@@ -589,8 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {FAULTS_ENV}: {e}", file=sys.stderr)
         return 2
-    m = LISTEN_RE.fullmatch(args.listen)
-    if m is None:
+    loopback = is_loopback_endpoint(args.listen)
+    if loopback is None:
         print(f"error: --listen must look like tcp://HOST:PORT, got {args.listen!r}",
               file=sys.stderr)
         return 2
@@ -601,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         except KVSessionError as e:
             print(f"error: --auth-key-file: {e}", file=sys.stderr)
             return 2
-    elif not is_loopback(m.group(1)):
+    elif not loopback:
         print(f"error: --listen {args.listen} is not a loopback address; without "
               f"--auth-key-file anyone who can reach it could use this worker "
               f"(docs/security.md)", file=sys.stderr)

@@ -18,7 +18,9 @@ sides can authenticate each other with CURVE keys (`AuthKeys`, docs/security.md)
 from __future__ import annotations
 
 import abc
+import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,6 +192,19 @@ def recv_message(sock, limit: int) -> tuple[bytes, bytes | None, str] | None:
     return ident, payload, ""
 
 
+def is_loopback_endpoint(endpoint: str) -> bool | None:
+    """Whether `tcp://HOST:PORT` names a loopback host (an IP literal or "localhost"; a
+    hostname, an interface name or '*' is not); None if it is not of that form."""
+    m = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):(\d+)", endpoint)
+    if m is None:
+        return None
+    host = m.group(1).strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def compat_hash(identity: CacheIdentity) -> str:
     """Both sides must agree on this before any KV moves: the cache identity (model, kv
     dtype, block size, layout) and the protocol version."""
@@ -269,6 +284,10 @@ class AuthKeys:
 
     def __repr__(self) -> str:  # never print a secret key
         return f"AuthKeys(role={self.role!r}, public={self.public!r}, peers={len(self.peers)})"
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP credentials provider (`zmq.auth`): a worker admits its peers' keys only."""
+        return key in self.peers
 
 
 def _z85_key(value: str, what: str, path: Path) -> bytes:
