@@ -15,8 +15,10 @@ import threading
 import time
 
 import pytest
+import zmq
 
 from kvsession import LLM, SamplingParams
+from kvsession.connector.base import StatsQuery, WorkerStatus, decode, encode
 from kvsession.connector.nixl import make_agent
 from kvsession.errors import ConfigError
 from kvsession.worker import FAULTS_ENV, Faults
@@ -66,6 +68,16 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=30)
+
+
+def worker_status(address: str) -> WorkerStatus:
+    """Ask a (keyless) worker for its status over a socket of our own."""
+    with zmq.Context.instance().socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(encode(StatsQuery()))
+        assert sock.poll(10_000), "no status within 10 s"
+        return decode(sock.recv())
 
 
 def wait_for(condition, timeout_s: float, what: str) -> None:
@@ -285,7 +297,7 @@ def test_an_idle_gap_longer_than_the_heartbeat_timeout_keeps_the_worker(llama_di
     want = local(llama_dir, ps)
     with LLM(llama_dir, prefill_worker=worker.address, remote_prefill="always", **KW) as llm:
         conn = llm._rt.connector
-        conn.heartbeat_s, conn.dead_after_s = 0.05, 0.4  # the client's own knobs, made small
+        conn.heartbeat_s, conn.dead_after_s = 0.1, 1.0  # the client's own knobs, made small
         assert generate(llm, ps[:1]) == want[:1]
         idle_from = time.monotonic()
         before = worker_stats(llm, worker.address).heartbeats
@@ -366,6 +378,41 @@ def test_notifications_from_another_agent_do_not_complete_a_request(llama_dir):
             assert_no_leak(llm)
     finally:
         assert slow.stop() == 0
+
+
+def test_prompts_longer_than_the_workers_limit_stay_local(llama_dir):
+    short_worker = Worker(llama_dir, "--max-model-len", "64")  # the caller's is 512
+    try:
+        ps = [p[:40] for p in prompts(13, 2)] + [p + p for p in prompts(14, 2)]  # 40; 80+
+        with LLM(llama_dir, prefill_worker=short_worker.address, remote_prefill="always",
+                 **KW) as llm:
+            assert generate(llm, ps) == local(llama_dir, ps)
+            st = llm.stats().remote
+            assert st.prefills == 2 and st.fallbacks == {"prompt too long for the workers": 2}
+            assert st.workers[short_worker.address].rejected == 0  # never sent
+    finally:
+        assert short_worker.stop() == 0
+
+
+def test_a_caller_the_worker_forgot_says_hello_again(llama_dir):
+    w = Worker(llama_dir, "--caller-timeout-s", "1")
+    try:
+        ps = prompts(15, 3)
+        want = local(llama_dir, ps)
+        with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always", **KW) as llm:
+            conn = llm._rt.connector
+            conn.heartbeat_s, conn.dead_after_s = 30.0, 60.0  # silent (as if stalled)
+            got = generate(llm, ps[:1])
+            wait_for(lambda: worker_status(w.address).callers == 0, 10, "the worker to forget")
+            got += generate(llm, ps[1:2])  # answered "no handshake": local, and Hello again
+            wait_for(lambda: worker_stats(llm, w.address).connects == 2, 10, "the new hello")
+            got += generate(llm, ps[2:])
+            assert got == want
+            st = llm.stats().remote
+            assert st.prefills == 2 and st.fallbacks == {"worker error": 1}
+            assert_no_leak(llm)
+    finally:
+        assert w.stop() == 0
 
 
 # ---- authentication (CURVE) ------------------------------------------------------------------

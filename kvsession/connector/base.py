@@ -4,8 +4,9 @@ Caller side (`PrefillConnector`): the engine asks a worker to compute the KV of 
 sequence's first `num_tokens` tokens and write it into the caller's blocks
 `block_ids[first_block:]` (blocks before `first_block` are the caller's own prefix hits and
 are never sent). The engine thread calls `submit` and `poll`; nothing else mutates the
-connector. Blocks of a request stay referenced by the engine until `poll` reports the
-request done, or reports it failed *and fenced* (no remote write can touch them any more).
+connector (a client may ask the engine thread for an extra `poll` while it idles). Blocks
+of a request stay referenced by the engine until `poll` reports the request done, or
+reports it failed *and fenced* (no remote write can touch them any more).
 
 Worker side (`PrefillService`, implemented by the worker application `kvsession.worker`):
 accepts a handshake, then prefill requests, and writes the KV with its data plane (NIXL)
@@ -233,6 +234,10 @@ class PrefillConnector(abc.ABC):
     @abc.abstractmethod
     def healthy(self) -> bool:
         """At least one worker has completed the handshake and answers heartbeats."""
+
+    def accepts(self, num_tokens: int) -> bool:
+        """A healthy worker takes a request of `num_tokens` tokens (its limits)."""
+        return self.healthy()
 
     @abc.abstractmethod
     def submit(self, seq_id: int, token_ids: list[int], first_block: int,
