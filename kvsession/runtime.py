@@ -430,7 +430,4 @@ class Runtime:
     def check_integrity_now(self) -> None:
         """Engine thread: the pool's invariants, every device reference accounted to a
         holder, every host block held once or free."""
-        host = self.host
-        self.manager.check_integrity(
-            host.num_blocks if host is not None else None,
-            host.free_ids() if host is not None else ())
+        self.manager.check_integrity(self.host)

@@ -205,7 +205,7 @@ def test_a_reused_prefix_survives_rounds_of_one_off_prompts(llama_dir):
         with LLM(llama_dir, kv_cache_memory=pool_blocks * bs * 512, block_size=bs,
                  max_model_len=512, eviction_policy=policy, host_cache_memory=0) as llm:
             got = []
-            for round_ in range(4):
+            for _ in range(4):
                 out = llm.generate(prompt_token_ids=[prefix + [7, 8, 9]], sampling_params=one,
                                    use_tqdm=False)[0]
                 got.append(out.num_cached_tokens)

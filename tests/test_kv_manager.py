@@ -265,17 +265,18 @@ def test_spill_to_host_then_loaded(spilled):
     assert ids(s) == [0] and s.host_ids == (0, 1) and s.tier is Tier.HOST
     assert fifo(m) == [4, 5, 6, 7, 3, 2, 1] and host.free_ids() == [3, 2]
     assert m.holders() == [(SESS, [0])]
-    m.check_integrity(host.num_blocks, host.free_ids())
+    m.check_integrity(host)
     t = Transient()
     fresh = m.stage(t, [m.pool.blocks[1], None])  # 1 still cached; 2 was partial
     assert ids(t) == [1, 4] and fresh == {m.pool.blocks[4]}
     back = m.loaded(s, t)
     assert back == (0, 1) and ids(s) == [0, 1, 4] and t.blocks == ()
     assert s.tier is Tier.DEVICE and s.host_ids == () and fifo(m) == [5, 6, 7, 3, 2]
-    with pytest.raises(AssertionError, match=re.escape("held [] + free [2, 3] != range(4)")):
-        m.check_integrity(host.num_blocks, host.free_ids())  # not given back yet
+    with pytest.raises(AssertionError, match=re.escape(
+            "0 held (free or out of range: [], duplicates: 0) + 2 free != 4")):
+        m.check_integrity(host)  # not given back yet
     host.free(list(back))
-    m.check_integrity(host.num_blocks, host.free_ids())
+    m.check_integrity(host)
 
 
 def test_spill_to_disk_drop_on_disk_and_forget(spilled, tmp_path):
@@ -285,7 +286,7 @@ def test_spill_to_disk_drop_on_disk_and_forget(spilled, tmp_path):
     assert s.tier is Tier.DISK and s.disk_path == tmp_path / "s1.kvs"
     host.free(list(back))
     assert host.free_ids() == [3, 2, 1, 0]
-    m.check_integrity(host.num_blocks, host.free_ids())
+    m.check_integrity(host)
     assert m.drop(s, 1) == () and ids(s) == [0] and s.tier is Tier.DEVICE
     assert s.tokens == (0, 1, 2, 3) and s.hashes == (HASHER.extend([], range(4), 4, None)[0],)
     m.spill_to_host(s, 1, host.allocate(1))
@@ -293,12 +294,12 @@ def test_spill_to_disk_drop_on_disk_and_forget(spilled, tmp_path):
     m.on_disk(other, [1, 2, 3], [], tmp_path / "s2.kvs")
     assert other.tier is Tier.DISK and other.tokens == (1, 2, 3) and other.blocks == ()
     assert m.holders() == [(SESS, [0])]  # other holds nothing on the device or host
-    m.check_integrity(host.num_blocks, host.free_ids())
+    m.check_integrity(host)
     back = m.forget(s)
     assert back == (0,) and s.blocks == () and s.tokens == () and s.tier is Tier.DEVICE
     assert s.disk_path is None and m.holders() == [] and fifo(m)[-1] == 0
     host.free(list(back))
-    m.check_integrity(host.num_blocks, host.free_ids())
+    m.check_integrity(host)
 
 
 def test_pins_take_references_within_their_budget():

@@ -92,7 +92,7 @@ def check(e):
     if e.host is None:
         e.m.check_integrity()
     else:
-        e.m.check_integrity(e.host.num_blocks, e.host.free_ids())
+        e.m.check_integrity(e.host)
 
 
 def evict_all_and_zero(e):

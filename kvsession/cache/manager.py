@@ -43,6 +43,17 @@ class Holder(Protocol):
     blocks: tuple[Block, ...]
 
 
+class HostBlocks(Protocol):
+    """The host tier's block ids, as the integrity check sees them (tiers.host.HostPool)."""
+
+    num_blocks: int
+
+    @property
+    def num_free(self) -> int: ...
+
+    def is_free(self, block_id: int) -> bool: ...
+
+
 class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"
@@ -282,11 +293,10 @@ class KVCacheManager:
         """References held by holders of `kind`."""
         return sum(len(h.blocks) for h in self._holders.values() if h.holder_kind is kind)
 
-    def check_integrity(self, host_ids_total: int | None = None,
-                        host_ids_free: Sequence[int] = ()) -> None:
+    def check_integrity(self, host: HostBlocks | None = None) -> None:
         """Raise AssertionError unless the pool is consistent and every reference is
-        accounted to a holder; with the host tier's size and free ids, also that host
-        blocks are held by exactly one session or free."""
+        accounted to a holder; with the host tier, also that every host block is held by
+        exactly one session or free. O(device blocks + host blocks held)."""
         self.pool.check_integrity()
         counts: Counter[int] = Counter()
         for h in self._holders.values():
@@ -297,10 +307,13 @@ class KVCacheManager:
                 raise AssertionError(
                     f"{b}: ref_cnt {b.ref_cnt} but holders hold {counts[b.block_id]} "
                     f"reference(s) ({held_by})")
-        if host_ids_total is not None:
+        if host is not None:
             held = [i for h in self._holders.values() if isinstance(h, SessionKV)
                     for i in h.host_ids]
-            ids = held + list(host_ids_free)
-            if sorted(ids) != list(range(host_ids_total)):
-                raise AssertionError(f"host blocks: held {sorted(held)} + free "
-                                     f"{sorted(host_ids_free)} != range({host_ids_total})")
+            bad = [i for i in held if not 0 <= i < host.num_blocks or host.is_free(i)]
+            if bad or len(set(held)) != len(held) or \
+                    len(held) + host.num_free != host.num_blocks:
+                raise AssertionError(
+                    f"host blocks: {len(held)} held (free or out of range: {bad[:8]}, "
+                    f"duplicates: {len(held) - len(set(held))}) + {host.num_free} free != "
+                    f"{host.num_blocks}")

@@ -35,6 +35,7 @@ class HostPool:
                               pin_memory=pin)
             for name, t in device_pool.tensors().items()}
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: lowest ids first
+        self._is_free = bytearray(b"\x01") * num_blocks  # O(1) membership for checks
         self.staged = device_pool.use_kernels
         # grown, reused staging buffers: device side, and (pinned on CUDA) host side
         self._device_staging, self._host_staging = Workspace(), Workspace(pin_memory=pin)
@@ -46,12 +47,23 @@ class HostPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise CacheFullError(f"host tier: asked for {n} blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        out = [self._free.pop() for _ in range(n)]
+        for i in out:
+            self._is_free[i] = 0
+        return out
 
     def free_ids(self) -> list[int]:
+        """Free ids, the next to be allocated last."""
         return list(self._free)
 
+    def is_free(self, block_id: int) -> bool:
+        return bool(self._is_free[block_id])
+
     def free(self, ids: list[int]) -> None:
+        for i in ids:
+            if self._is_free[i]:
+                raise RuntimeError(f"host block {i} freed twice")
+            self._is_free[i] = 1
         self._free.extend(reversed(ids))
 
     def store(self, pool: KVPool, device_ids: list[int], host_ids: list[int]) -> int:
