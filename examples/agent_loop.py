@@ -2,6 +2,7 @@
 calls answered with tool messages, and KV reused across turns.
 
 Run: python examples/agent_loop.py [MODEL_DIR]
+Exits non-zero if a turn reused less KV than the session held before it.
 """
 
 import json
@@ -31,7 +32,12 @@ def main() -> None:
         agent = llm.session(system=SYSTEM, sampling=SamplingParams(max_tokens=24,
                                                                    temperature=0.0))
         reply = agent.send("The tests fail. Find out why.")
+        held = 0
         for turn in range(3):
+            if reply.cached_tokens < held:  # the previous turns' KV must be reused
+                raise SystemExit(f"turn {turn}: reused {reply.cached_tokens} tokens, the "
+                                 f"session held {held}")
+            held = agent.num_cached_tokens - len(reply.token_ids)
             print(f"turn {turn}: computed {reply.prefill_tokens} prompt tokens, "
                   f"reused {reply.cached_tokens} ({reply.restored_from}), "
                   f"ttft {reply.metrics.ttft_s * 1e3:.1f} ms")

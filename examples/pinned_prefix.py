@@ -1,4 +1,5 @@
-"""Pin a long system prompt: every request that starts with it skips its prefill."""
+"""Pin a long system prompt: every request that starts with it skips its prefill.
+Exits non-zero if a request recomputed the pinned blocks."""
 
 import tempfile
 
@@ -15,6 +16,9 @@ with LLM(model, kv_cache_memory="32MiB", max_model_len=1024) as llm:
                         SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
     for o in outs:
         print(f"{len(o.prompt_token_ids)} prompt tokens, {o.num_cached_tokens} from cache")
+        if o.num_cached_tokens < pin.num_tokens:
+            raise SystemExit(f"the pinned prefix was recomputed: {o.num_cached_tokens} of "
+                             f"{pin.num_tokens} tokens from cache")
     st = llm.stats()
     print(f"hit rate {st.prefix.hit_rate:.0%}, pinned blocks {st.tiers['device'].blocks_pinned}")
     pin.unpin()

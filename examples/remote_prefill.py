@@ -3,6 +3,7 @@ local generation, and stop the worker cleanly.
 
 Run: python examples/remote_prefill.py
 (The same worker from a shell: python -m kvsession.worker --model DIR --listen tcp://...)
+Exits non-zero if remote prefill changed the tokens, or the worker did not stop cleanly.
 """
 
 import socket
@@ -42,9 +43,14 @@ def main() -> None:
             print(f"remote prefills: {st.prefills}, KV bytes moved: {st.bytes}, "
                   f"bandwidth {st.bandwidth_gbps:.2f} Gbit/s, fallbacks: {st.fallbacks}")
         print("same tokens as local prefill:", remote == local)
+        if remote != local or st.prefills == 0:
+            raise SystemExit("remote prefill did not give the local tokens")
     finally:
         worker.terminate()
-        print("worker exit code:", worker.wait(timeout=30))
+        code = worker.wait(timeout=30)
+        print("worker exit code:", code)
+    if code != 0:
+        raise SystemExit(f"the worker exited with {code}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,13 @@ def test_stress_random_requests_keep_pool_consistent(llama_dir):
                                          temperature=rng.choice([0.0, 0.7]), seed=i))
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+        # the same tokens as without memory pressure: greedy ones, and seeded sampled ones
+        # (per-request generators: preemption and batch composition do not change them)
+        with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=256) as roomy:
+            alone = roomy.generate(prompt_token_ids=prompts, sampling_params=params,
+                                   use_tqdm=False)
+            assert roomy._rt.scheduler.num_preemptions == 0
+        assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
         assert all(o.finish_reason == "length" for o in outs)
         assert llm._rt.scheduler.num_preemptions > 0 and len(steps) > 60
         st = llm.stats()
@@ -52,14 +59,19 @@ def test_chat_renders_template_and_outputs_in_order(llama_dir):
 
 
 def test_metrics_and_stats_are_consistent(llama_dir):
+    import time
+
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256) as llm:
+        t0 = time.perf_counter()
         outs = llm.generate(["one two three", "four"], SamplingParams(max_tokens=8,
                             temperature=0.0, ignore_eos=True), use_tqdm=False)
+        wall = time.perf_counter() - t0
         st = llm.stats()
     for o in outs:
         m = o.metrics
-        assert 0 < m.ttft_s <= m.e2e_s and m.tpot_s > 0 and 0 <= m.queue_s <= m.ttft_s
-        assert abs(m.ttft_s + 7 * m.tpot_s - m.e2e_s) < 1e-6
+        # measured by the engine, bounded by what the caller saw from outside
+        assert 0 < m.ttft_s < m.e2e_s <= wall and 0 <= m.queue_s <= m.ttft_s
+        assert 0 < m.tpot_s and 7 * m.tpot_s <= wall - m.ttft_s
     assert st.num_requests == 2 and st.latency.ttft_p99_s >= st.latency.ttft_p50_s > 0
     assert 0 < st.slo_attainment <= 1 and st.goodput_tokens_per_s > 0
     decoded = msgspec.json.decode(msgspec.json.encode(st))
