@@ -37,6 +37,10 @@ from kvsession.tiers.snapshot import SnapshotHeader, copy_snapshot
 from kvsession.tiers.snapshot_read import read_header
 
 log = logging.getLogger("kvsession")
+# restore tokenizes a snapshot's system prompt (to share its pinned blocks); longer than this
+# many characters per token of max_model_len it could not fit a turn with any real
+# tokenizer, and is refused before it costs the tokenizer's time and memory
+SYSTEM_CHARS_PER_TOKEN = 64
 
 
 class SessionStore:
@@ -112,9 +116,12 @@ class SessionStore:
         if session_id is not None:
             check_session_id(session_id)
         header = read_header(path, expect=self.rt.header_fields)
-        vocab = self.rt.info.spec.vocab_size
+        vocab, max_len = self.rt.info.spec.vocab_size, self.rt.info.max_model_len
         if any(t >= vocab for t in header.token_ids):
             raise SnapshotError(f"{path}: token ids outside this model's vocabulary ({vocab})")
+        if header.system is not None and len(header.system) > SYSTEM_CHARS_PER_TOKEN * max_len:
+            raise SnapshotError(f"{path}: a system prompt of {len(header.system)} characters "
+                                f"cannot fit this engine's max_model_len={max_len}")
         disk = self.rt.disk
         sid = session_id or (disk.id_of(path) if disk is not None else None) \
             or header.session_id

@@ -287,3 +287,33 @@ def test_chunks_are_standard_safetensors(saved):
         assert set(tensors) == {"k", "v"}
         assert tuple(tensors["k"].shape) == (h.num_layers, h.block_size, h.num_kv_heads,
                                              h.head_dim)
+
+
+def test_restored_block_hashes_are_recomputed_not_trusted(llm, saved, tmp_path):
+    """A snapshot whose block hashes were replaced by another prefix's (checksums made
+    valid again) must not let the blocks its session computes next be found by a request
+    with that other prefix: the hashes are recomputed from the tokens on load."""
+    bs = llm.config.block_size
+    hasher = llm._rt.prefix.hasher
+    h = snap.read_header(saved)
+    full = len(h.token_ids) // bs
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    # the victim: another prefix of as many full blocks, computed and cached
+    victim = [(7 * i + 3) % 300 + 10 for i in range(full * bs)]
+    llm.generate(prompt_token_ids=victim + [5], sampling_params=one, use_tqdm=False)
+    poison = [x.hex() for x in hasher.extend([], victim, len(victim), None)]
+    bad = rewrite_header(saved, tmp_path / "poisoned.kvs", block_hashes=poison)
+    s = llm.restore(bad, session_id="attacker")
+    r = s.send("now tell me everything about the files in the project directory, in order")
+    assert r.token_ids == llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
+    # the attacker's turn computed block `full` after its own prefix; a request with the
+    # victim's prefix and then the same tokens must not hit it (only its own blocks)
+    after = list(s.kv.tokens[full * bs:(full + 1) * bs])
+    assert len(after) == bs
+    out = llm.generate(prompt_token_ids=victim + after + [5], sampling_params=one,
+                       use_tqdm=False)[0]
+    assert out.num_cached_tokens == full * bs
+    tokens = list(s.kv.tokens)
+    assert list(s.kv.hashes) == hasher.extend([], tokens, len(tokens) // bs * bs, None)
+    s.close()
+    assert_engine_fine(llm)

@@ -37,6 +37,7 @@ from typing import Annotated
 
 import lz4.frame
 import msgspec
+import numpy as np
 import torch
 
 from kvsession.cache.block_pool import blocks_for
@@ -56,9 +57,10 @@ from kvsession.tiers.snapshot import (
     open_regular,
 )
 
-# a conversation may hold messages not rendered into tokens yet (added after the last
-# turn): this many beyond one per token; a bound on the objects a header can make
-MAX_EXTRA_MESSAGES = 1 << 16
+# a message renders into tokens, except a few added after the last turn (tool results)
+# or dropped by a template: at most this many beyond one per token. It bounds the dicts a
+# header can make (a minimal message is 24 bytes of JSON but some 300 bytes of objects)
+MAX_EXTRA_MESSAGES = 4096
 MAX_SAMPLING_BYTES = 1 << 16
 MAX_GEOMETRY = 1 << 16  # layers, KV heads, head dim (far above any model)
 MAX_BLOCK_SIZE = 1024  # as EngineConfig allows
@@ -113,13 +115,6 @@ class _Sampling(msgspec.Struct):
 
 
 SAMPLING_FIELD_NAMES = _Sampling.__struct_fields__
-
-
-class _MessageShape(msgspec.Struct, gc=False):
-    """First pass over the messages: counts them (small objects) before the dicts are built."""
-
-    role: str
-    content: str
 
 
 def _pread(f, n: int, offset: int) -> bytes:
@@ -221,9 +216,14 @@ def read_header(path: Path, expect: dict | None = None) -> SnapshotHeader:
     sampling = _decode(path, "sampling", frame.sampling, _Sampling, MAX_SAMPLING_BYTES)
     system = _decode(path, "system", frame.system, str | None)
     max_messages = MAX_EXTRA_MESSAGES + len(tokens)
-    if len(_decode(path, "messages", frame.messages, list[_MessageShape])) > max_messages:
-        raise SnapshotError(f"{path}: more than {max_messages} messages (corrupted or crafted)")
+    if _more_objects_than(frame.messages, max_messages):
+        raise SnapshotError(f"{path}: more than {max_messages} messages for "
+                            f"{len(tokens)} tokens (corrupted or crafted)")
     messages = _decode(path, "messages", frame.messages, list[dict[str, str]])
+    for i, m in enumerate(messages):
+        if "role" not in m or "content" not in m:
+            raise SnapshotError(f"{path}: malformed header field messages: message {i} "
+                                f"has no role or no content")
     return SnapshotHeader(
         format_version=frame.format_version, session_id=frame.session_id,
         created_unix_s=frame.created_unix_s, model_fingerprint=frame.model_fingerprint,
@@ -234,6 +234,25 @@ def read_header(path: Path, expect: dict | None = None) -> SnapshotHeader:
         sampling={k: v for k, v in msgspec.structs.asdict(sampling).items()
                   if v is not msgspec.UNSET},
         system=system, block_hashes=hashes, chunks=chunks)
+
+
+def _more_objects_than(raw, limit: int) -> bool:
+    """Whether the JSON text `raw` holds more than `limit` objects (its '{' outside
+    strings), found without building anything per object: a header's messages are counted
+    before their dicts exist. The plain count of '{' is an upper bound and usually settles
+    it; past the limit, escapes are removed and quote parity is computed a MiB at a time,
+    so braces inside strings (code in a conversation) do not count."""
+    data = bytes(raw)
+    if data.count(b"{") <= limit:
+        return False
+    data = np.frombuffer(data.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    count, inside, step = 0, 0, 1 << 20
+    for at in range(0, len(data), step):
+        part = data[at:at + step]
+        parity = np.bitwise_xor.accumulate((part == ord('"')).view(np.uint8)) ^ inside
+        count += int(np.count_nonzero((part == ord("{")) & (parity == 0)))
+        inside = int(parity[-1])
+    return count > limit
 
 
 def _check_chunks(path: Path, frame: SnapshotFrame, names: list[str], chunks: list[Chunk],
