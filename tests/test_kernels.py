@@ -111,7 +111,8 @@ def test_paged_decode_attention(dtype, qdtype, block_size, head_dim, gqa, kv_hea
     num_blocks = 40
     k, v, ks, vs = make_cache(dtype, num_blocks, block_size, kv_heads, head_dim)
     tables = tables_for(lens, block_size, 12, num_blocks)
-    q = torch.randn(len(lens), kv_heads * gqa, head_dim).to(qdtype)
+    q = torch.randn(len(lens), kv_heads * gqa, head_dim,
+                    generator=torch.Generator().manual_seed(11)).to(qdtype)
     seq_lens = torch.tensor(lens)
     scale = head_dim ** -0.5
     before = (k.clone(), v.clone(), q.clone())
@@ -146,7 +147,8 @@ def test_prefill_attention_over_paged_prefix(dtype, qdtype, block_size, head_dim
     starts = [0]
     for _, n in plan:
         starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], gqa, head_dim).to(qdtype)
+    q = torch.randn(starts[-1], gqa, head_dim,
+                    generator=torch.Generator().manual_seed(12)).to(qdtype)
     scale = head_dim ** -0.5
     want = R.prefill_attention(q, k, v, tables, starts, lens, scale, ks, vs)
     got = prefill_attention(q, k, v, tables, torch.tensor(starts), torch.tensor(lens), scale,
@@ -275,7 +277,7 @@ def test_reference_cascade_for_a_shared_prefix_matches_plain(dtype, flash_op, mo
         tables[i, blocks_shared:blocks_shared + own] = torch.arange(nxt, nxt + own)
         nxt += own
     assert R.shared_prefix_blocks(tables, torch.tensor(lens), bs) == blocks_shared
-    q = torch.randn(3, 8, 64)
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(13))
     cascade = R.paged_attention(q, k, v, tables, torch.tensor(lens), 0.125, ks, vs)
     monkeypatch.setattr(R, "CASCADE_MIN_BLOCKS", 10**9)
     plain = R.paged_attention(q, k, v, tables, torch.tensor(lens), 0.125, ks, vs)

@@ -191,6 +191,23 @@ def test_spill_after_idle(llama_dir):
         s.close()
 
 
+def test_the_engine_loop_runs_housekeeping_by_itself(llama_dir):
+    """Nobody calls housekeeping here: the engine thread wakes up at the policy's deadline
+    while idle and spills the session (waited for with a bounded deadline, not a sleep)."""
+    import time
+
+    with make_llm(llama_dir, spill_after_s=0.05) as llm:
+        s = llm.session(sampling=G)
+        s.send("hello")
+        deadline = time.monotonic() + 30
+        while s.state != "host" and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling an observable state, bounded by the deadline
+        assert s.state == "host"
+        assert llm.stats().spills["host"] == 1
+        assert s.send("more").restored_from == "host"
+        s.close()
+
+
 def test_disk_full_keeps_the_session(llama_dir, tmp_path, monkeypatch, caplog):
     import kvsession.tiers.mover as mover_mod
 
