@@ -302,7 +302,10 @@ class Session:
 
     def save(self, path) -> None:
         """Write this session (messages, tokens, KV with fp8 scales) to a `.kvs` snapshot,
-        atomically. `llm.restore(path)` continues exactly where this session is."""
+        atomically. `llm.restore(path)` continues exactly where this session is. A write
+        that fails (disk full, unwritable directory) raises SnapshotError naming the cause;
+        the session and any file already at `path` are unchanged."""
+        check_path("path", path)
         self.exclusive(lambda: self._store.save(self.kv, path))
 
     def suspend(self, expected_idle_s: float | None = None) -> str:
@@ -319,7 +322,9 @@ class Session:
 
     def close(self, delete: bool = False) -> None:
         """Release this session's KV in every tier (idempotent); delete=True also removes its
-        snapshot file from session_dir. Using it afterwards raises SessionClosedError."""
+        own snapshot file from session_dir (`<session_id>.kvs`; never the file it was
+        restored from elsewhere). Using it afterwards raises SessionClosedError."""
+        check_bool("delete", delete)
         with self._lock:
             if self._closed:
                 return
