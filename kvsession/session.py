@@ -305,7 +305,6 @@ class Session:
         atomically. `llm.restore(path)` continues exactly where this session is. A write
         that fails (disk full, unwritable directory) raises SnapshotError naming the cause;
         the session and any file already at `path` are unchanged."""
-        check_path("path", path)
         self.exclusive(lambda: self._store.save(self.kv, path))
 
     def suspend(self, expected_idle_s: float | None = None) -> str:
@@ -324,7 +323,6 @@ class Session:
         """Release this session's KV in every tier (idempotent); delete=True also removes its
         own snapshot file from session_dir (`<session_id>.kvs`; never the file it was
         restored from elsewhere). Using it afterwards raises SessionClosedError."""
-        check_bool("delete", delete)
         with self._lock:
             if self._closed:
                 return
