@@ -19,14 +19,43 @@ from tqdm.auto import tqdm
 from kvsession.config import EngineConfig
 from kvsession.errors import ConfigError
 from kvsession.metrics import Stats
+from kvsession.model.tokenizer import check_messages
 from kvsession.outputs import RequestOutput
-from kvsession.params import SamplingParams
+from kvsession.params import SAMPLING_ARG_NAMES, SamplingParams
 from kvsession.runtime import PinHandle, Runtime
 from kvsession.session import Session
 from kvsession.session_store import SessionStore
+from kvsession.validation import (
+    check_bool,
+    check_float,
+    check_path,
+    check_str,
+    reject_unknown,
+)
 
 log = logging.getLogger("kvsession")
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+_GENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids", "use_tqdm")
+_CHAT_ARGS = ("messages", "sampling_params", "use_tqdm", "add_generation_prompt")
+_SESSION_ARGS = ("system", "session_id", "pin_system", "sampling")
+# sampling settings passed to generate()/chat() directly belong in a SamplingParams
+_TO_SAMPLING_PARAMS = {name: "sampling_params" for name in SAMPLING_ARG_NAMES}
+
+
+def _token_id_lists(prompt_token_ids) -> list[list[int]]:
+    """One prompt (a list of ids) or a batch (a list of such lists); the ids themselves
+    are checked by Runtime.validate_prompt."""
+    ids = prompt_token_ids
+    if not isinstance(ids, (list, tuple)):
+        raise ConfigError(f"prompt_token_ids must be a list of token ids or a list of such "
+                          f"lists, got {ids!r:.80}")
+    if ids and not isinstance(ids[0], (list, tuple)):
+        ids = [ids]
+    for i, p in enumerate(ids):
+        if not isinstance(p, (list, tuple)):
+            raise ConfigError(f"prompt_token_ids[{i}] must be a list of token ids, "
+                              f"got {p!r:.80}")
+    return [list(p) for p in ids]
 
 
 @atexit.register
@@ -127,35 +156,46 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
-        params = list(sampling_params)
-        if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
-            raise ConfigError(f"sampling_params must be one SamplingParams or a list of {n}")
-        return params
+        if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != n or \
+                not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise ConfigError(f"sampling_params must be None, one SamplingParams or a list of "
+                              f"{n}, got {sampling_params!r:.80}")
+        return list(sampling_params)
 
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, **unknown) -> list[RequestOutput]:
         """Generate for a prompt or a batch (strings, or token ids via prompt_token_ids);
         outputs come back in input order."""
+        reject_unknown("generate()", unknown, _GENERATE_ARGS, hints=_TO_SAMPLING_PARAMS)
+        check_bool("use_tqdm", use_tqdm)
         if (prompts is None) == (prompt_token_ids is None):
             raise ConfigError("pass exactly one of prompts or prompt_token_ids")
         if prompts is not None:
-            texts = [prompts] if isinstance(prompts, str) else list(prompts)
-            if not all(isinstance(t, str) for t in texts):
-                raise ConfigError("prompts must be a string or a list of strings")
+            texts = [prompts] if isinstance(prompts, str) else prompts
+            if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+                raise ConfigError(f"prompts must be a string or a list of strings, "
+                                  f"got {prompts!r:.80}")
             ids = [self.tokenizer.encode(t) for t in texts]
         else:
-            ids = list(prompt_token_ids)
-            if ids and isinstance(ids[0], int):
-                ids = [ids]
+            ids = _token_id_lists(prompt_token_ids)
             texts = [None] * len(ids)
         return self._run_batch(texts, ids, self._params_list(sampling_params, len(ids)),
                                use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, **unknown) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {role, content} dicts) or a list
         of conversations, rendered with the checkpoint's chat template."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        reject_unknown("chat()", unknown, _CHAT_ARGS, hints=_TO_SAMPLING_PARAMS)
+        check_bool("use_tqdm", use_tqdm)
+        check_bool("add_generation_prompt", add_generation_prompt)
+        if not isinstance(messages, (list, tuple)):
+            raise ConfigError(f"messages must be a list of message dicts (one conversation) "
+                              f"or a list of such lists, got {messages!r:.80}")
+        if messages and isinstance(messages[0], dict):
+            convs = [check_messages(messages, "messages")]
+        else:
+            convs = [check_messages(c, f"messages[{i}]") for i, c in enumerate(messages)]
         texts = [self.tokenizer.render_chat(c, add_generation_prompt) for c in convs]
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         return self._run_batch(texts, ids, self._params_list(sampling_params, len(ids)),
@@ -164,10 +204,16 @@ class LLM:
     # ---- sessions ----------------------------------------------------------------------
 
     def session(self, system: str | None = None, session_id: str | None = None,
-                pin_system: bool = True, sampling: SamplingParams | None = None) -> Session:
+                pin_system: bool = True, sampling: SamplingParams | None = None,
+                **unknown) -> Session:
         """A multi-turn conversation whose KV stays cached between turns. The system prompt
         is pinned (once, shared by every session with the same system prompt). With
         session_dir set, an id that was persisted there resumes that session."""
+        reject_unknown("session()", unknown, _SESSION_ARGS)
+        check_str("system", system, allow_none=True)
+        check_bool("pin_system", pin_system)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ConfigError(f"sampling must be None or a SamplingParams, got {sampling!r:.80}")
         self._rt.check_open()
         return self._store.session(system, session_id, pin_system, sampling)
 
@@ -183,6 +229,7 @@ class LLM:
         loaded into the device pool now (blocks already resident, such as a shared system
         prompt, are re-referenced, not re-read); a file that does not fit this engine or is
         damaged raises SnapshotError and changes nothing."""
+        path = check_path("path", path)
         self._rt.check_open()
         return self._store.restore(path, session_id)
 
@@ -192,7 +239,14 @@ class LLM:
         """Compute `prefix` (text or token ids) into the cache if absent and hold its full
         blocks: they are never evicted until `unpin()` or `ttl_s` seconds without a hit.
         Raises CacheFullError (nothing already pinned is affected) past max_pinned_fraction."""
-        ids = self.tokenizer.encode(prefix) if isinstance(prefix, str) else list(prefix)
+        ttl_s = check_float("ttl_s", ttl_s, min_value=0.0, min_inclusive=False, allow_none=True)
+        if isinstance(prefix, str):
+            ids = self.tokenizer.encode(prefix)
+        elif isinstance(prefix, (list, tuple)):
+            ids = list(prefix)
+        else:
+            raise ConfigError(f"prefix must be a string or a list of token ids, "
+                              f"got {prefix!r:.80}")
         ids = self._rt.validate_prompt(ids)
         bs = self.config.block_size
         if len(ids) < bs:
@@ -200,9 +254,6 @@ class LLM:
                               f"got {len(ids)}")
         if not self.config.enable_prefix_caching:
             raise ConfigError("pin() needs enable_prefix_caching=True")
-        if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(
-                ttl_s, int | float) or not ttl_s > 0):
-            raise ConfigError(f"ttl_s must be None or a number > 0, got {ttl_s!r}")
         return PinnedPrefix(self._rt, self._rt.pin(ids, ttl_s))
 
     # ---- observability ---------------------------------------------------------------

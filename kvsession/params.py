@@ -15,6 +15,9 @@ from kvsession.validation import (
     reject_unknown,
 )
 
+# temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a tinier
+# one overflows float32 to inf, and the tempered distribution is one-hot well before that
+SAMPLING_EPS = 1e-5
 # vLLM's default max_logprobs: asking for more there is an error, so it is here too
 MAX_LOGPROBS = 20
 # names users reach for that spelling alone does not lead back to the argument
@@ -32,7 +35,8 @@ def _seq(name: str, value, accepted: str, check) -> tuple | None:
 
 @dataclass(frozen=True, init=False)
 class SamplingParams:
-    """How to sample one request. temperature 0 is greedy; frozen, validated on construction."""
+    """How to sample one request; frozen, validated on construction. temperature 0 (or any
+    below SAMPLING_EPS = 1e-5) and top_k 1 are greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -95,7 +99,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 # the constructor's keyword arguments, read off its signature so it cannot drift

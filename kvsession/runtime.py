@@ -18,6 +18,7 @@ import collections
 import hashlib
 import json
 import logging
+import numbers
 import os
 import time
 from collections.abc import Callable
@@ -277,15 +278,23 @@ class Runtime:
         """Stop the engine thread (pending calls fail with EngineClosedError), release the
         workers and the KV cache. Idempotent. With integrity checking on, raises the first
         integrity failure seen (after closing)."""
-        if self._loop is None:
+        loop = self._loop
+        if loop is None:
             return
-        if self.checking:
+        if self.checking and loop.failure is None:
             try:
-                self._loop.call(self._check_at_rest).result(timeout=60)
+                loop.call(self._check_at_rest).result(timeout=60)
             except AssertionError as e:
                 self._integrity_failure = self._integrity_failure or e
-        self._loop.close()
+            except EngineClosedError:  # the engine thread died meanwhile: checked below
+                pass
+        loop.close()
         self._loop = None
+        if self.checking and loop.failure is not None and not loop.alive:
+            try:  # the engine thread is gone: its state is safe to read from here
+                self._check_at_rest()
+            except AssertionError as e:
+                self._integrity_failure = self._integrity_failure or e
         if self.connector is not None:
             self.connector.close()
         self.kv = None
@@ -304,8 +313,13 @@ class Runtime:
     def validate_prompt(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ConfigError("a prompt must have at least one token")
+        # bool is an int to Python but never a token id; numpy ints are fine
+        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
+            raise ConfigError(f"prompt token ids must be ints, got {bad[:5]!r:.80}")
+        ids = [int(t) for t in ids]
         vocab = self.info.spec.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if len(ids) >= self.info.max_model_len:

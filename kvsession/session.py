@@ -28,7 +28,9 @@ from kvsession.cache.manager import SessionKV
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError, SessionClosedError
 from kvsession.metrics import RequestMetrics
+from kvsession.model.tokenizer import check_messages, message_content
 from kvsession.params import SamplingParams
+from kvsession.validation import check_bool, check_float, check_path, check_str
 
 if TYPE_CHECKING:  # the store imports this module; only the type is needed here
     from kvsession.session_store import SessionStore
@@ -169,26 +171,27 @@ class Session:
 
     # ---- one turn ----------------------------------------------------------------------
 
-    @staticmethod
-    def _normalize(message) -> list[dict]:
-        if isinstance(message, str):
-            return [{"role": "user", "content": message}]
-        if isinstance(message, dict):
-            return [message]
-        msgs = list(message) if isinstance(message, (list, tuple)) else []
-        if not msgs or not all(isinstance(m, dict) for m in msgs):
-            raise ConfigError("send() takes a string, a message dict or a list of them")
-        return msgs
-
-    def _start(self, message, overrides: dict, on_update=None):
-        """Render and submit. Returns (seq, new messages, turn info, future). Runs in the
-        caller's thread, after the previous turn of this session finished."""
+    def _prepare(self, message, overrides: dict) -> tuple[list[dict], SamplingParams]:
+        """Validate a turn's arguments (the caller's thread, before it takes its place in
+        the queue): a bad one fails alone and the session is unchanged."""
         self._check_open()
-        new_msgs = self._normalize(message)
+        if isinstance(message, str):
+            message = [{"role": "user", "content": message}]
+        elif isinstance(message, dict):
+            message = [message]
+        if not isinstance(message, (list, tuple)) or not message:
+            raise ConfigError(f"message must be a string, a message dict or a non-empty list "
+                              f"of them, got {message!r:.80}")
+        new_msgs = check_messages(message, "message", text_only=True)
         params = self.sampling.with_overrides(**overrides) if overrides else self.sampling
+        return new_msgs, params
+
+    def _start(self, new_msgs: list[dict], params: SamplingParams, on_update=None):
+        """Render and submit. Returns (seq, turn info, future). Runs in the caller's thread,
+        after the previous turn of this session finished."""
+        self._check_open()
         ids = self._store.encode_turn(self._messages + new_msgs)
-        seq, info, fut = self._store.submit_turn(self.kv, ids, params, on_update)
-        return seq, new_msgs, info, fut
+        return self._store.submit_turn(self.kv, ids, params, on_update)
 
     def _finish(self, seq: Sequence, new_msgs: list[dict], info: TurnInfo) -> Reply:
         """Record the finished turn (caller's thread; the KV went back on the engine
@@ -217,12 +220,12 @@ class Session:
         """Add `message` (a string is a user message; or a dict / list of dicts) and
         generate the assistant's reply. Blocks until done. Keyword arguments override the
         session's SamplingParams for this turn (unknown names: ConfigError)."""
-        sampling_overrides = _overrides(locals())
+        new_msgs, params = self._prepare(message, _overrides(locals()))
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
                 prev.result()
-            seq, new_msgs, info, fut = self._start(message, sampling_overrides)
+            seq, info, fut = self._start(new_msgs, params)
             return self._finish(fut.result(), new_msgs, info)
         finally:
             self._leave_turn(mine)
@@ -231,12 +234,12 @@ class Session:
                     top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET,
                     ignore_eos=UNSET, logprobs=UNSET, cache_salt=UNSET, **unknown) -> Reply:
         """`send` for asyncio: awaits the engine without blocking the event loop."""
-        sampling_overrides = _overrides(locals())
+        new_msgs, params = self._prepare(message, _overrides(locals()))
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
                 await asyncio.wrap_future(prev)
-            seq, new_msgs, info, fut = self._start(message, sampling_overrides)
+            seq, info, fut = self._start(new_msgs, params)
             return self._finish(await asyncio.wrap_future(fut), new_msgs, info)
         finally:
             self._leave_turn(mine)
@@ -245,14 +248,14 @@ class Session:
              seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET, logprobs=UNSET,
              cache_salt=UNSET, **unknown) -> Iterator[StreamChunk]:
         """Like `send`, yielding text as it is generated; the last chunk has `.reply`."""
-        sampling_overrides = _overrides(locals())
+        new_msgs, params = self._prepare(message, _overrides(locals()))
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
                 prev.result()
             updates: queue.SimpleQueue = queue.SimpleQueue()
-            seq, new_msgs, info, fut = self._start(
-                message, sampling_overrides, on_update=lambda s: updates.put(s.num_tokens))
+            seq, info, fut = self._start(
+                new_msgs, params, on_update=lambda s: updates.put(s.num_tokens))
             fut.add_done_callback(lambda f: updates.put(None))
             decode = self._store.tokenizer.decode
             hold = max((len(s) for s in seq.params.stop_strings), default=1) - 1
@@ -274,11 +277,13 @@ class Session:
 
     def add(self, role: str, content: str) -> None:
         """Append a message (e.g. a tool result) without generating."""
+        check_str("role", role, non_empty=True)
+        msg = {"role": role, "content": message_content(content, "content")}
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
                 prev.result()
-            self._messages.append({"role": role, "content": content})
+            self._messages.append(msg)
         finally:
             self._leave_turn(mine)
 
@@ -305,12 +310,15 @@ class Session:
         atomically. `llm.restore(path)` continues exactly where this session is. A write
         that fails (disk full, unwritable directory) raises SnapshotError naming the cause;
         the session and any file already at `path` are unchanged."""
+        check_path("path", path)
         self.exclusive(lambda: self._store.save(self.kv, path))
 
     def suspend(self, expected_idle_s: float | None = None) -> str:
         """The session is waiting (tool call, human). The engine decides, by expected waste,
         to keep its KV on the device, spill it to host or disk, or drop it for recompute.
         Returns the decision: "keep" | "host" | "disk" | "drop"."""
+        expected_idle_s = check_float("expected_idle_s", expected_idle_s, min_value=0.0,
+                                      allow_none=True)
         return self.exclusive(lambda: self._store.suspend(self.kv, expected_idle_s))
 
     def prefetch(self) -> Future:
@@ -323,6 +331,7 @@ class Session:
         """Release this session's KV in every tier (idempotent); delete=True also removes its
         own snapshot file from session_dir (`<session_id>.kvs`; never the file it was
         restored from elsewhere). Using it afterwards raises SessionClosedError."""
+        check_bool("delete", delete)
         with self._lock:
             if self._closed:
                 return

@@ -10,7 +10,9 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import NoReturn
 
 from kvsession.errors import ConfigError
@@ -76,6 +78,17 @@ def check_str(name: str, value, *, allow_none: bool = False,
     if not isinstance(value, str) or (non_empty and not value):
         _fail(name, value, "a non-empty string" if non_empty else "a string", allow_none)
     return value
+
+
+def check_path(name: str, value, *, allow_none: bool = False) -> Path | None:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or (isinstance(value, str) and not value):
+        _fail(name, value, "a file path (str or os.PathLike)", allow_none)
+    path = os.fspath(value)
+    if not isinstance(path, str) or "\0" in path:  # a bytes PathLike; NUL: no OS takes it
+        _fail(name, value, "a file path (str or os.PathLike)", allow_none)
+    return Path(path)
 
 
 def reject_unknown(owner: str, unknown: Mapping[str, object], allowed: Iterable[str], *,

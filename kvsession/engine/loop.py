@@ -13,20 +13,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Protocol
 
 from kvsession.costmodel import RateEstimator
 from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler
 from kvsession.engine.scheduler import Scheduler
-from kvsession.engine.sequence import Sequence
+from kvsession.engine.sequence import Sequence, SequenceStatus
 from kvsession.errors import CacheFullError, EngineClosedError
 from kvsession.metrics import LatencyTracker, RequestMetrics
 
 log = logging.getLogger("kvsession")
 
 OnUpdate = Callable[[Sequence], None]
+# how long close() waits for the step in progress to end
+CLOSE_TIMEOUT_S = 120.0
 
 
 def request_metrics(seq: Sequence) -> RequestMetrics:
@@ -154,24 +156,40 @@ class Engine:
             self.prefill_tps.observe(prompt_tokens, time.perf_counter() - t0)
         self.num_steps += 1
         self.scheduler.update(batch)
-        for seq, (token, logprobs) in zip(sampling, sampled, strict=True):
-            seq.append_token(token, logprobs)
-            done = seq.check_finished(self.decode)
-            if done:
-                seq.finish_time = time.perf_counter()
-                self.scheduler.finish(seq, release=not seq.retain_blocks)
-            fut, on_update = self.futures[seq.seq_id] if not done else self.futures.pop(
-                seq.seq_id)
-            if done and seq.on_finish is not None:
-                seq.on_finish(seq, True)
-            if on_update is not None:
-                self._notify(on_update, seq)
-            if done:
-                m = request_metrics(seq)
-                self.latency.record(seq.arrival_time, seq.finish_time, m, seq.num_output_tokens)
-                fut.set_result(seq)
+        for seq, result in zip(sampling, sampled, strict=True):
+            # one request's failure (its sampling, its stop check, its session's check-in)
+            # fails that request alone: the others of the batch go on unchanged
+            if isinstance(result, BaseException):
+                log.warning("request %d failed in sampling: %r", seq.seq_id, result)
+                self._fail(seq, result)
+                continue
+            try:
+                self._advance(seq, *result)
+            except Exception as e:
+                log.exception("request %d failed after its step", seq.seq_id)
+                if seq.status is not SequenceStatus.FINISHED:
+                    self._fail(seq, e)
+                else:  # already handed over (on_finish ran or raised): only the caller is told
+                    fut, _ = self.futures.pop(seq.seq_id, (None, None))
+                    settle(fut, exc=e)
         for observe in self.step_observers:
             observe()
+
+    def _advance(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        seq.append_token(token, logprobs)
+        done = seq.check_finished(self.decode)
+        if done:
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq, release=not seq.retain_blocks)
+        fut, on_update = self.futures[seq.seq_id] if not done else self.futures.pop(seq.seq_id)
+        if done and seq.on_finish is not None:
+            seq.on_finish(seq, True)
+        if on_update is not None:
+            self._notify(on_update, seq)
+        if done:
+            m = request_metrics(seq)
+            self.latency.record(seq.arrival_time, seq.finish_time, m, seq.num_output_tokens)
+            settle(fut, result=seq)
 
     @staticmethod
     def _notify(on_update: OnUpdate, seq: Sequence) -> None:
@@ -181,28 +199,68 @@ class Engine:
             log.exception("on_update callback failed")
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        self.scheduler.finish(seq)
-        if seq.on_finish is not None:
-            seq.on_finish(seq, False)
+        # the caller hears of it even if releasing the request's blocks raises
         fut, _ = self.futures.pop(seq.seq_id, (None, None))
-        if fut is not None and not fut.done():
-            fut.set_exception(exc)
+        try:
+            self.scheduler.finish(seq)
+            if seq.on_finish is not None:
+                seq.on_finish(seq, False)
+        finally:
+            settle(fut, exc=exc)
 
-    def fail_all(self, exc: BaseException) -> None:
+    def fail_all(self, exc: BaseException | Callable[[], BaseException]) -> None:
+        """Fail the running and waiting requests (`exc`, or a factory of one exception per
+        request). Every one of them is failed even when releasing another's blocks raises
+        (that error is logged)."""
+        make = exc if callable(exc) and not isinstance(exc, BaseException) else lambda: exc
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._fail(seq, exc)
+            try:
+                self._fail(seq, make())
+            except Exception:
+                log.exception("releasing request %d failed", seq.seq_id)
+
+    def abort(self, make_exc: Callable[[], BaseException]) -> None:
+        """The engine stops for good: fail every request, those at a remote worker too
+        (their blocks stay held: a worker may still write them; only the callers are told)."""
+        self.fail_all(make_exc)
+        for fut, _ in self.futures.values():
+            settle(fut, exc=make_exc())
+        self.futures.clear()
+
+def settle(fut: Future | None, result=None, exc: BaseException | None = None) -> None:
+    """Resolve `fut` unless it is already resolved or was cancelled by its caller (which
+    must not raise on the engine thread)."""
+    if fut is None:
+        return
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
 
 
 class EngineLoop:
-    """The engine thread. `submit` and `call` are thread-safe and return Futures."""
+    """The engine thread. `submit` and `call` are thread-safe and return Futures.
+
+    If the thread itself fails (anything raised outside a step's own error handling: a
+    timer, a posted item, the failure handling), the loop closes for good: every pending
+    request and call fails with EngineClosedError whose `__cause__` is that error, and so
+    does every later one, at once. Nothing waits on a thread that is gone."""
 
     def __init__(self, engine: Engine, name: str = "kvsession-engine"):
         self.engine = engine
         self._inbox: list[tuple[Callable[[], None], Future]] = []
         self._cv = threading.Condition()
         self._closed = False
+        self.failure: BaseException | None = None  # what killed the thread, if anything
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def submit(self, seq: Sequence, on_update: OnUpdate | None = None,
                prepare: Callable[[], None] | None = None) -> Future:
@@ -216,7 +274,7 @@ class EngineLoop:
                 try:
                     prepare()
                 except Exception as e:
-                    fut.set_exception(e)
+                    settle(fut, exc=e)
                     return
             self.engine.add(seq, fut, on_update)
 
@@ -231,22 +289,43 @@ class EngineLoop:
 
         def run():
             try:
-                fut.set_result(fn())
+                result = fn()
             except Exception as e:
-                fut.set_exception(e)
+                settle(fut, exc=e)
+            else:
+                settle(fut, result=result)
 
         self._post(run, fut)
         return fut
 
+    def _closed_error(self, when: str) -> EngineClosedError:
+        if self.failure is None:
+            return EngineClosedError(f"the LLM was closed {when}")
+        e = EngineClosedError(f"the engine thread failed ({type(self.failure).__name__}: "
+                              f"{self.failure}); this LLM can only be closed")
+        e.__cause__ = self.failure
+        return e
+
     def _post(self, item: Callable[[], None], fut: Future) -> None:
         with self._cv:
             if self._closed:
-                fut.set_exception(EngineClosedError("the LLM is closed"))
+                settle(fut, exc=self._closed_error("before this call"))
                 return
             self._inbox.append((item, fut))
             self._cv.notify()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the thread is lost: nobody may wait on it any more
+            log.exception("the engine thread failed; pending and later calls fail")
+            with self._cv:
+                self.failure = e
+                self._closed = True
+        finally:
+            self._drain()
+
+    def _serve(self) -> None:
         while True:
             timeout = self.engine.housekeeping()
             with self._cv:
@@ -254,7 +333,7 @@ class EngineLoop:
                     self._cv.wait(timeout)  # woken by a post, or at the next deadline
                     continue
                 if self._closed:
-                    break
+                    return
                 items, self._inbox = self._inbox, []
             for item, _ in items:
                 item()
@@ -264,16 +343,24 @@ class EngineLoop:
                 except Exception as e:  # engine bookkeeping broke: fail what is in flight
                     log.exception("engine step raised outside the model run")
                     self.engine.fail_all(e)
-        self.engine.fail_all(EngineClosedError("the LLM was closed while this request ran"))
-        with self._cv:
-            items, self._inbox = self._inbox, []
-        for _, fut in items:  # posted but never started
-            if not fut.done():
-                fut.set_exception(EngineClosedError("the LLM was closed before this call ran"))
 
-    def close(self) -> None:
+    def _drain(self) -> None:
+        """Closed (or failed): fail what is in flight and what was posted but never ran."""
+        try:
+            self.engine.abort(lambda: self._closed_error("while this request ran"))
+        finally:
+            with self._cv:
+                items, self._inbox = self._inbox, []
+            for _, fut in items:
+                settle(fut, exc=self._closed_error("before this call ran"))
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         with self._cv:
             self._closed = True
             self._cv.notify()
         if threading.current_thread() is not self._thread:
-            self._thread.join()
+            # bounded: a step that never returns must not hang close() or interpreter exit
+            # (the thread is a daemon; it fails its requests when the step ends)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.error("the engine thread did not stop within %.0f s", timeout_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 from jinja2 import TemplateError
@@ -16,6 +17,86 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from kvsession.errors import ConfigError, ModelLoadError
+
+# nesting allowed in a message's extra fields (tool calls, metadata); deeper is a mistake
+MAX_MESSAGE_DEPTH = 16
+
+
+def _check_json(value, where: str, depth: int = 0) -> None:
+    """A message field must survive a JSON round trip: sessions write their messages into
+    snapshots (at save, and when an idle session spills to disk on the engine thread)."""
+    if depth > MAX_MESSAGE_DEPTH:
+        raise ConfigError(f"{where} is nested more than {MAX_MESSAGE_DEPTH} levels deep")
+    if value is None or isinstance(value, (str, bool)):
+        return
+    if isinstance(value, int):
+        if not -(2**63) <= value < 2**64:
+            raise ConfigError(f"{where} must be a JSON value; the int {value} is out of range")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{where} must be a JSON value, got {value!r}")
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json(item, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        for k, item in value.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"{where} keys must be strings, got {k!r}")
+            _check_json(item, f"{where}[{k!r}]", depth + 1)
+        return
+    raise ConfigError(f"{where} must be a JSON value (str, int, float, bool, None, list or "
+                      f"dict with str keys), got {type(value).__name__} {value!r:.60}")
+
+
+def message_content(content, where: str) -> str:
+    """A message's content as text: a string, or OpenAI-style text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(part, dict) and part.get("type") == "text"
+            and isinstance(part.get("text"), str) for part in content):
+        return "\n".join(part["text"] for part in content)  # as vLLM joins text parts
+    raise ConfigError(f"{where} must be a string or a non-empty list of "
+                      f"{{'type': 'text', 'text': str}} parts, got {content!r:.80}")
+
+
+def check_messages(messages, what: str = "messages", text_only: bool = False) -> list[dict]:
+    """Validated copies of chat messages (the API edge: llm.chat, Session.send/add, the
+    system prompt). Each is a dict with 'role' (a non-empty string) and 'content' (a string,
+    or OpenAI-style text parts, joined here into one string); other fields must be JSON
+    values, or with `text_only` (a session's messages: its snapshots hold text fields only)
+    strings. Errors name the message index and the field."""
+    if not isinstance(messages, (list, tuple)):
+        raise ConfigError(f"{what} must be a list of message dicts, got {messages!r:.80}")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"{what}[{i}]"
+        if not isinstance(m, dict):
+            raise ConfigError(f"{where} must be a dict with 'role' and 'content', "
+                              f"got {m!r:.80}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ConfigError(f"{where} has no {key!r}: a message is a dict with 'role' "
+                                  f"and 'content', got {m!r:.80}")
+        role = m["role"]
+        if not isinstance(role, str) or not role:
+            raise ConfigError(f"{where}['role'] must be a non-empty string, got {role!r:.80}")
+        content = message_content(m["content"], f"{where}['content']")
+        for key, value in m.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{where} keys must be strings, got {key!r:.80}")
+            if key == "content":
+                continue
+            if text_only and not isinstance(value, str):
+                raise ConfigError(f"{where}[{key!r}] must be a string (a session's messages "
+                                  f"are saved in its snapshots, which hold text fields), "
+                                  f"got {value!r:.80}")
+            _check_json(value, f"{where}[{key!r}]", 1)
+        out.append({**m, "content": content})
+    return out
 
 
 def _raise_exception(message: str):
@@ -96,10 +177,7 @@ class Tokenizer:
         """The conversation as the model's chat template writes it (sandboxed jinja2)."""
         if self._template is None:
             raise ConfigError("this checkpoint has no chat template; use generate() instead")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ConfigError(
-                    f"each chat message must be a dict with 'role' and 'content', got {m!r}")
+        messages = check_messages(messages)
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
