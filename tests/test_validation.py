@@ -228,3 +228,157 @@ def test_sampling_any_kwargs_construct_or_config_error(kwargs):
         return
     hash(p)
     assert p == dataclasses.replace(p) == p.with_overrides()
+
+
+# ---- calls on an LLM and a Session ----
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    from kvsession import LLM
+
+    with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=128) as llm:
+        yield llm
+
+
+@pytest.fixture
+def sess(llm):
+    s = llm.session(sampling=SamplingParams(max_tokens=2, temperature=0.0))
+    yield s
+    s.close()
+
+
+USER = {"role": "user", "content": "hi"}
+BAD_CALLS = [
+    # generate
+    ("ids float", lambda llm, s: llm.generate(prompt_token_ids=[[1.5]], use_tqdm=False),
+     r"prompt token ids must be ints, got \[1\.5\]"),
+    ("ids flat float", lambda llm, s: llm.generate(prompt_token_ids=[1, 2.0], use_tqdm=False),
+     "prompt token ids must be ints"),
+    ("ids bool", lambda llm, s: llm.generate(prompt_token_ids=[[True]], use_tqdm=False),
+     r"prompt token ids must be ints, got \[True\]"),
+    ("ids int", lambda llm, s: llm.generate(prompt_token_ids=5, use_tqdm=False),
+     "^prompt_token_ids must be a list"),
+    ("ids ragged", lambda llm, s: llm.generate(prompt_token_ids=[[1], 2], use_tqdm=False),
+     r"^prompt_token_ids\[1\] must be a list"),
+    ("prompts int", lambda llm, s: llm.generate(5, use_tqdm=False), "^prompts must be"),
+    ("prompts dict", lambda llm, s: llm.generate({"a": 1}, use_tqdm=False), "^prompts must be"),
+    ("sampling_params str", lambda llm, s: llm.generate("hi", "x", use_tqdm=False),
+     "^sampling_params must be None, one SamplingParams or a list of 1, got 'x'"),
+    ("sampling_params int", lambda llm, s: llm.generate("hi", 5, use_tqdm=False),
+     "^sampling_params must be"),
+    ("sampling_params count", lambda llm, s: llm.generate(
+        ["a", "b"], [SamplingParams()], use_tqdm=False), "a list of 2"),
+    ("use_tqdm", lambda llm, s: llm.generate("hi", use_tqdm="no"), "^use_tqdm must be"),
+    ("generate kw", lambda llm, s: llm.generate("hi", max_tokens=3),
+     r"^generate\(\) got an unknown keyword argument 'max_tokens'; did you mean "
+     r"'sampling_params'\?"),
+    # chat
+    ("chat str", lambda llm, s: llm.chat("hi", use_tqdm=False), "^messages must be a list"),
+    ("chat None", lambda llm, s: llm.chat(None, use_tqdm=False), "^messages must be a list"),
+    ("chat content int", lambda llm, s: llm.chat([USER, {"role": "user", "content": 5}],
+                                                 use_tqdm=False),
+     r"^messages\[1\]\['content'\] must be a string or a non-empty list of"),
+    ("chat content None", lambda llm, s: llm.chat([{"role": "assistant", "content": None}],
+                                                  use_tqdm=False),
+     r"^messages\[0\]\['content'\] must be"),
+    ("chat bad part", lambda llm, s: llm.chat([{"role": "user", "content": [
+        {"type": "image_url", "image_url": "x"}]}], use_tqdm=False),
+     r"^messages\[0\]\['content'\] must be"),
+    ("chat role", lambda llm, s: llm.chat([{"role": 5, "content": "x"}], use_tqdm=False),
+     r"^messages\[0\]\['role'\] must be a non-empty string, got 5"),
+    ("chat empty role", lambda llm, s: llm.chat([{"role": "", "content": "x"}],
+                                                use_tqdm=False), r"\['role'\] must be"),
+    ("chat no content", lambda llm, s: llm.chat([{"role": "user"}], use_tqdm=False),
+     r"^messages\[0\] has no 'content'"),
+    ("chat message int", lambda llm, s: llm.chat([[USER], [5]], use_tqdm=False),
+     r"^messages\[1\]\[0\] must be a dict"),
+    ("chat conversation int", lambda llm, s: llm.chat([[USER], 5], use_tqdm=False),
+     r"^messages\[1\] must be a list of message dicts"),
+    ("chat non-JSON field", lambda llm, s: llm.chat([{**USER, "meta": {1: "x"}}],
+                                                    use_tqdm=False),
+     r"^messages\[0\]\['meta'\] keys must be strings"),
+    ("chat nan field", lambda llm, s: llm.chat([{**USER, "score": math.nan}], use_tqdm=False),
+     r"^messages\[0\]\['score'\] must be a JSON value"),
+    ("chat add_generation_prompt", lambda llm, s: llm.chat(
+        [USER], add_generation_prompt=1, use_tqdm=False), "^add_generation_prompt must be"),
+    ("chat kw", lambda llm, s: llm.chat([USER], temperature=0),
+     r"^chat\(\) got an unknown keyword argument 'temperature'"),
+    # pin
+    ("pin ttl str", lambda llm, s: llm.pin(list(range(20)), ttl_s="x"),
+     "^ttl_s must be None or a number > 0.0, got 'x'"),
+    ("pin ttl nan", lambda llm, s: llm.pin(list(range(20)), ttl_s=math.nan), "^ttl_s must be"),
+    ("pin prefix int", lambda llm, s: llm.pin(5), "^prefix must be a string or a list"),
+    ("pin prefix floats", lambda llm, s: llm.pin([0.5] * 20), "prompt token ids must be ints"),
+    # session / restore
+    ("session pin_system", lambda llm, s: llm.session(pin_system="yes"),
+     "^pin_system must be True or False, got 'yes'"),
+    ("session system", lambda llm, s: llm.session(system=5), "^system must be None or a string"),
+    ("session sampling", lambda llm, s: llm.session(sampling={"max_tokens": 2}),
+     "^sampling must be None or a SamplingParams"),
+    ("session id", lambda llm, s: llm.session(session_id=5), "^session_id must match"),
+    ("session kw", lambda llm, s: llm.session(sytem="x"),
+     r"^session\(\) got an unknown keyword argument 'sytem'; did you mean 'system'\?"),
+    ("restore int", lambda llm, s: llm.restore(5), "^path must be a file path"),
+    ("restore None", lambda llm, s: llm.restore(None), "^path must be a file path"),
+    # a Session
+    ("send int", lambda llm, s: s.send(5), "^message must be a string, a message dict"),
+    ("send empty list", lambda llm, s: s.send([]), "^message must be"),
+    ("send content int", lambda llm, s: s.send({"role": "user", "content": 5}),
+     r"^message\[0\]\['content'\] must be a string"),
+    ("send second message", lambda llm, s: s.send([USER, {"role": None, "content": "x"}]),
+     r"^message\[1\]\['role'\] must be a non-empty string"),
+    ("send non-text field", lambda llm, s: s.send({**USER, "tool_calls": [{"id": "1"}]}),
+     r"^message\[0\]\['tool_calls'\] must be a string \(a session's messages"),
+    ("send stop_strings", lambda llm, s: s.send("hi", stop_strings=["x"]),
+     "did you mean 'stop'"),
+    ("send max_tokens bool", lambda llm, s: s.send("hi", max_tokens=True), "^max_tokens must"),
+    ("send temperature None", lambda llm, s: s.send("hi", temperature=None),
+     "^temperature must"),
+    ("stream content", lambda llm, s: list(s.stream({"role": "user", "content": b"x"})),
+     r"^message\[0\]\['content'\]"),
+    ("asend content", lambda llm, s: __import__("asyncio").run(s.asend({"role": "user"})),
+     r"^message\[0\] has no 'content'"),
+    ("add role", lambda llm, s: s.add(5, "x"), "^role must be a non-empty string"),
+    ("add content", lambda llm, s: s.add("tool", {"x": 1}), "^content must be a string"),
+    ("suspend str", lambda llm, s: s.suspend(expected_idle_s="x"),
+     "^expected_idle_s must be None or a number >= 0.0, got 'x'"),
+    ("suspend negative", lambda llm, s: s.suspend(expected_idle_s=-1), "^expected_idle_s"),
+    ("suspend nan", lambda llm, s: s.suspend(expected_idle_s=math.nan), "^expected_idle_s"),
+    ("suspend bool", lambda llm, s: s.suspend(expected_idle_s=True), "^expected_idle_s"),
+    ("fork id", lambda llm, s: s.fork(session_id=5), "^session_id must match"),
+    ("save int", lambda llm, s: s.save(5), "^path must be a file path"),
+    ("save empty", lambda llm, s: s.save(""), "^path must be a file path"),
+    ("close delete", lambda llm, s: s.close(delete="x"), "^delete must be True or False"),
+]
+
+
+@pytest.mark.parametrize("call, match", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
+def test_bad_calls_are_config_errors_that_change_nothing(llm, sess, call, match):
+    sess.send("hello")
+    before = (sess.messages, sess.num_cached_tokens, len(llm.sessions()), llm.stats().num_requests)
+    with pytest.raises(ConfigError, match=match):
+        call(llm, sess)
+    assert sess.state == "idle" and sess.stats.turns == 1
+    assert (sess.messages, sess.num_cached_tokens, len(llm.sessions()),
+            llm.stats().num_requests) == before
+
+
+def test_good_call_shapes_are_accepted(llm):
+    import numpy as np
+
+    g = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    want = llm.chat([{"role": "user", "content": "one\ntwo"}], g, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "one"},
+                                                   {"type": "text", "text": "two"}]}],
+                     g, use_tqdm=False)[0]
+    assert parts.prompt == want.prompt and parts.token_ids == want.token_ids
+    ids = want.prompt_token_ids
+    assert llm.generate(prompt_token_ids=tuple(np.array(ids)), sampling_params=g,
+                        use_tqdm=False)[0].token_ids == want.token_ids
+    assert llm.generate([], g, use_tqdm=False) == []
+    with llm.session(system="be brief", sampling=g) as s:
+        s.add("tool", [{"type": "text", "text": "result"}])
+        s.send({"role": "user", "content": "hi", "name": "bob"})
+        assert s.messages[1] == {"role": "tool", "content": "result"}
+        assert s.messages[2] == {"role": "user", "content": "hi", "name": "bob"}
+        assert s.suspend(expected_idle_s=0) in ("keep", "host", "drop")
