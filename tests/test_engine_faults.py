@@ -184,6 +184,13 @@ def test_sampler_logprobs_beyond_a_small_vocabulary():
     assert token == 2 and set(logprobs) == {0, 1, 2}
 
 
+def test_sampler_top_p_below_float32_keeps_the_top_token():
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    out, _ = _sampler_run(logits, [SamplingParams(temperature=1.0, top_p=p, seed=2)
+                                   for p in (5e-324, 1e-50, 1e-9)])
+    assert [token for token, _ in out] == logits.argmax(-1).tolist()
+
+
 def test_tiny_temperature_is_greedy_and_its_batch_unchanged(llama_dir):
     prompts = random_prompts(3, [12, 30, 7, 19], 500)
     healthy = [GREEDY, SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True),

@@ -60,8 +60,10 @@ class Sampler:
         probs = torch.softmax(x, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = probs.sort(descending=True)
-            # keep the smallest set whose mass reaches top_p (the top token always stays)
+            # keep the smallest set whose mass reaches top_p; the top token always stays
+            # (explicitly: a top_p below float32's smallest value compares as 0, dropping all)
             drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+            drop[0] = False
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
