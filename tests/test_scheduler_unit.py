@@ -243,7 +243,7 @@ def test_reclaimer_is_tried_before_preempting(reclaimer):
         assert s.tier is Tier.HOST and s.blocks == () and s.host_ids == (0,)
         assert policy.spills == {"host": 1, "disk": 0}
         assert policy.decisions == [("s1", "spill to host", "device pool short of 1 blocks")]
-        m.check_integrity(host.num_blocks, host.free_ids())
+        m.check_integrity(host)
     else:
         assert work(scheduled) == [(a, 1)] and sched.num_preemptions == 1
         assert list(sched.waiting) == [b] and fifo(m) == [3] and ids(s) == [0]
@@ -263,4 +263,4 @@ def test_reclaimer_makes_room_for_admission():
     assert s.host_ids == (0, 1) and s.blocks == () and fifo(m) == [0]
     assert sched.prefix.queried_tokens - queried == 8 and sched.num_preemptions == 0
     assert m.num_held(HolderKind.SEQUENCE) == 3 and m.num_held(HolderKind.SESSION) == 0
-    m.check_integrity(host.num_blocks, host.free_ids())
+    m.check_integrity(host)
