@@ -26,11 +26,15 @@ from kvsession.params import SAMPLING_ARG_NAMES
 from oracle import random_prompts
 
 WAIT_S = 120
-EXAMPLES = 150
+LLM_EXAMPLES = 100  # each builds (and closes) an engine when its arguments are valid
+CALL_EXAMPLES = 300
 BINDING = {"self", "model", "message"}  # see the module docstring
-FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=EXAMPLES,
-                suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                       HealthCheck.too_slow])
+
+
+def fuzz_settings(examples: int) -> settings:
+    return settings(derandomize=True, database=None, deadline=None, max_examples=examples,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
 
 SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
@@ -54,6 +58,11 @@ EDGE = {
     "ignore_eos": st.booleans(),
     "logprobs": st.sampled_from([None, 0, 1, 20]),
     "cache_salt": st.sampled_from([None, "", "salt", "\x00"]),
+    # generate() and chat()
+    "prompts": st.sampled_from(["hi", ["a", "b c"], ("x",), []]),
+    "prompt_token_ids": st.sampled_from([[1, 2, 3], [[4], [5, 6]], (7, 8), [[9]]]),
+    "use_tqdm": st.just(False),
+    "add_generation_prompt": st.booleans(),
 }
 
 
@@ -100,6 +109,7 @@ MESSAGE = st.one_of(
 MESSAGES = st.one_of(st.lists(MESSAGE, max_size=3),
                      st.lists(st.lists(MESSAGE, max_size=2), max_size=2), MIXED)
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
+EDGE["sampling_params"] = st.sampled_from([None, ONE_TOKEN, [ONE_TOKEN], [ONE_TOKEN] * 2])
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +200,7 @@ def test_fuzz_llm_constructor(llm, llama_dir, tmp_path):
     cwd = os.getcwd()
     os.chdir(tmp_path)  # a drawn session_dir is created relative to here, not in the repo
 
-    @FUZZ
+    @fuzz_settings(LLM_EXAMPLES)
     @given(args, sizes)
     def fuzz(kw, size_kw):
         kw = {k: v for k, v in kw.items() if k not in ("kv_cache_memory", "host_cache_memory")}
@@ -207,7 +217,7 @@ def test_fuzz_llm_constructor(llm, llama_dir, tmp_path):
     finally:
         os.chdir(cwd)
         tally.report()
-    assert tally.counts["LLM", "clean error"] > EXAMPLES // 2
+    assert tally.counts["LLM", "clean error"] > LLM_EXAMPLES // 2 and tally.counts["LLM", "ok"]
 
 
 def test_fuzz_calls(llm):
@@ -261,7 +271,7 @@ def test_fuzz_calls(llm):
             return s.add(*arg)
         return s.suspend(expected_idle_s=arg)
 
-    @FUZZ
+    @fuzz_settings(CALL_EXAMPLES)
     @given(targets)
     def fuzz(target_arg):
         target, arg = target_arg
@@ -277,5 +287,5 @@ def test_fuzz_calls(llm):
     s.send("one more turn")
     s.close()
     llm.check_integrity()
-    for what in ("SamplingParams", "generate", "chat", "send", "suspend"):
-        assert tally.counts[what, "clean error"] > 0, what
+    for what in ("SamplingParams", "generate", "chat", "send", "add", "suspend"):
+        assert tally.counts[what, "clean error"] > 0 and tally.counts[what, "ok"] > 0, what
