@@ -5,6 +5,7 @@ and reconnects, CURVE authentication, no leaks, prefix affinity."""
 from __future__ import annotations
 
 import os
+import queue
 import random
 import signal
 import socket
@@ -15,11 +16,12 @@ import threading
 import time
 
 import pytest
+import torch
 import zmq
 
 from kvsession import LLM, SamplingParams
-from kvsession.connector.base import StatsQuery, WorkerStatus, decode, encode
-from kvsession.connector.nixl import make_agent
+from kvsession.connector.base import StatsQuery, WorkerStatus, compat_hash, decode, encode
+from kvsession.connector.nixl import NixlPrefillClient, make_agent
 from kvsession.errors import ConfigError
 from kvsession.worker import FAULTS_ENV, Faults
 
@@ -311,6 +313,31 @@ def test_an_idle_gap_longer_than_the_heartbeat_timeout_keeps_the_worker(llama_di
         assert st.prefills == 2 and not st.fallbacks
         assert w.state == "ready" and w.deaths == {} and w.connects == 1
         assert_no_leak(llm)
+
+
+def test_a_request_completed_by_an_idle_tick_is_reported(llama_dir, worker):
+    # the client alone, driven from this thread: `schedule` hands its idle ticks to a queue
+    # that this thread runs (as the engine thread would); the request completes inside a
+    # tick, and the next poll must report it
+    with LLM(llama_dir, **KW) as llm:
+        rt = llm._rt
+        tensors = {n: torch.zeros_like(t) for n, t in rt.kv.tensors().items()}
+        compat = compat_hash(rt.identity)
+    ticks: queue.Queue = queue.Queue()
+    client = NixlPrefillClient([worker.address], tensors, compat, timeout_s=30.0,
+                               heartbeat_s=0.02, schedule=ticks.put)
+    try:
+        wait_for(lambda: client.poll(0.01) == [] and client.healthy(), 10, "the handshake")
+        assert client.submit(7, [5] * 40, 0, [1, 2, 3], b"", None)
+        deadline = time.monotonic() + 30
+        while client.pending:  # only ticks drive it now
+            assert time.monotonic() < deadline, "the request did not complete"
+            ticks.get(timeout=5)()
+        done = client.poll(0.0)
+        assert [(c.seq_id, c.kind) for c in done] == [(7, "done")]
+        assert tensors["k"][:, 1:4].abs().sum() > 0  # the worker wrote the KV
+    finally:
+        client.close()
 
 
 def test_a_restarted_worker_on_the_same_address_is_used_again(llama_dir):

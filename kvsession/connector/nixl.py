@@ -480,7 +480,10 @@ class NixlPrefillClient(PrefillConnector):
     def _tick(self) -> None:  # engine thread
         self._tick_queued = False
         try:
-            self._carry.extend(self.poll(0.0))
+            # two statements: poll() swaps self._carry for a new list (so `self._carry.
+            # extend(self.poll())` would append to the old one and lose the completions)
+            done = self.poll(0.0)
+            self._carry.extend(done)
         except Exception as e:
             self._error = e
 
