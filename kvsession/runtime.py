@@ -137,6 +137,23 @@ class RemoteOffload:
         return not reason
 
 
+def check_memory_fits(cfg: EngineConfig, kv_bytes: int) -> None:
+    """On CPU the KV pool is committed up front and the host tier can grow to its size: a
+    budget beyond this machine's memory is a ConfigError now, not an allocator failure
+    (or the OOM killer) later."""
+    if cfg.device.type != "cpu":
+        return
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to check
+        return
+    if kv_bytes + cfg.host_cache_memory_bytes > physical:
+        raise ConfigError(
+            f"kv_cache_memory ({kv_bytes} bytes) + host_cache_memory "
+            f"({cfg.host_cache_memory_bytes} bytes) exceed this machine's memory "
+            f"({physical} bytes); lower them")
+
+
 def _remote_client_class():
     try:
         from kvsession.connector.nixl import NixlPrefillClient
@@ -165,6 +182,7 @@ class Runtime:
                 f"({num_blocks * cfg.block_size} tokens at {bpt} bytes/token), but one sequence "
                 f"of max_model_len={max_model_len} needs {needed}; raise kv_cache_memory or "
                 f"lower max_model_len")
+        check_memory_fits(cfg, num_blocks * cfg.block_size * bpt)
         remote = bool(cfg.prefill_workers) and cfg.remote_prefill != RemotePrefillMode.NEVER
         client_class = _remote_client_class() if remote else None
         backend = resolve_backend(cfg.attention_backend, cfg.device, cfg.block_size)
