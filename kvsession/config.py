@@ -35,6 +35,14 @@ class RemotePrefillMode(enum.Enum):
     NEVER = "never"
 
 
+class Durability(enum.Enum):
+    """When a session's turn is on disk (with a session_dir): TURN, before send() returns
+    (a write-ahead log record, fsynced; KV written behind); CLOSE, at close or spill."""
+
+    TURN = "turn"
+    CLOSE = "close"
+
+
 class AttentionBackend(enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
@@ -102,6 +110,17 @@ def _auth_key_file(value) -> Path | None:
     return path
 
 
+def _durability(value, session_dir) -> Durability:
+    """None: "turn" with a session_dir (nothing acknowledged is lost), else "close"."""
+    if value is None:
+        return Durability.TURN if session_dir is not None else Durability.CLOSE
+    _choice(value, "durability", {d.value for d in Durability})
+    if value == Durability.TURN.value and session_dir is None:
+        raise ConfigError("durability='turn' needs a session_dir (the session logs live "
+                          "there); pass session_dir=... or durability='close'")
+    return Durability(value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM(...)` was asked for, resolved and validated (no runtime facts)."""
@@ -128,6 +147,7 @@ class EngineConfig:
     seed: int
     prefill_auth_key_file: Path | None = None  # the caller's CURVE key file
     eviction_policy: EvictionPolicy = EvictionPolicy.COST
+    durability: Durability = Durability.CLOSE
 
     @staticmethod
     def from_args(
@@ -138,7 +158,7 @@ class EngineConfig:
         spill_after_s=None, prefill_worker=None, remote_prefill="auto",
         remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0,
         prefill_auth_key_file=None,
-        eviction_policy="cost", **unknown,
+        eviction_policy="cost", durability=None, **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -185,6 +205,7 @@ class EngineConfig:
         auth_file = _auth_key_file(prefill_auth_key_file)
         _choice(attention_backend, "attention_backend", {b.value for b in AttentionBackend})
         _choice(eviction_policy, "eviction_policy", {p.value for p in EvictionPolicy})
+        durable = _durability(durability, session_dir)
         return EngineConfig(
             model=model_path, device=dev, dtype=compute, kv_cache_dtype=kv,
             max_model_len=max_model_len, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
@@ -209,6 +230,7 @@ class EngineConfig:
             seed=check_int("seed", seed, min_value=SEED_RANGE[0], max_value=SEED_RANGE[1]),
             prefill_auth_key_file=auth_file,
             eviction_policy=EvictionPolicy(eviction_policy),
+            durability=durable,
         )
 
     @property

@@ -31,3 +31,8 @@ class RemotePrefillError(KVSessionError):
 
 class EngineClosedError(SessionClosedError):
     """The engine was closed while a call was pending or after it was closed."""
+
+
+class SessionLockedError(KVSessionError):
+    """The session is owned by another live process (its lock file in session_dir is held):
+    one process at a time works on a session."""

@@ -79,7 +79,8 @@ class LLM:
                  max_pinned_fraction=0.5, spill_after_s=None, prefill_worker=None,
                  remote_prefill="auto", remote_prefill_timeout_s=30.0,
                  attention_backend="auto", seed=0,
-                 prefill_auth_key_file=None, eviction_policy="cost", **unknown):
+                 prefill_auth_key_file=None, eviction_policy="cost", durability=None,
+                 **unknown):
         self._rt: Runtime | None = None
         self.config = EngineConfig.from_args(
             model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -93,7 +94,7 @@ class LLM:
             remote_prefill_timeout_s=remote_prefill_timeout_s,
             attention_backend=attention_backend, seed=seed,
             prefill_auth_key_file=prefill_auth_key_file, eviction_policy=eviction_policy,
-            **unknown)
+            durability=durability, **unknown)
         self._rt = Runtime(self.config)
         self._store = SessionStore(self._rt)
         self.tokenizer = self._rt.tokenizer

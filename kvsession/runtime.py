@@ -34,7 +34,7 @@ from kvsession.cache.hashing import CacheIdentity
 from kvsession.cache.kv_pool import KVPool, kv_bytes_per_token
 from kvsession.cache.manager import HolderKind, KVCacheManager, Tier, Transient
 from kvsession.cache.prefix import Pin, PrefixCache
-from kvsession.config import AttentionBackend, EngineConfig, RemotePrefillMode
+from kvsession.config import AttentionBackend, Durability, EngineConfig, RemotePrefillMode
 from kvsession.engine.graphs import DecodeGraphs
 from kvsession.engine.loop import Engine, EngineLoop, OnUpdate, request_metrics
 from kvsession.engine.runner import ModelRunner
@@ -57,10 +57,12 @@ from kvsession.model.loader import load_weights, weights_digest
 from kvsession.model.tokenizer import Tokenizer
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
+from kvsession.tiers.commit import GroupCommit
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
 from kvsession.tiers.mover import TierMover
 from kvsession.tiers.policy import TierPolicy
+from kvsession.tiers.wal import IDENTITY_FIELDS, Identity
 
 log = logging.getLogger("kvsession")
 CPU_DEFAULT_KV_BYTES = 2**30
@@ -240,6 +242,11 @@ class Runtime:
         self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.tokenizer.decode,
                              self.latency, prefill_tps, timers=[self.policy.housekeeping],
                              connector=self.connector)
+        # ---- durability="turn": session logs, group-committed by one thread
+        self.log_identity = Identity(**{k: self.header_fields[k] for k in IDENTITY_FIELDS})
+        self.journal = GroupCommit(cfg.session_dir) if (
+            self.disk is not None and cfg.durability is Durability.TURN) else None
+
         self._integrity_failure: AssertionError | None = None
         self.checking = bool(os.environ.get(CHECK_INTEGRITY_ENV))
         if self.checking and num_blocks <= CHECK_EVERY_STEP_MAX_BLOCKS:
@@ -315,6 +322,8 @@ class Runtime:
                 self._integrity_failure = self._integrity_failure or e
         if self.connector is not None:
             self.connector.close()
+        if self.journal is not None:
+            self.journal.close()
         self.kv = None
         if self._integrity_failure is not None:
             raise self._integrity_failure

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from kvsession.cache.manager import SessionKV
 from kvsession.engine.sequence import Sequence
-from kvsession.errors import ConfigError, SessionClosedError
+from kvsession.errors import ConfigError, SessionClosedError, SnapshotError
 from kvsession.metrics import RequestMetrics
 from kvsession.model.tokenizer import check_messages, message_content
 from kvsession.params import SamplingParams
@@ -78,6 +78,7 @@ class TurnInfo:
 
     restored_from: str | None = None
     diverged_at: int | None = None
+    tokens: tuple[int, ...] = ()  # whose KV the session holds after the turn (its log record)
 
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -85,6 +86,9 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 
 
 UNSET = object()  # an override not given (None is a value: e.g. seed=None)
+# durability="turn": how long a turn waits for its log record to be fsynced before the
+# reply is refused as not durable (a healthy disk takes milliseconds)
+DURABLE_TIMEOUT_S = 60.0
 
 
 def _overrides(args: dict) -> dict:
@@ -226,9 +230,32 @@ class Session:
             if prev is not None:
                 prev.result()
             seq, info, fut = self._start(new_msgs, params)
-            return self._finish(fut.result(), new_msgs, info)
+            reply = self._finish(fut.result(), new_msgs, info)
+            self._wait_durable(self._store.commit(self, info.tokens, params))
+            return reply
         finally:
             self._leave_turn(mine)
+
+    def _wait_durable(self, commit: Future | None) -> None:
+        """durability="turn": the turn's log record is fsynced before the reply is handed
+        back (SnapshotError if it cannot be: the turn stays in memory, and the session's
+        next record rewrites its whole log)."""
+        if commit is None:
+            return
+        try:
+            commit.result(timeout=DURABLE_TIMEOUT_S)
+        except TimeoutError:  # concurrent.futures raises the builtin (3.11+)
+            raise SnapshotError(f"session {self.session_id!r}: the turn was not durable "
+                                f"within {DURABLE_TIMEOUT_S:.0f} s") from None
+
+    async def _await_durable(self, commit: Future | None) -> None:
+        if commit is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(commit), DURABLE_TIMEOUT_S)
+        except TimeoutError:
+            raise SnapshotError(f"session {self.session_id!r}: the turn was not durable "
+                                f"within {DURABLE_TIMEOUT_S:.0f} s") from None
 
     async def asend(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET,
                     top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET,
@@ -240,7 +267,9 @@ class Session:
             if prev is not None:
                 await asyncio.wrap_future(prev)
             seq, info, fut = self._start(new_msgs, params)
-            return self._finish(await asyncio.wrap_future(fut), new_msgs, info)
+            reply = self._finish(await asyncio.wrap_future(fut), new_msgs, info)
+            await self._await_durable(self._store.commit(self, info.tokens, params))
+            return reply
         finally:
             self._leave_turn(mine)
 
@@ -270,6 +299,7 @@ class Session:
                     yield StreamChunk(safe[len(sent_text):], ids[sent_tokens:])
                     sent_text, sent_tokens = safe, len(ids)
             reply = self._finish(fut.result(), new_msgs, info)
+            self._wait_durable(self._store.commit(self, info.tokens, params))
             tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
             yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)
         finally:
@@ -284,6 +314,7 @@ class Session:
             if prev is not None:
                 prev.result()
             self._messages.append(msg)
+            self._wait_durable(self._store.commit(self, None, self.sampling))
         finally:
             self._leave_turn(mine)
 

@@ -14,25 +14,47 @@ file there, and an id whose file holds another session is refused rather than ov
 Restored block hashes are recomputed from the tokens, never taken from the file.
 
 Session ids are validated once, here, where they enter (`session`, `restore`, `fork`).
+
+Ownership: with a session_dir, a live session holds its lock (`<id>.lock`, flock): a second
+process asking for it gets SessionLockedError; a dead owner's lock is free by construction.
+
+Durability (`durability="turn"`, the default with a session_dir): each turn's record goes to
+the session's log (tiers/wal.py) and `commit` returns the Future that resolves once it is
+fsynced (group commit, tiers/commit.py); the Session waits on it before it hands the reply
+back. Resuming a session with a log replays the log (it is the truth; a snapshot next to it
+is only a store of KV blocks) and attaches the KV blocks on disk that match the log's tokens
+(tiers/resume.py); the first turn loads them or recomputes, by the cost model. At close a
+live session is written as a snapshot as before, and its log, now redundant, is removed.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import uuid
 from concurrent.futures import Future
 from pathlib import Path
 
 from kvsession.cache.manager import SessionKV, Tier
 from kvsession.engine.loop import OnUpdate
 from kvsession.engine.sequence import Sequence
-from kvsession.errors import CacheFullError, ConfigError, SessionClosedError, SnapshotError
+from kvsession.errors import (
+    CacheFullError,
+    ConfigError,
+    EngineClosedError,
+    SessionClosedError,
+    SnapshotError,
+)
 from kvsession.model.tokenizer import Tokenizer
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
 from kvsession.runtime import PinHandle, Runtime
 from kvsession.session import SAMPLING_FIELDS, Session, TurnInfo, common_prefix_len
+from kvsession.tiers import wal
+from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
+from kvsession.tiers.locks import FileLock, lock_session
+from kvsession.tiers.resume import build_plan
 from kvsession.tiers.snapshot import SnapshotHeader, copy_snapshot
 from kvsession.tiers.snapshot_read import read_header
 
@@ -41,6 +63,8 @@ log = logging.getLogger("kvsession")
 # many characters per token of max_model_len it could not fit a turn with any real
 # tokenizer, and is refused before it costs the tokenizer's time and memory
 SYSTEM_CHARS_PER_TOKEN = 64
+# bound on waiting for the commit thread to close or delete a session's log
+LOG_OP_TIMEOUT_S = 60.0
 
 
 class SessionStore:
@@ -49,19 +73,35 @@ class SessionStore:
         self.tokenizer: Tokenizer = runtime.tokenizer
         self.live: dict[str, Session] = {}
         self._system_pins: dict[tuple[int, ...], list] = {}  # ids -> [PinHandle, users]
+        self._locks: dict[str, FileLock] = {}  # live sessions' ownership of their files
+        self._logs: dict[str, SessionLog] = {}  # durability="turn": live sessions' logs
 
     # ---- creating and resuming (the API edge) ------------------------------------------------
 
     def session(self, system: str | None, session_id: str | None, pin_system: bool,
                 sampling: SamplingParams | None) -> Session:
-        if session_id is not None:
-            check_session_id(session_id)
-            disk = self.rt.disk
-            if session_id not in self.live and disk is not None \
-                    and disk.path_for(session_id).is_file():
-                return self.restore(disk.path_for(session_id), session_id)
-        return self._new_session(session_id, system, sampling,
-                                 self._system_key(system) if pin_system else None)
+        disk = self.rt.disk
+        if session_id is None or disk is None or session_id in self.live:
+            if session_id is not None:
+                check_session_id(session_id)
+            return self._new_session(session_id, system, sampling,
+                                     self._system_key(system) if pin_system else None)
+        check_session_id(session_id)
+        lock = self._lock(session_id)  # first: the files are only ours to read once held
+        try:
+            if disk.log_path(session_id).is_file():
+                return self._resume(session_id, lock, system, sampling, pin_system)
+            if disk.path_for(session_id).is_file():
+                return self.restore(disk.path_for(session_id), session_id, lock)
+            return self._new_session(session_id, system, sampling,
+                                     self._system_key(system) if pin_system else None,
+                                     lock=lock)
+        finally:
+            if self._locks.get(session_id) is not lock:  # not handed to a live session
+                lock.release()
+
+    def _lock(self, session_id: str) -> FileLock:
+        return lock_session(self.rt.disk.lock_path(session_id), session_id)
 
     def sessions(self) -> list[str]:
         return sorted(self.rt.disk.scan()) if self.rt.disk is not None else []
@@ -75,22 +115,62 @@ class SessionStore:
 
     def _new_session(self, session_id: str | None, system: str | None,
                      sampling: SamplingParams | None, system_key,
-                     messages: list[dict] | None = None, source: Path | None = None
+                     messages: list[dict] | None = None, source: Path | None = None,
+                     lock: FileLock | None = None, slog: SessionLog | None = None
                      ) -> Session:
-        """session_id was validated by the caller; source: the file it is restored from."""
+        """session_id was validated by the caller; source: the file it is restored from;
+        lock: the session's lock when the caller took it; slog: its log when resumed."""
         self.rt.check_open()
         if session_id is not None and session_id in self.live:
             raise ConfigError(f"session_id {session_id!r} is already in use by a live session")
         disk = self.rt.disk
-        if session_id is not None and disk is not None:
-            own = disk.path_for(session_id)
-            # the session would write (spill, persist) and may delete this file: it must be
-            # its own, never another session's
-            if os.path.lexists(own) and not (source is not None and _same_file(source, own)):
-                raise ConfigError(
-                    f"session_id {session_id!r} is taken in session_dir: {own} is another "
-                    f"session's file (resume it with llm.session(session_id="
-                    f"{session_id!r})); choose another session_id")
+        given = session_id is not None
+        session_id = session_id if given else uuid.uuid4().hex
+        if disk is not None:
+            if lock is None:
+                lock = self._lock(session_id)
+            try:
+                self._check_own_files(session_id, given, source, slog)
+            except BaseException:
+                lock.release()
+                raise
+        try:
+            sess = self._make_session(session_id, system, sampling, system_key, messages)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        if lock is not None:
+            self._locks[session_id] = lock
+        if self.rt.journal is not None:
+            self._logs[session_id] = slog or SessionLog(
+                disk.log_path(session_id), session_id, self.rt.log_identity)
+        self.live[sess.session_id] = sess
+        return sess
+
+    def _check_own_files(self, session_id: str, given: bool, source: Path | None,
+                         slog: SessionLog | None) -> None:
+        """The session would write (spill, persist, log) and may delete its files: they
+        must be its own, never another session's."""
+        disk = self.rt.disk
+        own, own_log = disk.path_for(session_id), disk.log_path(session_id)
+        resumed = slog is not None
+        taken = None
+        if os.path.lexists(own) and not resumed and not (
+                source is not None and _same_file(source, own)):
+            taken = own
+        elif os.path.lexists(own_log) and not resumed:
+            taken = own_log
+        if taken is not None:
+            what = "session_id" if given else "a fresh session id"
+            raise ConfigError(
+                f"{what} {session_id!r} is taken in session_dir: {taken} is another "
+                f"session's file (resume it with llm.session(session_id="
+                f"{session_id!r})); choose another session_id")
+
+    def _make_session(self, session_id: str, system: str | None,
+                      sampling: SamplingParams | None, system_key,
+                      messages: list[dict] | None) -> Session:
         sess = Session(self, session_id, system, sampling, messages)
         if system_key is not None:
             entry = self._system_pins.get(system_key)
@@ -103,11 +183,60 @@ class SessionStore:
             if entry is not None:
                 entry[1] += 1
                 sess.system_key = system_key
-        self.rt.call(lambda: self.rt.policy.register(sess.kv)).result()
-        self.live[sess.session_id] = sess
+        try:
+            self.rt.call(lambda: self.rt.policy.register(sess.kv)).result()
+        except BaseException:
+            self._unpin_system(sess)
+            raise
         return sess
 
-    def restore(self, path, session_id: str | None) -> Session:
+    def _resume(self, session_id: str, lock: FileLock, system: str | None,
+                sampling: SamplingParams | None, pin_system: bool) -> Session:
+        """A session with a log: the log is the truth (replayed, a torn tail cut off, which
+        the held lock makes ours to do); KV blocks on disk that match its tokens are
+        attached for the first turn to load (or recompute, by the cost model)."""
+        rt, disk = self.rt, self.rt.disk
+        path = disk.log_path(session_id)
+        scan = wal.read_log(path, expect=rt.log_identity)
+        if scan.torn:
+            wal.truncate(path, scan.end)
+        state = scan.state
+        if state is None:  # its first record never completed: nothing was acknowledged
+            path.unlink(missing_ok=True)
+            if disk.path_for(session_id).is_file():
+                return self.restore(disk.path_for(session_id), session_id, lock)
+            return self._new_session(session_id, system, sampling,
+                                     self._system_key(system) if pin_system else None,
+                                     lock=lock)
+        self._check_untrusted(path, state.tokens, state.system)
+        try:  # values from the file: refused as the file's fault
+            params = SamplingParams(**{k: v for k, v in state.sampling.items()
+                                       if k in SAMPLING_FIELDS})
+            system_key = self._system_key(state.system)
+        except ConfigError as e:
+            raise SnapshotError(f"{path}: {e}") from None
+        slog = SessionLog(path, session_id, rt.log_identity, state, scan.end)
+        sess = self._new_session(session_id, state.system, params, system_key, state.messages,
+                                 lock=lock, slog=slog)
+        try:
+            hashes = rt.mover.block_hashes(state.tokens, params.cache_salt)
+            plan = build_plan(disk, session_id, state.tokens, hashes, rt.header_fields)
+            if plan is not None:
+                rt.call(lambda: rt.mover.attach_plan(sess.kv, plan)).result()
+        except BaseException:
+            sess.close()
+            raise
+        return sess
+
+    def _check_untrusted(self, path: Path, token_ids, system: str | None) -> None:
+        vocab, max_len = self.rt.info.spec.vocab_size, self.rt.info.max_model_len
+        if any(t >= vocab for t in token_ids):
+            raise SnapshotError(f"{path}: token ids outside this model's vocabulary ({vocab})")
+        if system is not None and len(system) > SYSTEM_CHARS_PER_TOKEN * max_len:
+            raise SnapshotError(f"{path}: a system prompt of {len(system)} characters "
+                                f"cannot fit this engine's max_model_len={max_len}")
+
+    def restore(self, path, session_id: str | None, lock: FileLock | None = None) -> Session:
         """The session's id: `session_id` when given; else, for a file directly in
         session_dir, the file's name (that file is the session's); else the header's id.
         Anything wrong with the file is a SnapshotError; an id in use (live, or naming
@@ -116,12 +245,7 @@ class SessionStore:
         if session_id is not None:
             check_session_id(session_id)
         header = read_header(path, expect=self.rt.header_fields)
-        vocab, max_len = self.rt.info.spec.vocab_size, self.rt.info.max_model_len
-        if any(t >= vocab for t in header.token_ids):
-            raise SnapshotError(f"{path}: token ids outside this model's vocabulary ({vocab})")
-        if header.system is not None and len(header.system) > SYSTEM_CHARS_PER_TOKEN * max_len:
-            raise SnapshotError(f"{path}: a system prompt of {len(header.system)} characters "
-                                f"cannot fit this engine's max_model_len={max_len}")
+        self._check_untrusted(path, header.token_ids, header.system)
         disk = self.rt.disk
         sid = session_id or (disk.id_of(path) if disk is not None else None) \
             or header.session_id
@@ -137,7 +261,7 @@ class SessionStore:
         # blocks and poison the shared prefix cache
         hashes = self.rt.mover.block_hashes(header.token_ids, sampling.cache_salt)
         sess = self._new_session(sid, header.system, sampling, system_key,
-                                 list(header.messages), source=path)
+                                 list(header.messages), source=path, lock=lock)
         try:
             self.rt.call(lambda: self._load_snapshot(sess.kv, path, header, hashes)).result()
         except BaseException:
@@ -166,6 +290,18 @@ class SessionStore:
     def output(self, seq: Sequence) -> RequestOutput:
         return self.rt.output(seq, prompt=None)
 
+    def commit(self, sess: Session, tokens, params: SamplingParams) -> Future | None:
+        """durability="turn": the session's state after a turn (its messages, `tokens`: the
+        token ids whose KV it holds, None: unchanged) goes to its log; the Future resolves
+        when the record is durable. None without a log (nothing to wait for)."""
+        slog = self._logs.get(sess.session_id)
+        if slog is None:
+            return None
+        op, data = slog.record(sess.messages, slog.tokens if tokens is None else tokens,
+                               _sampling_fields(params), sess.system,
+                               _sampling_fields(sess.sampling))
+        return self.rt.journal.submit(slog, op, data)
+
     def submit_turn(self, kv: SessionKV, ids: list[int], params: SamplingParams,
                     on_update: OnUpdate | None) -> tuple[Sequence, TurnInfo, Future]:
         """Submit one turn whose KV starts from the session's: on the engine thread the
@@ -179,6 +315,7 @@ class SessionStore:
 
         def finished(seq: Sequence, ok: bool) -> None:  # engine thread: the session takes it back
             n = seq.num_computed_tokens if ok else 0  # failed: the engine released the blocks
+            info.tokens = tuple(seq.token_ids[:n])  # what the turn's log record says
             rt.manager.checkin(kv, seq, seq.token_ids[:n], seq.block_hashes[: n // bs])
             rt.policy.checkin(kv)
 
@@ -219,6 +356,8 @@ class SessionStore:
         Any failure (disk full, unwritable directory) is a SnapshotError naming the cause;
         the session and the file it replaced are unchanged."""
         path = Path(path)
+        if self.rt.mover.has_plan(kv):  # resumed, untouched: its KV is in several files
+            self.rt.policy.restore(kv)
         if kv.tier is Tier.DISK and kv.disk_path is not None:
             if not _same_file(kv.disk_path, path):
                 copy_snapshot(kv.disk_path, path)
@@ -238,6 +377,31 @@ class SessionStore:
         kv = sess.kv
         if not self.rt.closed:
             self.rt.call(lambda: self.rt.policy.release(kv)).result()
+        try:
+            self._unpin_system(sess)
+            slog = self._logs.pop(sess.session_id, None)
+            if slog is not None:
+                self._log_op(slog, Op.DELETE if delete else Op.CLOSE)
+            if delete and self.rt.disk is not None:
+                own = self.rt.disk.path_for(sess.session_id)
+                try:
+                    own.unlink(missing_ok=True)
+                except OSError as e:
+                    raise SnapshotError(f"{own}: cannot delete: {e}") from None
+        finally:
+            lock = self._locks.pop(sess.session_id, None)
+            if lock is not None:
+                lock.release()
+
+    def _log_op(self, slog: SessionLog, op: Op) -> None:
+        """Close or delete a log through the commit thread (after its queued records)."""
+        try:
+            self.rt.journal.submit(slog, op).result(timeout=LOG_OP_TIMEOUT_S)
+        except TimeoutError:  # concurrent.futures raises the builtin (3.11+)
+            raise SnapshotError(f"{slog.path}: the log was not {op.value}d within "
+                                f"{LOG_OP_TIMEOUT_S:.0f} s") from None
+
+    def _unpin_system(self, sess: Session) -> None:
         entry = self._system_pins.get(sess.system_key)
         if entry is not None:
             entry[1] -= 1
@@ -245,12 +409,7 @@ class SessionStore:
                 del self._system_pins[sess.system_key]
                 pin: PinHandle = entry[0]
                 self.rt.unpin(pin)
-        if delete and self.rt.disk is not None:
-            own = self.rt.disk.path_for(sess.session_id)
-            try:
-                own.unlink(missing_ok=True)
-            except OSError as e:
-                raise SnapshotError(f"{own}: cannot delete: {e}") from None
+        sess.system_key = None  # released once
 
     # ---- shutdown --------------------------------------------------------------------------
 
@@ -265,8 +424,10 @@ class SessionStore:
         persisted, failed = [], []
         for sess in live:
             try:
-                sess.save(self.rt.disk.path_for(sess.session_id))
+                self._persist(sess)
                 persisted.append(sess)
+            except EngineClosedError as e:  # the engine died: it cannot write them
+                failed.append((sess, e))
             except SessionClosedError:  # closed meanwhile: nothing left to persist
                 continue
             except Exception as e:  # the session is kept, and named below
@@ -284,9 +445,30 @@ class SessionStore:
         err.sessions = [s for s, _ in failed]
         raise err
 
+    def _persist(self, sess: Session) -> None:
+        """Write a live session's snapshot at close. With a log, the snapshot then holds
+        everything the log does and the log is removed; a resumed session that did nothing
+        since is left as it is (its log and files are already the session)."""
+        slog = self._logs.get(sess.session_id)
+        if slog is not None and sess.exclusive(lambda: self.rt.mover.has_plan(sess.kv)):
+            return
+        sess.save(self.rt.disk.path_for(sess.session_id))
+        if slog is not None:
+            self._log_op(slog, Op.DELETE)
+            self._logs.pop(sess.session_id, None)
+
     def close_all(self) -> None:
         for sess in list(self.live.values()):
             sess.mark_closed()
+        for slog in list(self._logs.values()):
+            try:
+                self._log_op(slog, Op.CLOSE)
+            except SnapshotError as e:
+                log.warning("%s", e)
+        self._logs.clear()
+        for lock in self._locks.values():
+            lock.release()
+        self._locks.clear()
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -294,3 +476,7 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # one of them does not exist (or cannot be looked at)
         return False
+
+
+def _sampling_fields(params: SamplingParams) -> dict:
+    return {k: getattr(params, k) for k in SAMPLING_FIELDS}

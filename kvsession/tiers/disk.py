@@ -1,9 +1,19 @@
-"""The disk tier: one `.kvs` snapshot per session under `session_dir`.
+"""The disk tier: the files of each session under `session_dir`.
+
+Per session (named by its id): `<id>.kvs`, a snapshot (docs/snapshot-format.md);
+`<id>.log`, its write-ahead log with durability="turn" (tiers/wal.py), which is then the
+truth about the conversation; `<id>.seg`, KV blocks written behind (tiers/segments.py);
+`<id>.lock`, present while a process owns the session (tiers/locks.py).
 
 The directory is the index: files are self-describing and scanned at start-up, so there is
 no separate catalogue that could be lost or disagree with the files. A file's name is its
-session's id (`<session_id>.kvs`): a copy under another name is another session, and a
-session only ever writes or deletes the file of its own id.
+session's id: a copy under another name is another session, and a session only ever
+writes or deletes the files of its own id.
+
+Start-up recovery (`DiskTier.__init__`): temporary files of writers that died are removed,
+lock files nobody holds are removed, and every log whose session nobody owns is checked:
+a torn last record is cut off, a log with no intact record (its first write never
+completed, so nothing of it was acknowledged) is removed.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ import time
 from pathlib import Path
 
 from kvsession.errors import ConfigError, SnapshotError
+from kvsession.tiers import wal
+from kvsession.tiers.locks import FileLock, sweep_stale_locks
 from kvsession.tiers.snapshot import SESSION_ID_PATTERN, TEMP_NAME, fcntl
 from kvsession.tiers.snapshot_read import read_frame
 
@@ -40,11 +52,68 @@ class DiskTier:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"session_dir={str(root)!r} cannot be created: {e}") from None
-        self.remove_stale_temporaries()
+        self.recovered: dict[str, list[Path]] = {
+            "temporaries": self.remove_stale_temporaries(),
+            "locks": sweep_stale_locks(self.root, _is_lock_name)}
+        self.recovered |= self.recover_logs()
 
     def path_for(self, session_id: str) -> Path:
         """session_id was validated where it entered (SessionStore): `check_session_id`."""
         return self.root / f"{session_id}.kvs"
+
+    def log_path(self, session_id: str) -> Path:
+        return self.root / f"{session_id}.log"
+
+    def segment_path(self, session_id: str) -> Path:
+        return self.root / f"{session_id}.seg"
+
+    def lock_path(self, session_id: str) -> Path:
+        return self.root / f"{session_id}.lock"
+
+    def has_session(self, session_id: str) -> bool:
+        """Whether session_dir holds the session (a log, or a snapshot)."""
+        return self.log_path(session_id).is_file() or self.path_for(session_id).is_file()
+
+    def recover_logs(self) -> dict[str, list[Path]]:
+        """Check the log of every session nobody owns (its lock is taken for the check):
+        cut a torn tail, remove a log without an intact record. Logs that are corrupted
+        (an intact record that does not decode) are left as they are, with a warning:
+        resuming such a session raises SnapshotError naming the cause."""
+        truncated, removed = [], []
+        for path in self._session_files(".log"):
+            lock = FileLock(self.lock_path(path.stem))
+            try:
+                if not lock.try_acquire():
+                    continue  # owned by a live process: its log is its business
+                scan = wal.read_log(path)
+                if scan.state is None:
+                    path.unlink()
+                    removed.append(path)
+                elif scan.torn:
+                    wal.truncate(path, scan.end)
+                    truncated.append(path)
+            except (OSError, SnapshotError) as e:
+                log.warning("session log %s: %s", path, e)
+            finally:
+                lock.release()
+        for path in truncated:
+            log.info("%s: torn last record removed", path)
+        return {"truncated_logs": truncated, "removed_logs": removed}
+
+    def _session_files(self, suffix: str) -> list[Path]:
+        try:
+            paths = sorted(self.root.glob(f"*{suffix}"))
+        except OSError as e:
+            log.warning("cannot list session_dir %s: %s", self.root, e)
+            return []
+        out = []
+        for p in paths:
+            try:
+                if SESSION_ID.fullmatch(p.stem) and stat.S_ISREG(os.stat(p).st_mode):
+                    out.append(p)
+            except OSError:
+                continue
+        return out
 
     def id_of(self, path: Path) -> str | None:
         """The session id that `path` is the file of (its stem), when it is a `.kvs` file
@@ -59,11 +128,12 @@ class DiskTier:
         return path.stem if same_dir else None
 
     def scan(self) -> dict[str, Path]:
-        """session id (the file name) -> file, for every snapshot in the directory. Skipped
-        with a warning, never deleted: names that are not session ids, anything that is not
-        a regular file (a FIFO is never opened) and files whose frame (magic, footer,
-        header checksum and scalars) is invalid."""
-        found = {}
+        """session id (the file name) -> file, for every session in the directory: its
+        log when it has one (the truth), else its snapshot. Skipped with a warning, never
+        deleted: names that are not session ids, anything that is not a regular file (a
+        FIFO is never opened) and snapshots whose frame (magic, footer, header checksum and
+        scalars) is invalid."""
+        found = {p.stem: p for p in self._session_files(".log")}
         try:
             paths = sorted(self.root.glob("*.kvs"))
         except OSError as e:
@@ -73,6 +143,8 @@ class DiskTier:
             sid = path.name[: -len(".kvs")]
             if not SESSION_ID.fullmatch(sid):
                 log.warning("skipping %s: its name is not a session id", path)
+                continue
+            if sid in found:
                 continue
             try:
                 if not stat.S_ISREG(os.stat(path).st_mode):
@@ -86,9 +158,11 @@ class DiskTier:
         return found
 
     def remove_stale_temporaries(self, max_age_s: float = STALE_TEMP_S) -> list[Path]:
-        """Remove the temporary files of saves that crashed: ours by name (TEMP_NAME), older
-        than max_age_s and not locked by a live writer (a writer holds a lock on its
-        temporary file until it is renamed). Returns what was removed."""
+        """Remove the temporary files of saves that crashed: ours by name (TEMP_NAME), not
+        locked by a live writer (a writer holds a lock on its temporary file until it is
+        renamed), and either older than max_age_s or named by a process that no longer
+        exists (the name carries the writer's pid; a young file of a live process may be a
+        save that has not locked it yet). Returns what was removed."""
         removed = []
         now = time.time()
         try:
@@ -97,12 +171,14 @@ class DiskTier:
             log.warning("cannot list session_dir %s: %s", self.root, e)
             return removed
         for entry in entries:
-            if not TEMP_NAME.fullmatch(entry.name):
+            m = TEMP_NAME.fullmatch(entry.name)
+            if not m:
                 continue
             path = Path(entry.path)
             try:
                 st = entry.stat(follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < max_age_s:
+                if not stat.S_ISREG(st.st_mode) or (
+                        now - st.st_mtime < max_age_s and _pid_alive(int(m["pid"]))):
                     continue
                 fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
             except OSError:
@@ -122,3 +198,21 @@ class DiskTier:
             finally:
                 os.close(fd)
         return removed
+
+
+def _is_lock_name(name: str) -> bool:
+    return name.endswith(".lock") and bool(SESSION_ID.fullmatch(name[: -len(".lock")]))
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (on this host; a pid reused since is taken as alive,
+    which only delays the removal to max_age_s)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True
+    return True

@@ -23,6 +23,7 @@ from kvsession.cache.manager import KVCacheManager, SessionKV, Tier, Transient
 from kvsession.errors import SnapshotError
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
+from kvsession.tiers.resume import DiskPlan
 from kvsession.tiers.snapshot import SnapshotHeader, write_snapshot
 from kvsession.tiers.snapshot_read import read_blocks, read_header
 
@@ -44,6 +45,9 @@ class TierMover:
         self.host_bytes_per_s = costmodel.RateEstimator(prior=10e9)
         self.disk_read_bytes_per_s = costmodel.RateEstimator(prior=1e9)
         self.disk_write_bytes_per_s = costmodel.RateEstimator(prior=1e9)
+        # resumed sessions whose KV is on disk in several files (tiers/resume.py): the
+        # session's tier is DISK and this says where each block is, until it is loaded
+        self.plans: dict[SessionKV, DiskPlan] = {}
 
     def bandwidth(self, tier: Tier) -> float:
         """Measured bytes/s of loading from `tier`."""
@@ -92,11 +96,13 @@ class TierMover:
 
     def drop(self, s: SessionKV, lead: int) -> None:
         """Forget all but the first `lead` device blocks (the next turn recomputes)."""
+        self.plans.pop(s, None)
         self._give_back(self.manager.drop(s, lead))
 
     def release(self, s: SessionKV, delete_file: bool) -> None:
         """Free the session's KV; delete_file: also its own file in session_dir (never the
         file it was restored from elsewhere, nor another session's)."""
+        self.plans.pop(s, None)
         self._give_back(self.manager.forget(s))
         if delete_file and self.disk is not None:
             self.disk.path_for(s.session_id).unlink(missing_ok=True)
@@ -156,6 +162,9 @@ class TierMover:
                 moved = self.host.load(self.kv, [s.host_ids[j] for j, _ in copy],
                                        [b.block_id for _, b in copy])
                 self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
+            elif s in self.plans:
+                moved = self._load_plan(self.plans[s], [(lead + j, b) for j, b in copy])
+                self.disk_read_bytes_per_s.observe(moved, time.perf_counter() - t0)
             else:
                 if header is None:  # the file may have changed since it was written
                     header = read_header(s.disk_path, expect=self.header_fields)
@@ -168,7 +177,32 @@ class TierMover:
         except BaseException:
             self.manager.release(staged)
             raise
+        self.plans.pop(s, None)
         self._give_back(self.manager.loaded(s, staged))
+
+    # ---- resumed sessions (durability="turn") ---------------------------------------------
+
+    def attach_plan(self, s: SessionKV, plan: DiskPlan) -> None:
+        """A resumed session's KV is on disk where `plan` says: its tier is DISK until its
+        first turn loads (or recomputes) it."""
+        self.manager.on_disk(s, plan.tokens, plan.hashes, plan.path)
+        self.plans[s] = plan
+
+    def has_plan(self, s: SessionKV) -> bool:
+        return s in self.plans
+
+    def _load_plan(self, plan: DiskPlan, wanted: list[tuple[int, Block]]) -> int:
+        """Read blocks (block index, device block) from wherever the plan has them, file
+        by file, each validated as load_file_blocks validates snapshot blocks."""
+        by_file: dict[Path, tuple[SnapshotHeader, list[tuple[int, Block]]]] = {}
+        for i, block in wanted:
+            path, header, chunk = plan.sources[i]
+            by_file.setdefault(path, (header, []))[1].append((chunk, block))
+        moved = 0
+        for path, (header, blocks) in by_file.items():
+            blocks.sort(key=lambda x: x[0])
+            moved += self.load_file_blocks(path, blocks, header)
+        return moved
 
     def load_file_blocks(self, path: Path, wanted: list[tuple[int, Block]],
                          header: SnapshotHeader | None = None) -> int:

@@ -68,8 +68,10 @@ _FOOTER_LEN = _FOOTER.size + len(END_MAGIC)
 MAX_HEADER_BYTES = 64 << 20
 # session ids name files (`<id>.kvs`): validated where they enter, and in every header read
 SESSION_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
-# `.<target name>.<pid>.<8 hex>.tmp`: a snapshot being written (see write_snapshot)
-TEMP_NAME = re.compile(r"\.(?P<target>.+\.kvs)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
+# `.<target name>.<pid>.<8 hex>.tmp`: a snapshot (or a session log or segment being
+# rewritten) being written (see write_snapshot, tiers/commit.py)
+TEMP_NAME = re.compile(
+    r"\.(?P<target>.+\.(?:kvs|log|seg))\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
 
 
 class Chunk(msgspec.Struct, frozen=True):

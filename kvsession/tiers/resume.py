@@ -1,0 +1,85 @@
+"""Which KV blocks on disk a resumed session can reuse (its `DiskPlan`).
+
+The session's log says which tokens it holds. KV blocks on disk (the session's snapshot,
+its write-behind segment, the directory's shared prefix store) are matched to those
+tokens block by block, from the first block on: block i is reusable from a file only when
+the file's tokens of blocks 0..i equal the log's (the KV of a position depends on every
+token before it), so the plan covers a prefix of the log's tokens and the first turn
+recomputes only the rest. Hashes are recomputed from the log's tokens by the caller, never
+read from a file. Nothing is loaded here: the tier policy decides at the first turn
+whether loading beats recomputing (costmodel.should_load), and the mover copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvsession.errors import SnapshotError
+from kvsession.tiers.snapshot import SnapshotHeader
+from kvsession.tiers.snapshot_read import read_header
+
+log = logging.getLogger("kvsession")
+
+
+@dataclass
+class DiskPlan:
+    """tokens: the prefix of the log's tokens whose KV is on disk; hashes: their full
+    blocks' chained hashes (recomputed); sources[i]: (file, its header, chunk index) of
+    block i; path: the session's log (the disk tier's record of where the session is)."""
+
+    tokens: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+    sources: list[tuple[Path, SnapshotHeader, int]]
+    path: Path
+    from_files: dict[str, int] = field(default_factory=dict)  # blocks per kind of file
+
+
+def snapshot_prefix(h: SnapshotHeader, tokens, bs: int) -> int:
+    """How many of `tokens` the snapshot `h` holds the KV of: whole matching blocks from
+    the first, and its partial last block when every token it holds matches."""
+    covered = 0
+    for i in range(h.num_blocks):
+        lo, hi = i * bs, min((i + 1) * bs, len(h.token_ids))
+        if hi > len(tokens) or list(h.token_ids[lo:hi]) != list(tokens[lo:hi]):
+            break
+        covered = hi
+    return covered
+
+
+def build_plan(disk, session_id: str, tokens, hashes, header_fields: dict,
+               extra=None) -> DiskPlan | None:
+    """The blocks of `tokens` (the log's) found on disk, as a prefix; None when none are.
+    `extra(start_block, tokens, hashes) -> list[(path, header, chunk)]`, when given,
+    extends the prefix from other stores (write-behind segments, the shared prefix
+    store). A file that is damaged or written by another engine contributes nothing (a
+    warning): its blocks are recomputed."""
+    bs = header_fields["block_size"]
+    tokens = list(tokens)
+    sources: list[tuple[Path, SnapshotHeader, int]] = []
+    covered = 0
+    kinds: dict[str, int] = {}
+    kvs = disk.path_for(session_id)
+    if kvs.is_file():
+        try:
+            h = read_header(kvs, expect=header_fields)
+        except SnapshotError as e:
+            log.warning("%s; its KV will be recomputed", e)
+        else:
+            covered = snapshot_prefix(h, tokens, bs)
+            n = -(-covered // bs)
+            sources = [(kvs, h, i) for i in range(n)]
+            kinds["snapshot"] = n
+    if extra is not None and covered % bs == 0:
+        more = extra(covered // bs, tokens, hashes)
+        if more:
+            kinds["segment"] = len(more)
+            sources += more
+            covered = min(len(tokens), len(sources) * bs)
+            if covered < len(sources) * bs:  # a stored block past the log's tokens
+                sources = sources[: -(-covered // bs)]
+    if not covered:
+        return None
+    return DiskPlan(tuple(tokens[:covered]), tuple(hashes[: covered // bs]), sources,
+                    disk.log_path(session_id), kinds)

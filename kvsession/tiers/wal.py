@@ -1,0 +1,296 @@
+"""The session log: an append-only write-ahead log per session (`<session_id>.log`).
+
+With `durability="turn"` the log is the truth about a session's conversation: every turn
+appends one record (the messages it added, the token ids whose KV the session holds after
+it, the turn's sampling parameters) and `send()` returns only once that record is fsynced
+(kvsession/tiers/commit.py batches the fsyncs of concurrent sessions). KV blocks on disk
+(snapshots, write-behind segments) are caches of it: they are matched to the log's tokens
+block by block and anything that does not match is recomputed.
+
+Layout (little endian):
+
+    MAGIC (8) | u32 format version
+    records, back to back: u32 payload length | u32 crc32(payload) | payload
+
+A payload is msgpack of one of two typed records:
+
+- `BaseRecord`: the session's whole state (identity of the engine that wrote it, system
+  prompt, sampling defaults, every message, every token id). A log starts with one; a log
+  that grew is rewritten as a single base record (atomically: temporary file, fsync,
+  rename, fsync of the directory).
+- `TurnRecord`: a delta: messages appended, `keep` (how many of the previous token ids
+  stay: a re-rendered history can differ from the cached tokens) and the token ids after
+  them, the turn's sampling, and a digest of the engine identity.
+
+Records carry consecutive sequence numbers from the base on.
+
+A log is untrusted input, like a snapshot: payload lengths are bounded before anything is
+read (MAX_RECORD_BYTES), every field has an exact type and a bound checked before objects
+are built (msgpack array and map headers state their lengths), and the replayed state is
+bounded as it grows (tokens, and messages against tokens). Nothing is unpickled.
+
+Recovery rules (`read_log`): the valid log is the longest prefix of intact frames. A frame
+that runs past the end of the file or whose checksum does not match ends the log: it is
+the torn tail of a write that was never acknowledged (an acknowledged record was fsynced
+in full, and records are only ever appended), and the owner truncates it away. A frame
+that is intact but does not decode, or breaks the sequence, is corruption, not a torn
+write: the log is refused (SnapshotError) rather than silently shortened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from kvsession.errors import SnapshotError
+from kvsession.tiers.snapshot import SESSION_ID_PATTERN, open_regular
+from kvsession.tiers.snapshot_read import MAX_EXTRA_MESSAGES, MAX_TOKEN_ID, _Sampling
+
+LOG_MAGIC = b"KVSLOG\x00\x01"
+LOG_VERSION = 1
+LOG_PREFIX = LOG_MAGIC + struct.pack("<I", LOG_VERSION)
+FRAME = struct.Struct("<II")
+# a record holds one turn (or a whole session in a base record): 64 MiB is far above any
+# real one, and bounds what one frame can make the reader allocate
+MAX_RECORD_BYTES = 64 << 20
+MAX_TOKENS = 1 << 22  # tokens in a session (max_model_len is far below)
+MAX_MESSAGES_PER_RECORD = 1 << 16
+MAX_MESSAGE_FIELDS = 32
+IDENTITY_FIELDS = ("model_fingerprint", "tokenizer_digest", "template_digest", "kv_dtype",
+                   "block_size")
+
+_TokenId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN_ID)]
+_Tokens = Annotated[list[_TokenId], msgspec.Meta(max_length=MAX_TOKENS)]
+_Message = Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], str],
+                     msgspec.Meta(max_length=MAX_MESSAGE_FIELDS)]
+_Messages = Annotated[list[_Message], msgspec.Meta(max_length=MAX_MESSAGES_PER_RECORD)]
+_Digest = Annotated[str, msgspec.Meta(max_length=256)]
+_Seq = Annotated[int, msgspec.Meta(ge=1, lt=1 << 62)]
+
+
+class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The engine a log was written for: its KV must not be mixed with another's."""
+
+    model_fingerprint: _Digest
+    tokenizer_digest: _Digest
+    template_digest: _Digest
+    kv_dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+
+    def digest(self) -> str:
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
+
+
+class BaseRecord(msgspec.Struct, frozen=True, tag="base"):
+    seq: _Seq
+    session_id: Annotated[str, msgspec.Meta(pattern=f"^{SESSION_ID_PATTERN}$")]
+    identity: Identity
+    unix_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
+    system: str | None
+    sampling: _Sampling
+    messages: _Messages
+    tokens: _Tokens
+
+
+class TurnRecord(msgspec.Struct, frozen=True, tag="turn"):
+    seq: _Seq
+    identity_digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+    unix_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
+    messages: _Messages
+    keep: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+    tokens: _Tokens
+    sampling: _Sampling
+
+
+Record = BaseRecord | TurnRecord
+_DECODER = msgspec.msgpack.Decoder(Record)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@dataclass
+class LogState:
+    """A session as its log says it is after the last record."""
+
+    session_id: str
+    identity: Identity
+    system: str | None
+    sampling: dict
+    messages: list[dict]
+    tokens: list[int]
+    seq: int
+    num_records: int = 0
+    sampling_per_turn: list[dict] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class LogScan:
+    """What reading a log found: the state (None: no intact record), where the intact
+    records end, the file's size (bytes past `end` are a torn tail)."""
+
+    state: LogState | None
+    end: int
+    size: int
+
+    @property
+    def torn(self) -> bool:
+        return self.size > self.end
+
+
+def sampling_struct(path: Path, sampling: dict) -> _Sampling:
+    """The sampling fields as the log stores them (typed: what the reader accepts)."""
+    try:
+        return msgspec.convert({k: v for k, v in sampling.items()
+                                if k in _Sampling.__struct_fields__}, _Sampling)
+    except msgspec.ValidationError as e:
+        raise SnapshotError(f"{path}: sampling parameters not storable: {e}") from None
+
+
+def sampling_dict(s: _Sampling) -> dict:
+    return {k: v for k, v in msgspec.structs.asdict(s).items() if v is not msgspec.UNSET}
+
+
+def frame(payload: bytes) -> bytes:
+    if len(payload) > MAX_RECORD_BYTES:
+        raise SnapshotError(f"a log record of {len(payload)} bytes is over the "
+                            f"{MAX_RECORD_BYTES}-byte limit")
+    return FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def encode(record: BaseRecord | TurnRecord) -> bytes:
+    """One framed record (what is appended to the file)."""
+    return frame(_ENCODER.encode(record))
+
+
+def _apply(path: Path, state: LogState | None, rec, expect: Identity | None) -> LogState:
+    if isinstance(rec, BaseRecord):
+        if state is not None and rec.seq != state.seq + 1:
+            raise SnapshotError(f"{path}: record {rec.seq} follows record {state.seq}")
+        if expect is not None:
+            for name in IDENTITY_FIELDS:
+                got, want = getattr(rec.identity, name), getattr(expect, name)
+                if got != want:
+                    raise SnapshotError(f"{path}: written for another "
+                                        f"{name.replace('_', ' ')} ({got!r}, this engine "
+                                        f"has {want!r})")
+        new = LogState(rec.session_id, rec.identity, rec.system, sampling_dict(rec.sampling),
+                       list(rec.messages), list(rec.tokens), rec.seq)
+    else:
+        if state is None:
+            raise SnapshotError(f"{path}: the log does not start with a base record")
+        if rec.seq != state.seq + 1:
+            raise SnapshotError(f"{path}: record {rec.seq} follows record {state.seq}")
+        if rec.identity_digest != state.identity.digest():
+            raise SnapshotError(f"{path}: record {rec.seq} was written by another engine")
+        if rec.keep > len(state.tokens):
+            raise SnapshotError(f"{path}: record {rec.seq} keeps {rec.keep} of "
+                                f"{len(state.tokens)} tokens")
+        new = state
+        del new.tokens[rec.keep:]
+        new.tokens += rec.tokens
+        new.messages += rec.messages
+        new.seq = rec.seq
+        new.sampling_per_turn.append(sampling_dict(rec.sampling))
+        del new.sampling_per_turn[:-64]
+    if len(new.tokens) > MAX_TOKENS:
+        raise SnapshotError(f"{path}: more than {MAX_TOKENS} tokens (corrupted or crafted)")
+    if len(new.messages) > MAX_EXTRA_MESSAGES + len(new.tokens):
+        raise SnapshotError(f"{path}: {len(new.messages)} messages for {len(new.tokens)} "
+                            f"tokens (corrupted or crafted)")
+    new.num_records += 1
+    return new
+
+
+def _read_exact(fd: int, n: int, offset: int) -> bytes:
+    out = os.pread(fd, n, offset)
+    while len(out) < n:
+        more = os.pread(fd, n - len(out), offset + len(out))
+        if not more:
+            break
+        out += more
+    return out
+
+
+def read_log(path: Path, expect: Identity | None = None) -> LogScan:
+    """Replay a log (see the module docstring for the rules). Reads record by record: the
+    memory used is the replayed state plus one record."""
+    path = Path(path)
+    with open_regular(path) as f:
+        fd = f.fileno()
+        try:
+            size = os.fstat(fd).st_size
+            head = _read_exact(fd, len(LOG_PREFIX), 0)
+        except OSError as e:
+            raise SnapshotError(f"{path}: cannot read: {e}") from None
+        if len(head) < len(LOG_PREFIX):
+            # the file was created but its first record never completed: nothing was
+            # acknowledged from it
+            if LOG_PREFIX.startswith(head):
+                return LogScan(None, 0, size)
+            raise SnapshotError(f"{path}: not a kvsession log (bad magic)")
+        if head[:len(LOG_MAGIC)] != LOG_MAGIC:
+            raise SnapshotError(f"{path}: not a kvsession log (bad magic)")
+        if head != LOG_PREFIX:
+            raise SnapshotError(f"{path}: unknown log format version "
+                                f"{struct.unpack('<I', head[len(LOG_MAGIC):])[0]}")
+        state, pos = None, len(LOG_PREFIX)
+        while pos + FRAME.size <= size:
+            try:
+                length, crc = FRAME.unpack(_read_exact(fd, FRAME.size, pos))
+                if length > MAX_RECORD_BYTES or pos + FRAME.size + length > size:
+                    break  # runs past the end (torn), or a torn length field
+                payload = _read_exact(fd, length, pos + FRAME.size)
+            except OSError as e:
+                raise SnapshotError(f"{path}: cannot read: {e}") from None
+            if len(payload) != length or zlib.crc32(payload) != crc:
+                break  # torn
+            try:
+                rec = _DECODER.decode(payload)
+            except (msgspec.MsgspecError, RecursionError, ValueError) as e:
+                raise SnapshotError(f"{path}: malformed record at byte {pos}: {e}") from None
+            state = _apply(path, state, rec, expect)
+            pos += FRAME.size + length
+        if state is None:
+            return LogScan(None, len(LOG_PREFIX) if pos >= len(LOG_PREFIX) else 0, size)
+        return LogScan(state, pos, size)
+
+
+def truncate(path: Path, end: int) -> None:
+    """Cut a torn tail off (the caller owns the session: its lock is held) and make the
+    new length durable."""
+    try:
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot truncate its torn tail: {e}") from None
+
+
+def base_record(session_id: str, seq: int, identity: Identity, system: str | None,
+                sampling: _Sampling, messages: list[dict], tokens) -> BaseRecord:
+    return BaseRecord(seq=seq, session_id=session_id, identity=identity, unix_s=time.time(),
+                      system=system, sampling=sampling, messages=list(messages),
+                      tokens=list(tokens))
+
+
+def turn_record(seq: int, identity: Identity, messages: list[dict], keep: int, tokens,
+                sampling: _Sampling) -> TurnRecord:
+    return TurnRecord(seq=seq, identity_digest=identity.digest(), unix_s=time.time(),
+                      messages=list(messages), keep=keep, tokens=list(tokens),
+                      sampling=sampling)
+
+
+def remove_quietly(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
