@@ -1,0 +1,433 @@
+"""Durable sessions (durability="turn"): the session log is a write-ahead log. Real files and
+real processes: a torn record and power loss at every byte of the last record recover
+exactly the records before it; concurrent sessions share fsyncs; a resumed session replays
+every acknowledged turn and continues exactly; one process owns a session (flock), a dead
+owner's lock is taken over, two processes work on different sessions of one directory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import tracemalloc
+import zlib
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvsession import LLM, ConfigError, SamplingParams, SnapshotError
+from kvsession.errors import SessionLockedError
+from kvsession.tiers import wal
+from kvsession.tiers.commit import GroupCommit, Op, SessionLog
+from kvsession.tiers.disk import DiskTier
+
+G = SamplingParams(max_tokens=4, temperature=0.0)
+SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."
+IDENTITY = wal.Identity(model_fingerprint="m" * 64, tokenizer_digest="t", template_digest="c",
+                        kv_dtype="float32", block_size=16)
+
+
+def new_llm(model_dir, sd, **kw):
+    return LLM(model_dir, **{"kv_cache_memory": "8MiB", "max_model_len": 512,
+                             "session_dir": sd, **kw})
+
+
+def continues_exactly(llm, s, message="and then?"):
+    r = s.send(message)
+    want = llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
+    return r.token_ids == want
+
+
+def write_log(root: Path, turns: int, sid: str = "s") -> tuple[Path, list[int]]:
+    """A log of `turns` records through the real commit thread; returns its path and the
+    file size after each record."""
+    gc = GroupCommit(root)
+    slog = SessionLog(root / f"{sid}.log", sid, IDENTITY)
+    messages, tokens, ends = [{"role": "system", "content": "sys"}], [], []
+    try:
+        for t in range(turns):
+            messages += [{"role": "user", "content": f"question {t}"},
+                         {"role": "assistant", "content": f"answer {t} " * t}]
+            tokens = tokens[: max(0, len(tokens) - 3)] + list(range(t, t + 20))
+            op, data = slog.record(messages, tokens, {"max_tokens": 4, "stop": ("x",)},
+                                   "sys", {"max_tokens": 4})
+            gc.submit(slog, op, data).result(timeout=30)
+            ends.append(os.path.getsize(slog.path))
+        gc.submit(slog, Op.CLOSE).result(timeout=30)
+    finally:
+        gc.close()
+    return slog.path, ends
+
+
+# ---- the log: format, torn records, power loss --------------------------------------------
+
+def test_log_replays_every_record(tmp_path):
+    path, ends = write_log(tmp_path, 5)
+    scan = wal.read_log(path, expect=IDENTITY)
+    st = scan.state
+    assert (st.seq, st.num_records, len(st.messages), scan.end, scan.torn) == (
+        5, 5, 11, ends[-1], False)
+    assert st.messages[-1] == {"role": "assistant", "content": "answer 4 " * 4}
+    tokens = []
+    for t in range(5):  # as write_log builds them: a few tokens re-rendered each turn
+        tokens = tokens[: max(0, len(tokens) - 3)] + list(range(t, t + 20))
+    assert st.tokens == tokens and st.sampling == {"max_tokens": 4}
+    assert st.sampling_per_turn[-1]["stop"] == ["x"]
+    other = msgspec.structs.replace(IDENTITY, kv_dtype="fp8_e4m3")
+    with pytest.raises(SnapshotError, match="another kv dtype"):
+        wal.read_log(path, expect=other)
+
+
+def test_power_loss_at_every_byte_of_the_last_record(tmp_path):
+    """The log cut at every byte boundary of its last record (what a power loss can leave
+    of an unacknowledged append): recovery yields exactly the records before it, cuts the
+    torn bytes off, and the next append continues a valid log."""
+    (tmp_path / "src").mkdir()
+    path, ends = write_log(tmp_path / "src", 4)
+    before = wal.read_log(path)
+    prev_end, full = ends[-2], ends[-1]
+    data = path.read_bytes()
+    want = _state_after(tmp_path, data[:prev_end])
+    for cut in range(prev_end, full):
+        d = tmp_path / f"cut{cut}"
+        d.mkdir()
+        (d / "s.log").write_bytes(data[:cut])
+        scan = wal.read_log(d / "s.log")
+        assert scan.end == prev_end and scan.torn == (cut > prev_end)
+        assert _summary(scan.state) == want, cut
+        recovered = DiskTier(d).recovered  # start-up recovery: the tail is cut off
+        assert [p.name for p in recovered["truncated_logs"]] == (["s.log"] if cut > prev_end
+                                                                 else [])
+        assert os.path.getsize(d / "s.log") == prev_end
+        shutil.rmtree(d)
+    assert _summary(wal.read_log(path).state) == _summary(before.state)
+
+
+def _state_after(tmp_path: Path, data: bytes):
+    p = tmp_path / "ref.log"
+    p.write_bytes(data)
+    return _summary(wal.read_log(p).state)
+
+
+def _summary(st):
+    return (st.seq, st.messages, st.tokens, st.system)
+
+
+def test_a_torn_first_record_means_no_session(tmp_path):
+    path, ends = write_log(tmp_path, 1)
+    data = path.read_bytes()
+    for cut in (0, 5, len(wal.LOG_PREFIX), ends[0] - 1):
+        path.write_bytes(data[:cut])
+        assert wal.read_log(path).state is None
+        DiskTier(tmp_path)
+        assert not path.exists()  # nothing of it was acknowledged: removed at start-up
+        path.write_bytes(data)
+
+
+def test_torn_and_corrupted_records(tmp_path):
+    path, ends = write_log(tmp_path, 3)
+    good = path.read_bytes()
+    # a checksum mismatch in the last record: torn, the log ends before it
+    bad = bytearray(good)
+    bad[ends[1] + 10] ^= 0xFF
+    path.write_bytes(bytes(bad))
+    assert wal.read_log(path).end == ends[1]
+    # a length field past the end of the file (a torn frame header)
+    path.write_bytes(good + struct.pack("<II", 1 << 20, 0) + b"xx")
+    assert wal.read_log(path).end == len(good)
+    # an intact frame whose payload is not a record: corruption, refused (not shortened)
+    junk = msgspec.msgpack.encode({"type": "turn", "seq": "four"})
+    path.write_bytes(good + struct.pack("<II", len(junk), zlib.crc32(junk)) + junk)
+    with pytest.raises(SnapshotError, match="malformed record"):
+        wal.read_log(path)
+
+
+@pytest.mark.parametrize("record, match", [
+    (wal.TurnRecord(seq=9, identity_digest=IDENTITY.digest(), unix_s=0.0, messages=[],
+                    keep=0, tokens=[], sampling=msgspec.convert({}, wal._Sampling)),
+     "record 9 follows record 3"),
+    (wal.TurnRecord(seq=4, identity_digest="0" * 32, unix_s=0.0, messages=[], keep=0,
+                    tokens=[], sampling=msgspec.convert({}, wal._Sampling)),
+     "written by another engine"),
+    (wal.TurnRecord(seq=4, identity_digest=IDENTITY.digest(), unix_s=0.0, messages=[],
+                    keep=10_000, tokens=[], sampling=msgspec.convert({}, wal._Sampling)),
+     "keeps 10000 of"),
+])
+def test_records_that_break_the_sequence_are_refused(tmp_path, record, match):
+    path, _ = write_log(tmp_path, 3)
+    with open(path, "ab") as f:
+        f.write(wal.encode(record))
+    with pytest.raises(SnapshotError, match=match):
+        wal.read_log(path)
+
+
+def test_crafted_lengths_are_bounded_before_anything_is_built(tmp_path):
+    path, _ = write_log(tmp_path, 1)
+    good = path.read_bytes()
+    # a frame declaring a million-token list in a few bytes: refused at the array header
+    payload = b"\x82\xa4type\xa4turn\xa6tokens\xdd" + struct.pack(">I", 1 << 30)
+    path.write_bytes(good + struct.pack("<II", len(payload), zlib.crc32(payload)) + payload)
+    tracemalloc.start()
+    try:
+        with pytest.raises(SnapshotError):
+            wal.read_log(path)
+        assert tracemalloc.get_traced_memory()[1] < 8 << 20
+    finally:
+        tracemalloc.stop()
+
+
+# ---- group commit ------------------------------------------------------------------------
+
+def test_concurrent_records_share_one_batch(tmp_path):
+    gc = GroupCommit(tmp_path)
+    logs = [SessionLog(tmp_path / f"s{i}.log", f"s{i}", IDENTITY) for i in range(8)]
+    try:
+        futures = []
+        with gc._cv:  # the commit thread is held back: all eight queue up together
+            for slog in logs:
+                op, data = slog.record([{"role": "user", "content": "hi"}], [1, 2, 3], {}, None,
+                                       {})
+                futures.append(gc.submit(slog, op, data))
+        for f in futures:
+            f.result(timeout=30)
+        assert (gc.batches, gc.records, gc.dir_fsyncs) == (1, 8, 1)
+        futures = []
+        with gc._cv:  # appends after the creating rewrite, again in one batch
+            for slog in logs:
+                op, data = slog.record([{"role": "user", "content": "hi"}] * 3, [1, 2, 3, 4],
+                                       {}, None, {})
+                assert op is Op.APPEND
+                futures.append(gc.submit(slog, op, data))
+        for f in futures:
+            f.result(timeout=30)
+        assert gc.batches == 2 and gc.dir_fsyncs == 1
+    finally:
+        gc.close()
+    for slog in logs:
+        assert wal.read_log(slog.path).state.seq == 2
+
+
+def test_sessions_finishing_together_share_fsyncs(llama_dir, tmp_path):
+    with new_llm(llama_dir, tmp_path / "sd") as llm:
+        sessions = [llm.session(session_id=f"a{i}", sampling=G) for i in range(8)]
+        barrier = threading.Barrier(8)
+
+        def agent(s):
+            for t in range(3):
+                barrier.wait(timeout=60)
+                s.send(f"turn {t} of {s.session_id}")
+
+        threads = [threading.Thread(target=agent, args=(s,)) for s in sessions]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        journal = llm._rt.journal
+        assert journal.records == 24
+        assert journal.batches < 24  # records of sessions finishing together were batched
+        for s in sessions:
+            assert len(wal.read_log(tmp_path / "sd" / f"{s.session_id}.log").state.messages) \
+                == 6
+
+
+def test_a_failed_append_is_cut_off_and_the_next_record_rewrites(tmp_path, monkeypatch):
+    import kvsession.tiers.commit as commit
+
+    path, ends = write_log(tmp_path, 2)
+    state = wal.read_log(path).state
+    gc = GroupCommit(tmp_path)
+    slog = SessionLog(path, "s", IDENTITY, state, ends[-1])
+    real = commit._write_all
+
+    def half_then_fail(fd, data, offset):
+        real(fd, data[: len(data) // 2], offset)
+        raise OSError(28, "No space left on device")
+
+    try:
+        monkeypatch.setattr(commit, "_write_all", half_then_fail)
+        msgs = state.messages + [{"role": "user", "content": "lost"}]
+        op, data = slog.record(msgs, state.tokens, {}, "sys", {})
+        with pytest.raises(SnapshotError, match="No space left"):
+            gc.submit(slog, op, data).result(timeout=30)
+        assert os.path.getsize(path) == ends[-1]  # the partial record was cut off
+        monkeypatch.setattr(commit, "_write_all", real)
+        msgs.append({"role": "assistant", "content": "kept"})
+        op, data = slog.record(msgs, state.tokens + [7], {}, "sys", {"max_tokens": 4})
+        assert op is Op.REWRITE
+        gc.submit(slog, op, data).result(timeout=30)
+        gc.submit(slog, Op.CLOSE).result(timeout=30)
+    finally:
+        gc.close()
+    st = wal.read_log(path).state
+    assert st.messages == msgs and st.tokens[-1] == 7 and st.num_records == 1
+
+
+# ---- sessions ----------------------------------------------------------------------------
+
+def test_durability_argument(llama_dir, tmp_path):
+    with pytest.raises(ConfigError, match="durability='turn' needs a session_dir"):
+        LLM(llama_dir, durability="turn")
+    with pytest.raises(ConfigError, match="durability='sometimes' is not supported"):
+        LLM(llama_dir, durability="sometimes", session_dir=tmp_path)
+    with new_llm(llama_dir, tmp_path / "c", durability="close") as llm:
+        assert llm._rt.journal is None
+        s = llm.session(session_id="c", sampling=G)
+        s.send("hello")
+        assert sorted(os.listdir(tmp_path / "c")) == ["c.lock"]  # nothing written yet
+    assert sorted(os.listdir(tmp_path / "c")) == ["c.kvs"]  # written at close, as before
+
+
+def test_every_kind_of_turn_is_durable_before_it_returns(llama_dir, tmp_path):
+    sd = tmp_path / "sd"
+    with new_llm(llama_dir, sd) as llm:
+        s = llm.session(session_id="d", system=SYSTEM, sampling=G)
+
+        def logged():
+            return wal.read_log(sd / "d.log").state.messages
+
+        s.send("first")
+        assert logged() == s.messages
+        assert asyncio.run(s.asend("second")).text == s.messages[-1]["content"]
+        assert logged() == s.messages
+        chunks = list(s.stream("third"))
+        assert chunks[-1].reply is not None and logged() == s.messages
+        s.add("tool", '{"files": ["a.py"]}')
+        assert logged() == s.messages and logged()[-1]["role"] == "tool"
+        st = wal.read_log(sd / "d.log").state
+        assert st.tokens == list(s.kv.tokens) and st.seq == 4
+        fork = s.fork(session_id="d-fork")
+        fork.send("fork's own turn")
+        assert wal.read_log(sd / "d-fork.log").state.messages == fork.messages
+    assert sorted(os.listdir(sd)) == ["d-fork.kvs", "d.kvs"]  # compacted at close
+
+
+CHILD = r"""
+import json, os, sys
+from kvsession import LLM, SamplingParams
+model, sd, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+G = SamplingParams(max_tokens=4, temperature=0.0)
+llm = LLM(model, kv_cache_memory="8MiB", max_model_len=512, session_dir=sd)
+if mode == "hold":
+    s = llm.session(session_id="a", sampling=G, system="You are a helpful agent.")
+    for t in range(3):
+        r = s.send(f"turn {t}")
+        print(json.dumps({"ack": t, "ids": r.token_ids}), flush=True)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    os.kill(os.getpid(), 9)
+elif mode == "other":
+    b = llm.session(session_id="b", sampling=G)
+    b.send("from the other process")
+    print(json.dumps(llm.sessions()), flush=True)
+    sys.stdin.readline()
+    llm.close()
+"""
+
+
+def _spawn(llama_dir, sd, mode):
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(llama_dir), str(sd), mode],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _read_line(proc, timeout=120):
+    out = []
+    t = threading.Thread(target=lambda: out.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert out and out[0], "the child did not answer"
+    return out[0].strip()
+
+
+def test_one_process_owns_a_session_and_a_dead_owners_lock_is_taken_over(llama_dir,
+                                                                          tmp_path):
+    sd = tmp_path / "sd"
+    holder = _spawn(llama_dir, sd, "hold")
+    try:
+        for _ in range(3):
+            json.loads(_read_line(holder))
+        assert _read_line(holder) == "ready"
+        with new_llm(llama_dir, sd) as llm:
+            with pytest.raises(SessionLockedError, match="'a' is in use by another process"):
+                llm.session(session_id="a")
+            assert llm.sessions() == ["a"]  # listed, not touched
+            assert wal.read_log(sd / "a.log").state is not None
+            other = _spawn(llama_dir, sd, "other")  # a third process, another session
+            try:
+                assert json.loads(_read_line(other)) == ["a", "b"]
+                mine = llm.session(session_id="c", sampling=G)
+                mine.send("at the same time")
+                with pytest.raises(SessionLockedError):
+                    llm.session(session_id="b")
+                other.stdin.write("\n")
+                other.stdin.flush()
+                assert other.wait(60) == 0
+            finally:
+                other.kill()
+            holder.stdin.write("\n")  # the holder dies (SIGKILL): its lock goes with it
+            holder.stdin.flush()
+            assert holder.wait(60) == -signal.SIGKILL
+            a = llm.session(session_id="a")  # taken over
+            assert [m["content"] for m in a.messages if m["role"] == "user"] == [
+                "turn 0", "turn 1", "turn 2"]
+            assert continues_exactly(llm, a)
+            b = llm.session(session_id="b")  # its process closed it: a snapshot
+            assert b.messages[-2]["content"] == "from the other process"
+    finally:
+        holder.kill()
+    assert sorted(os.listdir(sd)) == ["a.kvs", "b.kvs", "c.kvs"]
+
+
+def test_a_killed_process_leaves_every_acknowledged_turn(llama_dir, tmp_path):
+    sd = tmp_path / "sd"
+    holder = _spawn(llama_dir, sd, "hold")
+    try:
+        acked = [json.loads(_read_line(holder)) for _ in range(3)]
+        assert _read_line(holder) == "ready"
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(60)
+    finally:
+        holder.kill()
+    assert sorted(os.listdir(sd)) == ["a.lock", "a.log"]  # the dead process's lock file
+    with new_llm(llama_dir, sd) as llm:
+        assert sorted(os.listdir(sd)) == ["a.log"]  # stale lock removed at start-up
+        a = llm.session(session_id="a")
+        assert len(a.messages) == 1 + 2 * len(acked)
+        assert [m["content"] for m in a.messages[2::2]] == [
+            llm.tokenizer.decode(r["ids"]) for r in acked]
+        assert continues_exactly(llm, a)
+
+
+def test_a_live_session_is_refused_within_the_process_and_ids_are_not_reused(llama_dir,
+                                                                               tmp_path):
+    sd = tmp_path / "sd"
+    with new_llm(llama_dir, sd) as llm:
+        s = llm.session(session_id="x", sampling=G)
+        s.send("hi")
+        with pytest.raises(ConfigError, match="already in use by a live session"):
+            llm.session(session_id="x")
+        s.close()  # closed, not deleted: its log keeps it
+        again = llm.session(session_id="x")
+        assert again.messages == s.messages
+        again.close(delete=True)
+        assert not (sd / "x.log").exists() and not (sd / "x.lock").exists()
+        y = llm.session(session_id="y", sampling=G)
+        y.send("y's turn")
+        y.close()
+        z = llm.session(session_id="z", sampling=G)
+        with pytest.raises(ConfigError, match="'y' is taken in session_dir"):
+            z.fork(session_id="y")  # y's log is another session's file
+        with pytest.raises(ConfigError, match="'y' is taken in session_dir"):
+            llm.restore(_snapshot_of(llm, z, tmp_path), session_id="y")
+
+
+def _snapshot_of(llm, s, tmp_path):
+    path = tmp_path / "ext.kvs"
+    s.save(path)
+    return path
