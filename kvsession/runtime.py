@@ -20,6 +20,7 @@ import json
 import logging
 import numbers
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -55,7 +56,7 @@ from kvsession.model.config import ModelSpec, check_sliding_window, load_model_s
 from kvsession.model.llama import LlamaModel
 from kvsession.model.loader import load_weights, weights_digest
 from kvsession.model.tokenizer import Tokenizer
-from kvsession.outputs import RequestOutput
+from kvsession.outputs import CompletionOutput, RequestOutput
 from kvsession.params import SamplingParams
 from kvsession.tiers.commit import GroupCommit
 from kvsession.tiers.disk import DiskTier
@@ -63,6 +64,7 @@ from kvsession.tiers.host import HostPool
 from kvsession.tiers.mover import TierMover
 from kvsession.tiers.policy import TierPolicy
 from kvsession.tiers.wal import IDENTITY_FIELDS, Identity
+from kvsession.tiers.writeback import SnapshotLocks, WriteBehind
 
 log = logging.getLogger("kvsession")
 CPU_DEFAULT_KV_BYTES = 2**30
@@ -228,8 +230,9 @@ class Runtime:
             "head_dim": spec.head_dim, "tensor_names": list(self.kv.tensors()),
         }
         prefill_tps = costmodel.RateEstimator(prior=2000.0)
+        snapshot_locks = SnapshotLocks()  # spills and saves vs write-behind compaction
         self.mover = TierMover(self.manager, self.host, self.disk, self.prefix.hasher,
-                               self.header_fields, prefill_tps)
+                               self.header_fields, prefill_tps, snapshot_locks)
         self.policy = TierPolicy(self.mover, self.prefix, self.scheduler, prefill_tps, bpt,
                                  cfg.spill_after_s)
         self.scheduler.attach_reclaimer(self.policy)
@@ -244,9 +247,14 @@ class Runtime:
                              connector=self.connector)
         # ---- durability="turn": session logs, group-committed by one thread
         self.log_identity = Identity(**{k: self.header_fields[k] for k in IDENTITY_FIELDS})
-        self.journal = GroupCommit(cfg.session_dir) if (
-            self.disk is not None and cfg.durability is Durability.TURN) else None
+        durable = self.disk is not None and cfg.durability is Durability.TURN
+        self.journal = GroupCommit(cfg.session_dir) if durable else None
+        # full KV blocks written behind to each session's segment (never waited on)
+        self.writeback = WriteBehind(self.disk, self.header_fields, snapshot_locks) \
+            if durable else None
 
+        self._grammars = None  # kvsession.structured.GrammarCompiler, on first use
+        self._grammar_lock = threading.Lock()
         self._integrity_failure: AssertionError | None = None
         self.checking = bool(os.environ.get(CHECK_INTEGRITY_ENV))
         if self.checking and num_blocks <= CHECK_EVERY_STEP_MAX_BLOCKS:
@@ -299,6 +307,13 @@ class Runtime:
                prepare: Callable[[], None] | None = None) -> Future:
         return self.check_open().submit(seq, on_update=on_update, prepare=prepare)
 
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a request whose caller went away (a stream closed early); its Future fails
+        with CancelledError. Fire and forget: a closed LLM has nothing left to cancel."""
+        loop = self._loop
+        if loop is not None:
+            loop.call(lambda: self.engine.cancel(seq))
+
     def close(self) -> None:
         """Stop the engine thread (pending calls fail with EngineClosedError), release the
         workers and the KV cache. Idempotent. With integrity checking on, raises the first
@@ -322,6 +337,8 @@ class Runtime:
                 self._integrity_failure = self._integrity_failure or e
         if self.connector is not None:
             self.connector.close()
+        if self.writeback is not None:
+            self.writeback.close()
         if self.journal is not None:
             self.journal.close()
         self.kv = None
@@ -355,23 +372,63 @@ class Runtime:
                 f"{self.info.max_model_len}")
         return list(ids)
 
+    def validate_params(self, params: SamplingParams, retain_blocks: bool) -> None:
+        """What SamplingParams cannot check alone: token ids against the vocabulary, the
+        structured format against the tokenizer (compiled here, in the caller's thread),
+        and what a session turn (retain_blocks) cannot do."""
+        vocab = self.info.spec.vocab_size
+        bad = [t for t, _ in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ConfigError(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {vocab})")
+        if retain_blocks and params.n > 1:
+            raise ConfigError(f"n must be 1 for a session turn (one reply), got {params.n}")
+        if retain_blocks and params.prompt_logprobs is not None:
+            raise ConfigError("prompt_logprobs must be None for a session turn (its prompt "
+                              "is mostly cached KV, whose logits are not kept)")
+
+    def grammars(self):
+        """The structured-output compiler (built, and xgrammar imported, on first use)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                from kvsession.structured import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.config.model / "tokenizer.json",
+                                                 self.info.spec.vocab_size,
+                                                 self.tokenizer.eos_token_ids)
+            return self._grammars
+
     def new_sequence(self, ids: list[int], params: SamplingParams,
                      retain_blocks: bool = False) -> Sequence:
-        return Sequence(token_ids=self.validate_prompt(ids), params=params,
-                        max_model_len=self.info.max_model_len,
-                        eos_token_ids=self.tokenizer.eos_token_ids, retain_blocks=retain_blocks)
+        self.validate_params(params, retain_blocks)
+        ids = self.validate_prompt(ids)
+        grammar = None if params.structured is None else \
+            self.grammars().new_state(params.structured)
+        return Sequence(token_ids=ids, params=params, max_model_len=self.info.max_model_len,
+                        eos_token_ids=self.tokenizer.eos_token_ids, retain_blocks=retain_blocks,
+                        grammar=grammar)
 
-    def output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
+    def completion(self, seq: Sequence) -> CompletionOutput:
         out_ids = seq.output_token_ids
         text = self.tokenizer.decode(out_ids)
         if seq.stop_text_len is not None:
             text = text[: seq.stop_text_len]
+        return CompletionOutput(
+            index=seq.index, text=text, token_ids=out_ids, finish_reason=seq.finish_reason,
+            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None)
+
+    def output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
+        members = seq.group or [seq]
+        last = max(members, key=lambda m: m.finish_time or 0.0)
+        prompt_lp = None
+        if seq.params.prompt_logprobs is not None:
+            prompt_lp = [None] + [seq.prompt_logprobs.get(i)
+                                  for i in range(1, seq.num_prompt_tokens)]
         return RequestOutput(
             request_id=seq.seq_id, prompt=prompt, prompt_token_ids=seq.token_ids[
-                : seq.num_prompt_tokens], text=text, token_ids=out_ids,
-            finish_reason=seq.finish_reason, num_cached_tokens=max(seq.num_cached_tokens, 0),
-            metrics=request_metrics(seq),
-            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None)
+                : seq.num_prompt_tokens], outputs=[self.completion(m) for m in members],
+            num_cached_tokens=max(seq.num_cached_tokens, 0), metrics=request_metrics(last),
+            prompt_logprobs=prompt_lp)
 
     # ---- pins ------------------------------------------------------------------------------
 

@@ -54,7 +54,7 @@ from kvsession.tiers import wal
 from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.locks import FileLock, lock_session
-from kvsession.tiers.resume import build_plan
+from kvsession.tiers.resume import build_plan, open_segment
 from kvsession.tiers.snapshot import SnapshotHeader, copy_snapshot
 from kvsession.tiers.snapshot_read import read_header
 
@@ -220,7 +220,14 @@ class SessionStore:
                                  lock=lock, slog=slog)
         try:
             hashes = rt.mover.block_hashes(state.tokens, params.cache_salt)
-            plan = build_plan(disk, session_id, state.tokens, hashes, rt.header_fields)
+            segment = open_segment(disk, session_id, rt.header_fields)
+            plan = build_plan(disk, session_id, state.tokens, hashes, rt.header_fields,
+                              segment)
+            if rt.writeback is not None:  # what is on disk is never written again
+                if segment is not None:
+                    rt.writeback.request("seed", session_id, segment)
+                if plan is not None:
+                    rt.writeback.know(session_id, enumerate(plan.hashes))
             if plan is not None:
                 rt.call(lambda: rt.mover.attach_plan(sess.kv, plan)).result()
         except BaseException:
@@ -318,6 +325,8 @@ class SessionStore:
             info.tokens = tuple(seq.token_ids[:n])  # what the turn's log record says
             rt.manager.checkin(kv, seq, seq.token_ids[:n], seq.block_hashes[: n // bs])
             rt.policy.checkin(kv)
+            if ok and rt.writeback is not None:  # its new full blocks, written behind
+                rt.writeback.after_turn(kv, rt.kv.tensors())
 
         def prepare() -> None:  # engine thread: bring the KV back, hand it to the sequence
             history = common_prefix_len(kv.tokens, ids)
@@ -379,6 +388,7 @@ class SessionStore:
             self.rt.call(lambda: self.rt.policy.release(kv)).result()
         try:
             self._unpin_system(sess)
+            self._writeback_op("delete" if delete else "close", sess.session_id)
             slog = self._logs.pop(sess.session_id, None)
             if slog is not None:
                 self._log_op(slog, Op.DELETE if delete else Op.CLOSE)
@@ -400,6 +410,17 @@ class SessionStore:
         except TimeoutError:  # concurrent.futures raises the builtin (3.11+)
             raise SnapshotError(f"{slog.path}: the log was not {op.value}d within "
                                 f"{LOG_OP_TIMEOUT_S:.0f} s") from None
+
+    def _writeback_op(self, kind: str, session_id: str) -> None:
+        """Close (its queued blocks written first) or delete a session's segment."""
+        wb = self.rt.writeback
+        if wb is None or self.rt.closed:
+            return
+        try:
+            wb.request(kind, session_id).result(timeout=LOG_OP_TIMEOUT_S)
+        except TimeoutError:
+            raise SnapshotError(f"session {session_id!r}: its KV segment was not {kind}d "
+                                f"within {LOG_OP_TIMEOUT_S:.0f} s") from None
 
     def _unpin_system(self, sess: Session) -> None:
         entry = self._system_pins.get(sess.system_key)
@@ -453,13 +474,18 @@ class SessionStore:
         if slog is not None and sess.exclusive(lambda: self.rt.mover.has_plan(sess.kv)):
             return
         sess.save(self.rt.disk.path_for(sess.session_id))
-        if slog is not None:
+        if slog is not None:  # the snapshot is durable: segment and log are redundant
+            self._writeback_op("delete", sess.session_id)
             self._log_op(slog, Op.DELETE)
             self._logs.pop(sess.session_id, None)
 
     def close_all(self) -> None:
         for sess in list(self.live.values()):
             sess.mark_closed()
+            try:
+                self._writeback_op("close", sess.session_id)
+            except SnapshotError as e:
+                log.warning("%s", e)
         for slog in list(self._logs.values()):
             try:
                 self._log_op(slog, Op.CLOSE)

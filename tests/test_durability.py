@@ -394,14 +394,19 @@ def test_a_killed_process_leaves_every_acknowledged_turn(llama_dir, tmp_path):
         holder.wait(60)
     finally:
         holder.kill()
-    assert sorted(os.listdir(sd)) == ["a.lock", "a.log"]  # the dead process's lock file
+    # the dead process's lock file, its log, its KV written behind
+    assert sorted(os.listdir(sd)) == ["a.lock", "a.log", "a.seg"]
     with new_llm(llama_dir, sd) as llm:
-        assert sorted(os.listdir(sd)) == ["a.log"]  # stale lock removed at start-up
+        assert sorted(os.listdir(sd)) == ["a.log", "a.seg"]  # stale lock removed at start-up
         a = llm.session(session_id="a")
-        assert len(a.messages) == 1 + 2 * len(acked)
+        assert len(a.messages) == 1 + 2 * len(acked) and a.state == "disk"
         assert [m["content"] for m in a.messages[2::2]] == [
             llm.tokenizer.decode(r["ids"]) for r in acked]
-        assert continues_exactly(llm, a)
+        held = len(wal.read_log(sd / "a.log").state.tokens)
+        r = a.send("and then?")
+        assert r.restored_from == "disk" and r.cached_tokens >= held // 16 * 16
+        want = llm.chat(a.messages[:-1], G, use_tqdm=False)[0].token_ids
+        assert r.token_ids == want
 
 
 def test_a_live_session_is_refused_within_the_process_and_ids_are_not_reused(llama_dir,

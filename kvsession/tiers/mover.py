@@ -26,6 +26,7 @@ from kvsession.tiers.host import HostPool
 from kvsession.tiers.resume import DiskPlan
 from kvsession.tiers.snapshot import SnapshotHeader, write_snapshot
 from kvsession.tiers.snapshot_read import read_blocks, read_header
+from kvsession.tiers.writeback import SnapshotLocks
 
 log = logging.getLogger("kvsession")
 
@@ -33,10 +34,14 @@ log = logging.getLogger("kvsession")
 class TierMover:
     def __init__(self, manager: KVCacheManager, host: HostPool | None, disk: DiskTier | None,
                  hasher: BlockHasher, header_fields: dict,
-                 prefill_tps: costmodel.RateEstimator | None = None):
+                 prefill_tps: costmodel.RateEstimator | None = None,
+                 snapshot_locks: SnapshotLocks | None = None):
         """header_fields: this engine's identity as snapshot headers record it (model,
         tokenizer, template, kv dtype, block size, geometry, tensor names). prefill_tps
-        (measured by the engine) prices a spilled block's reload for eviction."""
+        (measured by the engine) prices a spilled block's reload for eviction.
+        snapshot_locks: held while a session's snapshot is written (write-behind
+        compaction writes them too)."""
+        self.snapshot_locks = snapshot_locks or SnapshotLocks()
         self.prefill_tps = prefill_tps
         self.manager, self.kv, self.host, self.disk = manager, manager.kv, host, disk
         self.pool, self.hasher, self.header_fields = manager.pool, hasher, dict(header_fields)
@@ -85,7 +90,8 @@ class TierMover:
         path = self.disk.path_for(s.session_id)
         try:
             t0 = time.perf_counter()
-            size = write_snapshot(path, self.snapshot_fields(s), self.block_tensors(s))
+            with self.snapshot_locks.get(s.session_id):
+                size = write_snapshot(path, self.snapshot_fields(s), self.block_tensors(s))
             self.disk_write_bytes_per_s.observe(size, time.perf_counter() - t0)
         except (OSError, SnapshotError) as e:  # disk full, unwritable: it stays where it is
             log.warning("could not spill session %s to %s: %s; it stays in %s",
@@ -125,7 +131,8 @@ class TierMover:
 
     def write_snapshot(self, s: SessionKV, path: Path) -> int:
         """The session's snapshot from wherever its KV is (device, host); bytes written."""
-        return write_snapshot(path, self.snapshot_fields(s), self.block_tensors(s))
+        with self.snapshot_locks.get(s.session_id):
+            return write_snapshot(path, self.snapshot_fields(s), self.block_tensors(s))
 
     def block_tensors(self, s: SessionKV, group: int = 32) -> Iterator[dict[str, torch.Tensor]]:
         """Every block's tensors, contiguous, from wherever they are (device, host); blocks

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsession.errors import SnapshotError
+from kvsession.tiers.segments import SegmentScan, scan_segment, segment_blocks
 from kvsession.tiers.snapshot import SnapshotHeader
 from kvsession.tiers.snapshot_read import read_header
+from kvsession.tiers.wal import truncate
 
 log = logging.getLogger("kvsession")
 
@@ -48,13 +50,28 @@ def snapshot_prefix(h: SnapshotHeader, tokens, bs: int) -> int:
     return covered
 
 
+def open_segment(disk, session_id: str, header_fields: dict) -> SegmentScan | None:
+    """The session's segment, its torn tail cut off (the caller owns the session); None
+    when there is none or it is not usable (another engine's, damaged: a warning; the
+    write-behind replaces it)."""
+    path = disk.segment_path(session_id)
+    if not path.is_file():
+        return None
+    try:
+        scan = scan_segment(path, header_fields, session_id)
+        if scan.torn:
+            truncate(path, scan.end)
+        return scan
+    except SnapshotError as e:
+        log.warning("%s; its blocks will be recomputed", e)
+        return None
+
+
 def build_plan(disk, session_id: str, tokens, hashes, header_fields: dict,
-               extra=None) -> DiskPlan | None:
-    """The blocks of `tokens` (the log's) found on disk, as a prefix; None when none are.
-    `extra(start_block, tokens, hashes) -> list[(path, header, chunk)]`, when given,
-    extends the prefix from other stores (write-behind segments, the shared prefix
-    store). A file that is damaged or written by another engine contributes nothing (a
-    warning): its blocks are recomputed."""
+               segment: SegmentScan | None = None) -> DiskPlan | None:
+    """The blocks of `tokens` (the log's) found on disk, as a prefix: the session's
+    snapshot first, then its segment; None when there are none. A file that is damaged or
+    written by another engine contributes nothing (a warning): its blocks are recomputed."""
     bs = header_fields["block_size"]
     tokens = list(tokens)
     sources: list[tuple[Path, SnapshotHeader, int]] = []
@@ -71,14 +88,13 @@ def build_plan(disk, session_id: str, tokens, hashes, header_fields: dict,
             n = -(-covered // bs)
             sources = [(kvs, h, i) for i in range(n)]
             kinds["snapshot"] = n
-    if extra is not None and covered % bs == 0:
-        more = extra(covered // bs, tokens, hashes)
+    if segment is not None and covered % bs == 0:
+        more = segment_blocks(segment, disk.segment_path(session_id), covered // bs, tokens,
+                              hashes, bs)
         if more:
             kinds["segment"] = len(more)
             sources += more
-            covered = min(len(tokens), len(sources) * bs)
-            if covered < len(sources) * bs:  # a stored block past the log's tokens
-                sources = sources[: -(-covered // bs)]
+            covered += len(more) * bs
     if not covered:
         return None
     return DiskPlan(tuple(tokens[:covered]), tuple(hashes[: covered // bs]), sources,

@@ -265,6 +265,38 @@ def write_snapshot(path: Path, fields: dict, blocks: Iterable[dict[str, torch.Te
     return _atomic_write(path, fill)
 
 
+def write_snapshot_chunks(path: Path, fields: dict, chunks: Iterable[tuple], tokens_for
+                          ) -> int:
+    """Write atomically a snapshot of already encoded chunks (data, raw length, crc32,
+    codec), e.g. copied from other files by compaction; `tokens_for(n)` gives the token ids
+    that n blocks hold (the iterator may end early). Returns the number of blocks."""
+    path = Path(path)
+    written = [0]
+
+    def fill(f) -> None:
+        f.write(MAGIC + struct.pack("<I", FORMAT_VERSION))
+        table, offset = [], _PREFIX_LEN
+        for data, raw_len, crc, codec in chunks:
+            f.write(data)
+            table.append(Chunk(offset, len(data), raw_len, crc, codec))
+            offset += len(data)
+        tokens = list(tokens_for(len(table)))
+        bs = fields["block_size"]
+        header = msgspec.json.encode(SnapshotHeader(
+            format_version=FORMAT_VERSION, created_unix_s=time.time(), chunks=table,
+            **{**fields, "token_ids": tokens,
+               "block_hashes": fields["block_hashes"][: len(tokens) // bs]}))
+        if len(header) > MAX_HEADER_BYTES:
+            raise SnapshotError(f"{path}: the session's header would be {len(header)} "
+                                f"bytes, over the {MAX_HEADER_BYTES}-byte limit")
+        f.write(header)
+        f.write(_FOOTER.pack(len(header), zlib.crc32(header)) + END_MAGIC)
+        written[0] = len(table)
+
+    _atomic_write(path, fill)
+    return written[0]
+
+
 def copy_snapshot(src: Path, dst: Path) -> int:
     """Copy the snapshot `src` to `dst` as atomically as write_snapshot writes one."""
     def fill(f) -> None:

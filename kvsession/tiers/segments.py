@@ -1,0 +1,263 @@
+"""KV segments: a session's full KV blocks, appended as they are computed (`<id>.seg`).
+
+With durability="turn" the write-behind thread (tiers/writeback.py) appends every new full
+block of a session here after its turn, encoded with the `.kvs` chunk codec (a safetensors
+block, lz4-frame or stored: docs/snapshot-format.md). A block already on disk (in the
+segment or the session's snapshot) is never written again. Segments are caches of the
+session log's tokens, never the truth: each block record names its position and chained
+hash and holds its tokens, and a resumed session takes a block only where all of that
+matches what the log says (tiers/resume.py).
+
+Layout (little endian):
+
+    SEG_MAGIC (8) | u32 version
+    identity frame: u32 length | u32 crc32 | msgpack SegmentIdentity (engine identity and
+        KV geometry, as a snapshot header records them)
+    block records, back to back: u32 meta length | u32 crc32(meta) | msgpack BlockMeta |
+        the chunk (BlockMeta.length bytes; its crc32 is in the meta)
+
+Like every file in session_dir a segment is untrusted: the identity must equal this
+engine's, a meta is at most MAX_META_BYTES and typed, a chunk declares exactly one block's
+raw size of the identity's geometry and at most that many bytes, and its bytes are checked
+(crc32, bounded decompression, exact safetensors prefix) by the snapshot reader when
+loaded. The valid segment is the longest prefix of intact records: a record cut short or
+failing its meta checksum is a torn write (the writer never acknowledged it to anyone) and
+is cut off by the owner.
+
+Compaction (`compact`): when a segment fragments (blocks of histories the conversation
+left behind, or many small appends), the blocks of the session's current tokens, from its
+snapshot and its segment, are copied chunk by chunk (no decoding) into a new snapshot,
+written atomically; then the segment is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from kvsession.errors import SnapshotError
+from kvsession.tiers.snapshot import (
+    Chunk,
+    SnapshotHeader,
+    open_regular,
+    write_snapshot_chunks,
+)
+from kvsession.tiers.snapshot_read import (
+    KV_TENSOR_SETS,
+    MAX_BLOCK_SIZE,
+    MAX_GEOMETRY,
+    MAX_TOKEN_ID,
+    block_raw_length,
+    check_compatible,
+    read_header,
+)
+
+SEG_MAGIC = b"KVSSEG\x00\x01"
+SEG_VERSION = 1
+SEG_PREFIX = SEG_MAGIC + struct.pack("<I", SEG_VERSION)
+FRAME = struct.Struct("<II")
+MAX_META_BYTES = 1 << 16
+
+_Geometry = Annotated[int, msgspec.Meta(ge=1, le=MAX_GEOMETRY)]
+_Digest = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class SegmentIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model_fingerprint: _Digest
+    tokenizer_digest: _Digest
+    template_digest: _Digest
+    kv_dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
+    num_layers: _Geometry
+    num_kv_heads: _Geometry
+    head_dim: _Geometry
+    tensor_names: Annotated[list[Annotated[str, msgspec.Meta(max_length=16)]],
+                            msgspec.Meta(max_length=4)]
+
+
+class BlockMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    index: Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
+    hash: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+    tokens: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN_ID)]],
+                      msgspec.Meta(max_length=MAX_BLOCK_SIZE)]
+    length: Annotated[int, msgspec.Meta(ge=1)]
+    raw_length: Annotated[int, msgspec.Meta(ge=1)]
+    crc32: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+    codec: Literal["lz4", "none"]
+
+
+def identity_of(header_fields: dict) -> SegmentIdentity:
+    return msgspec.convert({k: header_fields[k] for k in SegmentIdentity.__struct_fields__},
+                           SegmentIdentity)
+
+
+def pseudo_header(ident: SegmentIdentity, session_id: str, chunks: list[Chunk]
+                  ) -> SnapshotHeader:
+    """A header holding the segment's geometry and chunk table: what the snapshot block
+    reader needs to read and check its chunks (tiers/snapshot_read.read_blocks)."""
+    return SnapshotHeader(
+        format_version=1, session_id=session_id, created_unix_s=0.0,
+        model_fingerprint=ident.model_fingerprint, tokenizer_digest=ident.tokenizer_digest,
+        template_digest=ident.template_digest, kv_dtype=ident.kv_dtype,
+        block_size=ident.block_size, num_layers=ident.num_layers,
+        num_kv_heads=ident.num_kv_heads, head_dim=ident.head_dim,
+        tensor_names=list(ident.tensor_names), token_ids=[], messages=[], sampling={},
+        system=None, block_hashes=[], chunks=chunks)
+
+
+def encode_record(meta: BlockMeta, data: list) -> list:
+    raw = msgspec.msgpack.encode(meta)
+    return [FRAME.pack(len(raw), zlib.crc32(raw)), raw, *data]
+
+
+def start_bytes(ident: SegmentIdentity) -> bytes:
+    raw = msgspec.msgpack.encode(ident)
+    return SEG_PREFIX + FRAME.pack(len(raw), zlib.crc32(raw)) + raw
+
+
+@dataclass
+class SegmentScan:
+    """The intact records of a segment: metas[k] and header.chunks[k] describe record k;
+    end: where they end (size > end: a torn tail)."""
+
+    header: SnapshotHeader
+    metas: list[BlockMeta]
+    end: int
+    size: int
+    index: dict[tuple[int, bytes], int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for k, m in enumerate(self.metas):
+            self.index[(m.index, m.hash)] = k  # a later copy of a block wins
+
+    @property
+    def torn(self) -> bool:
+        return self.size > self.end
+
+
+def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentScan:
+    """Read a segment's record table (no chunk data). SnapshotError when it is not a
+    segment of this engine (then it contributes nothing)."""
+    path = Path(path)
+    with open_regular(path) as f:
+        fd = f.fileno()
+        try:
+            size = os.fstat(fd).st_size
+            head = os.pread(fd, len(SEG_PREFIX) + FRAME.size, 0)
+            if len(head) < len(SEG_PREFIX) + FRAME.size or head[:len(SEG_PREFIX)] != SEG_PREFIX:
+                raise SnapshotError(f"{path}: not a kvsession segment (bad magic or version)")
+            n, crc = FRAME.unpack(head[len(SEG_PREFIX):])
+            if n > MAX_META_BYTES:
+                raise SnapshotError(f"{path}: identity of {n} bytes (corrupted or crafted)")
+            raw = os.pread(fd, n, len(head))
+            if len(raw) != n or zlib.crc32(raw) != crc:
+                raise SnapshotError(f"{path}: identity checksum mismatch (torn or corrupted)")
+            try:
+                ident = msgspec.msgpack.decode(raw, type=SegmentIdentity)
+            except msgspec.MsgspecError as e:
+                raise SnapshotError(f"{path}: malformed identity: {e}") from None
+            check_compatible(path, ident, {k: v for k, v in header_fields.items()
+                                           if k != "tensor_names"})
+            if set(ident.tensor_names) not in KV_TENSOR_SETS or \
+                    set(ident.tensor_names) != set(header_fields["tensor_names"]):
+                raise SnapshotError(f"{path}: tensors {ident.tensor_names} do not match "
+                                    f"this engine's cache")
+            header = pseudo_header(ident, session_id, [])
+            block_len = block_raw_length(header)
+            metas: list[BlockMeta] = []
+            pos = len(head) + n
+            while pos + FRAME.size <= size:
+                n, crc = FRAME.unpack(os.pread(fd, FRAME.size, pos))
+                if n > MAX_META_BYTES or pos + FRAME.size + n > size:
+                    break
+                raw = os.pread(fd, n, pos + FRAME.size)
+                if len(raw) != n or zlib.crc32(raw) != crc:
+                    break
+                try:
+                    meta = msgspec.msgpack.decode(raw, type=BlockMeta)
+                except msgspec.MsgspecError as e:
+                    raise SnapshotError(f"{path}: malformed block record at {pos}: {e}") \
+                        from None
+                data_at = pos + FRAME.size + n
+                if meta.raw_length != block_len or meta.length > block_len or (
+                        meta.codec == "none" and meta.length != block_len) or \
+                        len(meta.tokens) != ident.block_size:
+                    raise SnapshotError(f"{path}: block record at {pos} does not match the "
+                                        f"segment's geometry (corrupted or crafted)")
+                if data_at + meta.length > size:
+                    break  # its chunk was cut short
+                header.chunks.append(Chunk(data_at, meta.length, meta.raw_length, meta.crc32,
+                                           meta.codec))
+                metas.append(meta)
+                pos = data_at + meta.length
+        except OSError as e:
+            raise SnapshotError(f"{path}: cannot read: {e}") from None
+    return SegmentScan(header, metas, pos, size)
+
+
+def segment_blocks(scan: SegmentScan, path: Path, start: int, tokens, hashes, bs: int
+                   ) -> list[tuple[Path, SnapshotHeader, int]]:
+    """Blocks start, start+1, ... of `tokens` found in the segment (chained hash and
+    tokens equal), up to the first one missing."""
+    out = []
+    for i in range(start, len(hashes)):
+        k = scan.index.get((i, hashes[i]))
+        if k is None or list(scan.metas[k].tokens) != list(tokens[i * bs:(i + 1) * bs]):
+            break
+        out.append((path, scan.header, k))
+    return out
+
+
+def compact(out: Path, sources: list[tuple[Path, SnapshotHeader, int]], fields: dict) -> int:
+    """Write a snapshot `out` holding the given blocks (file, header, chunk index), chunk
+    bytes copied as they are; each chunk's checksum is verified on the way (a bad one ends
+    the snapshot there: it holds a prefix). fields: the header's fields (tokens covering
+    exactly the blocks copied are cut to the prefix written). Returns the blocks written."""
+    bs = fields["block_size"]
+    files: dict[Path, object] = {}
+
+    def chunks():
+        for path, header, k in sources:
+            c = header.chunks[k]
+            f = files.get(path)
+            if f is None:
+                f = files[path] = open_regular(path)
+            data = os.pread(f.fileno(), c.length, c.offset)
+            if len(data) != c.length or zlib.crc32(data) != c.crc32:
+                return
+            yield data, c.raw_length, c.crc32, c.codec
+
+    try:
+        written = write_snapshot_chunks(out, fields, chunks(),
+                                        lambda n: fields["token_ids"][: n * bs])
+    finally:
+        for f in files.values():
+            f.close()
+    return written
+
+
+def compaction_sources(kvs: Path, seg: Path, scan: SegmentScan | None, header_fields: dict,
+                       tokens, hashes) -> list[tuple[Path, SnapshotHeader, int]]:
+    """The blocks of the session's current full-block `tokens`, snapshot first, then the
+    segment, as a prefix (what a resume would attach)."""
+    from kvsession.tiers.resume import snapshot_prefix
+
+    bs = header_fields["block_size"]
+    sources: list[tuple[Path, SnapshotHeader, int]] = []
+    if kvs.is_file():
+        try:
+            h = read_header(kvs, expect=header_fields)
+            n = snapshot_prefix(h, tokens, bs) // bs
+            sources = [(kvs, h, i) for i in range(n)]
+        except SnapshotError:
+            pass
+    if scan is not None:
+        sources += segment_blocks(scan, seg, len(sources), tokens, hashes, bs)
+    return sources
+

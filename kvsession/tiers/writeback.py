@@ -1,0 +1,382 @@
+"""Write-behind of session KV (durability="turn"): full blocks go to disk off the engine's
+critical path.
+
+After a turn the engine thread hands over the session's new full blocks (`after_turn`):
+one gather per KV tensor into CPU memory (the blocks stay the session's; the copy is what
+is written), counted against a byte bound. Past the bound nothing more is queued (counted
+in `dropped`): the blocks are offered again after the session's next turn, and a crash
+meanwhile only costs their recompute. A writer thread appends them to the session's segment
+(tiers/segments.py), fdatasyncs every SYNC_BYTES and whenever its queue runs empty, and
+compacts a segment that fragments. Nothing here is ever waited for by a decode step; the
+session log (tiers/commit.py), not this, is what makes a turn durable.
+
+A block is identified by (position, chained hash): one already on disk (queued, in the
+segment, or in the session's snapshot) is never written again.
+
+Requests that must follow a session's queued blocks (flush, close, delete, seed) go through
+the same queue, so they see every block handed over before them. Snapshot files of a
+session are written by the engine thread (spill, save) and by compaction here; a
+per-session lock (`SnapshotLocks`) orders the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lz4.frame
+import torch
+
+from kvsession.cache.manager import SessionKV
+from kvsession.errors import SnapshotError
+from kvsession.tiers.segments import (
+    BlockMeta,
+    SegmentScan,
+    compact,
+    compaction_sources,
+    encode_record,
+    identity_of,
+    pseudo_header,
+    start_bytes,
+)
+from kvsession.tiers.snapshot import MIN_LZ4_SAVING, Chunk, encode_block
+
+log = logging.getLogger("kvsession")
+# how long close() waits for the writer to drain (every wait is bounded)
+CLOSE_TIMEOUT_S = 120.0
+
+
+class SnapshotLocks:
+    """One lock per session id, held while that session's snapshot file is written (spill
+    and save on the engine thread, compaction on the writer thread)."""
+
+    def __init__(self):
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, session_id: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(session_id, threading.Lock())
+
+
+@dataclass
+class _Blocks:
+    session_id: str
+    indices: list[int]
+    tokens: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+    data: dict[str, torch.Tensor]  # name -> [num_layers, len(indices), ...] on the CPU
+    nbytes: int
+
+
+@dataclass
+class _Request:
+    kind: str  # "flush" | "close" | "delete" | "seed"
+    session_id: str | None
+    future: Future
+    scan: SegmentScan | None = None
+
+
+@dataclass
+class _Segment:
+    """The writer's view of one session's segment."""
+
+    path: Path
+    fd: int | None = None
+    end: int = 0
+    chunks: list[Chunk] = field(default_factory=list)
+    metas: list[BlockMeta] = field(default_factory=list)
+    codec: str = "lz4"
+    unsynced: int = 0
+    tokens: tuple[int, ...] = ()
+    hashes: tuple[bytes, ...] = ()
+
+    def scan(self, header_fields: dict, session_id: str) -> SegmentScan:
+        ident = identity_of(header_fields)
+        return SegmentScan(pseudo_header(ident, session_id, list(self.chunks)),
+                           list(self.metas), self.end, self.end)
+
+    def stale(self) -> int:
+        """Records no longer on the session's chain (blocks of a history it left)."""
+        live = {(i, h) for i, h in enumerate(self.hashes)}
+        return sum(1 for m in self.metas if (m.index, m.hash) not in live)
+
+
+class WriteBehind:
+    MAX_QUEUED_BYTES = 256 << 20
+    SYNC_BYTES = 8 << 20
+    # compaction: a segment with at least this many stale records, and more stale than
+    # live ones, or with more than COMPACT_RECORDS records
+    COMPACT_STALE = 32
+    COMPACT_RECORDS = 4096
+    # free space left alone: KV on disk is a cache, the session logs are not, and a disk
+    # filled by write-behind would refuse the next turn's log record
+    RESERVE_BYTES = 64 << 20
+
+    def __init__(self, disk, header_fields: dict, snapshot_locks: SnapshotLocks):
+        self.disk, self.header_fields = disk, dict(header_fields)
+        self.bs = header_fields["block_size"]
+        self.locks = snapshot_locks
+        self._start = start_bytes(identity_of(header_fields))
+        self._q: queue.Queue = queue.Queue()
+        self._guard = threading.Lock()
+        self._queued_bytes = 0
+        self._known: dict[str, set[tuple[int, bytes]]] = {}
+        self._segs: dict[str, _Segment] = {}  # writer thread only
+        # counters (stats, benchmark)
+        self.blocks_written = self.bytes_written = self.dropped = self.compactions = 0
+        self.busy_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="kvsession-writeback",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- engine thread ---------------------------------------------------------------
+
+    def after_turn(self, s: SessionKV, tensors: dict[str, torch.Tensor]) -> None:
+        """Queue the session's full blocks that are not on disk yet (gathered now: the
+        session keeps its blocks)."""
+        n_full = min(len(s.tokens) // self.bs, len(s.hashes), len(s.blocks))
+        with self._guard:
+            known = self._known.setdefault(s.session_id, set())
+            new = [i for i in range(n_full) if (i, s.hashes[i]) not in known]
+            block_bytes = sum(t[:, :1].numel() * t.element_size() for t in tensors.values())
+            nbytes = len(new) * block_bytes
+            if self._queued_bytes + nbytes > self.MAX_QUEUED_BYTES:
+                self.dropped += len(new)
+                new, nbytes = [], 0
+            self._queued_bytes += nbytes
+            known.update((i, s.hashes[i]) for i in new)
+        data = {}
+        if new:
+            for name, t in tensors.items():
+                ids = torch.tensor([s.blocks[i].block_id for i in new], device=t.device)
+                raw = t.view(torch.uint8) if t.element_size() == 1 else t
+                data[name] = raw.index_select(1, ids).to("cpu").view(t.dtype)
+        self._q.put(_Blocks(s.session_id, new, s.tokens, s.hashes[:n_full], data, nbytes))
+
+    # ---- any thread --------------------------------------------------------------------
+
+    def request(self, kind: str, session_id: str | None, scan: SegmentScan | None = None
+                ) -> Future:
+        """flush (session_id None: every segment), close (finish its blocks, release the
+        file), delete (drop its queued blocks, remove its segment), seed (a resumed
+        session's existing segment: appended to, its blocks known)."""
+        fut: Future = Future()
+        if kind == "seed" and scan is not None:
+            with self._guard:
+                self._known.setdefault(session_id, set()).update(
+                    (m.index, m.hash) for m in scan.metas)
+        self._q.put(_Request(kind, session_id, fut, scan))
+        return fut
+
+    def know(self, session_id: str, blocks) -> None:
+        """Blocks (position, hash) the session has on disk elsewhere (its snapshot)."""
+        with self._guard:
+            self._known.setdefault(session_id, set()).update(blocks)
+
+    def close(self) -> None:
+        fut = self.request("flush", None)
+        with contextlib.suppress(Exception):
+            fut.result(timeout=CLOSE_TIMEOUT_S)
+        self._q.put(None)
+        self._thread.join(CLOSE_TIMEOUT_S)
+
+    # ---- the writer thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (job := self._q.get()) is not None:
+            try:
+                if isinstance(job, _Blocks):
+                    self._write(job)
+                else:
+                    self._serve(job)
+            except BaseException as e:  # never let the thread die: report, go on
+                log.exception("write-behind: %s", e)
+                if isinstance(job, _Request) and not job.future.done():
+                    job.future.set_exception(e)
+            if self._q.empty():
+                self._sync_all()
+
+    def _seg(self, sid: str) -> _Segment:
+        seg = self._segs.get(sid)
+        if seg is None:
+            seg = self._segs[sid] = _Segment(self.disk.segment_path(sid))
+        if seg.fd is None:
+            fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            if not seg.end:  # a new segment (an old one of this id is replaced)
+                os.ftruncate(fd, 0)
+                _pwrite_all(fd, [self._start], 0)
+                seg.end = len(self._start)
+                seg.chunks, seg.metas = [], []
+            seg.fd = fd
+        return seg
+
+    def _write(self, job: _Blocks) -> None:
+        sid = job.session_id
+        try:
+            if job.indices and not self._room_for(job):
+                self.dropped += len(job.indices)
+                with self._guard:
+                    self._known.get(sid, set()).difference_update(
+                        (i, job.hashes[i]) for i in job.indices)
+            elif job.indices:
+                t0 = time.perf_counter()
+                seg = self._seg(sid)
+                for j, i in enumerate(job.indices):
+                    self._append(seg, i, job, j)
+                self.busy_s += time.perf_counter() - t0
+            seg = self._segs.get(sid)
+            if seg is not None:
+                seg.tokens, seg.hashes = job.tokens, job.hashes
+                stale = seg.stale()
+                if (stale >= self.COMPACT_STALE and stale >= len(seg.metas) - stale) or \
+                        len(seg.metas) > self.COMPACT_RECORDS:
+                    self._compact(sid, seg)
+        except OSError as e:
+            log.warning("write-behind of session %s failed (%s); its blocks will be "
+                        "recomputed after a crash", sid, e)
+            self._drop_segment(sid)
+        finally:
+            with self._guard:
+                self._queued_bytes -= job.nbytes
+
+    def _room_for(self, job: _Blocks) -> bool:
+        try:
+            st = os.statvfs(self.disk.root)
+        except OSError:
+            return True  # let the write itself report what is wrong
+        return st.f_bavail * st.f_frsize >= self.RESERVE_BYTES + 2 * job.nbytes
+
+    def _append(self, seg: _Segment, i: int, job: _Blocks, j: int) -> None:
+        pieces = encode_block({n: x[:, j] for n, x in job.data.items()})
+        raw_len = sum(len(p) for p in pieces)
+        data, codec = pieces, "none"
+        if seg.codec == "lz4":  # as the snapshot writer decides: incompressible KV is stored
+            comp = lz4.frame.compress(b"".join(pieces))
+            if len(comp) <= (1 - MIN_LZ4_SAVING) * raw_len:
+                data, codec = [comp], "lz4"
+            else:
+                seg.codec = "none"
+        length, crc = sum(len(d) for d in data), 0
+        for d in data:
+            crc = zlib.crc32(d, crc)
+        meta = BlockMeta(index=i, hash=job.hashes[i],
+                         tokens=list(job.tokens[i * self.bs:(i + 1) * self.bs]),
+                         length=length, raw_length=raw_len, crc32=crc, codec=codec)
+        bufs = encode_record(meta, data)
+        head = sum(len(b) for b in bufs[:2])
+        _pwrite_all(seg.fd, bufs, seg.end)
+        seg.chunks.append(Chunk(seg.end + head, length, raw_len, crc, codec))
+        seg.metas.append(meta)
+        size = head + length
+        seg.end += size
+        seg.unsynced += size
+        self.blocks_written += 1
+        self.bytes_written += size
+        if seg.unsynced >= self.SYNC_BYTES:
+            self._sync(seg)
+
+    def _sync(self, seg: _Segment) -> None:
+        if seg.fd is not None and seg.unsynced:
+            t0 = time.perf_counter()
+            os.fdatasync(seg.fd)
+            self.busy_s += time.perf_counter() - t0
+            seg.unsynced = 0
+
+    def _sync_all(self) -> None:
+        for sid, seg in list(self._segs.items()):
+            try:
+                self._sync(seg)
+            except OSError as e:
+                log.warning("write-behind of session %s: %s", sid, e)
+                self._drop_segment(sid)
+
+    def _compact(self, sid: str, seg: _Segment) -> None:
+        """The session's current blocks (snapshot + segment) into one snapshot, then the
+        segment goes. Skipped when the snapshot already holds them all (a spill wrote it)."""
+        kvs = self.disk.path_for(sid)
+        self._sync(seg)
+        with self.locks.get(sid):
+            sources = compaction_sources(kvs, seg.path, seg.scan(self.header_fields, sid),
+                                         self.header_fields, seg.tokens, seg.hashes)
+            n = len(sources)
+            if any(p == seg.path for p, _, _ in sources):
+                fields = {**self.header_fields, "session_id": sid,
+                          "token_ids": list(seg.tokens[: n * self.bs]), "messages": [],
+                          "sampling": {}, "system": None,
+                          "block_hashes": [h.hex() for h in seg.hashes[:n]]}
+                try:
+                    n = compact(kvs, sources, fields)
+                except SnapshotError as e:
+                    log.warning("compaction of session %s failed: %s", sid, e)
+                    return
+        # on disk now: exactly the snapshot's blocks (segment blocks past a gap are gone
+        # with it and are offered again after the next turn)
+        with self._guard:
+            self._known[sid] = {(i, seg.hashes[i]) for i in range(n)}
+        self.compactions += 1
+        self._close_fd(seg)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(seg.path)
+        self._segs.pop(sid, None)
+
+    def _serve(self, req: _Request) -> None:
+        sid = req.session_id
+        if req.kind == "flush":
+            for s, seg in list(self._segs.items()):
+                if sid is None or s == sid:
+                    self._sync(seg)
+        elif req.kind == "seed":
+            scan = req.scan
+            self._segs[sid] = _Segment(self.disk.segment_path(sid), end=scan.end,
+                                       chunks=list(scan.header.chunks),
+                                       metas=list(scan.metas), codec="lz4")
+        elif req.kind == "close":
+            seg = self._segs.pop(sid, None)
+            if seg is not None:
+                self._sync(seg)
+                self._close_fd(seg)
+            with self._guard:
+                self._known.pop(sid, None)
+        elif req.kind == "delete":
+            self._drop_segment(sid)
+            with self._guard:
+                self._known.pop(sid, None)
+        req.future.set_result(None)
+
+    def _drop_segment(self, sid: str) -> None:
+        """Forget the segment (an I/O error, or the session is gone): its blocks are no
+        longer known to be on disk."""
+        seg = self._segs.pop(sid, None)
+        if seg is not None:
+            self._close_fd(seg)
+        with contextlib.suppress(OSError):
+            os.unlink(self.disk.segment_path(sid))
+        with self._guard:
+            self._known.pop(sid, None)
+
+    @staticmethod
+    def _close_fd(seg: _Segment) -> None:
+        fd, seg.fd = seg.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _pwrite_all(fd: int, buffers: list, offset: int) -> None:
+    for b in buffers:
+        view = memoryview(b).cast("B")
+        while view:
+            n = os.pwrite(fd, view, offset)
+            if n <= 0:
+                raise OSError("short write")
+            view, offset = view[n:], offset + n
+
