@@ -9,15 +9,16 @@ from kvsession.errors import (
                               SessionClosedError,
                               SnapshotError,
 )
-from kvsession.llm import LLM, PinnedPrefix
+from kvsession.llm import LLM, AsyncTextStream, PinnedPrefix, TextStream
 from kvsession.metrics import SLO, RequestMetrics, Stats
-from kvsession.outputs import RequestOutput
-from kvsession.params import SamplingParams
+from kvsession.outputs import CompletionOutput, RequestOutput
+from kvsession.params import SamplingParams, StructuredOutput
 from kvsession.session import Reply, Session, SessionStats, StreamChunk
 
 __all__ = [
     "LLM", "PinnedPrefix", "SamplingParams", "Session", "Reply", "StreamChunk", "SessionStats",
-    "RequestOutput", "RequestMetrics", "Stats", "SLO",
+    "RequestOutput", "CompletionOutput", "StructuredOutput", "TextStream", "AsyncTextStream",
+    "RequestMetrics", "Stats", "SLO",
     "KVSessionError", "ConfigError", "ModelLoadError", "CacheFullError", "SnapshotError",
     "SessionClosedError", "RemotePrefillError",
 ]

@@ -8,10 +8,14 @@ the engine thread and wait on Futures.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import logging
+import queue
 import sys
 import weakref
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, as_completed
 
 from tqdm.auto import tqdm
@@ -20,7 +24,7 @@ from kvsession.config import EngineConfig
 from kvsession.errors import ConfigError
 from kvsession.metrics import Stats
 from kvsession.model.tokenizer import check_messages
-from kvsession.outputs import RequestOutput
+from kvsession.outputs import DeltaText, RequestOutput
 from kvsession.params import SAMPLING_ARG_NAMES, SamplingParams
 from kvsession.runtime import PinHandle, Runtime
 from kvsession.session import Session
@@ -38,6 +42,9 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 _GENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids", "use_tqdm")
 _CHAT_ARGS = ("messages", "sampling_params", "use_tqdm", "add_generation_prompt")
 _SESSION_ARGS = ("system", "session_id", "pin_system", "sampling")
+_AGENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids")
+_ACHAT_ARGS = ("messages", "sampling_params", "add_generation_prompt")
+_STREAM_ARGS = ("prompt", "sampling_params", "prompt_token_ids", "messages")
 # sampling settings passed to generate()/chat() directly belong in a SamplingParams
 _TO_SAMPLING_PARAMS = {name: "sampling_params" for name in SAMPLING_ARG_NAMES}
 
@@ -138,12 +145,17 @@ class LLM:
 
     # ---- stateless generation --------------------------------------------------------
 
-    def _run_batch(self, prompts: list[str | None], ids: list[list[int]],
-                   params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _submit_all(self, ids: list[list[int]], params: list[SamplingParams]) -> list[Future]:
+        """Validate every request (ConfigError, nothing submitted) then submit them all."""
         rt = self._rt
         seqs = [rt.new_sequence(i, p) for i, p in zip(ids, params, strict=True)]
         rt.check_open()
-        futures: list[Future] = [rt.submit(s) for s in seqs]
+        return [rt.submit(s) for s in seqs]
+
+    def _run_batch(self, prompts: list[str | None], ids: list[list[int]],
+                   params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        rt = self._rt
+        futures = self._submit_all(ids, params)
         if use_tqdm and len(futures) > 1:
             with tqdm(total=len(futures), desc="generate", unit="req") as bar:
                 for _ in as_completed(futures):
@@ -169,6 +181,11 @@ class LLM:
         outputs come back in input order."""
         reject_unknown("generate()", unknown, _GENERATE_ARGS, hints=_TO_SAMPLING_PARAMS)
         check_bool("use_tqdm", use_tqdm)
+        texts, ids = self._prompt_inputs(prompts, prompt_token_ids)
+        return self._run_batch(texts, ids, self._params_list(sampling_params, len(ids)),
+                               use_tqdm)
+
+    def _prompt_inputs(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]]]:
         if (prompts is None) == (prompt_token_ids is None):
             raise ConfigError("pass exactly one of prompts or prompt_token_ids")
         if prompts is not None:
@@ -176,19 +193,11 @@ class LLM:
             if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
                 raise ConfigError(f"prompts must be a string or a list of strings, "
                                   f"got {prompts!r:.80}")
-            ids = [self.tokenizer.encode(t) for t in texts]
-        else:
-            ids = _token_id_lists(prompt_token_ids)
-            texts = [None] * len(ids)
-        return self._run_batch(texts, ids, self._params_list(sampling_params, len(ids)),
-                               use_tqdm)
+            return list(texts), [self.tokenizer.encode(t) for t in texts]
+        ids = _token_id_lists(prompt_token_ids)
+        return [None] * len(ids), ids
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, **unknown) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {role, content} dicts) or a list
-        of conversations, rendered with the checkpoint's chat template."""
-        reject_unknown("chat()", unknown, _CHAT_ARGS, hints=_TO_SAMPLING_PARAMS)
-        check_bool("use_tqdm", use_tqdm)
+    def _chat_inputs(self, messages, add_generation_prompt) -> tuple[list, list[list[int]]]:
         check_bool("add_generation_prompt", add_generation_prompt)
         if not isinstance(messages, (list, tuple)):
             raise ConfigError(f"messages must be a list of message dicts (one conversation) "
@@ -198,9 +207,79 @@ class LLM:
         else:
             convs = [check_messages(c, f"messages[{i}]") for i, c in enumerate(messages)]
         texts = [self.tokenizer.render_chat(c, add_generation_prompt) for c in convs]
-        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return texts, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, **unknown) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {role, content} dicts) or a list
+        of conversations, rendered with the checkpoint's chat template."""
+        reject_unknown("chat()", unknown, _CHAT_ARGS, hints=_TO_SAMPLING_PARAMS)
+        check_bool("use_tqdm", use_tqdm)
+        texts, ids = self._chat_inputs(messages, add_generation_prompt)
         return self._run_batch(texts, ids, self._params_list(sampling_params, len(ids)),
                                use_tqdm)
+
+    # ---- asyncio and streaming -----------------------------------------------------------
+
+    async def agenerate(self, prompts=None, sampling_params=None, prompt_token_ids=None,
+                        **unknown) -> list[RequestOutput]:
+        """`generate` for asyncio: awaits the outputs without blocking the event loop;
+        concurrent calls batch together in the one engine loop."""
+        reject_unknown("agenerate()", unknown, _AGENERATE_ARGS, hints=_TO_SAMPLING_PARAMS)
+        texts, ids = self._prompt_inputs(prompts, prompt_token_ids)
+        return await self._arun(texts, ids, self._params_list(sampling_params, len(ids)))
+
+    async def achat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
+                    **unknown) -> list[RequestOutput]:
+        """`chat` for asyncio."""
+        reject_unknown("achat()", unknown, _ACHAT_ARGS, hints=_TO_SAMPLING_PARAMS)
+        texts, ids = self._chat_inputs(messages, add_generation_prompt)
+        return await self._arun(texts, ids, self._params_list(sampling_params, len(ids)))
+
+    async def _arun(self, texts, ids, params) -> list[RequestOutput]:
+        futures = self._submit_all(ids, params)
+        done = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        return [self._rt.output(s, t) for s, t in zip(done, texts, strict=True)]
+
+    def stream(self, prompt=None, sampling_params=None, prompt_token_ids=None, messages=None,
+               **unknown) -> TextStream:
+        """Generate for one prompt (a string, `prompt_token_ids`, or a conversation as
+        `messages`), yielding text deltas as tokens arrive. The deltas join to exactly the
+        text `generate` returns: stop strings never leak and no UTF-8 character is split.
+        The returned `TextStream` has `.output` (the RequestOutput) once exhausted; closing it
+        early (or leaving a `with` block) cancels the request."""
+        reject_unknown("stream()", unknown, _STREAM_ARGS, hints=_TO_SAMPLING_PARAMS)
+        text, seq = self._one_request(prompt, sampling_params, prompt_token_ids, messages)
+        return TextStream(self._rt, seq, text)
+
+    def astream(self, prompt=None, sampling_params=None, prompt_token_ids=None,
+                messages=None, **unknown) -> AsyncTextStream:
+        """`stream` for asyncio: `async for delta in llm.astream(...)`; many concurrent
+        streams batch together in the one engine loop."""
+        reject_unknown("astream()", unknown, _STREAM_ARGS, hints=_TO_SAMPLING_PARAMS)
+        text, seq = self._one_request(prompt, sampling_params, prompt_token_ids, messages)
+        return AsyncTextStream(self._rt, seq, text)
+
+    def _one_request(self, prompt, sampling_params, prompt_token_ids, messages):
+        if messages is not None:
+            if prompt is not None or prompt_token_ids is not None:
+                raise ConfigError("pass exactly one of prompt, prompt_token_ids or messages")
+            if messages and not isinstance(messages[0], dict):
+                raise ConfigError("stream() takes one conversation: messages must be a list "
+                                  "of message dicts")
+            texts, ids = self._chat_inputs(messages, True)
+        else:
+            if prompt is not None and not isinstance(prompt, str):
+                raise ConfigError(f"prompt must be a string (one prompt), got {prompt!r:.80}")
+            texts, ids = self._prompt_inputs(prompt, prompt_token_ids)
+            if len(ids) != 1:
+                raise ConfigError(f"stream() takes one prompt, got {len(ids)}")
+        (params,) = self._params_list(sampling_params, 1)
+        if params.n != 1:
+            raise ConfigError(f"n must be 1 to stream (one text), got {params.n}")
+        seq = self._rt.new_sequence(ids[0], params)
+        self._rt.check_open()
+        return texts[0], seq
 
     # ---- sessions ----------------------------------------------------------------------
 
@@ -308,6 +387,96 @@ class LLM:
                 f"<th>token capacity</th><th>bytes/token</th></tr>{rows}</table>"
                 f"prefix hit rate {st.prefix.hit_rate:.0%}, spills {st.spills}, restores "
                 f"{st.restores}, recomputes {st.recomputes}")
+
+
+def _progress(seq) -> int:
+    """Engine thread, after each token: how many tokens the caller may decode, 0 once the
+    request has finished (its last token may complete a stop string: the final text,
+    already cut, comes from the output instead)."""
+    return 0 if seq.finish_reason is not None else seq.num_tokens
+
+
+class TextStream:
+    """Text deltas of one streamed request (an iterator); `output` is its RequestOutput once
+    the stream is exhausted. `close()` (or leaving a `with` block) before the end cancels
+    the request."""
+
+    def __init__(self, rt: Runtime, seq, prompt: str | None):
+        self._rt, self._seq, self._prompt = rt, seq, prompt
+        self.output: RequestOutput | None = None
+        self._updates: queue.SimpleQueue = queue.SimpleQueue()
+        self._fut = rt.submit(seq, on_update=lambda s: self._updates.put(_progress(s)))
+        self._fut.add_done_callback(lambda f: self._updates.put(None))
+        self._gen = self._deltas()
+
+    def _deltas(self) -> Iterator[str]:
+        seq = self._seq
+        text = DeltaText(self._rt.tokenizer.decode, seq.params.stop_strings)
+        try:
+            while (n := self._updates.get()) is not None:
+                if n and (delta := text.update(seq.token_ids[seq.num_prompt_tokens:n])):
+                    yield delta
+            self.output = self._rt.output(self._fut.result(), self._prompt)
+            if tail := text.finish(self.output.text):
+                yield tail
+        finally:
+            if self.output is None:
+                self._rt.cancel(seq)
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncTextStream:
+    """`TextStream` for asyncio (`async for`); `output` once exhausted, `aclose()` cancels."""
+
+    def __init__(self, rt: Runtime, seq, prompt: str | None):
+        self._rt, self._seq, self._prompt = rt, seq, prompt
+        self.output: RequestOutput | None = None
+        self._gen = self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[str]:
+        seq, loop = self._seq, asyncio.get_running_loop()
+        updates: asyncio.Queue = asyncio.Queue()
+
+        def post(item) -> None:  # engine thread -> the event loop (closed: nobody listens)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(updates.put_nowait, item)
+
+        fut = self._rt.submit(seq, on_update=lambda s: post(_progress(s)))
+        fut.add_done_callback(lambda f: post(None))
+        text = DeltaText(self._rt.tokenizer.decode, seq.params.stop_strings)
+        try:
+            while (n := await updates.get()) is not None:
+                if n and (delta := text.update(seq.token_ids[seq.num_prompt_tokens:n])):
+                    yield delta
+            self.output = self._rt.output(fut.result(), self._prompt)
+            if tail := text.finish(self.output.text):
+                yield tail
+        finally:
+            if self.output is None:
+                self._rt.cancel(seq)
+
+    def __aiter__(self) -> AsyncTextStream:
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
 
 
 class PinnedPrefix:

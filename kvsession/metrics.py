@@ -102,6 +102,9 @@ class Stats(msgspec.Struct):
     slo_attainment: float
     num_requests: int
     num_preemptions: int
+    # prompt tokens computed locally (not served by the prefix cache, a session's KV, a
+    # fork of n > 1 completions or a remote worker)
+    prefill_tokens: int = 0
 
 
 def percentile(values: list[float], q: float) -> float:

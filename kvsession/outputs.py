@@ -1,23 +1,91 @@
-"""What `LLM.generate` / `LLM.chat` return."""
+"""What `LLM.generate` / `LLM.chat` return, and the detokenizer behind `LLM.stream`."""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
 from kvsession.metrics import RequestMetrics
 
+log = logging.getLogger("kvsession")
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (`SamplingParams(n=...)` asks for several). `text`
+    excludes any matched stop string; `logprobs` (if asked) has one {token_id: logprob}
+    dict per generated token; `finish_reason` is "stop" (EOS, a stop token or string, or a
+    structured format completed) or "length"."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+
 
 @dataclass
 class RequestOutput:
-    """One finished request. `text` excludes any matched stop string; `logprobs` (if asked)
-    has one {token_id: logprob} dict per generated token."""
+    """One finished request: its completions in `outputs` (index order). `text`,
+    `token_ids`, `finish_reason` and `logprobs` are those of `outputs[0]`. `prompt_logprobs`
+    (if asked): None for the first prompt token, then one {token_id: logprob} dict per
+    prompt token."""
 
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
+    outputs: list[CompletionOutput]
     num_cached_tokens: int
     metrics: RequestMetrics
-    logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+    prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, repr=False)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
+
+
+class DeltaText:
+    """Streaming detokenizer: turns a growing list of output ids into text deltas whose
+    concatenation is the final text. Text that may still become the start of a stop string
+    (the last len(longest stop) - 1 characters) is held back, so a stop string never
+    leaks; so is an incomplete UTF-8 character (it decodes as U+FFFD until its last byte
+    arrives)."""
+
+    def __init__(self, decode, stop_strings: tuple[str, ...]):
+        self._decode = decode
+        self._hold = max((len(s) for s in stop_strings), default=1) - 1
+        self.sent = ""
+
+    def update(self, ids: list[int]) -> str:
+        text = self._decode(ids)
+        safe = text[: len(text) - self._hold] if self._hold else text
+        safe = safe.rstrip("\ufffd")
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""  # nothing new that is certain (never retract what was sent)
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        """The rest of `final_text` (the request's output, cut at its stop string)."""
+        if not final_text.startswith(self.sent):
+            # a tokenizer whose decode of a prefix is not a prefix of the whole decode
+            # (byte-level BPE never is): what was sent cannot be taken back
+            log.warning("streamed text diverged from the final text of the request")
+            common = os.path.commonprefix([self.sent, final_text])
+            delta, self.sent = final_text[len(common):], final_text
+            return delta
+        delta, self.sent = final_text[len(self.sent):], final_text
+        return delta

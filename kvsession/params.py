@@ -1,8 +1,16 @@
-"""Per-request sampling parameters (public) and their validation."""
+"""Per-request sampling parameters (public) and their validation.
+
+Semantics follow vLLM / the OpenAI API (n, min_p, the three penalties, logit_bias,
+min_tokens, prompt_logprobs); the order in which the sampler applies them is transformers'
+(engine/sampler.py). `StructuredOutput` constrains the output to a JSON schema, any JSON
+object, a regex or an EBNF grammar (compiled by xgrammar, kvsession/structured.py).
+"""
 
 from __future__ import annotations
 
 import inspect
+import json
+import numbers
 from dataclasses import dataclass, field
 
 from kvsession.errors import ConfigError
@@ -21,7 +29,15 @@ SAMPLING_EPS = 1e-5
 # vLLM's default max_logprobs: asking for more there is an error, so it is here too
 MAX_LOGPROBS = 20
 # names users reach for that spelling alone does not lead back to the argument
-_HINTS = {"stop_strings": "stop", "stop_ids": "stop_token_ids", "max_new_tokens": "max_tokens"}
+_HINTS = {"stop_strings": "stop", "stop_ids": "stop_token_ids", "max_new_tokens": "max_tokens",
+          "response_format": "structured", "guided_json": "structured",
+          "min_new_tokens": "min_tokens"}
+# OpenAI's bounds: a bias of +-100 already bans or forces a token; beyond it is a mistake
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# OpenAI's bounds for presence_penalty and frequency_penalty
+PENALTY_RANGE = (-2.0, 2.0)
+# completions per request: each holds its own KV past the shared prompt
+MAX_N = 256
 
 
 def _seq(name: str, value, accepted: str, check) -> tuple | None:
@@ -33,10 +49,114 @@ def _seq(name: str, value, accepted: str, check) -> tuple | None:
     return tuple(check(item) for item in value)
 
 
+def _canonical_schema(schema) -> str:
+    """A JSON schema (dict or JSON text) as canonical JSON text: hashable, so equal schemas
+    share one compiled grammar whatever their key order."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"structured.json_schema must be a JSON schema (a dict or JSON "
+                              f"text), got text that is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ConfigError(f"structured.json_schema must be a JSON schema: a dict or the JSON "
+                          f"text of an object, got {schema!r:.80}")
+    try:
+        return json.dumps(schema, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"structured.json_schema must hold JSON values only: {e}") from None
+
+
+@dataclass(frozen=True, init=False)
+class StructuredOutput:
+    """Constrain a request's output; exactly one of:
+
+    - `json_schema`: a JSON schema (dict or JSON text); the output is one JSON document
+      valid under it, written compactly (no free whitespace, so a small max_tokens suffices);
+    - `json_object=True`: any JSON object;
+    - `regex`: a regular expression the whole output matches;
+    - `grammar`: an EBNF grammar (xgrammar's GBNF dialect, start symbol `root`).
+
+    Frozen and hashable (a schema is kept as canonical JSON text, `json_schema`), so equal
+    formats share one compiled grammar. Whether the format compiles is checked when a
+    request using it is submitted (ConfigError naming the field)."""
+
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __init__(self, *, json_schema: dict | str | None = None, regex: str | None = None,
+                 grammar: str | None = None, json_object: bool = False, **unknown) -> None:
+        reject_unknown("StructuredOutput()", unknown,
+                       ("json_schema", "regex", "grammar", "json_object"),
+                       hints={"schema": "json_schema", "ebnf": "grammar", "json": "json_object",
+                              "pattern": "regex"})
+        check_bool("structured.json_object", json_object)
+        given = [n for n, v in (("json_schema", json_schema), ("regex", regex),
+                                ("grammar", grammar)) if v is not None]
+        given += ["json_object"] if json_object else []
+        if len(given) != 1:
+            raise ConfigError(f"StructuredOutput takes exactly one of json_schema, regex, "
+                              f"grammar or json_object=True, got {given or 'none'}")
+        values = {
+            "json_schema": None if json_schema is None else _canonical_schema(json_schema),
+            "regex": check_str("structured.regex", regex, allow_none=True, non_empty=True),
+            "grammar": check_str("structured.grammar", grammar, allow_none=True,
+                                 non_empty=True),
+            "json_object": json_object,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def kind(self) -> str:
+        """"json_schema" | "regex" | "grammar" | "json_object"."""
+        return next(n for n in ("json_schema", "regex", "grammar") if getattr(self, n)) \
+            if not self.json_object else "json_object"
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
+    """{token id: bias} (or the (id, bias) pairs this returns) -> sorted pairs, hashable."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise ConfigError(f"logit_bias must be None or a dict {{token id: bias}}, got "
+                          f"{value!r:.80}")
+    out = {}
+    for tid, bias in items:
+        if not isinstance(tid, numbers.Integral) or isinstance(tid, bool) or tid < 0:
+            raise ConfigError(f"logit_bias must be None or a dict {{token id: bias}} with "
+                              f"token ids ints >= 0, got key {tid!r:.40}")
+        if int(tid) in out:
+            raise ConfigError(f"logit_bias must be None or a dict {{token id: bias}}, got "
+                              f"token id {tid} twice")
+        out[int(tid)] = check_float(f"logit_bias[{tid}]", bias, min_value=LOGIT_BIAS_RANGE[0],
+                                    max_value=LOGIT_BIAS_RANGE[1])
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True, init=False)
 class SamplingParams:
     """How to sample one request; frozen, validated on construction. temperature 0 (or any
-    below SAMPLING_EPS = 1e-5) and top_k 1 are greedy."""
+    below SAMPLING_EPS = 1e-5) and top_k 1 are greedy (penalties, logit_bias and a
+    structured format still apply: greedy is the argmax of the processed logits).
+
+    n: completions of the prompt (prefilled once; with `seed`, completion i uses seed + i).
+    min_p: drop tokens whose probability is below min_p times the top one's.
+    repetition_penalty: transformers' (and vLLM's): a logit of a token in the prompt or the
+    output is divided by it when positive, multiplied when negative. presence_penalty /
+    frequency_penalty: OpenAI's, over output tokens: subtract the penalty once / per
+    occurrence. logit_bias: {token id: bias in [-100, 100]} added to the logits.
+    min_tokens: EOS, stop_token_ids and stop strings do not end the request before this
+    many tokens (EOS and stop ids are masked). prompt_logprobs: per prompt token (the first
+    is None) a {token_id: logprob} dict of the top k and the actual token; such a request
+    computes its whole prompt (no prefix-cache hits). structured: a StructuredOutput."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -48,6 +168,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     cache_salt: str | None = None
+    n: int = 1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] | None = None
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
     # Normalised forms, filled in __init__ (not constructor arguments).
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
     stop_ids: frozenset[int] = field(init=False, repr=False, default=frozenset())
@@ -57,7 +186,12 @@ class SamplingParams:
                  stop: str | list[str] | tuple[str, ...] | None = None,
                  stop_token_ids: list[int] | tuple[int, ...] | None = None,
                  ignore_eos: bool = False, logprobs: int | None = None,
-                 cache_salt: str | None = None, **unknown) -> None:
+                 cache_salt: str | None = None, n: int = 1, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0,
+                 logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None,
+                 min_tokens: int = 0, prompt_logprobs: int | None = None,
+                 structured: StructuredOutput | None = None, **unknown) -> None:
         reject_unknown("SamplingParams()", unknown, SAMPLING_ARG_NAMES, hints=_HINTS)
         top_k = check_int("top_k", top_k, min_value=-1)
         if top_k == 0:
@@ -69,8 +203,13 @@ class SamplingParams:
                         lambda s: check_str("stop", s, non_empty=True))
         ids = _seq("stop_token_ids", stop_token_ids, "a list of token ids (ints >= 0)",
                    lambda i: check_int("stop_token_ids", i, min_value=0))
+        if structured is not None and not isinstance(structured, StructuredOutput):
+            raise ConfigError(f"structured must be None or a StructuredOutput(json_schema=..., "
+                              f"regex=..., grammar=... or json_object=True), "
+                              f"got {structured!r:.80}")
+        max_tokens = check_int("max_tokens", max_tokens, min_value=1)
         values = {
-            "max_tokens": check_int("max_tokens", max_tokens, min_value=1),
+            "max_tokens": max_tokens,
             "temperature": check_float("temperature", temperature, min_value=0.0),
             "top_p": check_float("top_p", top_p, min_value=0.0, min_inclusive=False,
                                  max_value=1.0),
@@ -83,6 +222,23 @@ class SamplingParams:
             "logprobs": check_int("logprobs", logprobs, min_value=0, max_value=MAX_LOGPROBS,
                                   allow_none=True),
             "cache_salt": check_str("cache_salt", cache_salt, allow_none=True),
+            "n": check_int("n", n, min_value=1, max_value=MAX_N),
+            "min_p": check_float("min_p", min_p, min_value=0.0, max_value=1.0),
+            "repetition_penalty": check_float("repetition_penalty", repetition_penalty,
+                                              min_value=0.0, min_inclusive=False,
+                                              max_value=1e6),
+            "presence_penalty": check_float("presence_penalty", presence_penalty,
+                                            min_value=PENALTY_RANGE[0],
+                                            max_value=PENALTY_RANGE[1]),
+            "frequency_penalty": check_float("frequency_penalty", frequency_penalty,
+                                             min_value=PENALTY_RANGE[0],
+                                             max_value=PENALTY_RANGE[1]),
+            "logit_bias": _logit_bias(logit_bias),
+            "min_tokens": check_int("min_tokens", min_tokens, min_value=0,
+                                    max_value=max_tokens),
+            "prompt_logprobs": check_int("prompt_logprobs", prompt_logprobs, min_value=0,
+                                         max_value=MAX_LOGPROBS, allow_none=True),
+            "structured": structured,
             "stop_strings": (stop,) if isinstance(stop, str) else stop or (),
             "stop_ids": frozenset(ids or ()),
         }
@@ -100,6 +256,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Any of the three penalties is on (the sampler then reads the request's tokens)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 # the constructor's keyword arguments, read off its signature so it cannot drift

@@ -499,7 +499,8 @@ class Runtime:
             recomputes=self.policy.recomputes, remote=self._remote_stats(), latency=lat,
             goodput_tokens_per_s=goodput, slo_attainment=attainment,
             num_requests=self.latency.num_requests,
-            num_preemptions=self.scheduler.num_preemptions)
+            num_preemptions=self.scheduler.num_preemptions,
+            prefill_tokens=self.engine.prefill_tokens)
 
     def _remote_stats(self) -> RemoteStats:
         conn = self.connector

@@ -172,8 +172,8 @@ def test_sampling_misspelt_keyword_suggests(name, suggestion, how):
 
 
 def test_sampling_unknown_keyword_lists_accepted():
-    with pytest.raises(ConfigError, match="'presence_penalty'; accepted: max_tokens, temp"):
-        SamplingParams(presence_penalty=0.5)
+    with pytest.raises(ConfigError, match="'typical_p'; accepted: max_tokens, temp"):
+        SamplingParams(typical_p=0.5)
 
 
 def test_sampling_signature_matches_fields():

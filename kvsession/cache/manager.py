@@ -178,6 +178,22 @@ class KVCacheManager:
         self._set(src, ())
         self._set(dst, dst.blocks + moved)
 
+    def fork(self, src: Holder, dst: Holder, num_tokens: int) -> bool:
+        """n > 1 completions: `dst` (holding nothing) continues from the KV of `src`'s first
+        `num_tokens` tokens. It takes a reference on each full block and gets its own copy
+        of a partial last block (both will write their next token into it). False, nothing
+        changed, when no block is free for that copy."""
+        bs = self.block_size
+        num_full, partial = divmod(num_tokens, bs)
+        if partial and not self.pool.num_free:
+            return False
+        self.attach(dst, src.blocks[:num_full])
+        if partial:
+            (fresh,) = self.pool.allocate(1)
+            self.kv.copy_block(src.blocks[num_full].block_id, fresh.block_id)
+            self._set(dst, dst.blocks + (fresh,))
+        return True
+
     def retarget_to_indexed(self, holder: Holder, hashes: Sequence[bytes],
                             token_ids: Sequence[int]) -> None:
         """Replace the holder's table by the indexed copy of each of its first

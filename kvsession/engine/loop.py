@@ -13,13 +13,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from typing import Protocol
+
+import torch
 
 from kvsession.costmodel import RateEstimator
 from kvsession.engine.runner import ModelRunner
-from kvsession.engine.sampler import Sampler
-from kvsession.engine.scheduler import Scheduler
+from kvsession.engine.sampler import Sampler, top_logprobs
+from kvsession.engine.scheduler import ScheduledSeq, Scheduler
 from kvsession.engine.sequence import Sequence, SequenceStatus
 from kvsession.errors import CacheFullError, EngineClosedError
 from kvsession.metrics import LatencyTracker, RequestMetrics
@@ -29,6 +31,9 @@ log = logging.getLogger("kvsession")
 OnUpdate = Callable[[Sequence], None]
 # how long close() waits for the step in progress to end
 CLOSE_TIMEOUT_S = 120.0
+# prompt_logprobs: prompt positions turned into vocabulary-wide logits at a time (bounds the
+# float32 [rows, vocab] temporary: 256 x 128k is 128 MiB)
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def request_metrics(seq: Sequence) -> RequestMetrics:
@@ -77,6 +82,7 @@ class Engine:
             self.timers.append(self.remote_idle_poll)
         self.futures: dict[int, tuple[Future, OnUpdate | None]] = {}
         self.num_steps = 0
+        self.prefill_tokens = 0  # prompt tokens computed here (stats().prefill_tokens)
         # Called on the engine thread after every step (debug checks, tests, tracing).
         self.step_observers: list[Callable[[], None]] = []
 
@@ -144,7 +150,7 @@ class Engine:
             0, item.seq.num_prompt_tokens - item.seq.num_computed_tokens)) for item in batch)
         t0 = time.perf_counter()
         try:
-            logits = self.runner.run(batch)
+            logits = self._run_model(batch)
             sampling = [item.seq for item in batch if item.samples]
             sampled = self.sampler(logits, sampling)
         except Exception as e:  # a broken step fails its requests, not the engine
@@ -152,11 +158,12 @@ class Engine:
             for item in batch:
                 self._fail(item.seq, e)
             return
+        self.prefill_tokens += prompt_tokens
         if prompt_tokens >= 16:
             self.prefill_tps.observe(prompt_tokens, time.perf_counter() - t0)
         self.num_steps += 1
         self.scheduler.update(batch)
-        for seq, result in zip(sampling, sampled, strict=True):
+        for row, (seq, result) in enumerate(zip(sampling, sampled, strict=True)):
             # one request's failure (its sampling, its stop check, its session's check-in)
             # fails that request alone: the others of the batch go on unchanged
             if isinstance(result, BaseException):
@@ -164,6 +171,8 @@ class Engine:
                 self._fail(seq, result)
                 continue
             try:
+                if seq.fork_pending:
+                    self._fork(seq, logits[row])
                 self._advance(seq, *result)
             except Exception as e:
                 log.exception("request %d failed after its step", seq.seq_id)
@@ -175,21 +184,68 @@ class Engine:
         for observe in self.step_observers:
             observe()
 
+    def _run_model(self, batch: list[ScheduledSeq]):
+        """The runner's logits for the rows that sample. A step holding prompt positions of
+        a prompt_logprobs request also needs their logits, which the runner does not return:
+        such a step runs the model through the runner's own parts and keeps them."""
+        want = [(i, item) for i, item in enumerate(batch)
+                if item.seq.params.prompt_logprobs is not None
+                and item.seq.num_computed_tokens < item.seq.num_prompt_tokens - 1]
+        if not want:
+            return self.runner.run(batch)
+        r = self.runner
+        input_ids, positions, meta, rows = r.prepare(batch)
+        hidden = r.model.forward(input_ids, positions, r.kv, meta)
+        for i, item in want:
+            seq, first = item.seq, item.seq.num_computed_tokens
+            # position p predicts prompt token p + 1; the last prompt position predicts the
+            # first output token, which is sampled, not a prompt logprob
+            last = min(first + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            start = meta.query_start_loc[i]
+            for lo in range(first, last, PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + PROMPT_LOGPROBS_ROWS, last)
+                lp = torch.log_softmax(r.model.logits(
+                    hidden[start + lo - first: start + hi - first]).float(), dim=-1).cpu()
+                for p in range(lo, hi):
+                    seq.prompt_logprobs[p + 1] = top_logprobs(
+                        lp[p - lo], seq.token_ids[p + 1], seq.params.prompt_logprobs)
+        return r.model.logits(hidden[rows])
+
+    def _fork(self, parent: Sequence, logits) -> None:
+        """n > 1, at the parent's first sample: the other completions are spawned, share its
+        prompt KV (Scheduler.fork) and sample their first tokens from the same logits."""
+        children = [parent.spawn(i) for i in range(1, parent.params.n)]
+        parent.group = [parent, *children]
+        for child in children:
+            child.group = parent.group
+        self.scheduler.fork(parent, children)
+        sampled = self.sampler(logits.unsqueeze(0).expand(len(children), -1), children)
+        for child, result in zip(children, sampled, strict=True):
+            if isinstance(result, BaseException):
+                raise result  # the request fails as a whole (the caller's except)
+            self._advance(child, *result)
+
     def _advance(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         seq.append_token(token, logprobs)
         done = seq.check_finished(self.decode)
         if done:
             seq.finish_time = time.perf_counter()
             self.scheduler.finish(seq, release=not seq.retain_blocks)
-        fut, on_update = self.futures[seq.seq_id] if not done else self.futures.pop(seq.seq_id)
+        # a request's future resolves when its last completion finishes
+        members = seq.group or [seq]
+        complete = done and all(m.status is SequenceStatus.FINISHED for m in members)
+        owner = members[0]
+        fut, on_update = (self.futures.pop(owner.seq_id, (None, None)) if complete
+                          else self.futures.get(owner.seq_id, (None, None)))
         if done and seq.on_finish is not None:
             seq.on_finish(seq, True)
         if on_update is not None:
             self._notify(on_update, seq)
-        if done:
+        if complete:
             m = request_metrics(seq)
-            self.latency.record(seq.arrival_time, seq.finish_time, m, seq.num_output_tokens)
-            settle(fut, result=seq)
+            self.latency.record(owner.arrival_time, seq.finish_time, m,
+                                sum(x.num_output_tokens for x in members))
+            settle(fut, result=owner)
 
     @staticmethod
     def _notify(on_update: OnUpdate, seq: Sequence) -> None:
@@ -199,14 +255,26 @@ class Engine:
             log.exception("on_update callback failed")
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        """Fail the request `seq` belongs to: with n > 1 every completion of it ends."""
+        members = seq.group or [seq]
         # the caller hears of it even if releasing the request's blocks raises
-        fut, _ = self.futures.pop(seq.seq_id, (None, None))
+        fut, _ = self.futures.pop(members[0].seq_id, (None, None))
         try:
-            self.scheduler.finish(seq)
-            if seq.on_finish is not None:
-                seq.on_finish(seq, False)
+            for m in members:
+                if m is seq or m.status is not SequenceStatus.FINISHED:
+                    self.scheduler.finish(m)
+                    if m.on_finish is not None:
+                        m.on_finish(m, False)
         finally:
             settle(fut, exc=exc)
+
+    def cancel(self, seq: Sequence) -> None:
+        """The caller gave up on `seq`'s request: end it (every completion) and free its
+        blocks. A request at a remote prefill worker is left to finish there (its blocks
+        may still be written); its result is simply not read."""
+        owner = seq.group[0] if seq.group else seq
+        if owner.seq_id in self.futures and seq.seq_id not in self.scheduler.remote:
+            self._fail(seq, CancelledError(f"request {owner.seq_id} was cancelled"))
 
     def fail_all(self, exc: BaseException | Callable[[], BaseException]) -> None:
         """Fail the running and waiting requests (`exc`, or a factory of one exception per

@@ -158,7 +158,9 @@ class Scheduler:
         nothing to look up and only the rest is allocated."""
         attached = bool(seq.blocks)
         hits = []
-        if not attached:
+        if not attached and seq.params.prompt_logprobs is not None:
+            num_cached = 0  # every prompt position must be computed for its logprobs
+        elif not attached:
             # leave at least one token to compute, so the sequence gets logits to sample
             hits = self.prefix.match(seq.token_ids, seq.block_hashes, seq.num_tokens - 1,
                                      seq.params.cache_salt)
@@ -193,8 +195,26 @@ class Scheduler:
             seq.first_scheduled_time = time.perf_counter()
         return ScheduledSeq(seq, n)
 
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """n > 1: the other completions continue from the parent's computed prompt (the
+        parent has just sampled its first token). Each shares the parent's full prompt
+        blocks and copies its partial last one (KVCacheManager.fork), so the prompt is
+        computed once. Without a seat or a free block a completion waits at the front of
+        the queue and is admitted like a preempted sequence (its full prompt blocks are
+        prefix-cache hits)."""
+        for child in reversed(children):
+            if len(self.running) < self.max_num_seqs and self.manager.fork(
+                    parent, child, parent.num_computed_tokens):
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+            else:
+                child.status = SequenceStatus.WAITING
+                self.waiting.appendleft(child)
+
     def _wants_remote(self, seq: Sequence, num_cached: int) -> bool:
         return (self.offload is not None and not seq.no_remote
+                and seq.params.prompt_logprobs is None
                 and seq.num_tokens - 1 - num_cached >= self.pool.block_size
                 and self.offload.should_offload(seq))
 

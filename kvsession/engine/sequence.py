@@ -10,15 +10,34 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
 from kvsession.cache.block_pool import Block
 from kvsession.cache.manager import HolderKind
 from kvsession.params import SamplingParams
+from kvsession.validation import SEED_RANGE
 
 _ids = itertools.count()
+
+
+class Grammar(Protocol):
+    """A request's structured-output state (kvsession.structured.GrammarState)."""
+
+    @property
+    def terminated(self) -> bool: ...
+
+    def accept(self, token_id: int) -> None: ...
+
+    def fork(self) -> Grammar: ...
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """Completion `index` of a seeded request draws from seed + index (vLLM's rule), wrapped
+    into the range torch.Generator accepts."""
+    lo, hi = SEED_RANGE
+    return (seed + index - lo) % (hi - lo + 1) + lo
 
 
 class SequenceStatus(enum.Enum):
@@ -51,9 +70,16 @@ class Sequence:
     # streams it out while the next layer computes)
     on_layer_done: object = None
     generator: torch.Generator | None = None
+    index: int = 0  # which of its request's completions (SamplingParams.n) this is
+    # a request's completions in index order, shared by all of them (set when n > 1 forks)
+    group: list[Sequence] | None = None
+    grammar: Grammar | None = None  # structured output: the matcher's state
+    # prompt_logprobs: prompt position -> {token_id: logprob} (recomputation overwrites)
+    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    _checked_text_len: int = 0  # output text already searched for stop strings
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -62,7 +88,27 @@ class Sequence:
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator().manual_seed(
+                completion_seed(self.params.seed, self.index))
+
+    @property
+    def fork_pending(self) -> bool:
+        """n > 1 and the completions have not been forked off yet (at the first sample)."""
+        return self.params.n > 1 and self.group is None
+
+    def spawn(self, index: int) -> Sequence:
+        """Completion `index` of this request, at the point where this one has computed its
+        prompt and not yet sampled: same prompt, params and timing; its own generator
+        (seed + index) and grammar state. It holds no blocks (the scheduler forks them)."""
+        child = Sequence(token_ids=self.token_ids[: self.num_prompt_tokens], params=self.params,
+                         max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                         index=index, arrival_time=self.arrival_time,
+                         grammar=None if self.grammar is None else self.grammar.fork())
+        child.block_hashes = list(self.block_hashes)
+        child.num_cached_tokens = self.num_cached_tokens
+        child.first_scheduled_time = self.first_scheduled_time
+        child.prompt_logprobs = self.prompt_logprobs
+        return child
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +127,8 @@ class Sequence:
         return [b.block_id for b in self.blocks]
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token_id)  # raises if the mask let a wrong token through
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
@@ -90,14 +138,27 @@ class Sequence:
 
     def check_finished(self, decode) -> bool:
         """Set `finish_reason` if the last appended token ends the request. `decode` maps
-        output token ids to text (needed only for stop strings)."""
+        output token ids to text (needed only for stop strings).
+
+        Before `min_tokens` outputs only a completed structured format ends a request (the
+        sampler masks EOS and stop ids then, unless the format allows nothing else). A stop
+        string counts only if it ends in text added since the last check (vLLM): one that
+        was complete before min_tokens is part of the output."""
         p, last = self.params, self.token_ids[-1]
-        if last in p.stop_ids or (not p.ignore_eos and last in self.eos_token_ids):
+        early = self.num_output_tokens < p.min_tokens
+        if self.grammar is not None and self.grammar.terminated:
+            self.finish_reason = "stop"  # the format is complete and took its stop token
+        elif not early and (last in p.stop_ids
+                            or (not p.ignore_eos and last in self.eos_token_ids)):
             self.finish_reason = "stop"
         elif p.stop_strings:
             text = decode(self.output_token_ids)
-            cut = [text.find(s) for s in p.stop_strings if s in text]
-            if cut:
+            seen = self._checked_text_len
+            # an incomplete UTF-8 tail decodes as U+FFFD and changes: search it again
+            self._checked_text_len = len(text.rstrip("\ufffd"))
+            cut = [i for s in p.stop_strings
+                   if (i := text.find(s, max(0, seen - len(s) + 1))) >= 0]
+            if cut and not early:
                 self.stop_text_len = min(cut)
                 self.finish_reason = "stop"
         if self.finish_reason is None and (self.num_output_tokens >= p.max_tokens

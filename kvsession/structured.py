@@ -1,0 +1,159 @@
+"""Structured output through xgrammar (the grammar engine vLLM and SGLang use).
+
+`GrammarCompiler` (one per LLM, built on the first structured request) turns a
+`StructuredOutput` into an xgrammar `CompiledGrammar` for this checkpoint's tokenizer and
+keeps the result (keyed by the format; the tokenizer is fixed per compiler), so a format is
+compiled once. A bad format is a ConfigError naming the field, raised in the caller's thread
+at submission. Each structured request carries a `GrammarState` (a matcher); every step the
+sampler fills one token bitmask for the batch's structured rows and applies it to the
+logits with xgrammar's `apply_token_bitmask_inplace`, so rows without a format are
+untouched and batch together with them. A format ends its request when the matcher accepts
+the stop token (EOS) it allows once the format is complete.
+
+xgrammar is an optional dependency (`pip install 'kvsession[structured]'`); it is imported
+only when a structured request arrives.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from kvsession.errors import ConfigError
+from kvsession.params import StructuredOutput
+
+# compiled grammars kept per LLM (each holds a token-mask cache; a few MB for big vocabularies)
+CACHE_SIZE = 64
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ConfigError(f"structured output needs xgrammar: pip install "
+                          f"'kvsession[structured]' ({e})") from None
+    return xgrammar
+
+
+class GrammarState:
+    """One request's position in its grammar (engine thread only)."""
+
+    def __init__(self, matcher_class, compiled):
+        self._matcher_class, self._compiled = matcher_class, compiled
+        self.matcher = matcher_class(compiled)
+        self.num_accepted = 0
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.accept_token(int(token_id)):
+            raise RuntimeError(f"token {token_id} does not continue the structured format")
+        self.num_accepted += 1
+
+    def fork(self) -> GrammarState:
+        """A fresh state for another completion of the same request. Completions are forked
+        before their first token, so the start state is the right one (and this needs no
+        matcher copy, which older xgrammar releases lack)."""
+        if self.num_accepted:
+            raise RuntimeError("a grammar state is forked only before its first token")
+        return GrammarState(self._matcher_class, self._compiled)
+
+
+class GrammarCompiler:
+    """Compiles formats for one tokenizer, caching the results; thread-safe."""
+
+    def __init__(self, tokenizer_file: Path, vocab_size: int, stop_token_ids):
+        xgr = _xgrammar()
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast  # xgrammar depends on transformers
+
+        if not stop_token_ids:
+            raise ConfigError("structured output needs an EOS token (the format ends with "
+                              "it), and this checkpoint declares none")
+        hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tokenizer_file)))
+        # vocab_size is the model's (the logits' width), which may exceed the tokenizer's
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            hf, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
+        self.vocab_size = vocab_size
+        self._xgr = xgr
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+        self.compile_s = 0.0  # total time spent compiling (bench/structured.py reads it)
+
+    def compile(self, fmt: StructuredOutput):
+        with self._lock:
+            hit = self._cache.get(fmt)
+            if hit is not None:
+                self._cache.move_to_end(fmt)
+                return hit
+        t0 = time.perf_counter()
+        compiled = self._compile(fmt)  # outside the lock: other formats compile meanwhile
+        with self._lock:
+            self.compile_s += time.perf_counter() - t0
+            self.num_compiled += 1
+            self._cache[fmt] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, fmt: StructuredOutput):
+        c = self._compiler
+        try:
+            if fmt.json_schema is not None:
+                # compact separators, no free whitespace: a random (or bad) model cannot pad
+                # the document with whitespace until max_tokens
+                return c.compile_json_schema(fmt.json_schema, any_whitespace=False,
+                                             separators=(",", ":"))
+            if fmt.json_object:
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                             separators=(",", ":"), strict_mode=False)
+            if fmt.regex is not None:
+                return c.compile_regex(fmt.regex)
+            return c.compile_grammar(fmt.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            # xgrammar reports "[time] file.cc:line: message": keep the message
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            msg = msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg
+            raise ConfigError(f"structured.{fmt.kind} does not compile: {msg}") from None
+
+    def new_state(self, fmt: StructuredOutput) -> GrammarState:
+        compiled = self.compile(fmt)
+        return GrammarState(self._xgr.GrammarMatcher, compiled)
+
+
+class BatchMask:
+    """The step's token bitmask: one row per sampled sequence, filled for the rows with a
+    format, applied to those rows only. The buffer is reused while the batch size allows."""
+
+    def __init__(self):
+        self._buf: torch.Tensor | None = None
+
+    def apply(self, logits: torch.Tensor, states: dict[int, GrammarState]) -> dict[int, Exception]:
+        """Mask `logits` (CPU, float32 [rows, vocab]) in place: row r keeps only the tokens
+        states[r] allows. Returns the rows whose state failed (they are left unmasked and
+        must not be sampled)."""
+        xgr = _xgrammar()
+        rows, vocab = logits.shape
+        words = (vocab + 31) // 32
+        if self._buf is None or self._buf.shape[0] < rows or self._buf.shape[1] != words:
+            self._buf = xgr.allocate_token_bitmask(max(rows, 8), vocab)
+        mask = self._buf[:rows]
+        failed: dict[int, Exception] = {}
+        ok = []
+        for r, state in states.items():
+            try:
+                state.matcher.fill_next_token_bitmask(mask, r)
+                ok.append(r)
+            except Exception as e:  # this request fails alone
+                failed[r] = e
+        if ok:
+            xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=ok)
+        return failed
