@@ -366,7 +366,8 @@ class SessionStore:
         the session and the file it replaced are unchanged."""
         path = Path(path)
         if self.rt.mover.has_plan(kv):  # resumed, untouched: its KV is in several files
-            self.rt.policy.restore(kv)
+            self.rt.mover.write_plan_snapshot(kv, path)
+            return
         if kv.tier is Tier.DISK and kv.disk_path is not None:
             if not _same_file(kv.disk_path, path):
                 copy_snapshot(kv.disk_path, path)
@@ -468,11 +469,11 @@ class SessionStore:
 
     def _persist(self, sess: Session) -> None:
         """Write a live session's snapshot at close. With a log, the snapshot then holds
-        everything the log does and the log is removed; a resumed session that did nothing
-        since is left as it is (its log and files are already the session)."""
+        everything the log does, and segment and log are removed: the write-behind is
+        drained first (a compaction it has queued must not replace the snapshot)."""
         slog = self._logs.get(sess.session_id)
-        if slog is not None and sess.exclusive(lambda: self.rt.mover.has_plan(sess.kv)):
-            return
+        if slog is not None:
+            self._writeback_op("close", sess.session_id)
         sess.save(self.rt.disk.path_for(sess.session_id))
         if slog is not None:  # the snapshot is durable: segment and log are redundant
             self._writeback_op("delete", sess.session_id)

@@ -13,7 +13,8 @@ writes or deletes the files of its own id.
 Start-up recovery (`DiskTier.__init__`): temporary files of writers that died are removed,
 lock files nobody holds are removed, and every log whose session nobody owns is checked:
 a torn last record is cut off, a log with no intact record (its first write never
-completed, so nothing of it was acknowledged) is removed.
+completed, so nothing of it was acknowledged) is removed, and so is a segment without a
+log. A segment's torn tail is cut off by the session's next owner when it resumes.
 """
 
 from __future__ import annotations
@@ -98,7 +99,28 @@ class DiskTier:
                 lock.release()
         for path in truncated:
             log.info("%s: torn last record removed", path)
-        return {"truncated_logs": truncated, "removed_logs": removed}
+        return {"truncated_logs": truncated, "removed_logs": removed,
+                "removed_segments": self._remove_orphan_segments()}
+
+    def _remove_orphan_segments(self) -> list[Path]:
+        """A segment without a log is KV of turns never acknowledged (written behind
+        before the process died ahead of the turn's log record), or of a session persisted
+        as a snapshot (which holds all of it): nobody will read it. Removed when its
+        session is not owned by a live process."""
+        removed = []
+        for path in self._session_files(".seg"):
+            if self.log_path(path.stem).exists():
+                continue
+            lock = FileLock(self.lock_path(path.stem))
+            try:
+                if lock.try_acquire() and not self.log_path(path.stem).exists():
+                    path.unlink()
+                    removed.append(path)
+            except (OSError, SnapshotError) as e:
+                log.warning("%s: %s", path, e)
+            finally:
+                lock.release()
+        return removed
 
     def _session_files(self, suffix: str) -> list[Path]:
         try:

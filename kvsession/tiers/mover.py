@@ -24,6 +24,7 @@ from kvsession.errors import SnapshotError
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
 from kvsession.tiers.resume import DiskPlan
+from kvsession.tiers.segments import compact
 from kvsession.tiers.snapshot import SnapshotHeader, write_snapshot
 from kvsession.tiers.snapshot_read import read_blocks, read_header
 from kvsession.tiers.writeback import SnapshotLocks
@@ -197,6 +198,14 @@ class TierMover:
 
     def has_plan(self, s: SessionKV) -> bool:
         return s in self.plans
+
+    def write_plan_snapshot(self, s: SessionKV, path: Path) -> int:
+        """The snapshot of a resumed session whose KV is still on disk where its plan says:
+        chunks copied from those files (each checksum verified), nothing loaded. Returns
+        the blocks written (a bad chunk ends the snapshot's KV there)."""
+        plan = self.plans[s]
+        with self.snapshot_locks.get(s.session_id):
+            return compact(path, plan.sources, self.snapshot_fields(s))
 
     def _load_plan(self, plan: DiskPlan, wanted: list[tuple[int, Block]]) -> int:
         """Read blocks (block index, device block) from wherever the plan has them, file

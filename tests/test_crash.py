@@ -1,0 +1,258 @@
+"""Crash consistency of durable sessions (durability="turn"), with real processes and files.
+
+A child process runs 8 agent sessions concurrently (threads) and prints an ack line after
+each send() returns. It is SIGKILLed at seeded random moments: at a random time, or in the
+middle of a log record write, of a KV segment write, of a compaction's snapshot, or right
+after a compaction before its segment is removed. The next child, a fresh process on the
+same directory, recovers and continues; several chains of such children run. Checked
+after every kill, by the next process:
+
+- every turn acknowledged before the kill is present (messages and token-exact content);
+- nothing unacknowledged is half-present: at most the one turn per session that was in
+  flight, and then whole (its user message and its reply);
+- the directory holds no garbage after start-up recovery (no temporaries, no stale lock
+  files, no segment or snapshot without its log);
+- every continuation equals the uninterrupted reference token for token, and resumed
+  sessions reuse the KV blocks that reached disk.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvsession import LLM, SamplingParams
+
+SESSIONS, TURNS = 8, 6
+SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."
+WORDS = "read the file run the tests fix the bug then write the answer".split()
+CHAINS = 3
+KILLS_PER_CHAIN = 8
+MIN_KILLS = 20
+LLM_ARGS = {"kv_cache_memory": "1MiB", "max_model_len": 512, "host_cache_memory": 0}
+
+
+def message(i: int, t: int) -> str:
+    rng = random.Random(i * 100 + t)
+    return f"agent {i} step {t}: " + " ".join(rng.choice(WORDS) for _ in range(4 + 7 * t % 19))
+
+
+CHILD = r"""
+import json, os, signal, sys, threading
+from kvsession import LLM, SamplingParams
+import kvsession.tiers.commit as commit
+import kvsession.tiers.segments as segments
+import kvsession.tiers.writeback as writeback
+
+model, sd, site, nth = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+SESSIONS, TURNS, SYSTEM = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
+LLM_ARGS = json.loads(sys.argv[8])
+MESSAGES = json.loads(sys.argv[9])
+writeback.WriteBehind.COMPACT_RECORDS = 6  # compact often: kill points inside compactions
+out_lock = threading.Lock()
+
+
+def emit(obj):
+    with out_lock:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+calls = [0]
+
+
+def on_nth(orig, before):
+    def wrapped(*args):
+        calls[0] += 1
+        if calls[0] == nth:
+            before(*args)
+        return orig(*args)
+    return wrapped
+
+
+if site == "log":  # half a record reaches the file, then the process dies
+    orig_log = commit._write_all
+    commit._write_all = on_nth(orig_log, lambda fd, data, off: (
+        orig_log(fd, data[: len(data) // 2], off), die()))
+elif site == "segment":
+    orig_seg = writeback._pwrite_all
+    def half_seg(fd, bufs, off):
+        data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
+        orig_seg(fd, [data[: len(data) // 2]], off)
+        die()
+    writeback._pwrite_all = on_nth(orig_seg, half_seg)
+elif site == "compaction":  # in the middle of the compacted snapshot
+    orig_chunks = segments.write_snapshot_chunks
+    def dying_chunks(path, fields, chunks, tokens_for):
+        calls[0] += 1
+        if calls[0] != nth:
+            return orig_chunks(path, fields, chunks, tokens_for)
+        def gen():
+            for k, c in enumerate(chunks):
+                if k == 2:
+                    die()
+                yield c
+        return orig_chunks(path, fields, gen(), tokens_for)
+    segments.write_snapshot_chunks = dying_chunks
+elif site == "compacted":  # the snapshot is in place, the segment not yet removed
+    orig_compact = writeback.compact
+    def compact_then_die(*args):
+        n = orig_compact(*args)
+        calls[0] += 1
+        if calls[0] == nth:
+            die()
+        return n
+    writeback.compact = compact_then_die
+
+llm = LLM(model, session_dir=sd, **LLM_ARGS)
+emit({"files": sorted(os.listdir(sd))})
+G = SamplingParams(max_tokens=16, temperature=0.0)
+sessions, state = {}, {}
+for i in range(SESSIONS):
+    s = llm.session(session_id=f"s{i}", system=SYSTEM, sampling=G)
+    sessions[i] = s
+    state[i] = [[m["role"], m["content"]] for m in s.messages]
+emit({"state": state})
+
+
+def agent(i):
+    s = sessions[i]
+    for t in range((len(state[i]) - 1) // 2, TURNS):
+        r = s.send(MESSAGES[i][t])
+        emit({"ack": [i, t, r.token_ids, r.cached_tokens, r.restored_from]})
+
+
+threads = [threading.Thread(target=agent, args=(i,)) for i in range(SESSIONS)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+llm.close()
+emit({"done": sorted(os.listdir(sd))})
+"""
+
+FILE = re.compile(r"s[0-9]+\.(log|seg|kvs)")
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """Token ids and texts of every turn, run without interruption (no session_dir)."""
+    g = SamplingParams(max_tokens=16, temperature=0.0)
+    ids, texts = {}, {}
+    with LLM(llama_dir, **LLM_ARGS) as llm:
+        for i in range(SESSIONS):
+            s = llm.session(system=SYSTEM, sampling=g)
+            for t in range(TURNS):
+                r = s.send(message(i, t))
+                ids[i, t], texts[i, t] = r.token_ids, r.text
+            s.close()
+    return ids, texts
+
+
+def run_child(llama_dir, sd, site, nth, kill_after_s):
+    """One child; returns (its output lines, killed?)."""
+    messages = [[message(i, t) for t in range(TURNS)] for i in range(SESSIONS)]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(llama_dir), str(sd), site, str(nth), str(SESSIONS),
+         str(TURNS), SYSTEM, json.dumps(LLM_ARGS), json.dumps(messages)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[dict] = []
+    started = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            obj = json.loads(line)
+            lines.append(obj)
+            if "state" in obj:
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        if kill_after_s is not None and started.wait(120):
+            time.sleep(kill_after_s)
+            proc.send_signal(signal.SIGKILL)
+        rc = proc.wait(120)
+    finally:
+        proc.kill()
+    reader.join(30)
+    err = proc.stderr.read()
+    assert rc in (0, -signal.SIGKILL), err
+    return lines, rc == -signal.SIGKILL
+
+
+def check_recovered(lines, acked, reference, chain):
+    """The state a fresh process found after a kill, against what was acknowledged."""
+    files = next(x["files"] for x in lines if "files" in x)
+    assert all(FILE.fullmatch(f) for f in files), f"garbage after recovery: {files}"
+    logs = {f[:-4] for f in files if f.endswith(".log")}
+    assert not {f[:-4] for f in files if f.endswith(".seg")} - logs, files
+    state = next(x["state"] for x in lines if "state" in x)
+    _, texts = reference
+    for i in range(SESSIONS):
+        msgs = state[str(i)]
+        assert msgs[0] == ["system", SYSTEM]
+        assert len(msgs) % 2 == 1, f"chain {chain}: half a turn of s{i}: {msgs}"
+        turns = (len(msgs) - 1) // 2
+        n_acked = acked.get(i, 0)
+        assert n_acked <= turns <= n_acked + 1, (chain, i, n_acked, turns)
+        for t in range(turns):
+            assert msgs[1 + 2 * t] == ["user", message(i, t)]
+            assert msgs[2 + 2 * t] == ["assistant", texts[i, t]]
+        acked[i] = turns  # the turn in flight at the kill, when present, is whole
+
+
+def test_sigkill_at_random_moments_loses_no_acknowledged_turn(llama_dir, tmp_path, reference):
+    ids, _ = reference
+    rng = random.Random(20240611)
+    sites = ["time", "log", "segment", "compaction", "compacted"]
+    kills, reused, first_turns = 0, 0, 0
+    by_site: dict[str, int] = {}
+    t_start = time.monotonic()
+    for chain in range(CHAINS):
+        sd = tmp_path / f"chain{chain}"
+        acked: dict[int, int] = {}
+        for attempt in range(KILLS_PER_CHAIN + 1):
+            last = attempt == KILLS_PER_CHAIN
+            site = "none" if last else sites[(chain + attempt) % len(sites)]
+            nth = rng.randint(1, 3 if site.startswith("compact") else 12)
+            delay = rng.uniform(0.0, 0.4) if site == "time" else None
+            lines, killed = run_child(llama_dir, sd, site, nth, delay)
+            if attempt:
+                check_recovered(lines, acked, reference, chain)
+            resumed = set()
+            for x in lines:
+                if "ack" in x:
+                    i, t, tok, cached, source = x["ack"]
+                    assert tok == ids[i, t], f"chain {chain}: s{i} turn {t} differs"
+                    assert acked.get(i, 0) == t, (chain, i, t, acked.get(i))
+                    acked[i] = t + 1
+                    if attempt and i not in resumed and t > 0:
+                        resumed.add(i)
+                        first_turns += 1
+                        reused += cached > 0 and source == "disk"
+            if killed:
+                kills += 1
+                by_site[site] = by_site.get(site, 0) + 1
+            else:
+                done = next(x["done"] for x in lines if "done" in x)
+                assert sorted(done) == [f"s{i}.kvs" for i in range(SESSIONS)], done
+                assert all(acked.get(i) == TURNS for i in range(SESSIONS)), acked
+                break
+    elapsed = time.monotonic() - t_start
+    print(f"\n{kills} kills ({by_site}) in {elapsed:.0f} s; first turns after a resume "
+          f"reusing disk KV: {reused}/{first_turns}")
+    assert kills >= MIN_KILLS
+    assert reused >= first_turns // 2 > 0
