@@ -436,3 +436,76 @@ def _snapshot_of(llm, s, tmp_path):
     path = tmp_path / "ext.kvs"
     s.save(path)
     return path
+
+
+# ---- KV written behind -------------------------------------------------------------------
+
+def test_blocks_are_written_behind_once_and_reused_after_a_restart(llama_dir, tmp_path):
+    sd = tmp_path / "sd"
+    llm = new_llm(llama_dir, sd, max_model_len=1024)
+    try:
+        s = llm.session(session_id="w", sampling=G)
+        for t in range(4):
+            s.send(f"turn {t}: " + "read the file and run the tests " * 4)
+        wb = llm._rt.writeback
+        wb.request("flush", None).result(timeout=60)
+        # one record per distinct full block, however many turns saw it (a block the
+        # re-rendered history changed is a new block); every current block is there
+        scan = _scan(llm, sd / "w.seg")
+        records = {(m.index, m.hash) for m in scan.metas}
+        assert len(records) == len(scan.metas) == wb.blocks_written
+        assert set(enumerate(s.kv.hashes)) <= records
+        # the process "dies" here: a copy of the directory as it is
+        shutil.copytree(sd, tmp_path / "copy")
+        held = len(s.kv.tokens)
+    finally:
+        llm.close()
+    (tmp_path / "copy" / "w.lock").unlink()
+    with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
+        s = llm.session(session_id="w")
+        assert s.state == "disk" and s.num_cached_tokens == held // 16 * 16
+        r = s.send("and then?")
+        assert r.restored_from == "disk" and r.cached_tokens == held // 16 * 16
+        assert r.token_ids == llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
+        wb = llm._rt.writeback
+        wb.request("flush", None).result(timeout=60)
+        # only the blocks the new turn completed were written: nothing already on disk
+        assert wb.blocks_written == len(s.kv.tokens) // 16 - held // 16
+
+
+def _scan(llm, path):
+    from kvsession.tiers.segments import scan_segment
+
+    return scan_segment(path, llm._rt.header_fields, path.stem)
+
+
+def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path,
+                                                             monkeypatch):
+    from kvsession.tiers.writeback import WriteBehind
+
+    monkeypatch.setattr(WriteBehind, "COMPACT_RECORDS", 4)
+    sd = tmp_path / "sd"
+    with new_llm(llama_dir, sd, max_model_len=1024) as llm:
+        s = llm.session(session_id="c", sampling=G)
+        for t in range(3):
+            s.send(f"turn {t}: " + "read the file and run the tests " * 4)
+        wb = llm._rt.writeback
+        wb.request("flush", None).result(timeout=60)
+        assert wb.compactions >= 1
+        from kvsession.tiers.resume import snapshot_prefix
+        from kvsession.tiers.snapshot_read import read_header
+
+        h = read_header(sd / "c.kvs")  # the blocks of the history when it was compacted
+        assert snapshot_prefix(h, s.kv.tokens, 16) >= 16
+        assert len(h.token_ids) % 16 == 0 and h.messages == []  # KV only: the log has them
+        shutil.copytree(sd, tmp_path / "copy")
+        held = len(s.kv.tokens) // 16 * 16
+    (tmp_path / "copy" / "c.lock").unlink()
+    with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
+        s = llm.session(session_id="c")
+        assert len(s.messages) == 6
+        plan = llm._rt.mover.plans[s.kv]
+        assert plan.from_files.get("snapshot", 0) >= 1 and len(plan.tokens) == held
+        r = s.send("and then?")
+        assert r.restored_from == "disk" and r.cached_tokens == held
+        assert r.token_ids == llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
