@@ -16,6 +16,7 @@ only when a structured request arrives.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +29,39 @@ from kvsession.params import StructuredOutput
 
 # compiled grammars kept per LLM (each holds a token-mask cache; a few MB for big vocabularies)
 CACHE_SIZE = 64
+
+
+# one character of a JSON string as written: any Unicode scalar value but the control
+# characters, '"' (\x22) and '\\' (\x5c), or an escape (one decoded character each)
+STRING_CHAR = ('([ !#-\\x5b\\x5d-\ud7ff\ue000-\U0010ffff]|\\\\["\\\\/bfnrt]'
+               '|\\\\u[0-9a-fA-F]{4})')
+# keys whose values are data, not subschemas
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
+
+
+def bounded_strings_as_patterns(node):
+    """Work around xgrammar's length-bounded strings (mlc-ai/xgrammar#800, open as of
+    0.2.9): `minLength`/`maxLength` compile to a character class that admits raw control
+    characters, which JSON forbids (`json.loads` rejects the output), and no escapes. Its
+    `pattern` path is JSON-string aware, so such a string (without a pattern or format of its
+    own) gets the equivalent pattern: same lengths, valid JSON. The class is written as
+    positive ranges of literal characters (STRING_CHAR): xgrammar's negated classes also
+    admit overlong and surrogate UTF-8 byte sequences, which decode to U+FFFD runs.
+    Returns a rewritten copy; the input is not changed."""
+    if isinstance(node, list):
+        return [bounded_strings_as_patterns(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYS else bounded_strings_as_patterns(v) for k, v in node.items()}
+    lo, hi = out.get("minLength"), out.get("maxLength")
+    if out.get("type") == "string" and (lo is not None or hi is not None) and \
+            "pattern" not in out and "format" not in out and \
+            all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+                for v in (lo, hi)):
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        out["pattern"] = f"^{STRING_CHAR}{{{lo or 0},{'' if hi is None else hi}}}$"
+    return out
 
 
 def _xgrammar():
@@ -110,7 +144,11 @@ class GrammarCompiler:
             if fmt.json_schema is not None:
                 # compact separators, no free whitespace: a random (or bad) model cannot pad
                 # the document with whitespace until max_tokens
-                return c.compile_json_schema(fmt.json_schema, any_whitespace=False,
+                schema = bounded_strings_as_patterns(json.loads(fmt.json_schema))
+                # ensure_ascii=False: STRING_CHAR reaches xgrammar as literal characters (its
+                # regex parser knows no \U escape)
+                return c.compile_json_schema(json.dumps(schema, ensure_ascii=False),
+                                             any_whitespace=False,
                                              separators=(",", ":"))
             if fmt.json_object:
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False,
