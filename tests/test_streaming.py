@@ -1,0 +1,172 @@
+"""LLM.stream / astream / agenerate / achat: streamed text joins to exactly generate()'s text
+(stop strings never leak, no UTF-8 character is split), concurrent streams batch in the one
+engine loop, closing a stream cancels its request."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvsession import LLM, ConfigError, SamplingParams, StructuredOutput
+from oracle import random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=512) as llm:
+        yield llm
+
+
+def check_deltas(deltas: list[str], final: str, stops=()) -> None:
+    assert "".join(deltas) == final
+    acc = ""
+    for d in deltas:
+        assert d  # no empty deltas
+        acc += d
+        assert final.startswith(acc)  # never retracted, never a partial character
+        assert not any(s in acc for s in stops)
+
+
+def cases():
+    """Seeded configurations; stop strings are cut from the free-running text so they hit."""
+    out = []
+    for i in range(12):
+        out.append(dict(max_tokens=24 + i, temperature=0.9, seed=100 + i, top_k=[-1, 50][i % 2],
+                        ignore_eos=i % 3 != 0, min_tokens=[0, 5][i % 2]))
+    return out
+
+
+@pytest.mark.parametrize("i", range(12))
+def test_stream_joins_to_generate_text(llm, i):
+    kw = cases()[i]
+    prompt = random_prompts(i, [5 + 3 * i], 500)[0]
+    free = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**kw),
+                        use_tqdm=False)[0]
+    stops = []
+    if len(free.text) > 8:  # multi-character stop strings from the text itself
+        stops = [free.text[len(free.text) // 2: len(free.text) // 2 + 2 + i % 3], "\x00zz"]
+    params = SamplingParams(**kw, stop=stops or None)
+    want = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    stream = llm.stream(prompt_token_ids=prompt, sampling_params=params)
+    deltas = list(stream)
+    check_deltas(deltas, want.text, stops)
+    assert stream.output.text == want.text and stream.output.token_ids == want.token_ids
+    assert stream.output.finish_reason == want.finish_reason
+
+
+def test_stream_never_splits_multibyte_characters(llm):
+    """The byte-level tokenizer splits non-ASCII characters over tokens; random weights emit
+    many of them. No delta ends inside one (it would decode as U+FFFD)."""
+    seen_multibyte = False
+    for seed in range(6):
+        p = SamplingParams(max_tokens=40, seed=seed, ignore_eos=True)
+        want = llm.generate("x", p, use_tqdm=False)[0]
+        deltas = list(llm.stream("x", p))
+        check_deltas(deltas, want.text)
+        seen_multibyte |= any(ord(c) > 0x7FF for c in want.text)
+        if "\ufffd" not in want.text:
+            assert not any("\ufffd" in d for d in deltas)
+    assert seen_multibyte  # the case was exercised
+
+
+def test_stream_of_structured_and_chat_requests(llm):
+    fmt = StructuredOutput(regex=r"[a-z]{2,6}(, [a-z]{2,6}){1,3}")
+    p = SamplingParams(max_tokens=40, seed=4, structured=fmt)
+    want = llm.generate("list", p, use_tqdm=False)[0]
+    check_deltas(list(llm.stream("list", p)), want.text)
+    msgs = [{"role": "user", "content": "hello there"}]
+    p = SamplingParams(max_tokens=12, seed=8, ignore_eos=True)
+    want = llm.chat(msgs, p, use_tqdm=False)[0]
+    stream = llm.stream(messages=msgs, sampling_params=p)
+    check_deltas(list(stream), want.text)
+    assert stream.output.prompt_token_ids == want.prompt_token_ids
+
+
+def test_concurrent_streams_batch_in_one_engine_loop(llm):
+    prompts = random_prompts(50, [7, 12, 20, 9, 15, 30, 4, 11], 500)
+    params = [SamplingParams(max_tokens=20, seed=i, ignore_eos=True) for i in range(8)]
+    wants = [llm.generate(prompt_token_ids=[p], sampling_params=s, use_tqdm=False)[0].text
+             for p, s in zip(prompts, params, strict=True)]
+    steps0 = llm._rt.engine.num_steps
+    results: list = [None] * 8
+    start = threading.Barrier(8)
+
+    def consume(i):
+        start.wait()
+        results[i] = list(llm.stream(prompt_token_ids=prompts[i], sampling_params=params[i]))
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for deltas, want in zip(results, wants, strict=True):
+        check_deltas(deltas, want)
+    # 8 x 20 tokens took far fewer steps than 160: the streams shared steps
+    assert llm._rt.engine.num_steps - steps0 < 8 * 20 // 2
+
+
+def test_astream_agenerate_achat(llm):
+    prompts = random_prompts(51, [6, 14, 22, 9], 500)
+    params = [SamplingParams(max_tokens=16, seed=20 + i, ignore_eos=True, stop=["ab"])
+              for i in range(4)]
+    wants = [llm.generate(prompt_token_ids=[p], sampling_params=s, use_tqdm=False)[0]
+             for p, s in zip(prompts, params, strict=True)]
+    msgs = [{"role": "user", "content": "hi"}]
+    chat_want = llm.chat(msgs, params[0], use_tqdm=False)[0]
+
+    async def main():
+        async def one(i):
+            stream = llm.astream(prompt_token_ids=prompts[i], sampling_params=params[i])
+            deltas = [d async for d in stream]
+            return deltas, stream.output
+
+        streams = await asyncio.gather(*(one(i) for i in range(4)))
+        gens = await asyncio.gather(*(llm.agenerate(prompt_token_ids=[p], sampling_params=s)
+                                      for p, s in zip(prompts, params, strict=True)))
+        chat = await llm.achat(msgs, params[0])
+        return streams, gens, chat
+
+    streams, gens, chat = asyncio.run(main())
+    for (deltas, out), gen, want in zip(streams, gens, wants, strict=True):
+        check_deltas(deltas, want.text, ["ab"])
+        assert out.token_ids == want.token_ids == gen[0].token_ids
+    assert chat[0].token_ids == chat_want.token_ids
+
+
+def test_closing_a_stream_cancels_its_request(llm):
+    p = SamplingParams(max_tokens=400, ignore_eos=True, seed=1)
+    with llm.stream("cancel me", p) as stream:
+        first = next(stream)
+    assert first and stream.output is None
+    # the cancel was posted to the engine thread before this call: FIFO, so it has run
+    assert not llm._rt.call(llm._rt.scheduler.has_work).result()
+    llm.check_integrity()
+
+    async def early():
+        stream = llm.astream("cancel me too", p)
+        async for _ in stream:
+            break
+        await stream.aclose()
+
+    asyncio.run(early())
+    assert not llm._rt.call(llm._rt.scheduler.has_work).result()
+    assert llm.generate("after", SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda llm: llm.stream("a", SamplingParams(n=2)), "n must be 1 to stream"),
+    (lambda llm: llm.stream(["a", "b"]), "prompt must be a string"),
+    (lambda llm: llm.stream("a", prompt_token_ids=[1]), "exactly one of"),
+    (lambda llm: llm.stream(messages=[[{"role": "user", "content": "a"}]]), "one conversation"),
+    (lambda llm: llm.stream("a", max_tokens=3), "did you mean 'sampling_params'"),
+    (lambda llm: llm.astream("a", SamplingParams(logit_bias={10**6: 1.0})), "logit_bias"),
+    (lambda llm: asyncio.run(llm.agenerate("a", temperature=0)), "sampling_params"),
+    (lambda llm: asyncio.run(llm.achat("not messages")), "messages must be a list"),
+])
+def test_bad_stream_and_async_calls_are_config_errors(llm, call, match):
+    with pytest.raises(ConfigError, match=match):
+        call(llm)
+    assert not llm._rt.call(llm._rt.scheduler.has_work).result()
