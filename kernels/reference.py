@@ -12,6 +12,8 @@ as outputs (`store_kv`); every other input is left untouched.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -95,17 +97,20 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+             all_valid: bool = False) -> None:
     """Write key/value `[num_tokens, num_kv_heads, head_dim]` into their slots (quantizing
-    to fp8 with per-token-head scales when the cache is fp8). Slots < 0 are skipped."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    to fp8 with per-token-head scales when the cache is fp8). Slots < 0 are skipped;
+    `all_valid`: the caller knows there are none (saves a check per layer)."""
+    if not all_valid:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    if k_scale is None:
-        flat_k[slot_mapping] = key.to(k_cache.dtype)
-        flat_v[slot_mapping] = value.to(v_cache.dtype)
+    if k_scale is None:  # index_copy_: row copies, cheaper than indexed assignment
+        flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
         return
     qk, sk = quantize_fp8(key, k_scale.dtype)
     qv, sv = quantize_fp8(value, v_scale.dtype)
@@ -129,19 +134,31 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       seq_lens: list[int], softmax_scale: float,
                       k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None,
-                      workspace: Workspace | None = None) -> torch.Tensor:
+                      workspace: Workspace | None = None,
+                      memo: dict | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     q: `[num_tokens, num_heads, head_dim]`, sequences packed back to back; sequence i owns
     rows `query_start_loc[i]:query_start_loc[i+1]`, which are the last of its `seq_lens[i]`
     tokens (the ones before are a cached prefix or earlier chunks). The new tokens' K/V must
     already be stored. Returns `[num_tokens, num_heads, head_dim]`.
+
+    Sequences with a single new token (decodes batched with prefills) go through
+    `paged_attention` together, block by block; `memo` as there.
     """
     out = torch.empty_like(q)
+    single = [i for i, n in enumerate(seq_lens)
+              if n > 0 and query_start_loc[i + 1] - query_start_loc[i] == 1]
+    if single:
+        rows = torch.tensor([query_start_loc[i] for i in single], device=q.device)
+        ids = torch.tensor(single, device=q.device)
+        out[rows] = paged_attention(q[rows], k_cache, v_cache, block_tables[ids],
+                                    torch.tensor([seq_lens[i] for i in single], device=q.device),
+                                    softmax_scale, k_scale, v_scale, workspace, memo)
     for i, seq_len in enumerate(seq_lens):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         num_new = end - start
-        if num_new == 0:
+        if num_new == 0 or (num_new == 1 and seq_len > 0):
             continue
         k = gather_kv(k_cache, k_scale, block_tables[i], seq_len, q.dtype, workspace, "k")
         v = gather_kv(v_cache, v_scale, block_tables[i], seq_len, q.dtype, workspace, "v")
@@ -164,41 +181,224 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
                     k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None,
-                    workspace: Workspace | None = None) -> torch.Tensor:
+                    workspace: Workspace | None = None,
+                    memo: dict | None = None) -> torch.Tensor:
     """Decode attention: one query token per sequence, `q` `[num_seqs, num_heads, head_dim]`,
     over `seq_lens[i]` cached tokens (its own K/V included). Rows with seq_len 0 (padding)
-    return zeros. Vectorised over the batch: blocks are gathered to `[num_seqs, max_len]`
-    and positions past each length are masked."""
+    return zeros.
+
+    The cache is read block by block, never gathered whole: runs of consecutive block ids
+    are attended in place (views of the cache), other blocks a few at a time through a
+    small buffer, and the partial results are merged by log-sum-exp (an online softmax over
+    the block table). Leading blocks that the whole batch shares (a pinned system prompt)
+    are read once for every query (cascade). How the table is read (`plan_decode`) is
+    worked out on the first call and kept in `memo`, a dict the layers of one step share.
+    """
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return torch.empty_like(q)
-    block_size = k_cache.shape[1]
-    shared = shared_prefix_blocks(block_tables, seq_lens, block_size)
-    if shared >= CASCADE_MIN_BLOCKS:
-        return _cascade(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale, k_scale,
-                        v_scale, workspace, shared)
-    max_len = int(seq_lens.max())
-    tables = block_tables[:, : -(-max_len // block_size)].clamp_min(0)
-    flat = tables.flatten()  # index_select: a plain gather, far cheaper than cache[tables]
-
-    def gather(cache, scale, name):
-        x = gather_dequant(cache, scale, flat, q.dtype, workspace, name)
-        x = x.view(num_seqs, -1, *cache.shape[2:])
-        return x[:, :max_len].transpose(1, 2)  # [B, Hkv, L, D]
-
-    k, v = gather(k_cache, k_scale, "k"), gather(v_cache, v_scale, "v")
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
-    mask = valid[:, None, None, :] | (seq_lens[:, None, None, None] == 0)  # no all-masked rows
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    in_place = in_place_ok(q.dtype, k_cache.dtype, k_scale)
+    key = ("decode", in_place)  # a cache of another dtype (a shadow copy) plans apart
+    plan = None if memo is None else memo.get(key)
+    if plan is None:
+        plan = plan_decode(block_tables, seq_lens, k_cache.shape[1], in_place,
+                           k_cache.element_size() * num_kv_heads * head_dim)
+        if memo is not None:
+            memo[key] = plan
     # GQA: the query heads sharing a KV head become that head's "query rows", so each KV
-    # head is read once (2-3x faster on CPU than enable_gqa's head expansion).
-    num_kv_heads = k.shape[1]
-    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=softmax_scale)
-    o = o.reshape(num_seqs, num_heads, head_dim)
-    return torch.where((seq_lens > 0)[:, None, None], o, torch.zeros_like(o))
+    # head is read once: qg [B, Hkv, G, D]. Float32 throughout: gathered blocks are
+    # dequantized to it, and blocks read in place are float32 already.
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
+    kv = (k_cache, v_cache, k_scale, v_scale)
+    parts = []
+    if plan.shared:
+        # every query row against the shared blocks: [1, Hkv, B*G, D]
+        qs = qg.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_seqs * group, head_dim)
+        ids = block_tables[0, :plan.shared]
+        chunk = max(1, CHUNK_BYTES // (k_cache[0].numel() * k_cache.element_size()))
+        o, lse = _merge([_attend(qs, k, v, softmax_scale, None) for k, v in _pieces(
+            kv, plan.shared_runs, ids, plan.shared * k_cache.shape[1], chunk, workspace)])
+        parts.append((o.reshape(num_kv_heads, num_seqs, group, head_dim).transpose(0, 1),
+                      lse.reshape(num_kv_heads, num_seqs, group, 1).transpose(0, 1)))
+    if max(plan.rest) > 0:
+        parts.append(_attend_rest(qg, kv, block_tables, softmax_scale, plan, workspace))
+    if not parts:  # nothing but padding
+        return torch.zeros_like(q)
+    o = _merge(parts)[0].reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    if 0 in plan.lens:  # padded rows: zeros, whatever the merge made of "no key at all"
+        o = torch.where((seq_lens > 0)[:, None, None], o, torch.zeros_like(o))
+    return o
 
 
 CASCADE_MIN_BLOCKS = 16  # below this a shared prefix is not worth a separate pass
+# Blocks are attended in place, one attention call per run of consecutive block ids, when
+# the runs are long enough: at least MIN_RUN_BLOCKS on average (or at most 2 runs). A call
+# costs about what gathering 4 blocks does; reading in place is ~2x faster than
+# gathering then reading (bench/decode_vs_hf.py measures both at a 2,048-token context).
+MIN_RUN_BLOCKS = 4
+# K bytes per gathered chunk (as many again for V): a fragmented table is gathered this much
+# at a time, so the buffer stays bounded at any context length. Smaller chunks cost more
+# calls than they save (measured from 64 KiB to 16 MiB; 4 MiB was as fast as one gather).
+CHUNK_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class DecodePlan:
+    """How a decode step reads the block table; the same for every layer of the step.
+
+    lens: context length of each sequence. shared: leading blocks common to the batch,
+    read once (0: no cascade); shared_runs: those blocks as (first block id, count) runs of
+    consecutive ids, read in place, or None: gathered. Then the `rest[i]` tokens of
+    sequence i: runs[i] lists their runs when they are read in place, None when they are
+    gathered; the `gathered` sequences are read together, `chunk_blocks` table columns at a
+    time, `bias` (additive, -inf past each one's end, [len(gathered), 1, 1, max]; None
+    when their ends are equal) masking the rest."""
+
+    lens: list[int]
+    shared: int
+    shared_runs: list[tuple[int, int]] | None
+    rest: list[int]
+    runs: list[list[tuple[int, int]] | None]
+    gathered: list[int]
+    chunk_blocks: int
+    bias: torch.Tensor | None = None
+    gathered_rest: torch.Tensor | None = None  # rest of the gathered sequences (tensor)
+
+
+def in_place_ok(q_dtype: torch.dtype, cache_dtype: torch.dtype,
+                scale: torch.Tensor | None) -> bool:
+    """Blocks can be attended in place when no conversion is needed (float32 cache and
+    queries: what PyTorch's CPU flash kernel takes with strided K/V)."""
+    return scale is None and q_dtype == cache_dtype == torch.float32 and _FLASH_CPU is not None
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]] | None:
+    """(first id, count) runs of consecutive ids; None when they are too short on average
+    to be worth one attention call each."""
+    runs: list[tuple[int, int]] = []
+    limit = max(2, len(ids) // MIN_RUN_BLOCKS)
+    for b in ids:
+        if runs and b == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            if len(runs) == limit:
+                return None
+            runs.append((b, 1))
+    return runs
+
+
+def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                in_place: bool, token_bytes: int) -> DecodePlan:
+    """The DecodePlan of one step (host work: once per step, not per layer). token_bytes:
+    bytes of one token's K in one layer (sizes the gathered chunks)."""
+    lens = seq_lens.tolist()
+    shared = shared_prefix_blocks(block_tables, seq_lens, block_size)
+    shared = shared if shared >= CASCADE_MIN_BLOCKS else 0
+    rest = [max(n - shared * block_size, 0) for n in lens]
+    rows = block_tables.tolist() if in_place else None
+    shared_runs = _runs(rows[0][:shared]) if in_place and shared else None
+    runs = [_runs(row[shared: shared + -(-r // block_size)]) if r else []
+            for row, r in zip(rows, rest, strict=True)] if in_place else [None] * len(lens)
+    gathered = [i for i, (r, n) in enumerate(zip(runs, rest, strict=True)) if r is None and n]
+    width = max((rest[i] for i in gathered), default=0)
+    chunk_blocks = max(1, CHUNK_BYTES // (max(len(gathered), 1) * block_size * token_bytes))
+    plan = DecodePlan(lens, shared, shared_runs, rest, runs, gathered, chunk_blocks)
+    if gathered:
+        dev = block_tables.device
+        plan.gathered_rest = torch.tensor([rest[i] for i in gathered], device=dev)
+        if min(rest[i] for i in gathered) < width:
+            hidden = torch.arange(width, device=dev)[None, :] >= plan.gathered_rest[:, None]
+            plan.bias = torch.zeros(len(gathered), 1, 1, width, device=dev).masked_fill_(
+                hidden[:, None, None], float("-inf"))
+    return plan
+
+
+def _pieces(kv, runs, ids, num_tokens, chunk_blocks, workspace):
+    """(K, V) `[1, Hkv, n, D]` pieces covering the first num_tokens tokens of the blocks
+    `ids` (one table row): views of the cache for `runs`, else gathered chunks."""
+    k_cache, v_cache, k_scale, v_scale = kv
+    bs = k_cache.shape[1]
+    if runs is not None:
+        done = 0
+        for first, count in runs:
+            n = min(count * bs, num_tokens - done)
+            yield (k_cache[first: first + count].flatten(0, 1)[None, :n].transpose(1, 2),
+                   v_cache[first: first + count].flatten(0, 1)[None, :n].transpose(1, 2))
+            done += n
+        return
+    for a in range(0, -(-num_tokens // bs), chunk_blocks):
+        blocks = ids[a: a + chunk_blocks].clamp_min(0)
+        n = min(blocks.numel() * bs, num_tokens - a * bs)
+        k = gather_dequant(k_cache, k_scale, blocks, torch.float32, workspace, "k")
+        v = gather_dequant(v_cache, v_scale, blocks, torch.float32, workspace, "v")
+        yield (k.flatten(0, 1)[None, :n].transpose(1, 2),
+               v.flatten(0, 1)[None, :n].transpose(1, 2))
+
+
+def _attend_rest(qg, kv, block_tables, scale, plan, workspace):
+    """Each sequence's own tokens (after the shared blocks): (o, lse) for the batch."""
+    num_seqs, num_kv_heads, group, head_dim = qg.shape
+    outs: list = [None] * num_seqs
+    for i, (runs, r) in enumerate(zip(plan.runs, plan.rest, strict=True)):
+        if r == 0:  # nothing after the shared blocks (or padding): no key at all
+            outs[i] = (torch.zeros_like(qg[i:i + 1]),
+                       torch.full((1, num_kv_heads, group, 1), float("-inf"), device=qg.device))
+        elif runs is not None:  # in place: one call per run
+            outs[i] = _merge([_attend(qg[i:i + 1], k, v, scale, None) for k, v in _pieces(
+                kv, runs, None, r, 0, workspace)])
+    if plan.gathered:
+        o, lse = _attend_gathered(qg, kv, block_tables, scale, plan, workspace)
+        if len(plan.gathered) == num_seqs:
+            return o, lse
+        for j, i in enumerate(plan.gathered):
+            outs[i] = (o[j: j + 1], lse[j: j + 1])
+    if num_seqs == 1:
+        return outs[0]
+    return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
+
+
+def _attend_gathered(qg, kv, block_tables, scale, plan, workspace):
+    """The gathered sequences together, chunk by chunk ([n, chunk, Hkv, D] each)."""
+    k_cache, v_cache, k_scale, v_scale = kv
+    _, num_kv_heads, group, head_dim = qg.shape
+    bs, shared, rows = k_cache.shape[1], plan.shared, plan.gathered
+    if len(rows) < qg.shape[0]:
+        ids = torch.tensor(rows, device=qg.device)
+        qg, block_tables = qg[ids], block_tables[ids]
+    width = max(plan.rest[i] for i in rows)
+    parts = []
+    for a in range(0, -(-width // bs), plan.chunk_blocks):
+        cols = block_tables[:, shared + a: shared + a + plan.chunk_blocks].clamp_min(0)
+        start = a * bs
+        n = min(cols.shape[1] * bs, width - start)
+        k, v = (gather_dequant(cache, sc, cols.flatten(), torch.float32, workspace, name)
+                .view(len(rows), -1, num_kv_heads, head_dim)[:, :n].transpose(1, 2)
+                for cache, sc, name in ((k_cache, k_scale, "k"), (v_cache, v_scale, "v")))
+        bias = None if plan.bias is None else plan.bias[..., start: start + n]
+        o, lse = _attend(qg, k, v, scale, bias)
+        if min(plan.rest[i] for i in rows) <= start:  # rows past their end see no key here
+            lse = lse.masked_fill((plan.gathered_rest <= start)[:, None, None, None],
+                                  float("-inf"))
+        parts.append((o, lse))
+    return _merge(parts)
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax results over disjoint key sets merged into the result over their union:
+    weights exp(lse_i - lse). Rows that saw no key anywhere (all lse -inf) give 0, -inf."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.stack([p[1] for p in parts])
+    m = lse.amax(0)
+    m = m.masked_fill(m == float("-inf"), 0.0)
+    w = torch.exp(lse - m)
+    total = w.sum(0)
+    o = (torch.stack([p[0] for p in parts]) * w).sum(0) / total.clamp_min(
+        torch.finfo(total.dtype).tiny)
+    return o, m + torch.log(total)
 
 
 def shared_prefix_blocks(block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -213,75 +413,33 @@ def shared_prefix_blocks(block_tables: torch.Tensor, seq_lens: torch.Tensor,
 
 
 # PyTorch's CPU flash-attention kernel (what SDPA runs on CPU) also returns the log-sum-exp
-# that merging partial results needs; it reads strided K/V in place, where matmul on the
-# gathered [B, L, H, D] -> [B, H, L, D] views first copies them (3x slower per decode step).
+# that merging partial results needs, and it reads strided K/V in place (a run of blocks is
+# a strided view of the cache), where matmul on those views first copies them.
 # A private op: when a PyTorch build lacks it, the matmul path below is used.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _attend(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning (output, log-sum-exp) so partial results can be merged.
-    qg [B, H, G, D], k/v [B, H, L, D], mask (bool, True = visible) broadcastable to
-    [B, H, G, L]. A row with no visible key gives output 0 and log-sum-exp -inf."""
-    if _FLASH_CPU is not None and qg.device.type == "cpu" and qg.dtype == torch.float32:
-        bias = None if mask is None else torch.zeros(mask.shape, dtype=qg.dtype).masked_fill_(
-            ~mask, float("-inf"))
+    qg [B, H, G, D], k/v [B, H, L, D], bias (additive: 0 visible, -inf hidden)
+    broadcastable to [B, H, G, L]; every row must see at least one key (the callers mark
+    rows that see none)."""
+    if _FLASH_CPU is not None and qg.device.type == "cpu" and qg.dtype == k.dtype \
+            and qg.dtype in (torch.float32, torch.bfloat16, torch.float16):
         o, lse = _FLASH_CPU.default(qg, k, v, 0.0, False, attn_mask=bias, scale=scale)
-        lse = lse.unsqueeze(-1)
-        if mask is not None:  # the kernel reports 0, not -inf, for a fully masked row
-            lse = torch.where(mask.any(dim=-1, keepdim=True), lse, float("-inf"))
-        return o, lse
-    s = torch.matmul(qg, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+        return o.float(), lse.unsqueeze(-1)
+    s = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m)
     denom = p.sum(dim=-1, keepdim=True)
-    o = torch.matmul(p, v) / denom.clamp_min(torch.finfo(p.dtype).tiny)
+    o = torch.matmul(p, v.float()) / denom.clamp_min(torch.finfo(p.dtype).tiny)
     lse = torch.where(denom > 0, m + torch.log(denom.clamp_min(torch.finfo(p.dtype).tiny)),
                       torch.full_like(m, float("-inf")))
     return o, lse
-
-
-def _cascade(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-             workspace, shared: int) -> torch.Tensor:
-    """Decode attention in two parts merged by log-sum-exp: the batch's shared prefix,
-    gathered and read once for every query, then each sequence's own suffix. With a pinned
-    system prompt under many sessions this halves the bytes a decode step moves."""
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    dtype = torch.float32
-
-    def gather(cache, scale_t, ids, name):
-        return gather_dequant(cache, scale_t, ids, dtype, workspace, name)
-
-    # shared part: [Hkv, B*G, D] x [Hkv, Ls, D]
-    ids = block_tables[0, :shared].clamp_min(0)
-    ks = gather(k_cache, k_scale, ids, "k").flatten(0, 1).transpose(0, 1)
-    vs = gather(v_cache, v_scale, ids, "v").flatten(0, 1).transpose(0, 1)
-    qh = q.to(dtype).view(num_seqs, num_kv_heads, group, head_dim)
-    qs = qh.permute(1, 0, 2, 3).reshape(num_kv_heads, num_seqs * group, head_dim)
-    o1, lse1 = (x[0] for x in _attend(qs[None], ks[None], vs[None], scale, None))
-    o1 = o1.view(num_kv_heads, num_seqs, group, head_dim).permute(1, 0, 2, 3)
-    lse1 = lse1.view(num_kv_heads, num_seqs, group, 1).permute(1, 0, 2, 3)
-    # suffixes: [B, Hkv, G, D] x [B, Hkv, Lmax, D]
-    rest = seq_lens - shared * block_size
-    max_rest = int(rest.max())
-    if max_rest == 0:
-        return o1.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
-    tables = block_tables[:, shared: shared + -(-max_rest // block_size)].clamp_min(0)
-    flat = tables.flatten()
-    kr = gather(k_cache, k_scale, flat, "k").view(num_seqs, -1, num_kv_heads, head_dim)
-    vr = gather(v_cache, v_scale, flat, "v").view(num_seqs, -1, num_kv_heads, head_dim)
-    kr, vr = kr[:, :max_rest].transpose(1, 2), vr[:, :max_rest].transpose(1, 2)
-    mask = (torch.arange(max_rest, device=q.device)[None, :] < rest[:, None])[:, None, None]
-    o2, lse2 = _attend(qh, kr, vr, scale, mask)
-    lse = torch.logaddexp(lse1, lse2)
-    o = o1 * torch.exp(lse1 - lse) + o2 * torch.exp(lse2 - lse)
-    return o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,

@@ -7,7 +7,7 @@ needs is in `AttentionMetadata`, built by the runner for one step and valid for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,10 @@ class AttentionMetadata:
     query_start_loc_tensor: torch.Tensor | None = None  # device int64 (Triton kernels)
     max_query_len: int = 0
     on_layer_done: object = None  # called with each layer index once its KV is written
+    all_slots_valid: bool = False  # no slot is -1 (skips a check per layer)
+    # per-step scratch the layers share: how the torch backend reads the block tables is
+    # worked out by the first layer (reference.plan_decode) and reused by the others
+    memo: dict = field(default_factory=dict)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: LayerKV,
@@ -49,15 +53,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: Layer
     if meta.backend == AttentionBackend.TRITON:
         return _triton_attention(q, k, v, layer_kv, meta)
     reference.store_kv(k, v, layer_kv.k, layer_kv.v, meta.slot_mapping,
-                       layer_kv.k_scale, layer_kv.v_scale)
+                       layer_kv.k_scale, layer_kv.v_scale, meta.all_slots_valid)
     if meta.decode_only:
         return reference.paged_attention(q, layer_kv.k, layer_kv.v, meta.block_tables,
                                          meta.seq_lens_tensor, meta.softmax_scale,
-                                         layer_kv.k_scale, layer_kv.v_scale, meta.workspace)
+                                         layer_kv.k_scale, layer_kv.v_scale, meta.workspace,
+                                         meta.memo)
     return reference.prefill_attention(q, layer_kv.k, layer_kv.v, meta.block_tables,
                                        meta.query_start_loc, meta.seq_lens,
                                        meta.softmax_scale, layer_kv.k_scale, layer_kv.v_scale,
-                                       meta.workspace)
+                                       meta.workspace, meta.memo)
 
 
 def _triton_attention(q, k, v, layer_kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
@@ -65,8 +70,11 @@ def _triton_attention(q, k, v, layer_kv: LayerKV, meta: AttentionMetadata) -> to
     from kvsession.kernels.prefill_attention import prefill_attention
     from kvsession.kernels.store_kv import store_kv
 
-    store_kv(k.contiguous(), v.contiguous(), layer_kv.k, layer_kv.v, meta.slot_mapping,
-             layer_kv.k_scale, layer_kv.v_scale)
+    # k and v are views into different buffers (rotated q/k, fused qkv): the kernel wants
+    # them with equal strides, which one stacked copy gives (whatever the token count)
+    k, v = torch.stack((k, v)).unbind(0)
+    store_kv(k, v, layer_kv.k, layer_kv.v, meta.slot_mapping, layer_kv.k_scale,
+             layer_kv.v_scale)
     q = q.contiguous()
     if meta.decode_only:
         return paged_attention(q, layer_kv.k, layer_kv.v, meta.block_tables,

@@ -55,6 +55,7 @@ class ModelRunner:
             query_start_loc_tensor=torch.tensor(starts, dtype=torch.long, device=dev),
             max_query_len=max(item.num_new_tokens for item in batch),
             on_layer_done=self._layer_hook(batch),
+            all_slots_valid=True,  # every token of the batch is stored
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(pos).to(dev), meta, sample_rows

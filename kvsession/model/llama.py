@@ -17,13 +17,14 @@ import torch.nn.functional as F
 from kvsession.attention import AttentionMetadata, attention
 from kvsession.cache.kv_pool import KVPool
 from kvsession.model.config import ModelSpec, RopeSpec
+from kvsession.model.linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As HF: normalise in float32, cast back, then scale.
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var.add_(eps))).to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -46,107 +47,92 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-           contiguous: bool = True) -> torch.Tensor:
-    """x @ w.T (+ b), x: [rows, in], w: [out, in].
-
-    On CPU the product is written as (w @ x.T).T: for the skinny batches of decode, MKL's
-    kernel for that form streams the weight at up to 3x the bandwidth of `F.linear`'s, and a
-    single row is padded to two because MKL's 1-row kernel is the slow one (32000x512
-    lm_head: 6.2 ms at 1 row with F.linear, 2.0 ms this way; measured in bench/). Decode is
-    bound by reading weights, so this is the decode speed. Large batches (prefill) are
-    compute-bound and keep F.linear."""
-    rows = x.shape[0]
-    if x.device.type != "cpu" or x.dim() != 2 or rows > 64:
-        return F.linear(x, w, b)
-    xs = x if rows > 1 else x.repeat(2, 1)
-    y = torch.mm(w, xs.t()).t()[:rows]
-    if contiguous:  # views and SDPA's fast path downstream need it; logits do not
-        y = y.contiguous()
-    return y if b is None else y + b
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor            # q, k, v projections fused: [(Hq + 2 Hkv) * D, hidden]
-    qkv_bias: torch.Tensor | None
+    qkv: Linear                  # q, k, v projections fused: out = (Hq + 2 Hkv) * D
     q_norm: torch.Tensor | None  # Qwen3
     k_norm: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor        # gate and up fused: [2 * intermediate, hidden]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear              # gate and up fused: out = 2 * intermediate
+    down: Linear
 
 
 class LlamaModel:
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_model_len: int):
-        self.spec = spec
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_model_len: int,
+                 packed: bool = False):
+        """packed: also keep oneDNN-prepacked weights for batched decode (model/linear.py)."""
+        self.spec, self.packed = spec, packed
         # the paged attention op; an instance attribute so a measurement tool can wrap it
         # for one model (kvsession.numerics) without patching the module for everyone
         self.attention_fn = attention
-        self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = self.embed if spec.tie_word_embeddings else weights["lm_head.weight"]
         self.norm = weights["model.norm.weight"]
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(spec.num_layers)]
+        head = weights["model.embed_tokens.weight" if spec.tie_word_embeddings
+                       else "lm_head.weight"]
+        self.lm_head = Linear(head, packed=packed)
+        # tied: look tokens up in the head's (transposed) copy rather than keep a second one
+        self.embed = self.lm_head.weight if spec.tie_word_embeddings \
+            else weights["model.embed_tokens.weight"]
         weights.clear()  # the fused copies above replace them; free the originals
         positions = torch.arange(max_model_len, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(spec.rope, spec.head_dim))
-        emb = torch.cat((freqs, freqs), dim=-1).to(self.embed.device)
-        self.cos, self.sin = emb.cos(), emb.sin()  # float32 [max_model_len, head_dim]
+        dev = self.norm.device
+        # HF's rotary tables [max_model_len, head_dim], cos = cat(c, c) and sin = cat(s, s);
+        # sin is stored as cat(-s, s) so that rotate_half(x) * sin = roll(x) * sin_signed
+        sin = freqs.sin()
+        self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(dev)
+        self.sin_signed = torch.cat((-sin, sin), dim=-1).to(dev)
         self.softmax_scale = spec.head_dim ** -0.5
 
     def _layer(self, w: dict[str, torch.Tensor], p: str) -> LayerWeights:
         spec = self.spec
         a, m = p + "self_attn.", p + "mlp."
 
-        def cat(names):
-            return torch.cat([w[n] for n in names]) if all(n in w for n in names) else None
+        def linear(names, bias_names):
+            bias = torch.cat([w[n] for n in bias_names]) if all(n in w for n in bias_names) \
+                else None
+            return Linear([w[n] for n in names], bias, packed=self.packed)
 
         return LayerWeights(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
-            qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
+            qkv=linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                       [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
             q_norm=w.get(a + "q_norm.weight") if spec.qk_norm else None,
             k_norm=w.get(a + "k_norm.weight") if spec.qk_norm else None,
-            o=w[a + "o_proj.weight"], o_bias=w.get(a + "o_proj.bias"),
+            o=linear([a + "o_proj.weight"], [a + "o_proj.bias"]),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=cat([m + "gate_proj.weight", m + "up_proj.weight"]),
-            gate_up_bias=cat([m + "gate_proj.bias", m + "up_proj.bias"]),
-            down=w[m + "down_proj.weight"], down_bias=w.get(m + "down_proj.bias"),
+            gate_up=linear([m + "gate_proj.weight", m + "up_proj.weight"],
+                           [m + "gate_proj.bias", m + "up_proj.bias"]),
+            down=linear([m + "down_proj.weight"], [m + "down_proj.bias"]),
         )
 
     @staticmethod
-    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + rotate_half(x) * sin
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        # HF's x * cos + rotate_half(x) * sin, with rotate_half(x) * sin written as
+        # roll(x) * sin_signed: three ops instead of six, same values
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
     def attention_block(self, x: torch.Tensor, lw: LayerWeights, cos_sin: tuple,
                         kv: KVPool, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
         spec, num_tokens = self.spec, x.shape[0]
-        qkv = linear(x, lw.qkv, lw.qkv_bias)
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, spec.num_heads, spec.head_dim)
-        k = k.view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v = v.view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        heads, kv_heads, eps = spec.num_heads, spec.num_kv_heads, spec.rms_norm_eps
+        qkv = lw.qkv(x).view(num_tokens, heads + 2 * kv_heads, spec.head_dim)
+        qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads:]
         if spec.qk_norm:
-            q = rms_norm(q, lw.q_norm, spec.rms_norm_eps)
-            k = rms_norm(k, lw.k_norm, spec.rms_norm_eps)
-        q, k = self.rope(q, *cos_sin), self.rope(k, *cos_sin)
+            qk = torch.cat((rms_norm(qk[:, :heads], lw.q_norm, eps),
+                            rms_norm(qk[:, heads:], lw.k_norm, eps)), dim=1)
+        qk = self.rope(qk, *cos_sin)  # q and k rotated together
+        q, k = qk[:, :heads], qk[:, heads:]
         o = self.attention_fn(q, k, v, kv.layer(layer_idx), meta)
-        return linear(o.reshape(num_tokens, q_size), lw.o, lw.o_bias)
+        return lw.o(o.reshape(num_tokens, heads * spec.head_dim))
 
     def mlp(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-        gate, up = linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, lw.down, lw.down_bias)
+        gate_up = lw.gate_up(x)
+        half = gate_up.shape[-1] // 2
+        h = F.silu(gate_up[:, :half])
+        return lw.down(h.mul_(gate_up[:, half:]))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVPool,
@@ -156,16 +142,15 @@ class LlamaModel:
         h = self.embed[input_ids]
         # rotary tables for this step's positions, [T, 1, head_dim], shared by all layers
         cos_sin = (self.cos[positions].to(h.dtype).unsqueeze(1),
-                   self.sin[positions].to(h.dtype).unsqueeze(1))
+                   self.sin_signed[positions].to(h.dtype).unsqueeze(1))
         for i, lw in enumerate(self.layers):
-            h = h + self.attention_block(rms_norm(h, lw.input_norm, eps), lw, cos_sin, kv, i,
-                                         meta)
+            h += self.attention_block(rms_norm(h, lw.input_norm, eps), lw, cos_sin, kv, i, meta)
             if meta.on_layer_done is not None:
                 meta.on_layer_done(i)
-            h = h + self.mlp(rms_norm(h, lw.post_norm, eps), lw)
+            h += self.mlp(rms_norm(h, lw.post_norm, eps), lw)
         return rms_norm(h, self.norm, eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the rows that sample."""
-        return linear(hidden, self.lm_head, contiguous=False).float()
+        return self.lm_head(hidden).float()
