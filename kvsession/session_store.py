@@ -54,7 +54,7 @@ from kvsession.tiers import wal
 from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.locks import FileLock, lock_session
-from kvsession.tiers.resume import build_plan, open_segment
+from kvsession.tiers.resume import build_plan, open_segment, open_shared
 from kvsession.tiers.snapshot import SnapshotHeader, copy_snapshot
 from kvsession.tiers.snapshot_read import read_header
 
@@ -221,13 +221,13 @@ class SessionStore:
         try:
             hashes = rt.mover.block_hashes(state.tokens, params.cache_salt)
             segment = open_segment(disk, session_id, rt.header_fields)
+            shared = open_shared(disk, rt.header_fields)
             plan = build_plan(disk, session_id, state.tokens, hashes, rt.header_fields,
-                              segment)
+                              segment, shared)
             if rt.writeback is not None:  # what is on disk is never written again
                 if segment is not None:
                     rt.writeback.request("seed", session_id, segment)
-                if plan is not None:
-                    rt.writeback.know(session_id, enumerate(plan.hashes))
+                rt.writeback.know(session_id, enumerate(plan.hashes) if plan else (), shared)
             if plan is not None:
                 rt.call(lambda: rt.mover.attach_plan(sess.kv, plan)).result()
         except BaseException:
@@ -326,7 +326,7 @@ class SessionStore:
             rt.manager.checkin(kv, seq, seq.token_ids[:n], seq.block_hashes[: n // bs])
             rt.policy.checkin(kv)
             if ok and rt.writeback is not None:  # its new full blocks, written behind
-                rt.writeback.after_turn(kv, rt.kv.tensors())
+                rt.writeback.after_turn(kv, rt.kv.tensors(), rt.policy.num_lead(kv))
 
         def prepare() -> None:  # engine thread: bring the KV back, hand it to the sequence
             history = common_prefix_len(kv.tokens, ids)
@@ -399,6 +399,8 @@ class SessionStore:
                     own.unlink(missing_ok=True)
                 except OSError as e:
                     raise SnapshotError(f"{own}: cannot delete: {e}") from None
+                if self.rt.writeback is not None:
+                    self.rt.disk.collect_shared()
         finally:
             lock = self._locks.pop(sess.session_id, None)
             if lock is not None:
@@ -496,6 +498,8 @@ class SessionStore:
         for lock in self._locks.values():
             lock.release()
         self._locks.clear()
+        if self.rt.writeback is not None:  # no session left to use it: removed
+            self.rt.disk.collect_shared()
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -509,3 +509,39 @@ def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path
         r = s.send("and then?")
         assert r.restored_from == "disk" and r.cached_tokens == held
         assert r.token_ids == llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
+
+
+def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path):
+    system = SYSTEM + " Always explain the plan first, then act, then check the result."
+    sd = tmp_path / "sd"
+    llm = new_llm(llama_dir, sd, max_model_len=1024)
+    try:
+        sessions = [llm.session(session_id=f"p{i}", system=system, sampling=G)
+                    for i in range(4)]
+        for s in sessions:
+            s.send(f"{s.session_id}: read the file and run the tests " * 3)
+        llm._rt.writeback.request("flush", None).result(timeout=60)
+        lead = on_engine(llm, lambda: llm._rt.policy.num_lead(sessions[0].kv))
+        assert lead >= 2
+        shared = _scan(llm, sd / ".shared.seg")
+        assert sorted(m.index for m in shared.metas) == list(range(lead))  # once
+        for s in sessions:
+            assert min(m.index for m in _scan(llm, sd / f"{s.session_id}.seg").metas) == lead
+        shutil.copytree(sd, tmp_path / "copy")
+    finally:
+        llm.close()
+    assert sorted(os.listdir(sd)) == [f"p{i}.kvs" for i in range(4)]  # collected at close
+    for f in (tmp_path / "copy").glob("*.lock"):
+        f.unlink()
+    with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024,
+                 enable_prefix_caching=True) as llm:
+        s = llm.session(session_id="p2")
+        plan = llm._rt.mover.plans[s.kv]
+        assert plan.from_files["shared"] == lead and plan.from_files["segment"] >= 1
+        r = s.send("and then?")
+        assert r.restored_from == "disk"
+        assert r.token_ids == llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
+
+
+def on_engine(llm, fn):
+    return llm._rt.call(fn).result()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvsession.errors import ConfigError, SnapshotError
 from kvsession.tiers import wal
-from kvsession.tiers.locks import FileLock, sweep_stale_locks
+from kvsession.tiers.locks import FileLock, directory_lock, sweep_stale_locks
 from kvsession.tiers.snapshot import SESSION_ID_PATTERN, TEMP_NAME, fcntl
 from kvsession.tiers.snapshot_read import read_frame
 
@@ -37,6 +37,7 @@ log = logging.getLogger("kvsession")
 SESSION_ID = re.compile(SESSION_ID_PATTERN)
 # a temporary snapshot untouched this long, and not locked, is a crashed save's leftover
 STALE_TEMP_S = 60.0
+SHARED_NAME = ".shared.seg"
 
 
 def check_session_id(session_id: str) -> str:
@@ -71,6 +72,28 @@ class DiskTier:
     def lock_path(self, session_id: str) -> Path:
         return self.root / f"{session_id}.lock"
 
+    def shared_path(self) -> Path:
+        """The shared prefix store: KV blocks of pinned prefixes (system prompts), stored
+        once per directory (a segment file; its name is no session id)."""
+        return self.root / SHARED_NAME
+
+    def collect_shared(self) -> bool:
+        """Remove the shared prefix store when no session in the directory can use it (no
+        log, no segment: sessions persisted as snapshots carry their own copy). Under the
+        directory lock; True when removed."""
+        path = self.shared_path()
+        if not path.exists():
+            return False
+        try:
+            with directory_lock(self.root, timeout_s=5.0):
+                if self._session_files(".log") or self._session_files(".seg"):
+                    return False
+                path.unlink(missing_ok=True)
+                return True
+        except (OSError, SnapshotError) as e:
+            log.warning("shared prefix store %s: %s", path, e)
+            return False
+
     def has_session(self, session_id: str) -> bool:
         """Whether session_dir holds the session (a log, or a snapshot)."""
         return self.log_path(session_id).is_file() or self.path_for(session_id).is_file()
@@ -100,7 +123,8 @@ class DiskTier:
         for path in truncated:
             log.info("%s: torn last record removed", path)
         return {"truncated_logs": truncated, "removed_logs": removed,
-                "removed_segments": self._remove_orphan_segments()}
+                "removed_segments": self._remove_orphan_segments(),
+                "removed_shared": [self.shared_path()] if self.collect_shared() else []}
 
     def _remove_orphan_segments(self) -> list[Path]:
         """A segment without a log is KV of turns never acknowledged (written behind

@@ -66,6 +66,11 @@ class TierPolicy:
         del self.decisions[:-256]
         log.debug("session %s: %s (%s)", s.session_id, decision, reason)
 
+    def num_lead(self, s: SessionKV) -> int:
+        """Leading pinned blocks (shared by sessions: the write-behind stores them once per
+        directory)."""
+        return self._num_lead(s)
+
     def _num_lead(self, s: SessionKV) -> int:
         """Leading blocks that are pinned: they stay on the device when the session moves."""
         n = 0

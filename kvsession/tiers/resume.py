@@ -67,11 +67,27 @@ def open_segment(disk, session_id: str, header_fields: dict) -> SegmentScan | No
         return None
 
 
+def open_shared(disk, header_fields: dict) -> SegmentScan | None:
+    """The directory's shared prefix store as it is now (another process may be appending
+    under the directory lock: a record it has not finished reads as a torn tail and is
+    simply not used; only the lock holder ever cuts it)."""
+    path = disk.shared_path()
+    if not path.is_file():
+        return None
+    try:
+        return scan_segment(path, header_fields, "shared")
+    except SnapshotError as e:
+        log.warning("%s; shared prefix blocks will be recomputed", e)
+        return None
+
+
 def build_plan(disk, session_id: str, tokens, hashes, header_fields: dict,
-               segment: SegmentScan | None = None) -> DiskPlan | None:
+               segment: SegmentScan | None = None, shared: SegmentScan | None = None
+               ) -> DiskPlan | None:
     """The blocks of `tokens` (the log's) found on disk, as a prefix: the session's
-    snapshot first, then its segment; None when there are none. A file that is damaged or
-    written by another engine contributes nothing (a warning): its blocks are recomputed."""
+    snapshot first, then its segment or the shared prefix store, block by block; None when
+    there are none. A file that is damaged or written by another engine contributes
+    nothing (a warning): its blocks are recomputed."""
     bs = header_fields["block_size"]
     tokens = list(tokens)
     sources: list[tuple[Path, SnapshotHeader, int]] = []
@@ -88,13 +104,16 @@ def build_plan(disk, session_id: str, tokens, hashes, header_fields: dict,
             n = -(-covered // bs)
             sources = [(kvs, h, i) for i in range(n)]
             kinds["snapshot"] = n
-    if segment is not None and covered % bs == 0:
-        more = segment_blocks(segment, disk.segment_path(session_id), covered // bs, tokens,
-                              hashes, bs)
-        if more:
-            kinds["segment"] = len(more)
-            sources += more
-            covered += len(more) * bs
+    stores = [(segment, disk.segment_path(session_id))] if segment is not None else []
+    if shared is not None:
+        stores.append((shared, disk.shared_path()))
+    if stores and covered % bs == 0:
+        more = segment_blocks(stores, covered // bs, tokens, hashes, bs)
+        for path, _, _ in more:
+            kind = "shared" if path == disk.shared_path() else "segment"
+            kinds[kind] = kinds.get(kind, 0) + 1
+        sources += more
+        covered += len(more) * bs
     if not covered:
         return None
     return DiskPlan(tuple(tokens[:covered]), tuple(hashes[: covered // bs]), sources,

@@ -201,16 +201,20 @@ def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentSca
     return SegmentScan(header, metas, pos, size)
 
 
-def segment_blocks(scan: SegmentScan, path: Path, start: int, tokens, hashes, bs: int
-                   ) -> list[tuple[Path, SnapshotHeader, int]]:
-    """Blocks start, start+1, ... of `tokens` found in the segment (chained hash and
-    tokens equal), up to the first one missing."""
+def segment_blocks(stores: list[tuple[SegmentScan, Path]], start: int, tokens, hashes,
+                   bs: int) -> list[tuple[Path, SnapshotHeader, int]]:
+    """Blocks start, start+1, ... of `tokens` found in the given segments (the first that
+    has it: chained hash and tokens equal), up to the first one found in none."""
     out = []
     for i in range(start, len(hashes)):
-        k = scan.index.get((i, hashes[i]))
-        if k is None or list(scan.metas[k].tokens) != list(tokens[i * bs:(i + 1) * bs]):
+        want = list(tokens[i * bs:(i + 1) * bs])
+        for scan, path in stores:
+            k = scan.index.get((i, hashes[i]))
+            if k is not None and list(scan.metas[k].tokens) == want:
+                out.append((path, scan.header, k))
+                break
+        else:
             break
-        out.append((path, scan.header, k))
     return out
 
 
@@ -242,10 +246,11 @@ def compact(out: Path, sources: list[tuple[Path, SnapshotHeader, int]], fields: 
     return written
 
 
-def compaction_sources(kvs: Path, seg: Path, scan: SegmentScan | None, header_fields: dict,
-                       tokens, hashes) -> list[tuple[Path, SnapshotHeader, int]]:
+def compaction_sources(kvs: Path, stores: list[tuple[SegmentScan, Path]],
+                       header_fields: dict, tokens, hashes
+                       ) -> list[tuple[Path, SnapshotHeader, int]]:
     """The blocks of the session's current full-block `tokens`, snapshot first, then the
-    segment, as a prefix (what a resume would attach)."""
+    segments (its own, the shared prefix store), as a prefix (what a resume attaches)."""
     from kvsession.tiers.resume import snapshot_prefix
 
     bs = header_fields["block_size"]
@@ -257,7 +262,5 @@ def compaction_sources(kvs: Path, seg: Path, scan: SegmentScan | None, header_fi
             sources = [(kvs, h, i) for i in range(n)]
         except SnapshotError:
             pass
-    if scan is not None:
-        sources += segment_blocks(scan, seg, len(sources), tokens, hashes, bs)
-    return sources
+    return sources + segment_blocks(stores, len(sources), tokens, hashes, bs)
 

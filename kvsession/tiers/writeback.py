@@ -11,7 +11,11 @@ compacts a segment that fragments. Nothing here is ever waited for by a decode s
 session log (tiers/commit.py), not this, is what makes a turn durable.
 
 A block is identified by (position, chained hash): one already on disk (queued, in the
-segment, or in the session's snapshot) is never written again.
+segment, or in the session's snapshot) is never written again. A session's leading pinned
+blocks (a shared system prompt) go to the directory's shared prefix store instead
+(`.shared.seg`, the same format), once per directory whichever session or process meets
+them first: appends to it are made under the directory lock, after reading what other
+processes appended since.
 
 Requests that must follow a session's queued blocks (flush, close, delete, seed) go through
 the same queue, so they see every block handed over before them. Snapshot files of a
@@ -37,6 +41,7 @@ import torch
 
 from kvsession.cache.manager import SessionKV
 from kvsession.errors import SnapshotError
+from kvsession.tiers.locks import directory_lock
 from kvsession.tiers.segments import (
     BlockMeta,
     SegmentScan,
@@ -45,6 +50,7 @@ from kvsession.tiers.segments import (
     encode_record,
     identity_of,
     pseudo_header,
+    scan_segment,
     start_bytes,
 )
 from kvsession.tiers.snapshot import MIN_LZ4_SAVING, Chunk, encode_block
@@ -70,7 +76,8 @@ class SnapshotLocks:
 @dataclass
 class _Blocks:
     session_id: str
-    indices: list[int]
+    indices: list[int]  # the session's segment
+    shared: list[int]  # the shared prefix store
     tokens: tuple[int, ...]
     hashes: tuple[bytes, ...]
     data: dict[str, torch.Tensor]  # name -> [num_layers, len(indices), ...] on the CPU
@@ -131,6 +138,9 @@ class WriteBehind:
         self._queued_bytes = 0
         self._known: dict[str, set[tuple[int, bytes]]] = {}
         self._segs: dict[str, _Segment] = {}  # writer thread only
+        self._shared_known: set[tuple[int, bytes]] = set()
+        self.shared: SegmentScan | None = None  # the shared store as last read (writer)
+        self.shared_blocks_written = 0
         # counters (stats, benchmark)
         self.blocks_written = self.bytes_written = self.dropped = self.compactions = 0
         self.busy_s = 0.0
@@ -140,27 +150,33 @@ class WriteBehind:
 
     # ---- engine thread ---------------------------------------------------------------
 
-    def after_turn(self, s: SessionKV, tensors: dict[str, torch.Tensor]) -> None:
+    def after_turn(self, s: SessionKV, tensors: dict[str, torch.Tensor], shared: int = 0
+                   ) -> None:
         """Queue the session's full blocks that are not on disk yet (gathered now: the
-        session keeps its blocks)."""
+        session keeps its blocks); its first `shared` blocks (pinned, shared by sessions)
+        belong to the shared prefix store."""
         n_full = min(len(s.tokens) // self.bs, len(s.hashes), len(s.blocks))
+        shared = min(shared, n_full)
         with self._guard:
             known = self._known.setdefault(s.session_id, set())
-            new = [i for i in range(n_full) if (i, s.hashes[i]) not in known]
+            lead = [i for i in range(shared) if (i, s.hashes[i]) not in self._shared_known]
+            new = [i for i in range(shared, n_full) if (i, s.hashes[i]) not in known]
             block_bytes = sum(t[:, :1].numel() * t.element_size() for t in tensors.values())
-            nbytes = len(new) * block_bytes
+            nbytes = (len(lead) + len(new)) * block_bytes
             if self._queued_bytes + nbytes > self.MAX_QUEUED_BYTES:
-                self.dropped += len(new)
-                new, nbytes = [], 0
+                self.dropped += len(lead) + len(new)
+                lead, new, nbytes = [], [], 0
             self._queued_bytes += nbytes
             known.update((i, s.hashes[i]) for i in new)
+            self._shared_known.update((i, s.hashes[i]) for i in lead)
         data = {}
-        if new:
+        if lead or new:
             for name, t in tensors.items():
-                ids = torch.tensor([s.blocks[i].block_id for i in new], device=t.device)
+                ids = torch.tensor([s.blocks[i].block_id for i in lead + new], device=t.device)
                 raw = t.view(torch.uint8) if t.element_size() == 1 else t
                 data[name] = raw.index_select(1, ids).to("cpu").view(t.dtype)
-        self._q.put(_Blocks(s.session_id, new, s.tokens, s.hashes[:n_full], data, nbytes))
+        self._q.put(_Blocks(s.session_id, new, lead, s.tokens, s.hashes[:n_full], data,
+                            nbytes))
 
     # ---- any thread --------------------------------------------------------------------
 
@@ -177,10 +193,13 @@ class WriteBehind:
         self._q.put(_Request(kind, session_id, fut, scan))
         return fut
 
-    def know(self, session_id: str, blocks) -> None:
-        """Blocks (position, hash) the session has on disk elsewhere (its snapshot)."""
+    def know(self, session_id: str, blocks, shared: SegmentScan | None = None) -> None:
+        """Blocks (position, hash) the session has on disk elsewhere (its snapshot), and
+        what the shared prefix store holds."""
         with self._guard:
             self._known.setdefault(session_id, set()).update(blocks)
+            if shared is not None:
+                self._shared_known.update(shared.index)
 
     def close(self) -> None:
         fut = self.request("flush", None)
@@ -209,29 +228,39 @@ class WriteBehind:
         seg = self._segs.get(sid)
         if seg is None:
             seg = self._segs[sid] = _Segment(self.disk.segment_path(sid))
+        return self._open(seg)
+
+    def _open(self, seg: _Segment) -> _Segment:
         if seg.fd is None:
             fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-            if not seg.end:  # a new segment (an old one of this id is replaced)
+            if not seg.end:  # a new segment (an old one of this name is replaced)
                 os.ftruncate(fd, 0)
                 _pwrite_all(fd, [self._start], 0)
                 seg.end = len(self._start)
                 seg.chunks, seg.metas = [], []
+            else:  # cut anything past what is known intact (a torn append)
+                os.ftruncate(fd, seg.end)
             seg.fd = fd
         return seg
 
     def _write(self, job: _Blocks) -> None:
         sid = job.session_id
         try:
-            if job.indices and not self._room_for(job):
-                self.dropped += len(job.indices)
+            if (job.indices or job.shared) and not self._room_for(job):
+                self.dropped += len(job.indices) + len(job.shared)
                 with self._guard:
                     self._known.get(sid, set()).difference_update(
                         (i, job.hashes[i]) for i in job.indices)
-            elif job.indices:
+                    self._shared_known.difference_update(
+                        (i, job.hashes[i]) for i in job.shared)
+            else:
                 t0 = time.perf_counter()
-                seg = self._seg(sid)
-                for j, i in enumerate(job.indices):
-                    self._append(seg, i, job, j)
+                if job.shared:
+                    self._write_shared(job)
+                if job.indices:
+                    seg = self._seg(sid)
+                    for j, i in enumerate(job.indices, start=len(job.shared)):
+                        self._append(seg, i, job, j)
                 self.busy_s += time.perf_counter() - t0
             seg = self._segs.get(sid)
             if seg is not None:
@@ -247,6 +276,34 @@ class WriteBehind:
         finally:
             with self._guard:
                 self._queued_bytes -= job.nbytes
+
+    def _write_shared(self, job: _Blocks) -> None:
+        """Append the job's shared prefix blocks to the directory's store, under the
+        directory lock, skipping those another process (or session) already put there."""
+        path = self.disk.shared_path()
+        try:
+            with directory_lock(self.disk.root):
+                size = path.stat().st_size if path.exists() else 0
+                if size and (self.shared is None or self.shared.size != size):
+                    self.shared = scan_segment(path, self.header_fields, "shared")
+                seg = _Segment(path)
+                if size and self.shared is not None:
+                    seg.end, seg.chunks, seg.metas = (
+                        self.shared.end, list(self.shared.header.chunks),
+                        list(self.shared.metas))
+                seg = self._open(seg)
+                try:
+                    for j, i in enumerate(job.shared):
+                        if self.shared is None or (i, job.hashes[i]) not in self.shared.index:
+                            self._append(seg, i, job, j)
+                            self.shared_blocks_written += 1
+                    self._sync(seg)
+                    self.shared = seg.scan(self.header_fields, "shared")
+                    self.shared.size = seg.end
+                finally:
+                    self._close_fd(seg)
+        except SnapshotError as e:  # not ours to fix (another engine's store): skip it
+            log.warning("shared prefix store: %s", e)
 
     def _room_for(self, job: _Blocks) -> bool:
         try:
@@ -305,8 +362,11 @@ class WriteBehind:
         kvs = self.disk.path_for(sid)
         self._sync(seg)
         with self.locks.get(sid):
-            sources = compaction_sources(kvs, seg.path, seg.scan(self.header_fields, sid),
-                                         self.header_fields, seg.tokens, seg.hashes)
+            stores = [(seg.scan(self.header_fields, sid), seg.path)]
+            if self.shared is not None:
+                stores.append((self.shared, self.disk.shared_path()))
+            sources = compaction_sources(kvs, stores, self.header_fields, seg.tokens,
+                                         seg.hashes)
             n = len(sources)
             if any(p == seg.path for p, _, _ in sources):
                 fields = {**self.header_fields, "session_id": sid,
