@@ -57,6 +57,7 @@ from kvsession.tiers.locks import FileLock, lock_session
 from kvsession.tiers.resume import build_plan, open_segment, open_shared
 from kvsession.tiers.snapshot import SnapshotHeader, copy_snapshot
 from kvsession.tiers.snapshot_read import read_header
+from kvsession.tiers.writeback import WriteOp
 
 log = logging.getLogger("kvsession")
 # restore tokenizes a snapshot's system prompt (to share its pinned blocks); longer than this
@@ -226,7 +227,7 @@ class SessionStore:
                               segment, shared)
             if rt.writeback is not None:  # what is on disk is never written again
                 if segment is not None:
-                    rt.writeback.request("seed", session_id, segment)
+                    rt.writeback.request(WriteOp.SEED, session_id, segment)
                 rt.writeback.know(session_id, enumerate(plan.hashes) if plan else (), shared)
             if plan is not None:
                 rt.call(lambda: rt.mover.attach_plan(sess.kv, plan)).result()
@@ -389,7 +390,7 @@ class SessionStore:
             self.rt.call(lambda: self.rt.policy.release(kv)).result()
         try:
             self._unpin_system(sess)
-            self._writeback_op("delete" if delete else "close", sess.session_id)
+            self._writeback_op(WriteOp.DELETE if delete else WriteOp.CLOSE, sess.session_id)
             slog = self._logs.pop(sess.session_id, None)
             if slog is not None:
                 self._log_op(slog, Op.DELETE if delete else Op.CLOSE)
@@ -414,7 +415,7 @@ class SessionStore:
             raise SnapshotError(f"{slog.path}: the log was not {op.value}d within "
                                 f"{LOG_OP_TIMEOUT_S:.0f} s") from None
 
-    def _writeback_op(self, kind: str, session_id: str) -> None:
+    def _writeback_op(self, kind: WriteOp, session_id: str) -> None:
         """Close (its queued blocks written first) or delete a session's segment."""
         wb = self.rt.writeback
         if wb is None or self.rt.closed:
@@ -422,7 +423,7 @@ class SessionStore:
         try:
             wb.request(kind, session_id).result(timeout=LOG_OP_TIMEOUT_S)
         except TimeoutError:
-            raise SnapshotError(f"session {session_id!r}: its KV segment was not {kind}d "
+            raise SnapshotError(f"session {session_id!r}: its KV segment was not {kind.value}d "
                                 f"within {LOG_OP_TIMEOUT_S:.0f} s") from None
 
     def _unpin_system(self, sess: Session) -> None:
@@ -475,10 +476,10 @@ class SessionStore:
         drained first (a compaction it has queued must not replace the snapshot)."""
         slog = self._logs.get(sess.session_id)
         if slog is not None:
-            self._writeback_op("close", sess.session_id)
+            self._writeback_op(WriteOp.CLOSE, sess.session_id)
         sess.save(self.rt.disk.path_for(sess.session_id))
         if slog is not None:  # the snapshot is durable: segment and log are redundant
-            self._writeback_op("delete", sess.session_id)
+            self._writeback_op(WriteOp.DELETE, sess.session_id)
             self._log_op(slog, Op.DELETE)
             self._logs.pop(sess.session_id, None)
 
@@ -486,7 +487,7 @@ class SessionStore:
         for sess in list(self.live.values()):
             sess.mark_closed()
             try:
-                self._writeback_op("close", sess.session_id)
+                self._writeback_op(WriteOp.CLOSE, sess.session_id)
             except SnapshotError as e:
                 log.warning("%s", e)
         for slog in list(self._logs.values()):

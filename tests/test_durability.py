@@ -27,6 +27,7 @@ from kvsession.errors import SessionLockedError
 from kvsession.tiers import wal
 from kvsession.tiers.commit import GroupCommit, Op, SessionLog
 from kvsession.tiers.disk import DiskTier
+from kvsession.tiers.writeback import WriteOp
 
 G = SamplingParams(max_tokens=4, temperature=0.0)
 SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."
@@ -448,7 +449,7 @@ def test_blocks_are_written_behind_once_and_reused_after_a_restart(llama_dir, tm
         for t in range(4):
             s.send(f"turn {t}: " + "read the file and run the tests " * 4)
         wb = llm._rt.writeback
-        wb.request("flush", None).result(timeout=60)
+        wb.request(WriteOp.FLUSH, None).result(timeout=60)
         # one record per distinct full block, however many turns saw it (a block the
         # re-rendered history changed is a new block); every current block is there
         scan = _scan(llm, sd / "w.seg")
@@ -468,7 +469,7 @@ def test_blocks_are_written_behind_once_and_reused_after_a_restart(llama_dir, tm
         assert r.restored_from == "disk" and r.cached_tokens == held // 16 * 16
         assert r.token_ids == llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
         wb = llm._rt.writeback
-        wb.request("flush", None).result(timeout=60)
+        wb.request(WriteOp.FLUSH, None).result(timeout=60)
         # only the blocks the new turn completed were written: nothing already on disk
         assert wb.blocks_written == len(s.kv.tokens) // 16 - held // 16
 
@@ -490,7 +491,7 @@ def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path
         for t in range(3):
             s.send(f"turn {t}: " + "read the file and run the tests " * 4)
         wb = llm._rt.writeback
-        wb.request("flush", None).result(timeout=60)
+        wb.request(WriteOp.FLUSH, None).result(timeout=60)
         assert wb.compactions >= 1
         from kvsession.tiers.resume import snapshot_prefix
         from kvsession.tiers.snapshot_read import read_header
@@ -520,7 +521,7 @@ def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path
                     for i in range(4)]
         for s in sessions:
             s.send(f"{s.session_id}: read the file and run the tests " * 3)
-        llm._rt.writeback.request("flush", None).result(timeout=60)
+        llm._rt.writeback.request(WriteOp.FLUSH, None).result(timeout=60)
         lead = on_engine(llm, lambda: llm._rt.policy.num_lead(sessions[0].kv))
         assert lead >= 2
         shared = _scan(llm, sd / ".shared.seg")

@@ -26,6 +26,7 @@ per-session lock (`SnapshotLocks`) orders the two.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import queue
@@ -84,9 +85,18 @@ class _Blocks:
     nbytes: int
 
 
+class WriteOp(enum.Enum):
+    """Requests that follow a session's queued blocks through the writer's queue."""
+
+    FLUSH = "flush"    # fdatasync (session_id None: every segment)
+    CLOSE = "close"    # finish its blocks, release the file
+    DELETE = "delete"  # remove its segment (its queued blocks are written first, then gone)
+    SEED = "seed"      # a resumed session's existing segment: appended to, blocks known
+
+
 @dataclass
 class _Request:
-    kind: str  # "flush" | "close" | "delete" | "seed"
+    kind: WriteOp
     session_id: str | None
     future: Future
     scan: SegmentScan | None = None
@@ -180,13 +190,11 @@ class WriteBehind:
 
     # ---- any thread --------------------------------------------------------------------
 
-    def request(self, kind: str, session_id: str | None, scan: SegmentScan | None = None
-                ) -> Future:
-        """flush (session_id None: every segment), close (finish its blocks, release the
-        file), delete (drop its queued blocks, remove its segment), seed (a resumed
-        session's existing segment: appended to, its blocks known)."""
+    def request(self, kind: WriteOp, session_id: str | None,
+                scan: SegmentScan | None = None) -> Future:
+        """Queue a request (WriteOp); the Future resolves when the writer has served it."""
         fut: Future = Future()
-        if kind == "seed" and scan is not None:
+        if kind is WriteOp.SEED and scan is not None:
             with self._guard:
                 self._known.setdefault(session_id, set()).update(
                     (m.index, m.hash) for m in scan.metas)
@@ -202,7 +210,7 @@ class WriteBehind:
                 self._shared_known.update(shared.index)
 
     def close(self) -> None:
-        fut = self.request("flush", None)
+        fut = self.request(WriteOp.FLUSH, None)
         with contextlib.suppress(Exception):
             fut.result(timeout=CLOSE_TIMEOUT_S)
         self._q.put(None)
@@ -390,23 +398,23 @@ class WriteBehind:
 
     def _serve(self, req: _Request) -> None:
         sid = req.session_id
-        if req.kind == "flush":
+        if req.kind is WriteOp.FLUSH:
             for s, seg in list(self._segs.items()):
                 if sid is None or s == sid:
                     self._sync(seg)
-        elif req.kind == "seed":
+        elif req.kind is WriteOp.SEED:
             scan = req.scan
             self._segs[sid] = _Segment(self.disk.segment_path(sid), end=scan.end,
                                        chunks=list(scan.header.chunks),
                                        metas=list(scan.metas), codec="lz4")
-        elif req.kind == "close":
+        elif req.kind is WriteOp.CLOSE:
             seg = self._segs.pop(sid, None)
             if seg is not None:
                 self._sync(seg)
                 self._close_fd(seg)
             with self._guard:
                 self._known.pop(sid, None)
-        elif req.kind == "delete":
+        elif req.kind is WriteOp.DELETE:
             self._drop_segment(sid)
             with self._guard:
                 self._known.pop(sid, None)
