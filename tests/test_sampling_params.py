@@ -208,14 +208,21 @@ def test_seeded_penalised_sampling_is_batch_independent(llm):
 def test_n_completions_equal_seeded_singles_and_prefill_once(llm):
     prompt = random_prompts(35, [45], VOCAB)  # 2 full blocks and a partial one
     before = llm.stats().prefill_tokens
-    out = gen(llm, prompt, SamplingParams(n=8, max_tokens=7, seed=11, ignore_eos=True))[0]
+    out = gen(llm, prompt, SamplingParams(n=8, max_tokens=7, seed=11, ignore_eos=True,
+                                          logprobs=1))[0]
     assert llm.stats().prefill_tokens - before == 45  # one prefill for eight completions
     assert [c.index for c in out.outputs] == list(range(8))
     assert all(isinstance(c, CompletionOutput) for c in out.outputs)
     assert (out.text, out.token_ids) == (out.outputs[0].text, out.outputs[0].token_ids)
     for i, c in enumerate(out.outputs):
-        single = gen(llm, prompt, SamplingParams(max_tokens=7, seed=11 + i, ignore_eos=True))[0]
+        single = gen(llm, prompt, SamplingParams(max_tokens=7, seed=11 + i, ignore_eos=True,
+                                                 logprobs=1))[0]
         assert c.token_ids == single.token_ids and c.text == single.text
+        # the same distributions, not just the same draws: each completion attended to
+        # its own KV (a shared partial block would mix them)
+        for got, want in zip(c.logprobs, single.logprobs, strict=True):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t] - want[t]) < 1e-5 for t in got)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     greedy = gen(llm, prompt, SamplingParams(n=3, max_tokens=5, temperature=0.0,
                                              ignore_eos=True))[0]
