@@ -77,6 +77,12 @@ class StructuredOutput:
     - `regex`: a regular expression the whole output matches;
     - `grammar`: an EBNF grammar (xgrammar's GBNF dialect, start symbol `root`).
 
+    `jump_forward=True`: where the format allows exactly one continuation (a key, a
+    separator, the rest of an enum value), its tokens are appended without sampling and
+    computed in the next step together with the following token (fewer steps; the forced
+    text is tokenized by xgrammar, longest tokens first, which may differ from the model's
+    own tokenization). Not with `logprobs` (forced tokens have none); needs xgrammar >= 0.2.
+
     Frozen and hashable (a schema is kept as canonical JSON text, `json_schema`), so equal
     formats share one compiled grammar. Whether the format compiles is checked when a
     request using it is submitted (ConfigError naming the field)."""
@@ -85,14 +91,17 @@ class StructuredOutput:
     regex: str | None = None
     grammar: str | None = None
     json_object: bool = False
+    jump_forward: bool = False
 
     def __init__(self, *, json_schema: dict | str | None = None, regex: str | None = None,
-                 grammar: str | None = None, json_object: bool = False, **unknown) -> None:
+                 grammar: str | None = None, json_object: bool = False,
+                 jump_forward: bool = False, **unknown) -> None:
         reject_unknown("StructuredOutput()", unknown,
-                       ("json_schema", "regex", "grammar", "json_object"),
+                       ("json_schema", "regex", "grammar", "json_object", "jump_forward"),
                        hints={"schema": "json_schema", "ebnf": "grammar", "json": "json_object",
                               "pattern": "regex"})
         check_bool("structured.json_object", json_object)
+        check_bool("structured.jump_forward", jump_forward)
         given = [n for n, v in (("json_schema", json_schema), ("regex", regex),
                                 ("grammar", grammar)) if v is not None]
         given += ["json_object"] if json_object else []
@@ -105,6 +114,7 @@ class StructuredOutput:
             "grammar": check_str("structured.grammar", grammar, allow_none=True,
                                  non_empty=True),
             "json_object": json_object,
+            "jump_forward": jump_forward,
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -207,6 +217,9 @@ class SamplingParams:
             raise ConfigError(f"structured must be None or a StructuredOutput(json_schema=..., "
                               f"regex=..., grammar=... or json_object=True), "
                               f"got {structured!r:.80}")
+        if structured is not None and structured.jump_forward and logprobs is not None:
+            raise ConfigError("structured.jump_forward must be False with logprobs (forced "
+                              "tokens are not sampled, so they have no logprobs)")
         max_tokens = check_int("max_tokens", max_tokens, min_value=1)
         values = {
             "max_tokens": max_tokens,

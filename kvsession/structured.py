@@ -90,6 +90,11 @@ class GrammarState:
             raise RuntimeError(f"token {token_id} does not continue the structured format")
         self.num_accepted += 1
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the format allows as the only continuation from here (not accepted
+        yet); stop and special tokens are never among them."""
+        return self.matcher.find_jump_forward_tokens()
+
     def fork(self) -> GrammarState:
         """A fresh state for another completion of the same request. Completions are forked
         before their first token, so the start state is the right one (and this needs no
@@ -163,6 +168,10 @@ class GrammarCompiler:
             raise ConfigError(f"structured.{fmt.kind} does not compile: {msg}") from None
 
     def new_state(self, fmt: StructuredOutput) -> GrammarState:
+        if fmt.jump_forward and not hasattr(self._xgr.GrammarMatcher,
+                                            "find_jump_forward_tokens"):
+            raise ConfigError("structured.jump_forward needs xgrammar >= 0.2 "
+                              "(find_jump_forward_tokens)")
         compiled = self.compile(fmt)
         return GrammarState(self._xgr.GrammarMatcher, compiled)
 

@@ -76,6 +76,15 @@ def test_stream_of_structured_and_chat_requests(llm):
     p = SamplingParams(max_tokens=40, seed=4, structured=fmt)
     want = llm.generate("list", p, use_tqdm=False)[0]
     check_deltas(list(llm.stream("list", p)), want.text)
+    # jump-forward appends several tokens per step
+    fmt = StructuredOutput(json_schema={"type": "object", "required": ["answer_field"],
+                                        "properties": {"answer_field": {"enum": [
+                                            "the first long answer", "another answer"]}}},
+                           jump_forward=True)
+    p = SamplingParams(max_tokens=40, seed=4, structured=fmt)
+    want = llm.generate("json", p, use_tqdm=False)[0]
+    assert want.finish_reason == "stop"
+    check_deltas(list(llm.stream("json", p)), want.text)
     msgs = [{"role": "user", "content": "hello there"}]
     p = SamplingParams(max_tokens=12, seed=8, ignore_eos=True)
     want = llm.chat(msgs, p, use_tqdm=False)[0]

@@ -274,3 +274,37 @@ def test_mask_covers_a_vocabulary_larger_than_the_tokenizer(model_dirs):
         for out in sample(big, fmt, 6, 48, 21):
             assert all(t < 512 for t in out.token_ids)
             jsonschema.validate(json.loads(out.text), SCHEMAS[2])
+
+
+LONG_KEYS = {"type": "object", "properties": {
+    "description_of_the_result": {"type": INT, "minimum": 0, "maximum": 99},
+    "status_of_the_request": {"enum": ["completed_successfully", "failed_permanently"]},
+    "list_of_file_paths": {"type": "array", "maxItems": 2,
+                           "items": {"enum": ["src/main.py", "tests/test_main.py"]}}},
+    "required": ["description_of_the_result", "status_of_the_request", "list_of_file_paths"]}
+
+
+def test_jump_forward_appends_forced_tokens_in_fewer_steps(llm):
+    counts = {}
+    for jf in (False, True):
+        fmt = StructuredOutput(json_schema=LONG_KEYS, jump_forward=jf)
+        steps = llm._rt.engine.num_steps
+        outs = sample(llm, fmt, 4, 128, 30)
+        counts[jf] = (llm._rt.engine.num_steps - steps, sum(len(o.token_ids) for o in outs))
+        for o in outs:
+            assert o.finish_reason == "stop"
+            jsonschema.validate(json.loads(o.text), LONG_KEYS)
+        assert [o.token_ids for o in sample(llm, fmt, 4, 128, 30)] == \
+            [o.token_ids for o in outs]  # still seeded and reproducible
+    (plain_steps, plain_tokens), (jf_steps, jf_tokens) = counts[False], counts[True]
+    assert plain_steps >= plain_tokens // 4  # one token per request per step
+    # the keys and enum tails came without a step each
+    assert jf_steps < plain_steps / 2 and jf_steps < jf_tokens / 4
+    # max_tokens still bounds a request whose forced tokens would pass it
+    out = sample(llm, StructuredOutput(json_schema=LONG_KEYS, jump_forward=True), 1, 5, 31)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_jump_forward_with_logprobs_is_refused():
+    with pytest.raises(ConfigError, match="structured.jump_forward must be False with logprobs"):
+        SamplingParams(logprobs=1, structured=StructuredOutput(regex="a", jump_forward=True))

@@ -211,6 +211,16 @@ class Engine:
                         lp[p - lo], seq.token_ids[p + 1], seq.params.prompt_logprobs)
         return r.model.logits(hidden[rows])
 
+    def _jump_forward(self, seq: Sequence) -> bool:
+        """Append the tokens the format forces (they are computed in the next step with the
+        token that follows them, like a prompt chunk); True if one of them ends the request
+        (max_tokens, a stop string)."""
+        for token in seq.grammar.forced_tokens():
+            seq.append_token(token, None)
+            if seq.check_finished(self.decode):
+                return True
+        return False
+
     def _fork(self, parent: Sequence, logits) -> None:
         """n > 1, at the parent's first sample: the other completions are spawned, share its
         prompt KV (Scheduler.fork) and sample their first tokens from the same logits."""
@@ -228,6 +238,8 @@ class Engine:
     def _advance(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         seq.append_token(token, logprobs)
         done = seq.check_finished(self.decode)
+        if not done and seq.grammar is not None and seq.params.structured.jump_forward:
+            done = self._jump_forward(seq)
         if done:
             seq.finish_time = time.perf_counter()
             self.scheduler.finish(seq, release=not seq.retain_blocks)
