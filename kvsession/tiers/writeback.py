@@ -25,6 +25,7 @@ per-session lock (`SnapshotLocks`) orders the two.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import logging
@@ -59,6 +60,7 @@ from kvsession.tiers.snapshot import MIN_LZ4_SAVING, Chunk, encode_block
 log = logging.getLogger("kvsession")
 # how long close() waits for the writer to drain (every wait is bounded)
 CLOSE_TIMEOUT_S = 120.0
+IOV_BATCH = 512  # buffers per pwritev (IOV_MAX is 1024 on Linux)
 
 
 class SnapshotLocks:
@@ -263,12 +265,14 @@ class WriteBehind:
                         (i, job.hashes[i]) for i in job.shared)
             else:
                 t0 = time.perf_counter()
+                # [num_layers, n, ...] -> [n, num_layers, ...]: each block one contiguous
+                # tensor (one copy per job, not one per block and tensor)
+                job.data = {n: x.transpose(0, 1).contiguous() for n, x in job.data.items()}
                 if job.shared:
                     self._write_shared(job)
                 if job.indices:
-                    seg = self._seg(sid)
-                    for j, i in enumerate(job.indices, start=len(job.shared)):
-                        self._append(seg, i, job, j)
+                    self._append(self._seg(sid), [(i, j) for j, i in enumerate(
+                        job.indices, start=len(job.shared))], job)
                 self.busy_s += time.perf_counter() - t0
             seg = self._segs.get(sid)
             if seg is not None:
@@ -301,10 +305,10 @@ class WriteBehind:
                         list(self.shared.metas))
                 seg = self._open(seg)
                 try:
-                    for j, i in enumerate(job.shared):
-                        if self.shared is None or (i, job.hashes[i]) not in self.shared.index:
-                            self._append(seg, i, job, j)
-                            self.shared_blocks_written += 1
+                    new = [(i, j) for j, i in enumerate(job.shared) if self.shared is None
+                           or (i, job.hashes[i]) not in self.shared.index]
+                    self._append(seg, new, job)
+                    self.shared_blocks_written += len(new)
                     self._sync(seg)
                     self.shared = seg.scan(self.header_fields, "shared")
                     self.shared.size = seg.end
@@ -320,8 +324,34 @@ class WriteBehind:
             return True  # let the write itself report what is wrong
         return st.f_bavail * st.f_frsize >= self.RESERVE_BYTES + 2 * job.nbytes
 
-    def _append(self, seg: _Segment, i: int, job: _Blocks, j: int) -> None:
-        pieces = encode_block({n: x[:, j] for n, x in job.data.items()})
+    def _append(self, seg: _Segment, blocks: list[tuple[int, int]], job: _Blocks) -> None:
+        """Append blocks (index in the session, position in job.data) with one vectored
+        write (large I/O, one system call per job)."""
+        bufs, staged = [], []
+        at = seg.end
+        for i, j in blocks:
+            meta, record, head = self._encode(seg, i, job, j)
+            staged.append((meta, Chunk(at + head, meta.length, meta.raw_length, meta.crc32,
+                                       meta.codec)))
+            bufs += record
+            at += head + meta.length
+        if not bufs:
+            return
+        _pwrite_all(seg.fd, bufs, seg.end)
+        for meta, chunk in staged:
+            seg.chunks.append(chunk)
+            seg.metas.append(meta)
+        size = at - seg.end
+        seg.end = at
+        seg.unsynced += size
+        self.blocks_written += len(staged)
+        self.bytes_written += size
+        if seg.unsynced >= self.SYNC_BYTES:
+            self._sync(seg)
+
+    def _encode(self, seg: _Segment, i: int, job: _Blocks, j: int):
+        """Block i's record: (meta, buffers, bytes before the chunk)."""
+        pieces = encode_block({n: x[j] for n, x in job.data.items()})
         raw_len = sum(len(p) for p in pieces)
         data, codec = pieces, "none"
         if seg.codec == "lz4":  # as the snapshot writer decides: incompressible KV is stored
@@ -337,26 +367,21 @@ class WriteBehind:
                          tokens=list(job.tokens[i * self.bs:(i + 1) * self.bs]),
                          length=length, raw_length=raw_len, crc32=crc, codec=codec)
         bufs = encode_record(meta, data)
-        head = sum(len(b) for b in bufs[:2])
-        _pwrite_all(seg.fd, bufs, seg.end)
-        seg.chunks.append(Chunk(seg.end + head, length, raw_len, crc, codec))
-        seg.metas.append(meta)
-        size = head + length
-        seg.end += size
-        seg.unsynced += size
-        self.blocks_written += 1
-        self.bytes_written += size
-        if seg.unsynced >= self.SYNC_BYTES:
-            self._sync(seg)
+        return meta, bufs, sum(len(b) for b in bufs[:2])
 
     def _sync(self, seg: _Segment) -> None:
         if seg.fd is not None and seg.unsynced:
-            t0 = time.perf_counter()
             os.fdatasync(seg.fd)
-            self.busy_s += time.perf_counter() - t0
             seg.unsynced = 0
 
     def _sync_all(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._sync_segments()
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def _sync_segments(self) -> None:
         for sid, seg in list(self._segs.items()):
             try:
                 self._sync(seg)
@@ -440,11 +465,19 @@ class WriteBehind:
 
 
 def _pwrite_all(fd: int, buffers: list, offset: int) -> None:
-    for b in buffers:
-        view = memoryview(b).cast("B")
-        while view:
-            n = os.pwrite(fd, view, offset)
-            if n <= 0:
-                raise OSError("short write")
-            view, offset = view[n:], offset + n
+    """Write the buffers back to back at `offset`: vectored, IOV_BATCH at a time, a short
+    write continued where it stopped."""
+    views = collections.deque(memoryview(b).cast("B") for b in buffers)
+    while views:
+        batch = [views[k] for k in range(min(IOV_BATCH, len(views)))]
+        n = os.pwritev(fd, batch, offset) if hasattr(os, "pwritev") else \
+            os.pwrite(fd, batch[0], offset)
+        if n <= 0:
+            raise OSError("short write")
+        offset += n
+        while n:
+            if n >= len(views[0]):
+                n -= len(views.popleft())
+            else:
+                views[0], n = views[0][n:], 0
 
