@@ -23,42 +23,45 @@ class ModelRunner:
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor,
                                                           AttentionMetadata, list[int]]:
-        """(input_ids, positions, metadata, rows whose hidden state is sampled)."""
+        """(input_ids, positions, metadata, rows whose hidden state is sampled).
+
+        Built from Python lists with one tensor per field: a decode step's model work is a
+        few milliseconds on CPU, and a handful of small tensor ops per sequence (what a
+        per-sequence arange/index/cat costs) would be a visible part of it."""
         bs = self.kv.block_size
-        ids, pos, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
-        max_blocks = max(len(item.seq.blocks) for item in batch)
-        tables = torch.full((len(batch), max_blocks), -1, dtype=torch.long)
-        for i, item in enumerate(batch):
+        ids, pos, slots, starts, seq_lens, sample_rows, tables = [], [], [], [0], [], [], []
+        for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
+            table = seq.block_ids
             ids += seq.token_ids[start:end]
-            p = torch.arange(start, end)
-            table = torch.tensor(seq.block_ids, dtype=torch.long)
-            tables[i, : len(table)] = table
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+            pos += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            tables.append(table)
             starts.append(starts[-1] + item.num_new_tokens)
             seq_lens.append(end)
             if item.samples:
                 sample_rows.append(starts[-1] - 1)
-        dev = self.device
+        width = max(len(t) for t in tables)
+        dev, long = self.device, torch.long
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev),
-            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=long, device=dev),
+            block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables],
+                                      dtype=long, device=dev),
             query_start_loc=starts,
             seq_lens=seq_lens,
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=long, device=dev),
             decode_only=all(item.num_new_tokens == 1 for item in batch),
             softmax_scale=self.model.softmax_scale,
             backend=self.backend,
             workspace=self.workspace,
-            query_start_loc_tensor=torch.tensor(starts, dtype=torch.long, device=dev),
+            query_start_loc_tensor=torch.tensor(starts, dtype=long, device=dev),
             max_query_len=max(item.num_new_tokens for item in batch),
             on_layer_done=self._layer_hook(batch),
             all_slots_valid=True,  # every token of the batch is stored
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.cat(pos).to(dev), meta, sample_rows
+        return (torch.tensor(ids, dtype=long, device=dev), torch.tensor(pos, dtype=long,
+                device=dev), meta, sample_rows)
 
     @staticmethod
     def _layer_hook(batch: list[ScheduledSeq]):
@@ -84,4 +87,6 @@ class ModelRunner:
                 [i.seq.block_ids for i in batch])
         input_ids, positions, meta, rows = self.prepare(batch)
         hidden = self.model.forward(input_ids, positions, self.kv, meta)
-        return self.model.logits(hidden[rows])
+        if len(rows) < hidden.shape[0]:  # a decode step samples every row: no copy
+            hidden = hidden[rows]
+        return self.model.logits(hidden)

@@ -21,10 +21,11 @@ from kvsession.model.linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As HF: normalise in float32, cast back, then scale.
-    xf = x.float()
-    var = xf.pow(2).mean(-1, keepdim=True)
-    return weight * (xf * torch.rsqrt(var.add_(eps))).to(x.dtype)
+    # As HF: normalise in float32, cast back, then scale (torch.rms_norm computes the same
+    # float32 values in fewer dispatches)
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, weight.shape, weight, eps)
+    return weight * torch.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -139,10 +140,10 @@ class LlamaModel:
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm; writes this step's K/V."""
         eps = self.spec.rms_norm_eps
-        h = self.embed[input_ids]
+        h = self.embed.index_select(0, input_ids)
         # rotary tables for this step's positions, [T, 1, head_dim], shared by all layers
-        cos_sin = (self.cos[positions].to(h.dtype).unsqueeze(1),
-                   self.sin_signed[positions].to(h.dtype).unsqueeze(1))
+        cos_sin = (self.cos.index_select(0, positions).to(h.dtype).unsqueeze(1),
+                   self.sin_signed.index_select(0, positions).to(h.dtype).unsqueeze(1))
         for i, lw in enumerate(self.layers):
             h += self.attention_block(rms_norm(h, lw.input_norm, eps), lw, cos_sin, kv, i, meta)
             if meta.on_layer_done is not None:
