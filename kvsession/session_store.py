@@ -15,7 +15,7 @@ Restored block hashes are recomputed from the tokens, never taken from the file.
 
 Session ids are validated once, here, where they enter (`session`, `restore`, `fork`).
 
-Ownership: with a session_dir, a live session holds its lock (`<id>.lock`, flock): a second
+Ownership (durability="turn"): a live session holds its lock (`<id>.lock`, flock): a second
 process asking for it gets SessionLockedError; a dead owner's lock is free by construction.
 
 Durability (`durability="turn"`, the default with a session_dir): each turn's record goes to
@@ -53,7 +53,7 @@ from kvsession.session import SAMPLING_FIELDS, Session, TurnInfo, common_prefix_
 from kvsession.tiers import wal
 from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
-from kvsession.tiers.locks import FileLock, lock_session
+from kvsession.tiers.locks import FileLock, NoLock, lock_session
 from kvsession.tiers.resume import build_plan, open_segment, open_shared
 from kvsession.tiers.snapshot import SnapshotHeader, copy_snapshot
 from kvsession.tiers.snapshot_read import read_header
@@ -101,7 +101,11 @@ class SessionStore:
             if self._locks.get(session_id) is not lock:  # not handed to a live session
                 lock.release()
 
-    def _lock(self, session_id: str) -> FileLock:
+    def _lock(self, session_id: str) -> FileLock | NoLock:
+        """The session's ownership: its lock file with durability="turn"; nothing with
+        "close", which keeps today's directory (snapshot files only)."""
+        if self.rt.journal is None:
+            return NoLock()
         return lock_session(self.rt.disk.lock_path(session_id), session_id)
 
     def sessions(self) -> list[str]:

@@ -281,7 +281,7 @@ def test_durability_argument(llama_dir, tmp_path):
         assert llm._rt.journal is None
         s = llm.session(session_id="c", sampling=G)
         s.send("hello")
-        assert sorted(os.listdir(tmp_path / "c")) == ["c.lock"]  # nothing written yet
+        assert os.listdir(tmp_path / "c") == []  # nothing written yet (no log, no lock)
     assert sorted(os.listdir(tmp_path / "c")) == ["c.kvs"]  # written at close, as before
 
 

@@ -109,6 +109,16 @@ class FileLock:
         self.release()
 
 
+class NoLock:
+    """What a session holds when ownership is not enforced (durability="close": the
+    directory keeps today's shape, snapshot files only)."""
+
+    held = True
+
+    def release(self) -> None:
+        pass
+
+
 def lock_session(path: Path, session_id: str) -> FileLock:
     """The session's lock, taken now; SessionLockedError when another process holds it."""
     lock = FileLock(path)
