@@ -187,6 +187,8 @@ class BatchMask:
         """Mask `logits` (CPU, float32 [rows, vocab]) in place: row r keeps only the tokens
         states[r] allows. Returns the rows whose state failed (they are left unmasked and
         must not be sampled)."""
+        if not logits.is_contiguous():  # the CPU kernel indexes rows as if contiguous
+            raise ValueError("the logits to mask must be a contiguous [rows, vocab] tensor")
         xgr = _xgrammar()
         rows, vocab = logits.shape
         words = (vocab + 31) // 32

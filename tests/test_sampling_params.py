@@ -87,7 +87,7 @@ def test_processing_equals_transformers_processors(case):
     seq = make_seq(prompt, output, p, eos)
     gen_ = torch.Generator().manual_seed(case)
     logits = torch.randn(1, VOCAB, generator=gen_) * 4
-    x, errors = Sampler(0).process(logits, [seq])
+    x, errors = Sampler(0).process(logits.clone(), [seq])
     assert not errors
     ids = torch.tensor([prompt + output])
     banned = sorted(eos | p.stop_ids)
@@ -107,7 +107,7 @@ def test_presence_and_frequency_penalties_are_openais(case):
     output = [rng.randrange(40) for _ in range(rng.randint(0, 30))]  # many repeats
     p = SamplingParams(presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2))
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(case))
-    x, _ = Sampler(0).process(logits, [make_seq(prompt, output, p)])
+    x, _ = Sampler(0).process(logits.clone(), [make_seq(prompt, output, p)])
     # OpenAI: mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence, over the output
     want = logits[0].clone()
     for t in set(output):
@@ -311,3 +311,14 @@ def test_submission_checks_vocab_and_session_limits(llm):
     with pytest.raises(ConfigError, match="prompt_logprobs must be None for a session turn"):
         s.send("hi")
     llm.check_integrity()
+
+
+def test_n_completions_with_penalties_equal_singles(llm):
+    """The sampler processes its own copy of the logits: the fork samples the other
+    completions' first tokens from the parent's unprocessed row (penalised once, not twice)."""
+    prompt = random_prompts(39, [12], VOCAB)  # one row: the runner's logits are contiguous
+    p = dict(max_tokens=4, temperature=0.0, repetition_penalty=3.0, logit_bias={9: 8.0},
+             ignore_eos=True)
+    out = gen(llm, prompt, SamplingParams(n=3, **p))[0]
+    single = gen(llm, prompt, SamplingParams(**p))[0]
+    assert [c.token_ids for c in out.outputs] == [single.token_ids] * 3

@@ -61,6 +61,13 @@ def apply_penalties(x: torch.Tensor, seq: Sequence) -> None:
             x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
 
 
+def _nan_rows(x: torch.Tensor) -> set[int]:
+    """Rows holding a NaN. One summing pass (NaN propagates; so does inf - inf, which is why
+    a flagged row is checked exactly) instead of a full boolean tensor."""
+    flagged = torch.isnan(x.sum(dim=-1)).nonzero().flatten().tolist()
+    return {r for r in flagged if bool(x[r].isnan().any())}
+
+
 def apply_min_tokens(x: torch.Tensor, seq: Sequence) -> None:
     """Before min_tokens outputs, EOS (unless ignored) and stop ids cannot be sampled."""
     p = seq.params
@@ -115,14 +122,23 @@ class Sampler:
                  ) -> list[Sampled | Exception]:
         """logits: float32 [len(seqs), vocab] on any device. Returns, per row, (token,
         logprobs) or the exception that row raised."""
-        raw = logits.float().cpu()
-        has_nan = raw.isnan().any(dim=-1).tolist()
-        x, errors = self.process(raw, seqs)
-        greedy = x.argmax(dim=-1).tolist()
+        # contiguous: the runner's CPU logits are a transposed view ((w @ h.T).T), on which
+        # row-wise reductions run several times slower than the copy costs, and xgrammar's
+        # CPU kernel indexes rows as if they were contiguous. That copy (or the one off the
+        # device) is processed in place: no second copy of the batch's logits per step.
+        x = logits.float().cpu().contiguous()
+        rows = [r for r, seq in enumerate(seqs) if _needs_processing(seq)]
+        if rows and x.data_ptr() == logits.data_ptr():
+            x = x.clone()  # never the caller's tensor (a fork samples its row again)
+        nan_rows = _nan_rows(x)
+        # logprobs come from the unprocessed distribution: keep those rows as they were
+        raw = {r: x[r].clone() for r in rows if seqs[r].params.logprobs is not None}
+        x, errors = self.process(x, seqs, rows)
+        greedy = x.argmax(dim=-1).tolist() if any(s.params.greedy for s in seqs) else []
         out: list[Sampled | Exception] = []
         for row, seq in enumerate(seqs):
             try:
-                if has_nan[row]:
+                if row in nan_rows:
                     raise SamplingFailed(f"the model produced NaN logits for request "
                                          f"{seq.seq_id}")
                 if row in errors:
@@ -135,22 +151,19 @@ class Sampler:
                 else:
                     gen = seq.generator or self.generator
                     token = int(torch.multinomial(distribution(x[row], seq), 1, generator=gen))
-                out.append((token, self._logprobs(raw[row], token, p.logprobs)))
+                out.append((token, self._logprobs(raw.get(row, x[row]), token, p.logprobs)))
             except Exception as e:  # this request fails; the batch goes on
                 out.append(e)
         return out
 
-    def process(self, raw: torch.Tensor, seqs: list[Sequence]
+    def process(self, x: torch.Tensor, seqs: list[Sequence], rows: list[int] | None = None
                 ) -> tuple[torch.Tensor, dict[int, Exception]]:
-        """The processed logits (steps 1-5 of the module doc; `raw` itself when no row
-        needs any) and the rows that failed on the way."""
-        rows = [r for r, seq in enumerate(seqs) if _needs_processing(seq)]
+        """Steps 1-5 of the module doc, in place on `x` (contiguous float32 [len(seqs),
+        vocab]) for `rows` (default: those that need any); returns x and the rows that
+        failed on the way."""
+        if rows is None:
+            rows = [r for r, seq in enumerate(seqs) if _needs_processing(seq)]
         errors: dict[int, Exception] = {}
-        if not rows:
-            return raw, errors
-        # contiguous: the runner's logits may be a transposed view, and xgrammar's CPU
-        # kernel indexes rows as if they were contiguous
-        x = raw.clone(memory_format=torch.contiguous_format)
         for r in rows:
             try:
                 apply_penalties(x[r], seqs[r])
