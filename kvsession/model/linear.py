@@ -1,52 +1,80 @@
 """Projections y = x @ W.T (+ b), with W stored the way the CPU kernels stream it.
 
 A decode step multiplies a few rows by every weight of the model, so it is as fast as the
-projections read their weights. On CPU the checkpoint's `[out, in]` layout is the slow one
-for decode-sized batches: MKL streams a weight stored `[in, out]` (row-major, x @ W^T with
-W^T contiguous) at or above the DRAM read bandwidth for one row, where `F.linear` on
-`[out, in]` reaches ~0.9x of it and the padded `(W @ x.T).T` form used before ~0.3x; at 8
-rows the `[in, out]` layout is 1.2-1.3x faster than `F.linear` (bench/decode_vs_hf.py
---kernels prints these ratios, measured against the bandwidth in the same run). Prefill's
-large batches are compute-bound and run as fast either way, so the transposed copy replaces
-the checkpoint's: one copy of every weight.
+projections read their weights. Formats (`Linear(..., fmt=)`), measured on the bench
+model's projections (bench/decode_vs_hf.py --kernels prints the table, against the DRAM
+bandwidth of the same run):
 
-oneDNN's prepacked weights (`torch.ops.mkldnn._reorder_linear_weight`) stream best for
-2-64 rows but are slower at one row and opaque to everything else: `packed=True` keeps
-such a copy beside the `[in, out]` one for batched decode, at twice the weight memory
-(off by default; the bench measures both).
+- "float": `[in, out]` contiguous, x @ W^T by MKL. The fastest at one row (MKL streams it
+  at the DRAM read bandwidth; `F.linear` on the checkpoint's `[out, in]` is ~1.2x slower
+  and the padded `(W @ x.T).T` used before ~3x), but MKL repacks the weight on every call
+  for 2-64 rows (~1.5x slower than the bandwidth at 8 rows). Prefill is compute-bound and
+  runs as fast as in any other layout. One copy of every weight.
+- "onednn": oneDNN's prepacked blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
+  what inductor's freezing uses): streams 2-64 rows ~1.4x faster than "float", one row
+  ~1.15x slower, prefill alike. One copy, opaque (a tied embedding keeps its own).
+- "both": "float" for one row and prefill, "onednn" for 2-64 rows: the best of the two at
+  twice the weight memory.
+- "int8": int8 weights with a float scale per output channel, through ATen's weight-only
+  int8 kernel (`_weight_int8pack_mm`, gpt-fast's): a quarter of the bytes. Its CPU kernel is
+  fast with bfloat16 activations only (with float32 ones it is 2x slower than float32
+  weights), so the activations are rounded to bfloat16 at each projection's input and the
+  result comes back as float32; accuracy against float32 logits is measured in
+  bench/decode_vs_hf.py --int8.
 """
 
 from __future__ import annotations
 
 import torch
 
-PACKED_MAX_ROWS = 64  # above this a batch is prefill-like (compute-bound): plain GEMM
+FORMATS = ("float", "onednn", "both", "int8")
+PACKED_MAX_ROWS = 64  # above this a batch is prefill-like (compute-bound)
 
 
 class Linear:
-    """One projection. `weight` [out, in] as in the checkpoint (or several stacked along
-    `out`, e.g. q/k/v fused); `bias` [out] or None."""
+    """One projection. `weight` [out, in] as in the checkpoint, or a list of such stacked
+    along `out` (q/k/v fused); `bias` [out] or None. On other devices than the CPU every
+    format is "float" (cuBLAS takes either layout)."""
 
     def __init__(self, weight: torch.Tensor | list[torch.Tensor],
-                 bias: torch.Tensor | None = None, packed: bool = False):
+                 bias: torch.Tensor | None = None, fmt: str = "float"):
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown weight format {fmt!r}; accepted: {list(FORMATS)}")
         parts = weight if isinstance(weight, list) else [weight]
         cpu = parts[0].device.type == "cpu"
-        # [in, out] contiguous on CPU, built in one copy; cuBLAS takes either layout
-        self.weight_t = torch.cat([w.t() for w in parts], dim=1) if cpu or len(parts) > 1 \
-            else parts[0].t()
+        if fmt == "int8" and parts[0].dtype != torch.float32:
+            raise ValueError("int8 weights run with float32 activations")
+        self.fmt = fmt if cpu else "float"
         self.bias = bias
-        self.packed = None
-        if packed and cpu and torch.backends.mkldnn.is_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+        self.weight_t = self.packed = self.int8 = None
+        if self.fmt in ("float", "both"):
+            # [in, out] contiguous, built in one copy
+            self.weight_t = torch.cat([w.t() for w in parts], dim=1) if cpu or len(parts) > 1 \
+                else parts[0].t()
+        w = torch.cat(parts) if self.fmt in ("onednn", "int8") and len(parts) > 1 else parts[0]
+        if self.fmt in ("onednn", "both"):
+            # packed for batches up to 64 rows (the hint only tunes the blocking)
+            src = self.weight_t.t() if self.weight_t is not None else w
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(src, PACKED_MAX_ROWS)
+        if self.fmt == "int8":  # symmetric, per output channel: w ~ q * scale
+            scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
+            q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            self.int8 = (q, scale.to(torch.bfloat16))
 
     @property
     def weight(self) -> torch.Tensor:
-        """[out, in] view (strided on CPU)."""
+        """[out, in] float view ("float" and "both" formats; strided on CPU)."""
+        if self.weight_t is None:
+            raise AttributeError(f"a {self.fmt!r} projection keeps no float weight")
         return self.weight_t.t()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out]."""
-        if self.packed is not None and 1 < x.shape[0] <= PACKED_MAX_ROWS:
+        if self.int8 is not None:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), *self.int8).float()
+            return y if self.bias is None else y + self.bias
+        if self.packed is not None and (self.weight_t is None or 1 < x.shape[0]
+                                        <= PACKED_MAX_ROWS):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
             return torch.mm(x, self.weight_t)

@@ -62,20 +62,20 @@ class LayerWeights:
 
 class LlamaModel:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_model_len: int,
-                 packed: bool = False):
-        """packed: also keep oneDNN-prepacked weights for batched decode (model/linear.py)."""
-        self.spec, self.packed = spec, packed
+                 weight_format: str = "float"):
+        """weight_format: how the projections keep their weights on CPU (model/linear.py)."""
+        self.spec, self.weight_format = spec, weight_format
         # the paged attention op; an instance attribute so a measurement tool can wrap it
         # for one model (kvsession.numerics) without patching the module for everyone
         self.attention_fn = attention
         self.norm = weights["model.norm.weight"]
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(spec.num_layers)]
-        head = weights["model.embed_tokens.weight" if spec.tie_word_embeddings
-                       else "lm_head.weight"]
-        self.lm_head = Linear(head, packed=packed)
+        embed = weights["model.embed_tokens.weight"]
+        self.lm_head = Linear(embed if spec.tie_word_embeddings else weights["lm_head.weight"],
+                              fmt=weight_format)
         # tied: look tokens up in the head's (transposed) copy rather than keep a second one
         self.embed = self.lm_head.weight if spec.tie_word_embeddings \
-            else weights["model.embed_tokens.weight"]
+            and self.lm_head.weight_t is not None else embed
         weights.clear()  # the fused copies above replace them; free the originals
         positions = torch.arange(max_model_len, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(spec.rope, spec.head_dim))
@@ -94,7 +94,7 @@ class LlamaModel:
         def linear(names, bias_names):
             bias = torch.cat([w[n] for n in bias_names]) if all(n in w for n in bias_names) \
                 else None
-            return Linear([w[n] for n in names], bias, packed=self.packed)
+            return Linear([w[n] for n in names], bias, fmt=self.weight_format)
 
         return LayerWeights(
             input_norm=w[p + "input_layernorm.weight"],
