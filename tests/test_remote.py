@@ -140,6 +140,22 @@ def test_outputs_with_a_worker_equal_outputs_without(llama_dir, tmp_path, kv_dty
         assert w.stop() == 0
 
 
+def test_transfers_are_measured_even_when_notifications_finish_first(llama_dir, worker):
+    """A request completes with its last NIXL notification; the worker's answer (its write
+    time) often arrives after that, and must still feed the measured bandwidth the auto
+    mode's cost model and stats().remote read."""
+    with LLM(llama_dir, prefill_worker=worker.address, remote_prefill="always", **KW) as llm:
+        generate(llm, prompts(9, 4))
+        assert llm.stats().remote.prefills == 4
+
+        def measured():
+            llm._rt.call(lambda: llm._rt.engine.poll_remote(0.02)).result()
+            return llm.stats().remote.bandwidth_gbps > 0
+
+        wait_for(measured, 30, "the workers' answers to be measured")
+        assert llm._rt.connector.transfer_rate.num_samples >= 1
+
+
 def test_worker_killed_mid_stream(llama_dir, worker):
     victim = Worker(llama_dir)
     ps = prompts(3, 40)

@@ -172,6 +172,7 @@ class NixlPrefillClient(PrefillConnector):
         # the worker's measured write times (posting to the last completion): the cost
         # model's transfer input. Prior 0: "not measured yet" (the caller picks its default)
         self.transfer_rate = RateEstimator(prior=0.0)
+        self._completed: dict[int, _Worker] = {}  # req_id -> its worker, recently done
         self.workers = [_Worker(a, backoff=reconnect_min_s) for a in addresses]
         for w in self.workers:
             self._open(w)
@@ -324,6 +325,11 @@ class NixlPrefillClient(PrefillConnector):
 
     def _done(self, req_id: int, out: list[Completion]) -> None:
         r = self.pending.pop(req_id)
+        # its PrefillDone (with the worker's write time) may still be on its way: remember
+        # which worker did it, so that answer is still measured (bounded memory)
+        self._completed[req_id] = r.worker
+        while len(self._completed) > 1024:
+            self._completed.pop(next(iter(self._completed)))
         self.num_prefills += 1
         self.bytes += r.num_bytes
         out.append(Completion(r.seq_id, "done", num_bytes=r.num_bytes,
@@ -374,9 +380,12 @@ class NixlPrefillClient(PrefillConnector):
                 self._declare_dead(w, "handshake rejected", out)
         elif isinstance(msg, PrefillDone):
             r = self.pending.get(msg.req_id) or self.quarantine.get(msg.req_id)
-            if r is None or r.worker is not w:
-                return  # not this worker's request: it cannot complete or fence it
+            owner = r.worker if r is not None else self._completed.pop(msg.req_id, None)
+            if owner is not w:
+                return  # not this worker's request: it cannot complete, fence or time it
             self.transfer_rate.observe(msg.num_bytes, msg.seconds)
+            if r is None:  # completed by its notifications already
+                return
             if msg.req_id in self.quarantine:  # a late answer fences the blocks
                 out.append(Completion(self.quarantine.pop(msg.req_id).seq_id, "fenced"))
             # for a pending request, completion comes with its last NIXL notification
