@@ -27,6 +27,8 @@ BENCHES = {
     "spill_restore": ("spill_restore.py", ["--plot"]),
     "remote_prefill": ("remote_prefill.py", []),
     "eviction": ("eviction.py", ["--plot"]),
+    "structured": ("structured.py", []),
+    "durability": ("durability.py", []),
     "gpu_kernels": ("gpu_kernels.py", []),
 }
 
@@ -139,6 +141,47 @@ def section_eviction(r) -> list[str]:
     return out
 
 
+def section_structured(r) -> list[str]:
+    out = ["| batch | plain tok/s | JSON-schema tok/s | overhead | with jump-forward tok/s |",
+           "|---|---|---|---|---|"]
+    for d in r["decode"]:
+        jf = d.get("jump_forward", {}).get("tok_s")
+        out.append(f"| {d['batch']} | {fmt(d['plain_tok_s'], 1)} | "
+                   f"{fmt(d['structured_tok_s'], 1)} | **{d['overhead'] * 100:+.1f}%** | "
+                   f"{fmt(jf, 1) if jf else '-'} |")
+    f = r["fan_out"]
+    grammars = [c for c in r["compile"].values() if isinstance(c, dict)]
+    out += ["", f"- grammar compile: at most {fmt(max(c['cold_ms'] for c in grammars), 1)} ms "
+            f"cold, cached {fmt(max(c['cached_ms'] for c in grammars), 3)} ms",
+            f"- n=8 vs 8 requests of a {f['prompt_tokens']}-token prompt: prompt tokens "
+            f"computed {f['n8']['prefill_tokens']} (n=8) vs "
+            f"{f['separate_cached']['prefill_tokens']} (prefix cache) vs "
+            f"{f['separate_uncached']['prefill_tokens']} (none); wall "
+            f"{fmt(f['n8']['wall_s'])} / {fmt(f['separate_cached']['wall_s'])} / "
+            f"{fmt(f['separate_uncached']['wall_s'])} s",
+            "", "Target: overhead <= 10% at batch 8."]
+    return out
+
+
+def section_durability(r) -> list[str]:
+    a, rec = r["agent"], r["recovery"]
+    out = [f"- agent workload ({a['sessions']} sessions x {a['turns']} turns): makespan "
+           f"overhead of durability='turn' vs 'close' **{a['makespan_overhead'] * 100:+.1f}%** "
+           f"(target <= 5%)",
+           f"- recovery after a kill, {rec['sessions']} sessions of {rec['history_tokens']} "
+           f"tokens: list {fmt(rec['list_s'] * 1e3, 1)} ms, recover {fmt(rec['recover_s'], 2)} s; "
+           f"TTFT resumed {fmt(rec['ttft_resumed_s'] * 1e3, 0)} ms vs re-prefill "
+           f"{fmt(rec['ttft_reprefill_s'] * 1e3, 0)} ms: **{fmt(rec['ttft_speedup'], 1)}x** "
+           f"(target >= 10x); KV reused "
+           f"**{fmt(rec['kv_reused_vs_held_at_kill_mean'] * 100, 1)}%** of what was held "
+           f"(target >= 90%)"]
+    if "writeback_fraction_of_seq_write" in r:
+        out.append(f"- write-behind bandwidth: **{fmt(r['writeback_fraction_of_seq_write'])}** "
+                   f"of the disk's sequential write limit measured in the run "
+                   f"({fmt(r['disk_seq_write_bytes_per_s'] / 1e9)} GB/s; target >= 0.7)")
+    return out
+
+
 SECTIONS = [
     ("decode_vs_hf", "Decode and prefill vs transformers",
      "Same random mid-size Llama (hidden 512, 8 layers, vocab 32000), same process, float32 "
@@ -158,6 +201,12 @@ SECTIONS = [
      "spill_restore.png"),
     ("remote_prefill", "Remote prefill over NIXL",
      "Worker and caller on this 2-core machine (they share the cores).", section_remote, None),
+    ("structured", "Structured output, n > 1",
+     "Mid-size model; JSON-schema formats through xgrammar vs none, matched token counts.",
+     section_structured, None),
+    ("durability", "Durable sessions",
+     "durability='turn' (write-ahead log, group commit, KV written behind) vs 'close'; "
+     "recovery after SIGKILL.", section_durability, None),
     ("eviction", "Eviction: LRU vs cost-aware vs Belady",
      "Token hit rate of seeded traces replayed through the cache layer (the real BlockPool), "
      "and prompt tokens computed through the engine.", section_eviction, "eviction.png"),
