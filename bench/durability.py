@@ -116,6 +116,9 @@ def agent_run(model: Path, sd: Path, durability: str, sessions: int, turns: int)
         if j is not None:
             out |= {"log_records": j.records, "fsync_batches": j.batches,
                     "records_per_batch": j.records / max(j.batches, 1),
+                    "commit_s_total": j.commit_s,
+                    "commit_ms_per_batch": 1e3 * j.commit_s / max(j.batches, 1),
+                    "writeback_gather_s": wb.gather_s, "writeback_busy_s": wb.busy_s,
                     "writeback_blocks": wb.blocks_written,
                     "writeback_mib": wb.bytes_written / 2**20, "writeback_dropped": wb.dropped}
         t0 = time.perf_counter()

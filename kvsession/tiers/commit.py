@@ -23,6 +23,7 @@ import enum
 import logging
 import os
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -132,6 +133,7 @@ class GroupCommit:
         self._sync = ThreadPoolExecutor(SYNC_WORKERS, thread_name_prefix="kvsession-fsync")
         # counters (read by stats and the benchmark)
         self.batches = self.records = self.fsyncs = self.dir_fsyncs = 0
+        self.commit_s = 0.0  # time spent in batches: what waiting turns wait for
         self._thread = threading.Thread(target=self._run, name="kvsession-commit",
                                         daemon=True)
         self._thread.start()
@@ -167,6 +169,13 @@ class GroupCommit:
             self._commit(batch)
 
     def _commit(self, batch: list[_Request]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._commit_batch(batch)
+        finally:
+            self.commit_s += time.perf_counter() - t0
+
+    def _commit_batch(self, batch: list[_Request]) -> None:
         self.batches += 1
         dir_sync = False
         for r in batch:  # writes, in submission order
