@@ -215,7 +215,8 @@ def test_disk_full_keeps_the_session(llama_dir, tmp_path, monkeypatch, caplog):
         raise OSError(28, "No space left on device")
 
     want = reference(llama_dir, "float32", 2)
-    with make_llm(llama_dir, session_dir=tmp_path / "sd") as llm:
+    # durability="close": only spills write files here (no session log beside them)
+    with make_llm(llama_dir, session_dir=tmp_path / "sd", durability="close") as llm:
         s = llm.session(system=SYSTEM, sampling=G)
         got = [s.send(TURNS[0]).token_ids]
         monkeypatch.setattr(mover_mod, "write_snapshot", full)
@@ -228,6 +229,7 @@ def test_disk_full_keeps_the_session(llama_dir, tmp_path, monkeypatch, caplog):
         got.append(s.send(TURNS[1]).token_ids)
         assert list((tmp_path / "sd").iterdir()) == []  # no torn or temporary file left
         s.close()
+        monkeypatch.undo()  # the disk has room again when the LLM closes
     assert got == want
 
 
