@@ -31,8 +31,10 @@ TEMP = re.compile(r"\.(.+\.kvs)\.[0-9]+\.[0-9a-f]{8}\.tmp")
 
 
 def new_llm(model_dir, sd=None, **kw):
+    """durability="close": these tests are about the files written at close and by spills
+    (the write-ahead log of durability="turn" is tested in test_durability.py)."""
     return LLM(model_dir, **{"kv_cache_memory": "8MiB", "max_model_len": 512,
-                             "session_dir": sd, **kw})
+                             "session_dir": sd, "durability": "close", **kw})
 
 
 def continues_exactly(llm, s, message="and then?"):
