@@ -343,7 +343,7 @@ def test_a_request_completed_by_an_idle_tick_is_reported(llama_dir, worker):
     client = NixlPrefillClient([worker.address], tensors, compat, timeout_s=30.0,
                                heartbeat_s=0.02, schedule=ticks.put)
     try:
-        wait_for(lambda: client.poll(0.01) == [] and client.healthy(), 10, "the handshake")
+        wait_for(lambda: client.poll(0.01) == [] and client.healthy(), 60, "the handshake")
         assert client.submit(7, [5] * 40, 0, [1, 2, 3], b"", None)
         deadline = time.monotonic() + 30
         while client.pending:  # only ticks drive it now
@@ -404,7 +404,7 @@ def test_notifications_from_another_agent_do_not_complete_a_request(llama_dir):
             out = []
             t = threading.Thread(target=lambda: out.append(generate(llm, ps)))
             t.start()
-            wait_for(lambda: bool(conn.pending), 10, "the request to be sent")
+            wait_for(lambda: bool(conn.pending), 60, "the request to be sent")
             req_id = next(iter(conn.pending))
             caller = rogue.add_remote_agent(conn.agent.get_agent_metadata())
             for layer in range(conn.num_layers):  # forge "done" for every layer
@@ -446,9 +446,9 @@ def test_a_caller_the_worker_forgot_says_hello_again(llama_dir):
             conn = llm._rt.connector
             conn.heartbeat_s, conn.dead_after_s = 30.0, 60.0  # silent (as if stalled)
             got = generate(llm, ps[:1])
-            wait_for(lambda: worker_status(w.address).callers == 0, 10, "the worker to forget")
+            wait_for(lambda: worker_status(w.address).callers == 0, 60, "the worker to forget")
             got += generate(llm, ps[1:2])  # answered "no handshake": local, and Hello again
-            wait_for(lambda: worker_stats(llm, w.address).connects == 2, 10, "the new hello")
+            wait_for(lambda: worker_stats(llm, w.address).connects == 2, 60, "the new hello")
             got += generate(llm, ps[2:])
             assert got == want
             st = llm.stats().remote
