@@ -449,6 +449,7 @@ def test_a_caller_the_worker_forgot_says_hello_again(llama_dir):
             wait_for(lambda: worker_status(w.address).callers == 0, 60, "the worker to forget")
             got += generate(llm, ps[1:2])  # answered "no handshake": local, and Hello again
             wait_for(lambda: worker_stats(llm, w.address).connects == 2, 60, "the new hello")
+            conn.heartbeat_s = 0.2  # talk again, so the worker keeps us however slow this is
             got += generate(llm, ps[2:])
             assert got == want
             st = llm.stats().remote
