@@ -10,8 +10,9 @@
    by the resumed sessions against what they held one turn before the kill (target
    >= 90%); time to first token of a resumed session (log replay, KV attached from disk,
    loaded by the cost model, the rest prefilled) vs re-prefilling the same history
-   (target >= 10x faster). The resumed sessions' files are dropped from the page cache
-   first (posix_fadvise DONTNEED after fsync), so their KV is read from the disk.
+   (target >= 10x faster): as after a process kill (the OS page cache survives it), and
+   cold, the resumed sessions' files dropped from the page cache first (posix_fadvise
+   DONTNEED after fsync) so that their KV is read from the disk (as after a reboot).
 3. Write-behind bandwidth, as a fraction of the disk's sequential write limit measured in
    the same run on the same file system (8 MiB writes, fdatasync every 64 MiB; the better
    of a measurement just before and one just after) (target >= 0.7): 8 sessions' worth of
@@ -245,10 +246,12 @@ def recovery(model: Path, root: Path, n: int, hist: int, probes: int) -> dict:
         start_s = time.perf_counter() - t0
         assert llm.sessions() == listed
         rng = random.Random(3)
-        resumed_ttft, reprefill_ttft, reuse = [], [], []
+        resumed_ttft, cold_ttft, reprefill_ttft, reuse = [], [], [], []
         for k, sid in enumerate(listed):
             if k < probes:  # resumed: replay, attach, first turn loads the KV from disk
-                drop_from_page_cache(sd, sid)
+                cold = k % 2 == 1
+                if cold:
+                    drop_from_page_cache(sd, sid)
                 msg = "next step: " + text_of(llm.tokenizer, rng, 32)
                 t0 = time.perf_counter()
                 s = llm.session(session_id=sid)
@@ -256,7 +259,7 @@ def recovery(model: Path, root: Path, n: int, hist: int, probes: int) -> dict:
                 reuse.append((s.num_cached_tokens, sid))
                 r = s.send(msg, max_tokens=1)
                 assert r.restored_from == "disk", r.restored_from
-                resumed_ttft.append(attach_s + r.metrics.ttft_s)
+                (cold_ttft if cold else resumed_ttft).append(attach_s + r.metrics.ttft_s)
                 s.close()
             elif k < 2 * probes:  # the same kind of history, recomputed from its text
                 s = llm.session(session_id=sid)
@@ -285,8 +288,10 @@ def recovery(model: Path, root: Path, n: int, hist: int, probes: int) -> dict:
         "kv_reused_fraction_min": min(earlier),
         "kv_reused_vs_held_at_kill_mean": statistics.mean(at_kill),
         "ttft_resumed_s": statistics.median(resumed_ttft),
+        "ttft_resumed_cold_s": statistics.median(cold_ttft),
         "ttft_reprefill_s": statistics.median(reprefill_ttft),
         "ttft_speedup": statistics.median(reprefill_ttft) / statistics.median(resumed_ttft),
+        "ttft_speedup_cold": statistics.median(reprefill_ttft) / statistics.median(cold_ttft),
         "writeback": r1,
         "writeback_bytes_per_s": r1["bytes"] / max(r1["busy_s"], 1e-9),
     }
@@ -315,6 +320,12 @@ def main() -> None:
                 print(mode, {k: round(v, 3) for k, v in runs[mode][-1].items()})
         best = {m: min(r, key=lambda x: x["makespan_s"]) for m, r in runs.items()}
         overhead = best["turn"]["makespan_s"] / best["close"]["makespan_s"] - 1
+        # what durability adds, accounted: each turn waits for its log batch; the engine
+        # thread gathers the new blocks; the writer's busy time competes for the cores
+        cores = os.cpu_count() or 1
+        accounted = statistics.mean(
+            (r["commit_ms_per_batch"] * 1e-3 * args.turns + r["writeback_gather_s"]
+             + r["writeback_busy_s"] / cores) / r["makespan_s"] for r in runs["turn"])
         rec = recovery(model, root, args.recover_sessions, args.history, args.probes)
         before = seq_write_limit(root)
         drain = writeback_drain(root)
@@ -324,7 +335,8 @@ def main() -> None:
         result = {
             "model": "tiny" if args.tiny else "mid",
             "agent": {"sessions": args.sessions, "turns": args.turns, "runs": runs,
-                      "makespan_overhead": overhead, "target_overhead": 0.05},
+                      "makespan_overhead": overhead, "accounted_overhead": accounted,
+                      "target_overhead": 0.05},
             "recovery": rec, "targets": {"ttft_speedup": 10.0, "kv_reused_fraction": 0.9,
                                          "writeback_fraction": 0.7},
             "disk_seq_write_bytes_per_s": limit,
@@ -333,10 +345,12 @@ def main() -> None:
             "writeback_in_workload_fraction": rec["writeback_bytes_per_s"] / limit,
         }
         write_result("durability", result)
-        print(f"makespan overhead {overhead:+.1%} (target <= 5%); TTFT resumed "
-              f"{rec['ttft_resumed_s'] * 1e3:.0f} ms vs re-prefill "
-              f"{rec['ttft_reprefill_s'] * 1e3:.0f} ms = {rec['ttft_speedup']:.1f}x "
-              f"(target >= 10x); KV reused {rec['kv_reused_fraction_mean']:.1%} (min "
+        print(f"makespan overhead {overhead:+.1%} (accounted {accounted:.1%}; target <= 5%); "
+              f"TTFT resumed {rec['ttft_resumed_s'] * 1e3:.0f} ms (cold "
+              f"{rec['ttft_resumed_cold_s'] * 1e3:.0f} ms) vs re-prefill "
+              f"{rec['ttft_reprefill_s'] * 1e3:.0f} ms = {rec['ttft_speedup']:.1f}x (cold "
+              f"{rec['ttft_speedup_cold']:.1f}x; target >= 10x); KV reused "
+              f"{rec['kv_reused_fraction_mean']:.1%} (min "
               f"{rec['kv_reused_fraction_min']:.1%}; target >= 90%); write-behind "
               f"{fraction:.2f} of sequential write (target >= 0.7); list "
               f"{rec['list_s'] * 1e3:.1f} ms after {rec['recover_s'] * 1e3:.0f} ms of recovery")
