@@ -251,16 +251,17 @@ class DecodePlan:
     lens: context length of each sequence. shared: leading blocks common to the batch,
     read once (0: no cascade); shared_runs: those blocks as (first block id, count) runs of
     consecutive ids, read in place, or None: gathered. Then the `rest[i]` tokens of
-    sequence i: runs[i] lists their runs when they are read in place, None when they are
-    gathered; the `gathered` sequences are read together, `chunk_blocks` table columns at a
-    time, `bias` (additive, -inf past each one's end, [len(gathered), 1, 1, max]; None
-    when their ends are equal) masking the rest."""
+    sequence i: runs[i] lists their (first block id, count, tokens) runs when they are
+    read in place, None when they are gathered; the `gathered` sequences are read
+    together, `chunk_blocks` table columns at a time, `bias` (additive, -inf past each
+    one's end, [len(gathered), 1, 1, max]; None when their ends are equal) masking the
+    rest."""
 
     lens: list[int]
     shared: int
     shared_runs: list[tuple[int, int]] | None
     rest: list[int]
-    runs: list[list[tuple[int, int]] | None]
+    runs: list[list[tuple[int, int, int]] | None]
     gathered: list[int]
     chunk_blocks: int
     bias: torch.Tensor | None = None
@@ -289,6 +290,17 @@ def _runs(ids: list[int]) -> list[tuple[int, int]] | None:
     return runs
 
 
+def _with_tokens(runs: list[tuple[int, int]], num_tokens: int, block_size: int
+                 ) -> list[tuple[int, int, int]]:
+    """(first id, count, tokens) for runs covering num_tokens tokens."""
+    out, done = [], 0
+    for first, count in runs:
+        n = min(count * block_size, num_tokens - done)
+        out.append((first, count, n))
+        done += n
+    return out
+
+
 def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                 in_place: bool, token_bytes: int) -> DecodePlan:
     """The DecodePlan of one step (host work: once per step, not per layer). token_bytes:
@@ -301,6 +313,8 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     shared_runs = _runs(rows[0][:shared]) if in_place and shared else None
     runs = [_runs(row[shared: shared + -(-r // block_size)]) if r else []
             for row, r in zip(rows, rest, strict=True)] if in_place else [None] * len(lens)
+    runs = [None if rs is None else _with_tokens(rs, r, block_size)
+            for rs, r in zip(runs, rest, strict=True)]
     gathered = [i for i, (r, n) in enumerate(zip(runs, rest, strict=True)) if r is None and n]
     width = max((rest[i] for i in gathered), default=0)
     chunk_blocks = max(1, CHUNK_BYTES // (max(len(gathered), 1) * block_size * token_bytes))
@@ -315,6 +329,14 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     return plan
 
 
+def _run_view(cache: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """Tokens [0, n) of the blocks from `first` on (consecutive ids) as a `[1, Hkv, n, D]`
+    view of a layer's cache: one strided view, no copy."""
+    _, bs, heads, dim = cache.shape
+    return cache.as_strided((1, heads, n, dim), (0, dim, heads * dim, 1),
+                            cache.storage_offset() + first * bs * heads * dim)
+
+
 def _pieces(kv, runs, ids, num_tokens, chunk_blocks, workspace):
     """(K, V) `[1, Hkv, n, D]` pieces covering the first num_tokens tokens of the blocks
     `ids` (one table row): views of the cache for `runs`, else gathered chunks."""
@@ -324,8 +346,7 @@ def _pieces(kv, runs, ids, num_tokens, chunk_blocks, workspace):
         done = 0
         for first, count in runs:
             n = min(count * bs, num_tokens - done)
-            yield (k_cache[first: first + count].flatten(0, 1)[None, :n].transpose(1, 2),
-                   v_cache[first: first + count].flatten(0, 1)[None, :n].transpose(1, 2))
+            yield _run_view(k_cache, first, n), _run_view(v_cache, first, n)
             done += n
         return
     for a in range(0, -(-num_tokens // bs), chunk_blocks):
@@ -340,14 +361,18 @@ def _pieces(kv, runs, ids, num_tokens, chunk_blocks, workspace):
 def _attend_rest(qg, kv, block_tables, scale, plan, workspace):
     """Each sequence's own tokens (after the shared blocks): (o, lse) for the batch."""
     num_seqs, num_kv_heads, group, head_dim = qg.shape
+    k_cache, v_cache = kv[0], kv[1]
     outs: list = [None] * num_seqs
     for i, (runs, r) in enumerate(zip(plan.runs, plan.rest, strict=True)):
         if r == 0:  # nothing after the shared blocks (or padding): no key at all
             outs[i] = (torch.zeros_like(qg[i:i + 1]),
                        torch.full((1, num_kv_heads, group, 1), float("-inf"), device=qg.device))
         elif runs is not None:  # in place: one call per run
-            outs[i] = _merge([_attend(qg[i:i + 1], k, v, scale, None) for k, v in _pieces(
-                kv, runs, None, r, 0, workspace)])
+            qi, parts = qg[i:i + 1], []
+            for first, _, n in runs:
+                parts.append(_attend(qi, _run_view(k_cache, first, n),
+                                     _run_view(v_cache, first, n), scale, None))
+            outs[i] = _merge(parts)
     if plan.gathered:
         o, lse = _attend_gathered(qg, kv, block_tables, scale, plan, workspace)
         if len(plan.gathered) == num_seqs:
