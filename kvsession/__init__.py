@@ -9,7 +9,8 @@ from kvsession.errors import (
                               SessionClosedError,
                               SnapshotError,
 )
-from kvsession.llm import LLM, AsyncTextStream, PinnedPrefix, TextStream
+from kvsession.handles import AsyncTextStream, PinnedPrefix, TextStream
+from kvsession.llm import LLM
 from kvsession.metrics import SLO, RequestMetrics, Stats
 from kvsession.outputs import CompletionOutput, RequestOutput
 from kvsession.params import SamplingParams, StructuredOutput

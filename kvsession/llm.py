@@ -10,23 +10,30 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import logging
-import queue
 import sys
 import weakref
-from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, as_completed
 
 from tqdm.auto import tqdm
 
 from kvsession.config import EngineConfig
 from kvsession.errors import ConfigError
+from kvsession.handles import AsyncTextStream, PinnedPrefix, TextStream
 from kvsession.metrics import Stats
-from kvsession.model.tokenizer import check_messages
-from kvsession.outputs import DeltaText, RequestOutput
-from kvsession.params import SAMPLING_ARG_NAMES, SamplingParams
-from kvsession.runtime import PinHandle, Runtime
+from kvsession.outputs import RequestOutput
+from kvsession.params import SamplingParams
+from kvsession.requests import (
+    ACHAT_ARGS,
+    AGENERATE_ARGS,
+    CHAT_ARGS,
+    GENERATE_ARGS,
+    SESSION_ARGS,
+    STREAM_ARGS,
+    TO_SAMPLING_PARAMS,
+    RequestBuilder,
+)
+from kvsession.runtime import Runtime
 from kvsession.session import Session
 from kvsession.session_store import SessionStore
 from kvsession.validation import (
@@ -39,32 +46,6 @@ from kvsession.validation import (
 
 log = logging.getLogger("kvsession")
 _LIVE: weakref.WeakSet = weakref.WeakSet()
-_GENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids", "use_tqdm")
-_CHAT_ARGS = ("messages", "sampling_params", "use_tqdm", "add_generation_prompt")
-_SESSION_ARGS = ("system", "session_id", "pin_system", "sampling")
-_AGENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids")
-_ACHAT_ARGS = ("messages", "sampling_params", "add_generation_prompt")
-_STREAM_ARGS = ("prompt", "sampling_params", "prompt_token_ids", "messages")
-# sampling settings passed to generate()/chat() directly belong in a SamplingParams
-_TO_SAMPLING_PARAMS = {name: "sampling_params" for name in SAMPLING_ARG_NAMES}
-
-
-def _token_id_lists(prompt_token_ids) -> list[list[int]]:
-    """One prompt (a list of ids) or a batch (a list of such lists); the ids themselves
-    are checked by Runtime.validate_prompt."""
-    ids = prompt_token_ids
-    if not isinstance(ids, (list, tuple)):
-        raise ConfigError(f"prompt_token_ids must be a list of token ids or a list of such "
-                          f"lists, got {ids!r:.80}")
-    if ids and not isinstance(ids[0], (list, tuple)):
-        ids = [ids]
-    for i, p in enumerate(ids):
-        if not isinstance(p, (list, tuple)):
-            raise ConfigError(f"prompt_token_ids[{i}] must be a list of token ids, "
-                              f"got {p!r:.80}")
-    return [list(p) for p in ids]
-
-
 @atexit.register
 def _close_all_at_exit() -> None:
     """An LLM left open is closed (sessions persisted, workers told, NIXL released) while
@@ -104,6 +85,7 @@ class LLM:
             durability=durability, **unknown)
         self._rt = Runtime(self.config)
         self._store = SessionStore(self._rt)
+        self._requests = RequestBuilder(self._rt)
         self.tokenizer = self._rt.tokenizer
         self.runtime = self._rt.info
         _LIVE.add(self)
@@ -163,60 +145,24 @@ class LLM:
         done = [f.result() for f in futures]
         return [rt.output(s, p) for s, p in zip(done, prompts, strict=True)]
 
-    @staticmethod
-    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != n or \
-                not all(isinstance(p, SamplingParams) for p in sampling_params):
-            raise ConfigError(f"sampling_params must be None, one SamplingParams or a list of "
-                              f"{n}, got {sampling_params!r:.80}")
-        return list(sampling_params)
-
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None,
                  use_tqdm: bool = True, **unknown) -> list[RequestOutput]:
         """Generate for a prompt or a batch (strings, or token ids via prompt_token_ids);
         outputs come back in input order."""
-        reject_unknown("generate()", unknown, _GENERATE_ARGS, hints=_TO_SAMPLING_PARAMS)
+        reject_unknown("generate()", unknown, GENERATE_ARGS, hints=TO_SAMPLING_PARAMS)
         check_bool("use_tqdm", use_tqdm)
-        texts, ids = self._prompt_inputs(prompts, prompt_token_ids)
-        return self._run_batch(texts, ids, self._params_list(sampling_params, len(ids)),
+        texts, ids = self._requests.prompt_inputs(prompts, prompt_token_ids)
+        return self._run_batch(texts, ids, self._requests.params_list(sampling_params, len(ids)),
                                use_tqdm)
-
-    def _prompt_inputs(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]]]:
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ConfigError("pass exactly one of prompts or prompt_token_ids")
-        if prompts is not None:
-            texts = [prompts] if isinstance(prompts, str) else prompts
-            if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
-                raise ConfigError(f"prompts must be a string or a list of strings, "
-                                  f"got {prompts!r:.80}")
-            return list(texts), [self.tokenizer.encode(t) for t in texts]
-        ids = _token_id_lists(prompt_token_ids)
-        return [None] * len(ids), ids
-
-    def _chat_inputs(self, messages, add_generation_prompt) -> tuple[list, list[list[int]]]:
-        check_bool("add_generation_prompt", add_generation_prompt)
-        if not isinstance(messages, (list, tuple)):
-            raise ConfigError(f"messages must be a list of message dicts (one conversation) "
-                              f"or a list of such lists, got {messages!r:.80}")
-        if messages and isinstance(messages[0], dict):
-            convs = [check_messages(messages, "messages")]
-        else:
-            convs = [check_messages(c, f"messages[{i}]") for i, c in enumerate(messages)]
-        texts = [self.tokenizer.render_chat(c, add_generation_prompt) for c in convs]
-        return texts, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, **unknown) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {role, content} dicts) or a list
         of conversations, rendered with the checkpoint's chat template."""
-        reject_unknown("chat()", unknown, _CHAT_ARGS, hints=_TO_SAMPLING_PARAMS)
+        reject_unknown("chat()", unknown, CHAT_ARGS, hints=TO_SAMPLING_PARAMS)
         check_bool("use_tqdm", use_tqdm)
-        texts, ids = self._chat_inputs(messages, add_generation_prompt)
-        return self._run_batch(texts, ids, self._params_list(sampling_params, len(ids)),
+        texts, ids = self._requests.chat_inputs(messages, add_generation_prompt)
+        return self._run_batch(texts, ids, self._requests.params_list(sampling_params, len(ids)),
                                use_tqdm)
 
     # ---- asyncio and streaming -----------------------------------------------------------
@@ -225,16 +171,16 @@ class LLM:
                         **unknown) -> list[RequestOutput]:
         """`generate` for asyncio: awaits the outputs without blocking the event loop;
         concurrent calls batch together in the one engine loop."""
-        reject_unknown("agenerate()", unknown, _AGENERATE_ARGS, hints=_TO_SAMPLING_PARAMS)
-        texts, ids = self._prompt_inputs(prompts, prompt_token_ids)
-        return await self._arun(texts, ids, self._params_list(sampling_params, len(ids)))
+        reject_unknown("agenerate()", unknown, AGENERATE_ARGS, hints=TO_SAMPLING_PARAMS)
+        texts, ids = self._requests.prompt_inputs(prompts, prompt_token_ids)
+        return await self._arun(texts, ids, self._requests.params_list(sampling_params, len(ids)))
 
     async def achat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
                     **unknown) -> list[RequestOutput]:
         """`chat` for asyncio."""
-        reject_unknown("achat()", unknown, _ACHAT_ARGS, hints=_TO_SAMPLING_PARAMS)
-        texts, ids = self._chat_inputs(messages, add_generation_prompt)
-        return await self._arun(texts, ids, self._params_list(sampling_params, len(ids)))
+        reject_unknown("achat()", unknown, ACHAT_ARGS, hints=TO_SAMPLING_PARAMS)
+        texts, ids = self._requests.chat_inputs(messages, add_generation_prompt)
+        return await self._arun(texts, ids, self._requests.params_list(sampling_params, len(ids)))
 
     async def _arun(self, texts, ids, params) -> list[RequestOutput]:
         futures = self._submit_all(ids, params)
@@ -248,38 +194,17 @@ class LLM:
         text `generate` returns: stop strings never leak and no UTF-8 character is split.
         The returned `TextStream` has `.output` (the RequestOutput) once exhausted; closing it
         early (or leaving a `with` block) cancels the request."""
-        reject_unknown("stream()", unknown, _STREAM_ARGS, hints=_TO_SAMPLING_PARAMS)
-        text, seq = self._one_request(prompt, sampling_params, prompt_token_ids, messages)
+        reject_unknown("stream()", unknown, STREAM_ARGS, hints=TO_SAMPLING_PARAMS)
+        text, seq = self._requests.one_request(prompt, sampling_params, prompt_token_ids, messages)
         return TextStream(self._rt, seq, text)
 
     def astream(self, prompt=None, sampling_params=None, prompt_token_ids=None,
                 messages=None, **unknown) -> AsyncTextStream:
         """`stream` for asyncio: `async for delta in llm.astream(...)`; many concurrent
         streams batch together in the one engine loop."""
-        reject_unknown("astream()", unknown, _STREAM_ARGS, hints=_TO_SAMPLING_PARAMS)
-        text, seq = self._one_request(prompt, sampling_params, prompt_token_ids, messages)
+        reject_unknown("astream()", unknown, STREAM_ARGS, hints=TO_SAMPLING_PARAMS)
+        text, seq = self._requests.one_request(prompt, sampling_params, prompt_token_ids, messages)
         return AsyncTextStream(self._rt, seq, text)
-
-    def _one_request(self, prompt, sampling_params, prompt_token_ids, messages):
-        if messages is not None:
-            if prompt is not None or prompt_token_ids is not None:
-                raise ConfigError("pass exactly one of prompt, prompt_token_ids or messages")
-            if messages and not isinstance(messages[0], dict):
-                raise ConfigError("stream() takes one conversation: messages must be a list "
-                                  "of message dicts")
-            texts, ids = self._chat_inputs(messages, True)
-        else:
-            if prompt is not None and not isinstance(prompt, str):
-                raise ConfigError(f"prompt must be a string (one prompt), got {prompt!r:.80}")
-            texts, ids = self._prompt_inputs(prompt, prompt_token_ids)
-            if len(ids) != 1:
-                raise ConfigError(f"stream() takes one prompt, got {len(ids)}")
-        (params,) = self._params_list(sampling_params, 1)
-        if params.n != 1:
-            raise ConfigError(f"n must be 1 to stream (one text), got {params.n}")
-        seq = self._rt.new_sequence(ids[0], params)
-        self._rt.check_open()
-        return texts[0], seq
 
     # ---- sessions ----------------------------------------------------------------------
 
@@ -289,7 +214,7 @@ class LLM:
         """A multi-turn conversation whose KV stays cached between turns. The system prompt
         is pinned (once, shared by every session with the same system prompt). With
         session_dir set, an id that was persisted there resumes that session."""
-        reject_unknown("session()", unknown, _SESSION_ARGS)
+        reject_unknown("session()", unknown, SESSION_ARGS)
         check_str("system", system, allow_none=True)
         check_bool("pin_system", pin_system)
         if sampling is not None and not isinstance(sampling, SamplingParams):
@@ -387,118 +312,3 @@ class LLM:
                 f"<th>token capacity</th><th>bytes/token</th></tr>{rows}</table>"
                 f"prefix hit rate {st.prefix.hit_rate:.0%}, spills {st.spills}, restores "
                 f"{st.restores}, recomputes {st.recomputes}")
-
-
-def _progress(seq) -> int:
-    """Engine thread, after each token: how many tokens the caller may decode, 0 once the
-    request has finished (its last token may complete a stop string: the final text,
-    already cut, comes from the output instead)."""
-    return 0 if seq.finish_reason is not None else seq.num_tokens
-
-
-class TextStream:
-    """Text deltas of one streamed request (an iterator); `output` is its RequestOutput once
-    the stream is exhausted. `close()` (or leaving a `with` block) before the end cancels
-    the request."""
-
-    def __init__(self, rt: Runtime, seq, prompt: str | None):
-        self._rt, self._seq, self._prompt = rt, seq, prompt
-        self.output: RequestOutput | None = None
-        self._updates: queue.SimpleQueue = queue.SimpleQueue()
-        self._fut = rt.submit(seq, on_update=lambda s: self._updates.put(_progress(s)))
-        self._fut.add_done_callback(lambda f: self._updates.put(None))
-        self._gen = self._deltas()
-
-    def _deltas(self) -> Iterator[str]:
-        seq = self._seq
-        text = DeltaText(self._rt.tokenizer.decode, seq.params.stop_strings)
-        try:
-            while (n := self._updates.get()) is not None:
-                if n and (delta := text.update(seq.token_ids[seq.num_prompt_tokens:n])):
-                    yield delta
-            self.output = self._rt.output(self._fut.result(), self._prompt)
-            if tail := text.finish(self.output.text):
-                yield tail
-        finally:
-            if self.output is None:
-                self._rt.cancel(seq)
-
-    def __iter__(self) -> TextStream:
-        return self
-
-    def __next__(self) -> str:
-        return next(self._gen)
-
-    def close(self) -> None:
-        self._gen.close()
-
-    def __enter__(self) -> TextStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class AsyncTextStream:
-    """`TextStream` for asyncio (`async for`); `output` once exhausted, `aclose()` cancels."""
-
-    def __init__(self, rt: Runtime, seq, prompt: str | None):
-        self._rt, self._seq, self._prompt = rt, seq, prompt
-        self.output: RequestOutput | None = None
-        self._gen = self._deltas()
-
-    async def _deltas(self) -> AsyncIterator[str]:
-        seq, loop = self._seq, asyncio.get_running_loop()
-        updates: asyncio.Queue = asyncio.Queue()
-
-        def post(item) -> None:  # engine thread -> the event loop (closed: nobody listens)
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(updates.put_nowait, item)
-
-        fut = self._rt.submit(seq, on_update=lambda s: post(_progress(s)))
-        fut.add_done_callback(lambda f: post(None))
-        text = DeltaText(self._rt.tokenizer.decode, seq.params.stop_strings)
-        try:
-            while (n := await updates.get()) is not None:
-                if n and (delta := text.update(seq.token_ids[seq.num_prompt_tokens:n])):
-                    yield delta
-            self.output = self._rt.output(fut.result(), self._prompt)
-            if tail := text.finish(self.output.text):
-                yield tail
-        finally:
-            if self.output is None:
-                self._rt.cancel(seq)
-
-    def __aiter__(self) -> AsyncTextStream:
-        return self
-
-    async def __anext__(self) -> str:
-        return await self._gen.__anext__()
-
-    async def aclose(self) -> None:
-        await self._gen.aclose()
-
-
-class PinnedPrefix:
-    """A handle on a pinned prefix. `num_tokens` / `num_blocks`: what is held (whole blocks;
-    a trailing partial block is not pinned)."""
-
-    def __init__(self, runtime: Runtime, pin: PinHandle):
-        self._rt, self._pin = runtime, pin
-        self.token_ids = list(pin.token_ids)
-        self.num_tokens = len(pin.token_ids)
-        self.num_blocks = len(pin.blocks)
-        self.ttl_s = pin.ttl_s
-
-    @property
-    def active(self) -> bool:
-        """False once unpinned or expired."""
-        return self._pin.active
-
-    def unpin(self) -> None:
-        """Release the pin's references (idempotent); the blocks stay cached until evicted."""
-        self._rt.unpin(self._pin)
-
-    def __repr__(self) -> str:
-        state = "active" if self.active else "released"
-        return f"PinnedPrefix({self.num_tokens} tokens, {self.num_blocks} blocks, {state})"

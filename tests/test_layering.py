@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (kvsession.worker, the prefill worker, and kvsession.numerics build a Runtime)
 API = {"kvsession.llm", "kvsession.session", "kvsession.session_store", "kvsession.cli",
        "kvsession.demo", "kvsession.testing", "kvsession.worker", "kvsession.runtime",
-       "kvsession.numerics", "kvsession"}
+       "kvsession.numerics", "kvsession.requests", "kvsession.handles", "kvsession"}
 # module prefix -> the kvsession modules (by prefix) it must not import
 FORBIDDEN = {
     "kvsession.kernels": {"kvsession.cache", "kvsession.engine", "kvsession.model",

@@ -1,0 +1,103 @@
+"""Turning `LLM` call arguments into validated requests: prompts or token ids, chat
+conversations, the sampling parameters of a batch. Everything here raises ConfigError
+naming the argument before anything is submitted."""
+
+from __future__ import annotations
+
+from kvsession.engine.sequence import Sequence
+from kvsession.errors import ConfigError
+from kvsession.model.tokenizer import check_messages
+from kvsession.params import SAMPLING_ARG_NAMES, SamplingParams
+from kvsession.runtime import Runtime
+from kvsession.validation import check_bool
+
+GENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids", "use_tqdm")
+CHAT_ARGS = ("messages", "sampling_params", "use_tqdm", "add_generation_prompt")
+SESSION_ARGS = ("system", "session_id", "pin_system", "sampling")
+AGENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids")
+ACHAT_ARGS = ("messages", "sampling_params", "add_generation_prompt")
+STREAM_ARGS = ("prompt", "sampling_params", "prompt_token_ids", "messages")
+# sampling settings passed to generate()/chat() directly belong in a SamplingParams
+TO_SAMPLING_PARAMS = {name: "sampling_params" for name in SAMPLING_ARG_NAMES}
+
+
+def token_id_lists(prompt_token_ids) -> list[list[int]]:
+    """One prompt (a list of ids) or a batch (a list of such lists); the ids themselves
+    are checked by Runtime.validate_prompt."""
+    ids = prompt_token_ids
+    if not isinstance(ids, (list, tuple)):
+        raise ConfigError(f"prompt_token_ids must be a list of token ids or a list of such "
+                          f"lists, got {ids!r:.80}")
+    if ids and not isinstance(ids[0], (list, tuple)):
+        ids = [ids]
+    for i, p in enumerate(ids):
+        if not isinstance(p, (list, tuple)):
+            raise ConfigError(f"prompt_token_ids[{i}] must be a list of token ids, "
+                              f"got {p!r:.80}")
+    return [list(p) for p in ids]
+
+
+class RequestBuilder:
+    """Validated inputs for one `LLM`'s generate / chat / stream calls."""
+
+    def __init__(self, runtime: Runtime):
+        self._rt = runtime
+        self.tokenizer = runtime.tokenizer
+
+    @staticmethod
+    def params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != n or \
+                not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise ConfigError(f"sampling_params must be None, one SamplingParams or a list of "
+                              f"{n}, got {sampling_params!r:.80}")
+        return list(sampling_params)
+
+    def prompt_inputs(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ConfigError("pass exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            texts = [prompts] if isinstance(prompts, str) else prompts
+            if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+                raise ConfigError(f"prompts must be a string or a list of strings, "
+                                  f"got {prompts!r:.80}")
+            return list(texts), [self.tokenizer.encode(t) for t in texts]
+        ids = token_id_lists(prompt_token_ids)
+        return [None] * len(ids), ids
+
+    def chat_inputs(self, messages, add_generation_prompt) -> tuple[list, list[list[int]]]:
+        check_bool("add_generation_prompt", add_generation_prompt)
+        if not isinstance(messages, (list, tuple)):
+            raise ConfigError(f"messages must be a list of message dicts (one conversation) "
+                              f"or a list of such lists, got {messages!r:.80}")
+        if messages and isinstance(messages[0], dict):
+            convs = [check_messages(messages, "messages")]
+        else:
+            convs = [check_messages(c, f"messages[{i}]") for i, c in enumerate(messages)]
+        texts = [self.tokenizer.render_chat(c, add_generation_prompt) for c in convs]
+        return texts, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+    def one_request(self, prompt, sampling_params, prompt_token_ids,
+                    messages) -> tuple[str | None, Sequence]:
+        if messages is not None:
+            if prompt is not None or prompt_token_ids is not None:
+                raise ConfigError("pass exactly one of prompt, prompt_token_ids or messages")
+            if messages and not isinstance(messages[0], dict):
+                raise ConfigError("stream() takes one conversation: messages must be a list "
+                                  "of message dicts")
+            texts, ids = self.chat_inputs(messages, True)
+        else:
+            if prompt is not None and not isinstance(prompt, str):
+                raise ConfigError(f"prompt must be a string (one prompt), got {prompt!r:.80}")
+            texts, ids = self.prompt_inputs(prompt, prompt_token_ids)
+            if len(ids) != 1:
+                raise ConfigError(f"stream() takes one prompt, got {len(ids)}")
+        (params,) = self.params_list(sampling_params, 1)
+        if params.n != 1:
+            raise ConfigError(f"n must be 1 to stream (one text), got {params.n}")
+        seq = self._rt.new_sequence(ids[0], params)
+        self._rt.check_open()
+        return texts[0], seq
