@@ -55,7 +55,7 @@ from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.locks import FileLock, NoLock, lock_session
 from kvsession.tiers.resume import build_plan, open_segment, open_shared
-from kvsession.tiers.snapshot import SnapshotHeader, copy_snapshot
+from kvsession.tiers.snapshot import SnapshotHeader
 from kvsession.tiers.snapshot_read import read_header
 from kvsession.tiers.writeback import WriteOp
 
@@ -374,8 +374,9 @@ class SessionStore:
             self.rt.mover.write_plan_snapshot(kv, path)
             return
         if kv.tier is Tier.DISK and kv.disk_path is not None:
-            if not _same_file(kv.disk_path, path):
-                copy_snapshot(kv.disk_path, path)
+            # rewritten with the session's messages, never taken as is: a spill can land
+            # between a turn's KV and its messages (and with a log, the log is then removed)
+            self.rt.mover.rewrite_disk_snapshot(kv, path)
             return
         self.rt.mover.write_snapshot(kv, path)
 

@@ -546,3 +546,38 @@ def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path
 
 def on_engine(llm, fn):
     return llm._rt.call(fn).result()
+
+
+@pytest.mark.parametrize("durability", ["turn", "close"])
+def test_a_spill_between_a_turns_kv_and_its_messages_loses_nothing_at_close(
+        llama_dir, tmp_path, monkeypatch, durability):
+    """A spill to disk can land after a turn's KV went back to the session and before the
+    caller recorded the turn's messages: the file then holds the new KV with the old
+    messages. close() must not take that file as the session (with a log, the log is
+    removed once the snapshot is written: the turn would be lost)."""
+    from kvsession.cache.manager import Tier
+    from kvsession.session import Session
+    from kvsession.tiers.snapshot_read import read_header
+
+    sd = tmp_path / "sd"
+    llm = new_llm(llama_dir, sd, durability=durability)
+    real_finish = Session._finish
+
+    def spill_first(self, seq, new_msgs, info):
+        on_engine(llm, lambda: llm._rt.policy.spill(self.kv, Tier.DISK))
+        return real_finish(self, seq, new_msgs, info)
+
+    with llm:
+        s = llm.session(session_id="r", sampling=G)
+        s.send("first")
+        monkeypatch.setattr(Session, "_finish", spill_first)
+        s.send("second")
+        assert s.state == "disk"
+        messages = s.messages
+        assert len(read_header(sd / "r.kvs").messages) == 2  # the spill saw one turn
+    assert sorted(os.listdir(sd)) == ["r.kvs"]
+    h = read_header(sd / "r.kvs")
+    assert h.messages == messages and len(messages) == 4
+    with new_llm(llama_dir, sd, durability=durability) as llm:
+        again = llm.session(session_id="r")
+        assert again.messages == messages and continues_exactly(llm, again)

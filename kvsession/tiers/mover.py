@@ -199,6 +199,19 @@ class TierMover:
     def has_plan(self, s: SessionKV) -> bool:
         return s in self.plans
 
+    def rewrite_disk_snapshot(self, s: SessionKV, path: Path) -> int:
+        """A session whose KV is only in its snapshot file, written (again) at `path` with
+        the session's current fields, chunks copied: the file's messages may be older than
+        its KV (a spill can land between a turn's KV going back to the session and the
+        turn's messages), so a file is never taken as the session as it is."""
+        h = read_header(s.disk_path, expect=self.header_fields)
+        if tuple(h.token_ids) != s.tokens:
+            raise SnapshotError(f"{s.disk_path}: no longer holds this session's tokens "
+                                f"(replaced since it was written)")
+        with self.snapshot_locks.get(s.session_id):
+            return compact(path, [(s.disk_path, h, i) for i in range(h.num_blocks)],
+                           self.snapshot_fields(s))
+
     def write_plan_snapshot(self, s: SessionKV, path: Path) -> int:
         """The snapshot of a resumed session whose KV is still on disk where its plan says:
         chunks copied from those files (each checksum verified), nothing loaded. Returns
