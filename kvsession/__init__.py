@@ -1,13 +1,15 @@
 """kvsession: an embeddable LLM inference SDK whose KV cache is state, not a cache."""
 
 from kvsession.errors import (
-                              CacheFullError,
-                              ConfigError,
-                              KVSessionError,
-                              ModelLoadError,
-                              RemotePrefillError,
-                              SessionClosedError,
-                              SnapshotError,
+    CacheFullError,
+    ConfigError,
+    EngineClosedError,
+    KVSessionError,
+    ModelLoadError,
+    RemotePrefillError,
+    SessionClosedError,
+    SessionLockedError,
+    SnapshotError,
 )
 from kvsession.handles import AsyncTextStream, PinnedPrefix, TextStream
 from kvsession.llm import LLM
@@ -21,6 +23,6 @@ __all__ = [
     "RequestOutput", "CompletionOutput", "StructuredOutput", "TextStream", "AsyncTextStream",
     "RequestMetrics", "Stats", "SLO",
     "KVSessionError", "ConfigError", "ModelLoadError", "CacheFullError", "SnapshotError",
-    "SessionClosedError", "RemotePrefillError",
+    "SessionClosedError", "EngineClosedError", "SessionLockedError", "RemotePrefillError",
 ]
 __version__ = "0.1.0"
