@@ -3,6 +3,8 @@ model, and returns logits for the sequences that sample this step."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvsession.attention import AttentionMetadata
@@ -14,12 +16,83 @@ from kvsession.kernels.reference import Workspace
 from kvsession.model.llama import LlamaModel
 
 
+class ThreadGovernor:
+    """The engine thread's CPU thread count (intra-op: OpenMP, MKL, oneDNN), chosen per kind
+    of step from measured step times.
+
+    All cores streaming weights make a decode step fastest on an otherwise idle machine (the
+    bench model's batch-1 step: 7 ms on 2 threads, 13 ms on 1). But OpenMP threads
+    spin-wait, and a parallel region ends only when its slowest thread does: as soon as
+    anything else wants a core (the callers' Python, the tokenizer, another process), one
+    thread waits on a preempted partner while the other burns CPU. Measured on the 2-core
+    bench machine: the same step at 15-190 ms on 2 threads with twice the process CPU,
+    against 13-20 ms on 1, and whole agent-workload runs landing in a fast or a slow mode.
+    Passive waiting is no cure there: waking a sleeping thread costs milliseconds on this
+    VM, so it is as slow as one thread. Neither count wins everywhere, so the engine
+    measures: each kind of step (decode at a batch size, or prefill by token count) runs at
+    the count with the lower recent time (an exponential average), and now and then a
+    couple of steps try the other count, so that the choice follows the machine's load.
+    Probes get rarer while they keep confirming a clear choice.
+
+    Changing the count is not free (the first parallel region after going back to more
+    threads took ~6 ms here): the step after a change is not measured. A step's float
+    rounding can depend on the thread count (MKL splits long dot products across threads),
+    as it already depends on the batch a sequence shares a step with."""
+
+    PROBE_EVERY = (32, 512)  # steps of a kind between probes: first, and at most
+    PROBE_STEPS = 2          # a probe: one step to settle, one measured
+    ALPHA = 0.5              # weight of the newest step time in the average
+    CLEAR = 1.3              # a choice this much faster makes probes rarer
+
+    def __init__(self, max_threads: int):
+        self.counts = (max_threads, 1)
+        self.avg: dict[tuple, dict[int, float]] = {}
+        self.due: dict[tuple, list[int]] = {}  # [steps until the next probe, interval]
+        self.current = max_threads
+        self.settling = False  # the coming step follows a change: not measured
+        self.used = dict.fromkeys(self.counts, 0)  # steps run at each count (stats)
+
+    def choose(self, key: tuple) -> int:
+        avg = self.avg.setdefault(key, {})
+        due = self.due.setdefault(key, [self.PROBE_EVERY[0], self.PROBE_EVERY[0]])
+        untried = [c for c in self.counts if c not in avg]
+        best = min(self.counts, key=lambda c: avg.get(c, 0.0))
+        other = next(c for c in self.counts if c != best)
+        due[0] -= 1
+        if untried:
+            threads = untried[0]
+        elif due[0] < 0:
+            threads = other
+            if due[0] == -self.PROBE_STEPS:  # probe done: the next one sooner or later
+                clear = avg[other] > self.CLEAR * avg[best]
+                due[1] = min(2 * due[1], self.PROBE_EVERY[1]) if clear else self.PROBE_EVERY[0]
+                due[0] = due[1]
+        else:
+            threads = best
+        self.settling = threads != self.current
+        self.current = threads
+        return threads
+
+    def record(self, key: tuple, threads: int, seconds: float) -> None:
+        self.used[threads] += 1
+        if self.settling:
+            return
+        avg = self.avg[key]
+        avg[threads] = seconds if threads not in avg else (
+            self.ALPHA * seconds + (1 - self.ALPHA) * avg[threads])
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVPool, device: torch.device,
                  backend: AttentionBackend):
         self.model, self.kv, self.device, self.backend = model, kv, device, backend
         self.workspace = Workspace()
         self.graphs: DecodeGraphs | None = None  # set on CUDA with the Triton kernels
+        # on CPU with several threads: the thread count is measured per kind of step; the
+        # count torch is set to when the runner is built is the most it uses
+        threads = torch.get_num_threads()
+        self.governor = ThreadGovernor(threads) if device.type == "cpu" and threads > 1 \
+            else None
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor,
                                                           AttentionMetadata, list[int]]:
@@ -85,6 +158,19 @@ class ModelRunner:
                 [i.seq.blocks[p // bs].block_id * bs + p % bs
                  for i, p in zip(batch, pos, strict=True)],
                 [i.seq.block_ids for i in batch])
+        if self.governor is None:
+            return self._run(batch)
+        tokens = sum(i.num_new_tokens for i in batch)
+        key = ("decode", len(batch)) if tokens == len(batch) else ("prefill", tokens.bit_length())
+        threads = self.governor.choose(key)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)  # this thread's OpenMP and MKL thread counts
+        t = time.perf_counter()
+        logits = self._run(batch)
+        self.governor.record(key, threads, time.perf_counter() - t)
+        return logits
+
+    def _run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         input_ids, positions, meta, rows = self.prepare(batch)
         hidden = self.model.forward(input_ids, positions, self.kv, meta)
         if len(rows) < hidden.shape[0]:  # a decode step samples every row: no copy

@@ -93,10 +93,10 @@ class LlamaModel:
         spec = self.spec
         a, m = p + "self_attn.", p + "mlp."
 
-        def linear(names, bias_names):
-            bias = torch.cat([w[n] for n in bias_names]) if all(n in w for n in bias_names) \
+        def linear(names, bias_names):  # popped: each original is freed once copied
+            bias = torch.cat([w.pop(n) for n in bias_names]) if all(n in w for n in bias_names) \
                 else None
-            return Linear([w[n] for n in names], bias, fmt=self.weight_format)
+            return Linear([w.pop(n) for n in names], bias, fmt=self.weight_format)
 
         return LayerWeights(
             input_norm=w[p + "input_layernorm.weight"],
@@ -114,7 +114,7 @@ class LlamaModel:
     @staticmethod
     def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         # HF's x * cos + rotate_half(x) * sin, with rotate_half(x) * sin written as
-        # roll(x) * sin_signed: three ops instead of six, same values
+        # roll(x) * sin_signed: three ops instead of six (equal up to float rounding)
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
     def attention_block(self, x: torch.Tensor, lw: LayerWeights, cos_sin: tuple,
