@@ -1,31 +1,266 @@
-"""kvsession vs transformers `generate` on the same random mid-size weights, same process,
-float32 on CPU, greedy: decode tokens/s at batch 1 and batch 8 (mixed prompt lengths) and
-prefill tokens/s at 512 and 2048 tokens. Prints ratios (kvsession / transformers) and writes
-bench/results/decode_vs_hf.json; `--plot` draws bench/results/decode_vs_hf.png.
+"""kvsession vs transformers on the same random mid-size weights, same process, float32 on
+CPU, greedy; and a decode step against the limit the memory allows, measured in the run.
 
-Targets: batch 8 mixed >= 1.5x, batch 1 decode >= 1.0x.
+1. Throughput: decode tokens/s at batch 1 and batch 8 (mixed prompt lengths), prefill
+   tokens/s at 512 and 2048 tokens, through `generate` on both sides.
+2. Decode steps at batch 1 and 8, contexts 128 and 2,048: the time of one step (the
+   difference between generating n+1 tokens and 1 from an already cached prompt, on both
+   sides: prefill excluded), against the bandwidth bound = bytes the step must read
+   (every projection weight once, plus each sequence's K/V) / DRAM read bandwidth (the best
+   `sum` over a 1 GiB buffer, interleaved with the steps). Targets: batch 1 <= 1.5x the
+   bound, 2,048-token decode >= 0.8x the 128-token rate, >= 1.5x transformers everywhere.
+3. Attention over a fragmented block table (2,048 tokens, blocks in random order: the
+   gathered fallback) vs the same step on consecutive blocks (read in place).
+4. `--kernels`: the projection kernels on the model's weight shapes vs the same bound.
+5. `--int8` (optional): weight-only int8 logits against float32, and its step time.
+
+Writes bench/results/decode_vs_hf.json; `--plot` draws bench/results/decode_vs_hf.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
+import time
+import warnings
 
 import torch
 from common import compare, mid_model, pyplot, save_figure, write_result
 
 from kvsession import LLM, SamplingParams
 
+CASES = [(1, 128), (1, 2048), (8, 128), (8, 2048)]  # (batch, context tokens)
+
+
+class Bandwidth:
+    """DRAM read bandwidth: the best of many `sum`s over a buffer far larger than the
+    caches, taken between the measured steps so that it sees the same machine state."""
+
+    def __init__(self, nbytes: int = 1 << 30):
+        self.buf = torch.ones(nbytes // 4)
+        self.best = 0.0
+
+    def sample(self) -> float:
+        t = time.perf_counter()
+        self.buf.sum()
+        self.best = max(self.best, self.buf.numel() * 4 / (time.perf_counter() - t))
+        return self.best
+
+
+def step_bytes(spec, batch: int, context: int) -> tuple[int, int]:
+    """(weight bytes, K/V bytes) one float32 decode step reads: every projection and the
+    output head once (the embedding row lookups are negligible), each sequence's cache."""
+    h, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q, kv = spec.num_heads * hd, spec.num_kv_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 2 * h * inter + inter * h
+    weights = 4 * (spec.num_layers * per_layer + spec.vocab_size * h)
+    return weights, 4 * 2 * spec.num_layers * kv * batch * context
+
+
+def step_case(llm, hf, bw: Bandwidth, steps: int, prompts: list[list[int]]) -> dict:
+    """One decode step of `prompts` (cached on both sides), kvsession and transformers."""
+    from transformers import DynamicCache
+
+    batch, context = len(prompts), len(prompts[0])
+
+    def ours(n):
+        p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+        def run():
+            bw.sample()
+            llm.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
+        return run
+
+    ids = torch.tensor(prompts)
+    cache = DynamicCache()
+    with torch.inference_mode():  # HF's cache holds the prompt but its last token
+        hf(ids[:, :-1], past_key_values=cache, use_cache=True)
+
+    def theirs(n):
+        def run():
+            bw.sample()
+            extra = cache.get_seq_length() - (context - 1)
+            if extra:  # back to the prompt (this transformers crops by a negative count)
+                cache.crop(-extra)
+            with torch.inference_mode():
+                hf.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                            max_new_tokens=n, do_sample=False, pad_token_id=0)
+        return run
+
+    ours(1)()  # caches the prompts (prefix caching): every later run decodes only
+    t1, tn, h1, hn = compare([ours(1), ours(steps + 1), theirs(1), theirs(steps + 1)], 5)
+    ms, hf_ms = (tn - t1) / steps * 1e3, (hn - h1) / steps * 1e3
+    wbytes, kvbytes = step_bytes(llm.runtime.spec, batch, context + steps // 2)
+    r = {"batch": batch, "context": context, "step_ms": ms, "hf_step_ms": hf_ms,
+         "tok_s": batch / ms * 1e3, "hf_tok_s": batch / hf_ms * 1e3,
+         "weight_bytes": wbytes, "kv_bytes": kvbytes, "ratio_vs_hf": hf_ms / ms}
+    print(f"decode step batch {batch} ctx {context:5d}: {ms:6.2f} ms, transformers "
+          f"{hf_ms:6.2f} ms ({r['ratio_vs_hf']:.2f}x)", flush=True)
+    return r
+
+
+def decode_steps(llm, hf, bw: Bandwidth, steps: int, rng) -> dict:
+    out = {}
+    for batch, context in CASES:
+        prompts = [[rng.randrange(32000) for _ in range(context)] for _ in range(batch)]
+        out[f"batch{batch}_ctx{context}"] = step_case(llm, hf, bw, steps, prompts)
+    for r in out.values():  # against the best bandwidth of the whole run
+        r["bound_ms"] = (r["weight_bytes"] + r["kv_bytes"]) / bw.best * 1e3
+        r["ratio_to_bound"] = r["step_ms"] / r["bound_ms"]
+        print(f"decode step batch {r['batch']} ctx {r['context']:5d}: {r['step_ms']:6.2f} ms = "
+              f"{r['ratio_to_bound']:.2f}x the bound ({r['bound_ms']:.2f} ms at "
+              f"{bw.best / 1e9:.1f} GB/s), {r['ratio_vs_hf']:.2f}x transformers")
+    for b in (1, 8):
+        out[f"batch{b}_long_vs_short"] = (out[f"batch{b}_ctx2048"]["tok_s"]
+                                          / out[f"batch{b}_ctx128"]["tok_s"])
+        print(f"batch {b}: 2,048-token decode at {out[f'batch{b}_long_vs_short']:.2f}x the "
+              f"128-token rate (target >= 0.8)")
+    return out
+
+
+class Direct:
+    """A model with its own KV pool, driven without the engine (explicit block tables):
+    for what the engine does not expose (a fragmented table, another weight format)."""
+
+    def __init__(self, path, weight_format: str = "float", num_blocks: int = 320):
+        from kvsession.cache.kv_pool import KVPool
+        from kvsession.kernels.reference import Workspace
+        from kvsession.model.config import load_model_spec
+        from kvsession.model.llama import LlamaModel
+        from kvsession.model.loader import load_weights
+
+        self.spec = spec = load_model_spec(path)
+        cpu = torch.device("cpu")
+        self.model = LlamaModel(spec, load_weights(path, spec, torch.float32, cpu), 4096,
+                                weight_format)
+        self.kv = KVPool(spec.num_layers, num_blocks, 16, spec.num_kv_heads, spec.head_dim,
+                         torch.float32, cpu)
+        self.ws = Workspace()
+
+    def run(self, tokens: list[int], start: int, table: torch.Tensor) -> torch.Tensor:
+        """One sequence's `tokens` at positions start...: float32 logits of the last."""
+        from kvsession.attention import AttentionMetadata
+
+        n, bs = len(tokens), self.kv.block_size
+        pos = torch.arange(start, start + n)
+        meta = AttentionMetadata(
+            slot_mapping=table[0, pos // bs] * bs + pos % bs, block_tables=table,
+            query_start_loc=[0, n], seq_lens=[start + n],
+            seq_lens_tensor=torch.tensor([start + n]), decode_only=n == 1,
+            softmax_scale=self.model.softmax_scale, workspace=self.ws, all_slots_valid=True)
+        return self.model.logits(self.model.forward(torch.tensor(tokens), pos, self.kv,
+                                                    meta)[-1:])
+
+
+def fragmented(path, bw: Bandwidth, context: int = 2048) -> dict:
+    """One model step (batch 1) over 2,048 cached tokens whose blocks are consecutive
+    (attended in place) or in random order (gathered chunk by chunk)."""
+    nblocks = -(-(context + 1) // 16)
+    d = Direct(path, num_blocks=2 * nblocks)
+    d.kv.k.normal_()
+    d.kv.v.normal_()
+    tables = {"in_place": torch.arange(nblocks)[None],
+              "fragmented": torch.randperm(2 * nblocks, generator=torch.Generator().manual_seed(0))
+              [:nblocks][None]}
+
+    def step(table):
+        def run():
+            bw.sample()
+            d.run([7], context, table)
+        return run
+
+    t = compare([step(tables["in_place"]), step(tables["fragmented"])], 5)
+    wbytes, kvbytes = step_bytes(d.spec, 1, context)
+    bound = (wbytes + kvbytes) / bw.best
+    out = {k: {"step_ms": x * 1e3, "ratio_to_bound": x / bound} for k, x in zip(tables, t,
+                                                                                  strict=True)}
+    print("model step, 2,048 tokens: " + ", ".join(
+        f"{k} {v['step_ms']:.2f} ms ({v['ratio_to_bound']:.2f}x bound)" for k, v in out.items()))
+    return out
+
+
+def int8(path, bw: Bandwidth, prompt_len: int = 256, decode: int = 64) -> dict:
+    """Weight-only int8 (optional): logits against float32 on the same tokens (a random
+    prompt, then float32's greedy continuation, teacher-forced into both), and the decode
+    step time of each at a 128-token context."""
+    fp, q8 = Direct(path), Direct(path, "int8")
+    rng = random.Random(1)
+    tokens = [rng.randrange(fp.spec.vocab_size) for _ in range(prompt_len)]
+    nblocks = -(-max(prompt_len + decode, 129) // 16)
+    table = torch.arange(nblocks)[None]
+    a, b = fp.run(tokens, 0, table), q8.run(tokens, 0, table)
+    rel, agree = [], []
+    for i in range(decode):
+        rel.append(float((b - a).norm() / a.norm()))
+        agree.append(int(a.argmax()) == int(b.argmax()))
+        tokens.append(int(a.argmax()))
+        pos = prompt_len + i
+        a, b = fp.run(tokens[-1:], pos, table), q8.run(tokens[-1:], pos, table)
+    t = compare([lambda: (bw.sample(), fp.run([5], 128, table)),
+                 lambda: (bw.sample(), q8.run([5], 128, table))], 5)
+    wbytes, kvbytes = step_bytes(fp.spec, 1, 128)
+    out = {"logits_rel_l2_mean": statistics.mean(rel), "logits_rel_l2_max": max(rel),
+           "top1_agreement": sum(agree) / len(agree), "float32_step_ms": t[0] * 1e3,
+           "int8_step_ms": t[1] * 1e3, "speedup": t[0] / t[1],
+           "int8_bound_ms": (wbytes / 4 + kvbytes) / bw.best * 1e3}
+    print(f"int8 weights: logits rel. L2 mean {out['logits_rel_l2_mean']:.4f} max "
+          f"{out['logits_rel_l2_max']:.4f}, top-1 agreement {out['top1_agreement']:.3f}; "
+          f"step {out['int8_step_ms']:.2f} ms vs float32 {out['float32_step_ms']:.2f} ms "
+          f"({out['speedup']:.2f}x), int8 bound {out['int8_bound_ms']:.2f} ms")
+    return out
+
+
+def kernels(spec, bw: Bandwidth) -> dict:
+    """The model's projections (every layer, then the head) in each weight layout."""
+    import torch.nn.functional as F
+
+    h, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    shapes = [(spec.num_heads * hd + 2 * spec.num_kv_heads * hd, h),
+              (h, spec.num_heads * hd), (2 * inter, h), (h, inter)] * spec.num_layers
+    ws = [torch.randn(s) * 0.02 for s in shapes + [(spec.vocab_size, h)]]
+    nbytes = sum(w.numel() * 4 for w in ws)
+    layouts = {
+        "F.linear [out, in]": (ws, lambda x, w: F.linear(x, w)),
+        "x @ W^T, [in, out] (kvsession)": ([w.t().contiguous() for w in ws], torch.mm),
+        "oneDNN prepacked": ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws],
+                             lambda x, p: torch.ops.mkldnn._linear_pointwise(
+                                 x, p, None, "none", [], "")),
+    }
+    out = {}
+    for rows in (1, 8, 64, 512):
+        xs = {n: torch.randn(rows, n) for n in {s[1] for s in shapes} | {h}}
+
+        def chain(weights, fn, xs=xs):
+            def run():
+                bw.sample()
+                for w, s in zip(weights, shapes + [(spec.vocab_size, h)], strict=True):
+                    fn(xs[s[1]], w)
+            return run
+
+        t = compare([chain(*v) for v in layouts.values()], 5)
+        bound = nbytes / bw.best
+        out[rows] = {k: x / bound for k, x in zip(layouts, t, strict=True)}
+        print(f"projections, {rows:3d} rows (x bound {bound * 1e3:.2f} ms): " + ", ".join(
+            f"{k} {v:.2f}x" for k, v in out[rows].items()), flush=True)
+    return out
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per step timing")
+    ap.add_argument("--kernels", action="store_true", help="also time the projection kernels")
+    ap.add_argument("--int8", action="store_true", help="also weight-only int8 (optional)")
     ap.add_argument("--plot", action="store_true")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+
     path = mid_model()
     rng = random.Random(0)
+    bw = Bandwidth()
     n_new = args.new_tokens
     mixed = [[rng.randrange(32000) for _ in range(n)] for n in (16, 300, 64, 200, 32, 128, 8, 256)]
     single = [mixed[0]]
@@ -62,21 +297,47 @@ def main() -> None:
         t_ours, t_hf = compare([ours(prompt, 1), theirs(prompt, 1)], 2)
         results[f"prefill_{n}"] = {"kvsession_tok_s": n / t_ours, "hf_tok_s": n / t_hf,
                                    "ratio": t_hf / t_ours}
-    llm.close()
     for name, r in results.items():
         print(f"{name:22s} kvsession {r['kvsession_tok_s']:9.1f} tok/s   transformers "
-              f"{r['hf_tok_s']:9.1f} tok/s   ratio {r['ratio']:.2f}x")
+              f"{r['hf_tok_s']:9.1f} tok/s   ratio {r['ratio']:.2f}x", flush=True)
+    spec = llm.runtime.spec
+    llm.close()
+    # decode steps from a cached prompt: prefix caching on, so a repeated prompt is not
+    # prefilled again
+    llm = LLM(path, kv_cache_memory="1GiB", max_model_len=4096, max_num_seqs=8)
+    steps = decode_steps(llm, hf, bw, args.steps, rng)
+    llm.close()
+    frag = fragmented(path, bw)
+    kern = kernels(spec, bw) if args.kernels else None
+    q8 = int8(path, bw) if args.int8 else None
+    print(f"DRAM read bandwidth (best in the run): {bw.best / 1e9:.1f} GB/s")
     write_result("decode_vs_hf", {"model": "mid-size llama (hidden 512, 8 layers, vocab 32000)",
-                                  "new_tokens": n_new, "results": results})
+                                  "new_tokens": n_new, "results": results,
+                                  "read_bandwidth_gb_s": bw.best / 1e9, "decode_steps": steps,
+                                  "fragmented_table": frag, "kernels": kern, "int8": q8})
     if args.plot:
         plt = pyplot()
 
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
         names = list(results)
-        ax.bar(names, [results[n]["ratio"] for n in names], color="#3b7dd8")
-        ax.axhline(1.0, color="gray", lw=1, ls="--")
-        ax.set_ylabel("kvsession / transformers (x)")
-        ax.set_title("Throughput vs transformers, CPU float32, mid-size model")
+        ax1.bar(names, [results[n]["ratio"] for n in names], color="#3b7dd8")
+        ax1.axhline(1.0, color="gray", lw=1, ls="--")
+        ax1.set_ylabel("kvsession / transformers (x)")
+        ax1.set_title("Throughput vs transformers")
+        ax1.tick_params(axis="x", labelrotation=20)
+        labels = [f"b{b} ctx{c}" for b, c in CASES]
+        rows = [steps[f"batch{b}_ctx{c}"] for b, c in CASES]
+        x = range(len(rows))
+        ax2.bar([i - 0.27 for i in x], [r["bound_ms"] for r in rows], 0.27, label="bound",
+                color="#999999")
+        ax2.bar(list(x), [r["step_ms"] for r in rows], 0.27, label="kvsession",
+                color="#3b7dd8")
+        ax2.bar([i + 0.27 for i in x], [r["hf_step_ms"] for r in rows], 0.27,
+                label="transformers", color="#e07b39")
+        ax2.set_xticks(list(x), labels)
+        ax2.set_ylabel("ms per decode step")
+        ax2.set_title(f"Decode step vs bandwidth bound ({bw.best / 1e9:.0f} GB/s)")
+        ax2.legend()
         save_figure(fig, "decode_vs_hf")
 
 
