@@ -39,6 +39,28 @@ def compare(fns, repeat: int = 3) -> list[float]:
     return best
 
 
+class Solo:
+    """Keeps one thread's OpenMP workers alive at a time while a benchmark alternates
+    between kvsession (its engine thread) and a peer or a measurement on this thread.
+
+    libgomp stops spin-waiting once the worker threads of every thread that ran a parallel
+    region outnumber the cores, and each parallel region then pays a wake-up (see
+    kvsession.engine.runner.release_openmp_workers): whichever side ran second in the same
+    process would be measured slowed down by the other's idle workers. Call `ours()`
+    before timing kvsession and `theirs()` before timing anything on this thread."""
+
+    def __init__(self, llm):
+        from kvsession.engine.runner import release_openmp_workers
+
+        self.llm, self.release = llm, release_openmp_workers
+
+    def ours(self) -> None:
+        self.release()  # this thread's workers (transformers, bandwidth samples)
+
+    def theirs(self) -> None:
+        self.llm._rt.call(self.release).result()  # the engine thread's workers
+
+
 def write_result(name: str, data: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
     data = {"benchmark": name, "machine": platform.machine(), "torch": torch.__version__,

@@ -26,7 +26,7 @@ import time
 import warnings
 
 import torch
-from common import compare, mid_model, pyplot, save_figure, write_result
+from common import Solo, compare, mid_model, pyplot, save_figure, write_result
 
 from kvsession import LLM, SamplingParams
 
@@ -63,12 +63,14 @@ def step_case(llm, hf, bw: Bandwidth, steps: int, prompts: list[list[int]]) -> d
     from transformers import DynamicCache
 
     batch, context = len(prompts), len(prompts[0])
+    solo = Solo(llm)
 
     def ours(n):
         p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
         def run():
             bw.sample()
+            solo.ours()
             llm.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
         return run
 
@@ -79,6 +81,7 @@ def step_case(llm, hf, bw: Bandwidth, steps: int, prompts: list[list[int]]) -> d
 
     def theirs(n):
         def run():
+            solo.theirs()
             bw.sample()
             extra = cache.get_seq_length() - (context - 1)
             if extra:  # back to the prompt (this transformers crops by a negative count)
@@ -268,9 +271,15 @@ def main() -> None:
     hf.generation_config.eos_token_id = None
     llm = LLM(path, kv_cache_memory="2GiB", max_model_len=4096, enable_prefix_caching=False)
 
+    solo = Solo(llm)
+
     def ours(prompts, max_tokens=n_new):
         p = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        return lambda: llm.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
+
+        def run():
+            solo.ours()
+            llm.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
+        return run
 
     def theirs(prompts, max_tokens=n_new):
         width = max(len(p) for p in prompts)  # left padding, as HF batch generation needs
@@ -278,6 +287,7 @@ def main() -> None:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
 
         def run():
+            solo.theirs()
             with torch.inference_mode():
                 hf.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
                             do_sample=False, pad_token_id=0)

@@ -53,52 +53,52 @@ class ThreadGovernor:
     Passive waiting is no cure there: waking a sleeping thread costs milliseconds on this
     VM, so it is as slow as one thread. Neither count wins everywhere, so the engine
     measures: each kind of step (decode at a batch size, or prefill by token count) runs at
-    the count with the lower recent time (an exponential average), and now and then a
-    couple of steps try the other count, so that the choice follows the machine's load.
-    Probes get rarer while they keep confirming a clear choice.
+    the count with the lower recent time (an exponential average; all cores until one
+    thread has been tried), and now and then a couple of steps try the other count, so
+    that the choice follows the machine's load. Probes get rarer while they keep
+    confirming a clear choice.
 
     Changing the count is not free (the first parallel region after going back to more
-    threads took ~6 ms here): the step after a change is not measured. A step's float
+    threads took ~6 ms here): a short step right after a change is not measured. A step's float
     rounding can depend on the thread count (MKL splits long dot products across threads),
     as it already depends on the batch a sequence shares a step with."""
 
-    PROBE_EVERY = (32, 512)  # steps of a kind between probes: first, and at most
+    PROBE_EVERY = (16, 256)  # steps of a kind between probes: first, and at most
     PROBE_STEPS = 2          # a probe: one step to settle, one measured
     ALPHA = 0.5              # weight of the newest step time in the average
     CLEAR = 1.3              # a choice this much faster makes probes rarer
+    SWITCH_S = 0.006         # what a change of count can add to the next step
 
     def __init__(self, max_threads: int):
         self.counts = (max_threads, 1)
         self.avg: dict[tuple, dict[int, float]] = {}
         self.due: dict[tuple, list[int]] = {}  # [steps until the next probe, interval]
         self.current = max_threads
-        self.settling = False  # the coming step follows a change: not measured
+        self.settling = False  # the coming step follows a change of count
         self.used = dict.fromkeys(self.counts, 0)  # steps run at each count (stats)
 
     def choose(self, key: tuple) -> int:
+        """The count for the coming step of this kind: the faster one so far (all cores
+        until the other has been tried), or the other one during a probe."""
         avg = self.avg.setdefault(key, {})
         due = self.due.setdefault(key, [self.PROBE_EVERY[0], self.PROBE_EVERY[0]])
-        untried = [c for c in self.counts if c not in avg]
-        best = min(self.counts, key=lambda c: avg.get(c, 0.0))
+        best = min(avg, key=avg.__getitem__) if avg else self.counts[0]
         other = next(c for c in self.counts if c != best)
         due[0] -= 1
-        if untried:
-            threads = untried[0]
-        elif due[0] < 0:
+        threads = best
+        if due[0] < 0:
             threads = other
             if due[0] == -self.PROBE_STEPS:  # probe done: the next one sooner or later
-                clear = avg[other] > self.CLEAR * avg[best]
+                clear = other in avg and avg[other] > self.CLEAR * avg[best]
                 due[1] = min(2 * due[1], self.PROBE_EVERY[1]) if clear else self.PROBE_EVERY[0]
                 due[0] = due[1]
-        else:
-            threads = best
         self.settling = threads != self.current
         self.current = threads
         return threads
 
     def record(self, key: tuple, threads: int, seconds: float) -> None:
         self.used[threads] += 1
-        if self.settling:
+        if self.settling and seconds < 20 * self.SWITCH_S:  # the change would weigh in
             return
         avg = self.avg[key]
         avg[threads] = seconds if threads not in avg else (
