@@ -25,14 +25,17 @@ def mid_model(root: Path | None = None) -> Path:
     return path
 
 
-def compare(fns, repeat: int = 3) -> list[float]:
+def compare(fns, repeat: int = 3, between=None) -> list[float]:
     """Best wall time of each function over `repeat` rounds, run interleaved (one warm-up
-    each) so that machine noise hits all of them alike."""
+    each) so that machine noise hits all of them alike. `between`, if given, runs untimed
+    before each timed call (e.g. a bandwidth sample taken in the same conditions)."""
     for fn in fns:
         fn()
     best = [float("inf")] * len(fns)
     for _ in range(repeat):
         for i, fn in enumerate(fns):
+            if between is not None:
+                between()
             t = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - t)

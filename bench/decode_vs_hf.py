@@ -69,7 +69,6 @@ def step_case(llm, hf, bw: Bandwidth, steps: int, prompts: list[list[int]]) -> d
         p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
         def run():
-            bw.sample()
             solo.ours()
             llm.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
         return run
@@ -82,7 +81,6 @@ def step_case(llm, hf, bw: Bandwidth, steps: int, prompts: list[list[int]]) -> d
     def theirs(n):
         def run():
             solo.theirs()
-            bw.sample()
             extra = cache.get_seq_length() - (context - 1)
             if extra:  # back to the prompt (this transformers crops by a negative count)
                 cache.crop(-extra)
@@ -92,7 +90,8 @@ def step_case(llm, hf, bw: Bandwidth, steps: int, prompts: list[list[int]]) -> d
         return run
 
     ours(1)()  # caches the prompts (prefix caching): every later run decodes only
-    t1, tn, h1, hn = compare([ours(1), ours(steps + 1), theirs(1), theirs(steps + 1)], 5)
+    t1, tn, h1, hn = compare([ours(1), ours(steps + 1), theirs(1), theirs(steps + 1)], 5,
+                             between=bw.sample)
     ms, hf_ms = (tn - t1) / steps * 1e3, (hn - h1) / steps * 1e3
     wbytes, kvbytes = step_bytes(llm.runtime.spec, batch, context + steps // 2)
     r = {"batch": batch, "context": context, "step_ms": ms, "hf_step_ms": hf_ms,
@@ -168,12 +167,9 @@ def fragmented(path, bw: Bandwidth, context: int = 2048) -> dict:
               [:nblocks][None]}
 
     def step(table):
-        def run():
-            bw.sample()
-            d.run([7], context, table)
-        return run
+        return lambda: d.run([7], context, table)
 
-    t = compare([step(tables["in_place"]), step(tables["fragmented"])], 5)
+    t = compare([step(tables["in_place"]), step(tables["fragmented"])], 5, between=bw.sample)
     wbytes, kvbytes = step_bytes(d.spec, 1, context)
     bound = (wbytes + kvbytes) / bw.best
     out = {k: {"step_ms": x * 1e3, "ratio_to_bound": x / bound} for k, x in zip(tables, t,
@@ -200,8 +196,8 @@ def int8(path, bw: Bandwidth, prompt_len: int = 256, decode: int = 64) -> dict:
         tokens.append(int(a.argmax()))
         pos = prompt_len + i
         a, b = fp.run(tokens[-1:], pos, table), q8.run(tokens[-1:], pos, table)
-    t = compare([lambda: (bw.sample(), fp.run([5], 128, table)),
-                 lambda: (bw.sample(), q8.run([5], 128, table))], 5)
+    t = compare([lambda: fp.run([5], 128, table), lambda: q8.run([5], 128, table)], 5,
+                between=bw.sample)
     wbytes, kvbytes = step_bytes(fp.spec, 1, 128)
     out = {"logits_rel_l2_mean": statistics.mean(rel), "logits_rel_l2_max": max(rel),
            "top1_agreement": sum(agree) / len(agree), "float32_step_ms": t[0] * 1e3,
@@ -236,12 +232,11 @@ def kernels(spec, bw: Bandwidth) -> dict:
 
         def chain(weights, fn, xs=xs):
             def run():
-                bw.sample()
                 for w, s in zip(weights, shapes + [(spec.vocab_size, h)], strict=True):
                     fn(xs[s[1]], w)
             return run
 
-        t = compare([chain(*v) for v in layouts.values()], 5)
+        t = compare([chain(*v) for v in layouts.values()], 5, between=bw.sample)
         bound = nbytes / bw.best
         out[rows] = {k: x / bound for k, x in zip(layouts, t, strict=True)}
         print(f"projections, {rows:3d} rows (x bound {bound * 1e3:.2f} ms): " + ", ".join(
