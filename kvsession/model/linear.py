@@ -5,17 +5,17 @@ projections read their weights. Formats (`Linear(..., fmt=)`), measured on the b
 model's projections (bench/decode_vs_hf.py --kernels prints the table, against the DRAM
 bandwidth of the same run):
 
-- "float": `[in, out]` contiguous, x @ W^T by MKL. The fastest at one row (MKL streams it
-  at the DRAM read bandwidth; `F.linear` on the checkpoint's `[out, in]` is ~1.2x slower
-  and the padded `(W @ x.T).T` used before ~3x), but MKL repacks the weight on every call
-  for 2-64 rows (~1.5x slower than the bandwidth at 8 rows). Prefill is compute-bound and
-  runs as fast as in any other layout. One copy of every weight.
+- "float": `[in, out]` contiguous, x @ W^T by MKL. The fastest at one row: it reads the
+  bench model's projections in 0.83x the time their bytes take at the DRAM read bandwidth
+  (part of them stays in this machine's large L3), where `F.linear` on the checkpoint's
+  `[out, in]` takes 0.94x and the padded `(W @ x.T).T` used before ~3x. But MKL repacks the
+  weight on every call for 2-64 rows (2.0x the bound at 8 rows). Prefill is compute-bound
+  and runs as fast as in any other layout. One copy of every weight.
 - "onednn": oneDNN's prepacked blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
-  what inductor's freezing uses): streams 2-64 rows ~1.4x faster than "float", one row
-  ~1.15x slower, prefill alike. One copy, opaque (a tied embedding keeps its own).
+  what inductor's freezing uses): 1.40x the bound at 8 rows, but 1.24x at one row; prefill
+  alike. One copy, opaque (a tied embedding keeps its own).
 - "both": "float" for one row and prefill, "onednn" for 2-64 rows: the best of the two at
-  twice the weight memory (the model's default on CPU; a batch-8 decode step of the bench
-  model ~20% faster than "float", the same at batch 1).
+  twice the weight memory (the model's default on CPU).
 - "int8": int8 weights with a float scale per output channel, through ATen's weight-only
   int8 kernel (`_weight_int8pack_mm`, gpt-fast's): a quarter of the bytes. Its CPU kernel is
   fast with bfloat16 activations only (with float32 ones it is 2x slower than float32
