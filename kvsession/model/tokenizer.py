@@ -173,19 +173,34 @@ class Tokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's chat template writes it (sandboxed jinja2)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> str:
+        """The conversation as the model's chat template writes it (sandboxed jinja2).
+        `tools` is passed as the `tools` variable HF templates use (None: not defined);
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) are further variables."""
         if self._template is None:
             raise ConfigError("this checkpoint has no chat template; use generate() instead")
         messages = check_messages(messages)
+        extra = dict(chat_template_kwargs or {})
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
+        clash = sorted(reserved & extra.keys())
+        if clash:
+            raise ConfigError(f"chat_template_kwargs may not set {clash}: pass them as "
+                              f"arguments")
+        if tools is not None:
+            extra["tools"] = tools
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except TemplateError as e:
             raise ConfigError(f"the chat template rejected the conversation: {e}") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
         # Templates write their own special tokens (bos included), as HF apply_chat_template.
-        return self.encode(self.render_chat(messages, add_generation_prompt),
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools,
+                                            chat_template_kwargs),
                            add_special_tokens=False)
