@@ -31,7 +31,7 @@ import torch
 from kvsession import costmodel
 from kvsession.attention import resolve_backend
 from kvsession.cache.block_pool import BlockPool, blocks_for
-from kvsession.cache.hashing import CacheIdentity
+from kvsession.cache.hashing import CacheIdentity, Salt
 from kvsession.cache.kv_pool import KVPool, kv_bytes_per_token
 from kvsession.cache.manager import HolderKind, KVCacheManager, Tier, Transient
 from kvsession.cache.prefix import Pin, PrefixCache
@@ -406,7 +406,14 @@ class Runtime:
             self.grammars().new_state(params.structured)
         return Sequence(token_ids=ids, params=params, max_model_len=self.info.max_model_len,
                         eos_token_ids=self.tokenizer.eos_token_ids, retain_blocks=retain_blocks,
-                        grammar=grammar)
+                        grammar=grammar, salt=self.salt_for(ids, params.cache_salt))
+
+    def salt_for(self, ids: list[int], cache_salt: str | None) -> Salt | None:
+        """Layered isolation: a salted request shares the public pinned prefix it starts
+        with (unsalted, computed once for every tenant) and nothing after it."""
+        if cache_salt is None:
+            return None
+        return Salt(cache_salt, self.prefix.pins.public_blocks(ids))
 
     def completion(self, seq: Sequence) -> CompletionOutput:
         out_ids = seq.output_token_ids
@@ -432,14 +439,18 @@ class Runtime:
 
     # ---- pins ------------------------------------------------------------------------------
 
-    def pin(self, ids: list[int], ttl_s: float | None) -> Pin:
+    def pin(self, ids: list[int], ttl_s: float | None, cache_salt: str | None = None) -> Pin:
         """Compute `ids` into the cache if absent and pin its full blocks (CacheFullError,
-        nothing already pinned affected, past the pin budget)."""
+        nothing already pinned affected, past the pin budget). A salted pin is its tenant's
+        own (hashed with the salt after any public pinned prefix it starts with)."""
         num_blocks = len(ids) // self.config.block_size
         pins = self.prefix.pins
-        self.call(lambda: pins.check_budget(num_blocks - self._num_pinned_among(ids))).result()
-        seq = Sequence(token_ids=list(ids), params=SamplingParams(max_tokens=1, temperature=0.0),
-                       max_model_len=self.info.max_model_len, retain_blocks=True)
+        salt = self.salt_for(ids, cache_salt)
+        self.call(lambda: pins.check_budget(
+            num_blocks - self._num_pinned_among(ids, salt))).result()
+        seq = Sequence(token_ids=list(ids), params=SamplingParams(
+            max_tokens=1, temperature=0.0, cache_salt=cache_salt),
+            max_model_len=self.info.max_model_len, retain_blocks=True, salt=salt)
         self.submit(seq).result()
         return self.call(lambda: self._hold_pin(seq, num_blocks, ttl_s)).result()
 
@@ -447,8 +458,8 @@ class Runtime:
         if self._loop is not None:
             self.call(lambda: self.prefix.pins.remove(pin)).result()
 
-    def _num_pinned_among(self, ids: list[int]) -> int:
-        hashes = self.prefix.hasher.extend([], ids, len(ids), None)
+    def _num_pinned_among(self, ids: list[int], salt: Salt | None) -> int:
+        hashes = self.prefix.hasher.extend([], ids, len(ids), salt)
         blocks = self.prefix.lookup_blocks(ids, hashes, len(hashes))
         return len(blocks) - self.prefix.pins.num_new_blocks(blocks)
 
@@ -460,7 +471,8 @@ class Runtime:
         self.manager.retarget_to_indexed(staged, seq.block_hashes[:num_blocks], seq.token_ids)
         try:
             return self.prefix.pins.add(seq.token_ids[: num_blocks * self.config.block_size],
-                                        staged, ttl_s, self.prefix.clock())
+                                        staged, ttl_s, self.prefix.clock(),
+                                        seq.params.cache_salt)
         except CacheFullError:
             self.manager.release(staged)
             raise

@@ -224,7 +224,8 @@ class SessionStore:
         sess = self._new_session(session_id, state.system, params, system_key, state.messages,
                                  lock=lock, slog=slog)
         try:
-            hashes = rt.mover.block_hashes(state.tokens, params.cache_salt)
+            hashes = rt.mover.block_hashes(
+                state.tokens, rt.salt_for(state.tokens, params.cache_salt))
             segment = open_segment(disk, session_id, rt.header_fields)
             shared = open_shared(disk, rt.header_fields)
             plan = build_plan(disk, session_id, state.tokens, hashes, rt.header_fields,
@@ -271,7 +272,8 @@ class SessionStore:
             raise SnapshotError(f"{path}: {e}") from None
         # hashes are recomputed from the tokens: the file's could name other prefixes'
         # blocks and poison the shared prefix cache
-        hashes = self.rt.mover.block_hashes(header.token_ids, sampling.cache_salt)
+        hashes = self.rt.mover.block_hashes(
+            header.token_ids, self.rt.salt_for(header.token_ids, sampling.cache_salt))
         sess = self._new_session(sid, header.system, sampling, system_key,
                                  list(header.messages), source=path, lock=lock)
         try:

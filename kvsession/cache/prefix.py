@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from kvsession.cache.block_pool import Block
-from kvsession.cache.hashing import BlockHasher
+from kvsession.cache.hashing import BlockHasher, SaltArg
 from kvsession.cache.manager import Holder, HolderKind, KVCacheManager
 from kvsession.errors import CacheFullError
 
@@ -34,7 +34,7 @@ class PrefixCache:
         self.hit_tokens = 0
 
     def match(self, token_ids: Sequence[int], hashes: list[bytes], max_tokens: int,
-              cache_salt: str | None) -> list[Block]:
+              cache_salt: SaltArg) -> list[Block]:
         """Cached blocks covering the longest prefix of `token_ids[:max_tokens]` (whole
         blocks only). `hashes` is the sequence's hash list, extended in place as far as it is
         computed. Takes no references: the caller touches the blocks it keeps. Counts the
@@ -78,8 +78,10 @@ class Pin:
 
     holder_kind: ClassVar[HolderKind] = HolderKind.PIN
 
-    def __init__(self, pin_id: int, token_ids: list[int], ttl_s: float | None, now: float):
+    def __init__(self, pin_id: int, token_ids: list[int], ttl_s: float | None, now: float,
+                 cache_salt: str | None = None):
         self.pin_id, self.token_ids = pin_id, token_ids
+        self.cache_salt = cache_salt  # None: a public prefix every tenant may share
         self.blocks: tuple[Block, ...] = ()
         self.ttl_s, self.last_hit = ttl_s, now
         self.active = True
@@ -99,6 +101,9 @@ class PinRegistry:
         self.manager, self.max_pinned_blocks = manager, max_pinned_blocks
         self.pins: dict[int, Pin] = {}
         self.block_pins: dict[int, int] = {}  # block id -> number of pins holding it
+        # the unsalted pins' full-block token prefixes, replaced whole on every change so
+        # callers' threads may read it without a lock (salt layering: public_blocks)
+        self.public: tuple[tuple[int, ...], ...] = ()
         self._next_id = 0
 
     @property
@@ -115,17 +120,32 @@ class PinRegistry:
                 f"asked {num_new_blocks}, pinned {self.num_pinned_blocks}, limit "
                 f"{self.max_pinned_blocks} blocks (max_pinned_fraction of the device pool)")
 
+    def public_blocks(self, token_ids: Sequence[int]) -> int:
+        """Full blocks of the longest public pinned prefix `token_ids` starts with (any
+        thread)."""
+        best = 0
+        for pre in self.public:
+            if len(pre) > best and len(pre) <= len(token_ids) and \
+                    tuple(token_ids[: len(pre)]) == pre:
+                best = len(pre)
+        return best // self.manager.block_size
+
+    def _publish(self) -> None:
+        self.public = tuple({tuple(p.token_ids) for p in self.pins.values()
+                             if p.cache_salt is None and p.blocks})
+
     def add(self, token_ids: list[int], source: Holder, ttl_s: float | None,
-            now: float) -> Pin:
+            now: float, cache_salt: str | None = None) -> Pin:
         """Pin the blocks of `source` (its references are handed over to the pin). Raises
         CacheFullError, changing nothing, when over budget: `source` keeps them then."""
         self.check_budget(self.num_new_blocks(source.blocks))
-        pin = Pin(self._next_id, token_ids, ttl_s, now)
+        pin = Pin(self._next_id, token_ids, ttl_s, now, cache_salt)
         self.manager.transfer(source, pin)
         self._next_id += 1
         self.pins[pin.pin_id] = pin
         for b in pin.blocks:
             self.block_pins[b.block_id] = self.block_pins.get(b.block_id, 0) + 1
+        self._publish()
         return pin
 
     def remove(self, pin: Pin) -> None:
@@ -140,6 +160,7 @@ class PinRegistry:
             else:
                 del self.block_pins[b.block_id]
         self.manager.release(pin)
+        self._publish()
 
     def note_hits(self, blocks: list[Block], now: float) -> None:
         """A lookup hit these blocks: refresh the TTL of pins that hold them."""

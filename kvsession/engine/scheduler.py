@@ -163,7 +163,7 @@ class Scheduler:
         elif not attached:
             # leave at least one token to compute, so the sequence gets logits to sample
             hits = self.prefix.match(seq.token_ids, seq.block_hashes, seq.num_tokens - 1,
-                                     seq.params.cache_salt)
+                                     seq.salt)
             num_cached = len(hits) * self.pool.block_size
             nxt = len(hits)
             if nxt < len(seq.block_hashes) and self.prefix.pending.get(
@@ -294,7 +294,7 @@ class Scheduler:
             after = seq.num_computed_tokens // bs
             if after > before and self.pool.enable_caching:
                 self.prefix.hasher.extend(seq.block_hashes, seq.token_ids, after * bs,
-                                          seq.params.cache_salt)
+                                          seq.salt)
                 for i in range(before, after):
                     self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i],
                                                seq.token_ids[i * bs:(i + 1) * bs],

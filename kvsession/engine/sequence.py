@@ -15,6 +15,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from kvsession.cache.block_pool import Block
+from kvsession.cache.hashing import Salt
 from kvsession.cache.manager import HolderKind
 from kvsession.params import SamplingParams
 from kvsession.validation import SEED_RANGE
@@ -74,6 +75,7 @@ class Sequence:
     # a request's completions in index order, shared by all of them (set when n > 1 forks)
     group: list[Sequence] | None = None
     grammar: Grammar | None = None  # structured output: the matcher's state
+    salt: Salt | None = None  # params.cache_salt, after the public pinned prefix it starts with
     # prompt_logprobs: prompt position -> {token_id: logprob} (recomputation overwrites)
     prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -87,6 +89,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+        if self.salt is None and self.params.cache_salt is not None:
+            self.salt = Salt(self.params.cache_salt)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(
                 completion_seed(self.params.seed, self.index))
@@ -105,6 +109,7 @@ class Sequence:
                          index=index, arrival_time=self.arrival_time,
                          grammar=None if self.grammar is None else self.grammar.fork())
         child.block_hashes = list(self.block_hashes)
+        child.salt = self.salt
         child.num_cached_tokens = self.num_cached_tokens
         child.first_scheduled_time = self.first_scheduled_time
         child.prompt_logprobs = self.prompt_logprobs

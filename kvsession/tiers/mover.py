@@ -18,7 +18,7 @@ import torch
 
 from kvsession import costmodel
 from kvsession.cache.block_pool import Block, blocks_for
-from kvsession.cache.hashing import BlockHasher
+from kvsession.cache.hashing import BlockHasher, SaltArg
 from kvsession.cache.manager import KVCacheManager, SessionKV, Tier, Transient
 from kvsession.errors import SnapshotError
 from kvsession.tiers.disk import DiskTier
@@ -116,7 +116,7 @@ class TierMover:
 
     # ---- snapshots -------------------------------------------------------------------------
 
-    def block_hashes(self, tokens, cache_salt: str | None) -> list[bytes]:
+    def block_hashes(self, tokens, cache_salt: SaltArg) -> list[bytes]:
         """The chained hashes of every full block of `tokens`, computed here: a restored
         session's blocks are published (and looked up) under these, never under hashes
         read from a file, which could name another prefix's blocks."""
