@@ -33,7 +33,6 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvsession.cache.kv_pool import block_runs
 from kvsession.cache.manager import HolderKind
 from kvsession.config import EngineConfig
 from kvsession.connector.base import (
@@ -62,7 +61,7 @@ from kvsession.connector.base import (
     recv_message,
     write_keys,
 )
-from kvsession.connector.nixl import describe_tensors, layer_descs, make_agent
+from kvsession.connector.nixl import describe_tensors, layer_descs, make_agent, slot_runs
 from kvsession.runtime import Runtime
 
 log = logging.getLogger("kvsession")
@@ -197,6 +196,7 @@ class NixlPrefillService(PrefillService):
                                              cache_salt=req.cache_salt), retain_blocks=True)
         layers: queue.Queue = queue.Queue()
         cuda = rt.config.device.type == "cuda"
+        bs = rt.config.block_size
 
         def layer_done(layer: int) -> None:  # engine thread, right after the layer's KV
             event = None
@@ -248,12 +248,17 @@ class NixlPrefillService(PrefillService):
                 if event is not None:
                     event.synchronize()
                 if posted == 0:
+                    # only tokens write_from.. move (a follow-up's first block is partly
+                    # the caller's own); the prefix before them came from this worker's
+                    # prefix cache or was recomputed here, for their attention
                     mine = [b.block_id for b in seq.blocks[req.first_block:]]
                     if len(mine) != len(req.block_ids):
                         raise RuntimeError(f"{len(req.block_ids)} target blocks for "
                                            f"{len(mine)} computed")
-                    runs = block_runs(mine, req.block_ids)
-                src, dst = layer_descs(self.local, remote, layer, runs)
+                    start = req.write_from(bs)
+                    runs = slot_runs(mine, req.block_ids, start - req.first_block * bs,
+                                     len(req.token_ids) - start, bs)
+                src, dst = layer_descs(self.local, remote, layer, runs, bs)
                 moved += sum(n for _, n, _ in src)
                 h = self.agent.initialize_xfer(
                     "WRITE", self.agent.get_xfer_descs(src, self.local[0].mem_type),
@@ -273,7 +278,7 @@ class NixlPrefillService(PrefillService):
                 raise RuntimeError("the prefill finished without every layer")
             while in_flight:
                 reap()
-            reply = PrefillDone(req.req_id, moved, busy_s)
+            reply = PrefillDone(req.req_id, moved, busy_s, max(seq.num_cached_tokens, 0))
         except Exception as e:
             reply = PrefillFailed(req.req_id, f"prefill or transfer failed: {e}")
         cancelled = True
@@ -478,8 +483,9 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
             auth.configure_curve_callback("*", credentials_provider=keys)  # its peer keys
             sock.curve_secretkey, sock.curve_publickey = keys.secret, keys.public
             sock.curve_server = True
-        sock.bind(args.listen)
-        print(f"kvsession worker listening on {args.listen}", flush=True)
+        sock.bind(args.listen)  # port 0: the system picks a free one, printed here
+        print(f"kvsession worker listening on {sock.getsockopt_string(zmq.LAST_ENDPOINT)}",
+              flush=True)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         while not stop.is_set():
@@ -524,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvsession.worker",
                                 description="a kvsession remote prefill worker")
     p.add_argument("--model")
-    p.add_argument("--listen", help="tcp://HOST:PORT (loopback only without --auth-key-file)")
+    p.add_argument("--listen", help="tcp://HOST:PORT (loopback only without --auth-key-file; "
+                   "port 0: a free port, printed in the 'listening on' line)")
     p.add_argument("--auth-key-file", metavar="FILE",
                    help="the worker key file: only callers whose keys it lists may connect "
                         "(CURVE; docs/security.md)")

@@ -4,6 +4,7 @@ and reconnects, CURVE authentication, no leaks, prefix affinity."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import random
@@ -29,10 +30,26 @@ G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 KW = dict(kv_cache_memory="8MiB", max_model_len=512)
 
 
-def free_port() -> int:
+def read_line(stream, timeout_s: float) -> str:
+    """The next line of a child's text `stream` ('' at its end); fails after `timeout_s`
+    (the reading thread is left to end with the stream, when the child is killed)."""
+    box: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: box.put(stream.readline()), daemon=True).start()
+    try:
+        return box.get(timeout=max(timeout_s, 0.0))
+    except queue.Empty:
+        raise AssertionError(f"no line from the child within {timeout_s:.0f} s") from None
+
+
+@contextlib.contextmanager
+def unused_address():
+    """A loopback address that refuses connections while the block runs: its port is bound
+    by a socket of ours that never listens, so no other process (or a connection's own
+    local port) can take it meanwhile, as it could between picking a free port and using
+    it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def worker_env(faults: str | None = None) -> dict[str, str]:
@@ -47,20 +64,28 @@ class Worker:
 
     def __init__(self, model_dir, *extra, faults: str | None = None, address: str | None = None,
                  key_file=None):
-        self.address = address or f"tcp://127.0.0.1:{free_port()}"
+        # port 0: the worker binds a port the system picks and prints the bound endpoint
+        # (no race between choosing a free port here and the worker binding it)
+        listen = address or "tcp://127.0.0.1:0"
         auth = ["--auth-key-file", str(key_file)] if key_file is not None else []
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a file: a pipe could fill up
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvsession.worker", "--model", str(model_dir), "--listen",
-             self.address, "--kv-cache-memory", "8MiB", "--max-model-len", "512", *auth,
+             listen, "--kv-cache-memory", "8MiB", "--max-model-len", "512", *auth,
              *extra], stdout=subprocess.PIPE, stderr=self.stderr, text=True,
             env=worker_env(faults))
-        line = "x"
-        while line and "listening" not in line:  # the worker says when it listens
-            line = self.proc.stdout.readline()
-        if "listening" not in line:
-            self.proc.kill()
+        deadline, line = time.monotonic() + 120, "x"  # model load on a loaded machine
+        try:
+            while line and "listening on " not in line:  # the worker says when it listens
+                line = read_line(self.proc.stdout, deadline - time.monotonic())
+        finally:
+            if "listening on " not in line:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        if "listening on " not in line:
             raise AssertionError(f"the worker did not start: {self.errors()}")
+        self.address = line.split("listening on ", 1)[1].strip()
+        assert address is None or self.address == address, (self.address, address)
 
     def errors(self) -> str:
         self.stderr.seek(0)
@@ -88,7 +113,7 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(0.02)  # a poll interval: what is waited for is the condition itself
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +234,9 @@ def test_mismatched_worker_is_refused_and_fallback_works(llama_dir, model_dirs):
 
 def test_unreachable_worker_falls_back(llama_dir):
     ps = prompts(6, 3)
-    with LLM(llama_dir, prefill_worker=f"tcp://127.0.0.1:{free_port()}",
-             remote_prefill="always", remote_prefill_timeout_s=0.5, **KW) as llm:
+    with unused_address() as address, \
+            LLM(llama_dir, prefill_worker=address, remote_prefill="always",
+                remote_prefill_timeout_s=0.5, **KW) as llm:
         assert not llm._rt.connector.healthy()
         assert generate(llm, ps) == local(llama_dir, ps)
         assert llm.stats().remote.prefills == 0
@@ -290,7 +316,7 @@ def run_worker(*args, faults: str | None = None) -> subprocess.CompletedProcess:
 def test_malformed_fault_variable_is_a_one_line_error(tmp_path):
     # checked at start-up, before the model is loaded (none exists at this path)
     out = run_worker("--model", str(tmp_path / "none"), "--listen",
-                     f"tcp://127.0.0.1:{free_port()}", faults="drop_rate=2")
+                     "tcp://127.0.0.1:0", faults="drop_rate=2")
     assert out.returncode == 2 and not out.stdout
     assert out.stderr.splitlines() == [f"error: {FAULTS_ENV}: drop_rate must be in [0, 1], "
                                        "got 2.0"]
@@ -544,7 +570,7 @@ def test_bad_key_files_are_config_errors(llama_dir, keys, tmp_path):
 
 
 def test_a_worker_without_a_key_listens_on_loopback_only(llama_dir, keys):
-    out = run_worker("--model", str(llama_dir), "--listen", f"tcp://0.0.0.0:{free_port()}")
+    out = run_worker("--model", str(llama_dir), "--listen", "tcp://0.0.0.0:0")
     assert out.returncode == 2 and not out.stdout
     assert len(out.stderr.splitlines()) == 1
     assert "not a loopback address" in out.stderr and "--auth-key-file" in out.stderr
@@ -553,6 +579,6 @@ def test_a_worker_without_a_key_listens_on_loopback_only(llama_dir, keys):
         assert "unauthenticated, listening on loopback only" in w.errors()
     finally:
         assert w.stop() == 0
-    bad = run_worker("--model", str(llama_dir), "--listen", f"tcp://0.0.0.0:{free_port()}",
+    bad = run_worker("--model", str(llama_dir), "--listen", "tcp://0.0.0.0:0",
                      "--auth-key-file", str(keys[0] / "caller.keys"))
     assert bad.returncode == 2 and "is a 'caller' key file" in bad.stderr
