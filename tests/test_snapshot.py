@@ -5,11 +5,13 @@ the previous file loadable; nothing in the load path can execute code."""
 from __future__ import annotations
 
 import ast
+import queue
 import signal
 import struct
 import subprocess
 import sys
-import time
+import tempfile
+import threading
 import zlib
 from pathlib import Path
 
@@ -200,16 +202,54 @@ def test_fuzzed_files_only_ever_raise_snapshot_error(llm, saved, tmp_path_factor
 
 
 SAVER = """
-import sys
+import sys, threading
 from kvsession import LLM, SamplingParams
-llm = LLM(sys.argv[1], kv_cache_memory="8MiB", max_model_len=1024)
+from kvsession.tiers import snapshot as snap
+
+model, path, point = sys.argv[1:4]
+llm = LLM(model, kv_cache_memory="8MiB", max_model_len=1024)
 s = llm.session(sampling=SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
 s.send("tell me a long story " * 20)
-n = 0
-while True:
-    s.save(sys.argv[2])
-    n += 1
-    print("saved", n, flush=True)
+saves, blocks = [0], [0]
+
+
+def stop_at(name):
+    # the second save stops at the chosen point and says so; the parent then SIGKILLs it
+    if point == name and saves[0] == 2:
+        print("at", name, flush=True)
+        threading.Event().wait()
+
+
+def wrap(orig, before=None, after=None):
+    def wrapped(*args):
+        before and before()
+        out = orig(*args)
+        after and after()
+        return out
+    return wrapped
+
+
+def start_save():
+    saves[0] += 1
+    blocks[0] = 0
+
+
+def next_block():
+    blocks[0] += 1
+    if blocks[0] == 3:  # two blocks handed to the writer thread, the rest not encoded
+        stop_at("chunks")
+
+
+snap._atomic_write = wrap(snap._atomic_write, before=start_save)
+snap.encode_block = wrap(snap.encode_block, before=next_block)
+# written and fsynced, not yet renamed over the previous file
+snap._replace_releasing_later = wrap(snap._replace_releasing_later,
+                                     before=lambda: stop_at("renaming"))
+# renamed, the directory not yet fsynced
+snap.fsync_dir = wrap(snap.fsync_dir, before=lambda: stop_at("renamed"))
+for _ in range(2):
+    s.save(path)
+    print("saved", saves[0], s.num_cached_tokens, flush=True)
 """
 
 
@@ -243,21 +283,36 @@ def test_a_flush_failing_mid_write_leaves_the_previous_file(saved, tmp_path, mon
     assert snap.read_header(target).token_ids == h.token_ids
 
 
-def test_sigkill_during_save_leaves_previous_file_loadable(llama_dir, llm, tmp_path):
+@pytest.mark.parametrize("point, replaced", [
+    ("chunks", False), ("renaming", False), ("renamed", True)])
+def test_sigkill_during_save_leaves_a_loadable_file(llama_dir, llm, tmp_path, point,
+                                                    replaced):
+    """A child saves a session twice; the second save stops at `point` (the child says so
+    on stdout and waits) and is SIGKILLed there: mid-write, before the rename, after it.
+    The file at the path is whole and restores to the saved tokens: the previous save
+    until the rename, the new one after (its temporary file then gone, else left)."""
     path = tmp_path / "victim.kvs"
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(llama_dir), str(path)],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        for _ in range(3):  # let several saves complete, then kill during a later one
-            assert proc.stdout.readline().startswith("saved")
-        time.sleep(0.003)  # not synchronisation: lands the kill at some point of a save
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode == -signal.SIGKILL
-    s = llm.restore(path, session_id="survivor")
-    assert s.num_cached_tokens > 200
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(llama_dir), str(path),
+                                 point], stdout=subprocess.PIPE, stderr=err, text=True)
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout],
+                         daemon=True).start()
+        try:
+            first = lines.get(timeout=180).split()  # model load and 200 tokens, loaded box
+            assert first[:2] == ["saved", "1"], first
+            assert lines.get(timeout=120).split() == ["at", point]
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(timeout=30) == -signal.SIGKILL
+        except (queue.Empty, AssertionError):
+            proc.kill()
+            proc.wait(timeout=30)
+            err.seek(0)
+            raise AssertionError(f"the saving child: {err.read()}") from None
+    temps = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert len(temps) == (0 if replaced else 1), temps
+    s = llm.restore(path, session_id=f"survivor-{point}")
+    assert s.num_cached_tokens == int(first[2]) > 200
     s.close()
 
 
