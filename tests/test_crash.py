@@ -188,6 +188,8 @@ def run_child(llama_dir, sd, site, nth, kill_after_s):
     reader.start()
     try:
         if kill_after_s is not None and started.wait(120):
+            # not synchronisation: a kill at a seeded random moment is what is tested (the
+            # invariants hold wherever it lands); exact points are the in-child sites
             time.sleep(kill_after_s)
             proc.send_signal(signal.SIGKILL)
         rc = proc.wait(120)

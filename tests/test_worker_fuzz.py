@@ -485,7 +485,7 @@ VANISHING_CALLER = textwrap.dedent("""
                                  use_tqdm=False)).start()
     deadline = time.monotonic() + 60
     while not conn.pending and time.monotonic() < deadline:
-        time.sleep(0.001)
+        time.sleep(0.001)  # a poll interval; what is waited for is the condition
     print("pending" if conn.pending else "never", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # no Bye, no deregistration: gone
 """)
