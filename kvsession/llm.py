@@ -210,17 +210,29 @@ class LLM:
 
     def session(self, system: str | None = None, session_id: str | None = None,
                 pin_system: bool = True, sampling: SamplingParams | None = None,
+                history: str = "append", tools: list[dict] | None = None,
+                chat_template_kwargs: dict | None = None, cache_salt: str | None = None,
                 **unknown) -> Session:
         """A multi-turn conversation whose KV stays cached between turns. The system prompt
-        is pinned (once, shared by every session with the same system prompt). With
-        session_dir set, an id that was persisted there resumes that session."""
+        is pinned (once, shared by every session with the same system prompt and tools).
+        history: "append" (the token log is the truth; only new messages are rendered and
+        computed) or "template" (each turn re-renders the conversation). tools and
+        chat_template_kwargs are rendered by the chat template; cache_salt isolates this
+        session's blocks after the shared, pinned system prompt. With session_dir set, an
+        id that was persisted there resumes that session (with its stored history, tools
+        and salt)."""
         reject_unknown("session()", unknown, SESSION_ARGS)
         check_str("system", system, allow_none=True)
         check_bool("pin_system", pin_system)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise ConfigError(f"sampling must be None or a SamplingParams, got {sampling!r:.80}")
+        check_str("cache_salt", cache_salt, allow_none=True)
+        if cache_salt is not None:
+            sampling = (sampling or SamplingParams(max_tokens=256, temperature=0.0)
+                        ).with_overrides(cache_salt=cache_salt)
+        options = self._store.options(history, tools, chat_template_kwargs)
         self._rt.check_open()
-        return self._store.session(system, session_id, pin_system, sampling)
+        return self._store.session(system, session_id, pin_system, sampling, options)
 
     def sessions(self) -> list[str]:
         """Ids of the sessions persisted in session_dir: each snapshot file's name
@@ -240,11 +252,20 @@ class LLM:
 
     # ---- pinned prefixes -------------------------------------------------------------
 
-    def pin(self, prefix, ttl_s: float | None = None) -> PinnedPrefix:
+    def pin(self, prefix=None, ttl_s: float | None = None, *, system: str | None = None,
+            cache_salt: str | None = None) -> PinnedPrefix:
         """Compute `prefix` (text or token ids) into the cache if absent and hold its full
         blocks: they are never evicted until `unpin()` or `ttl_s` seconds without a hit.
-        Raises CacheFullError (nothing already pinned is affected) past max_pinned_fraction."""
+        `system=` pins a system message as the chat template renders it, so `llm.chat` and
+        sessions with that system prompt hit it. A `cache_salt` pin is that tenant's own;
+        an unsalted one is shared by every tenant's requests that start with it. Raises
+        CacheFullError (nothing already pinned is affected) past max_pinned_fraction."""
         ttl_s = check_float("ttl_s", ttl_s, min_value=0.0, min_inclusive=False, allow_none=True)
+        check_str("cache_salt", cache_salt, allow_none=True)
+        if (prefix is None) == (system is None):
+            raise ConfigError("pass exactly one of prefix or system")
+        if system is not None:
+            prefix = self._store.system_prefix(check_str("system", system))
         if isinstance(prefix, str):
             ids = self.tokenizer.encode(prefix)
         elif isinstance(prefix, (list, tuple)):
@@ -259,7 +280,7 @@ class LLM:
                               f"got {len(ids)}")
         if not self.config.enable_prefix_caching:
             raise ConfigError("pin() needs enable_prefix_caching=True")
-        return PinnedPrefix(self._rt, self._rt.pin(ids, ttl_s))
+        return PinnedPrefix(self._rt, self._rt.pin(ids, ttl_s, cache_salt))
 
     # ---- observability ---------------------------------------------------------------
 

@@ -13,7 +13,8 @@ from kvsession.validation import check_bool
 
 GENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids", "use_tqdm")
 CHAT_ARGS = ("messages", "sampling_params", "use_tqdm", "add_generation_prompt")
-SESSION_ARGS = ("system", "session_id", "pin_system", "sampling")
+SESSION_ARGS = ("system", "session_id", "pin_system", "sampling", "history", "tools",
+                "chat_template_kwargs", "cache_salt")
 AGENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids")
 ACHAT_ARGS = ("messages", "sampling_params", "add_generation_prompt")
 STREAM_ARGS = ("prompt", "sampling_params", "prompt_token_ids", "messages")

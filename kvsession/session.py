@@ -7,15 +7,19 @@ at any moment exactly one of them owns the references (the KVCacheManager moves 
 block work happens on the engine thread, through the `SessionStore` (the typed interface to
 the engine side); the caller's thread only renders and tokenizes.
 
-Exactness: each turn re-renders the whole conversation with the chat template and compares
-it to the cached tokens. KV is reused only for the longest common token prefix; from the
-first differing position on it is recomputed (`Reply.diverged_at`). A turn therefore yields
-exactly what `llm.chat` gives for the same full history.
+History (kvsession/history.py): in append mode (the default) the session's token log is
+the truth: a turn's prompt is the log plus the delta the template renders for the new
+messages, so it yields exactly what `llm.generate(prompt_token_ids=log + delta)` gives. In
+template mode each turn re-renders the whole conversation and reuses the longest common
+token prefix with the cached tokens (`Reply.diverged_at`), so it yields exactly what
+`llm.chat` gives for the same full history.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import queue
 import threading
 import uuid
@@ -27,20 +31,32 @@ from typing import TYPE_CHECKING
 from kvsession.cache.manager import SessionKV
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError, SessionClosedError, SnapshotError
+from kvsession.history import (
+    ChatRenderer,
+    HistoryMode,
+    NotAppendStable,
+    split_reasoning,
+    template_marks_reasoning,
+)
 from kvsession.metrics import RequestMetrics
 from kvsession.model.tokenizer import check_messages, message_content
 from kvsession.params import SamplingParams
+from kvsession.tiers.snapshot import messages_to_text
 from kvsession.validation import check_bool, check_float, check_path, check_str
 
 if TYPE_CHECKING:  # the store imports this module; only the type is needed here
     from kvsession.session_store import SessionStore
+
+log = logging.getLogger("kvsession")
 
 
 @dataclass
 class Reply:
     """One turn's answer. prefill_tokens: prompt tokens computed this turn; cached_tokens:
     prompt tokens whose KV was reused; restored_from: where that KV came from;
-    diverged_at: first position where the re-rendered history differed from the cache."""
+    diverged_at: first position where the re-rendered history differed from the cache
+    (template history); reasoning: the reply's thinking when the template marks it
+    (<think>...</think>; `text` is then the answer after it)."""
 
     text: str
     token_ids: list[int]
@@ -51,6 +67,8 @@ class Reply:
     restored_from: str | None
     diverged_at: int | None
     logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+    reasoning: str | None = None
+    tool_calls: list = field(default_factory=list)
 
 
 @dataclass
@@ -85,6 +103,17 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
                    "stop_token_ids", "ignore_eos", "logprobs", "cache_salt")
 
 
+@dataclass(frozen=True)
+class SessionOptions:
+    """A session's rendering (template, tools, chat_template_kwargs), history mode and,
+    when resumed, restored or forked, its token log and pending message count."""
+
+    renderer: ChatRenderer
+    history: HistoryMode = HistoryMode.APPEND
+    log: tuple[int, ...] = ()
+    pending: int = 0
+
+
 UNSET = object()  # an override not given (None is a value: e.g. seed=None)
 # durability="turn": how long a turn waits for its log record to be fsynced before the
 # reply is refused as not durable (a healthy disk takes milliseconds)
@@ -111,8 +140,17 @@ class Session:
     """A conversation handle. Thread-safe; sends to one session run in call order."""
 
     def __init__(self, store: SessionStore, session_id: str | None, system: str | None,
-                 sampling: SamplingParams | None, messages: list[dict] | None = None):
+                 sampling: SamplingParams | None, messages: list[dict] | None = None,
+                 history: HistoryMode = HistoryMode.APPEND,
+                 renderer: ChatRenderer | None = None, log: list[int] | None = None,
+                 pending: int = 0):
         self._store = store
+        self.history = history
+        self.renderer = renderer or ChatRenderer(store.tokenizer)
+        # append history: the token log (prompt and reply tokens as computed/generated) and
+        # how many trailing messages are not rendered into it yet (added without a reply)
+        self._log: list[int] = list(log or ())
+        self._pending = pending
         self.session_id = session_id or uuid.uuid4().hex
         self.sampling = sampling or SamplingParams(max_tokens=256, temperature=0.0)
         self.system = system
@@ -130,8 +168,23 @@ class Session:
         self.stats = SessionStats()
 
     def _snapshot_meta(self) -> dict:
-        return {"messages": self.messages, "system": self.system,
-                "sampling": {k: getattr(self.sampling, k) for k in SAMPLING_FIELDS}}
+        return {"messages": messages_to_text(self._messages), "system": self.system,
+                "sampling": {k: getattr(self.sampling, k) for k in SAMPLING_FIELDS},
+                "history": self.history_state()}
+
+    def history_state(self) -> dict:
+        """What snapshots record of the history (HistoryState's fields)."""
+        r = self.renderer
+        return {"mode": self.history.value,
+                "log": list(self._log) if self.history is HistoryMode.APPEND else [],
+                "pending": self._pending,
+                "tools": json.dumps(r.tools, ensure_ascii=False) if r.tools else "",
+                "template_kwargs": json.dumps(r.template_kwargs, ensure_ascii=False)
+                if r.template_kwargs else ""}
+
+    def options(self) -> SessionOptions:
+        """How this session renders and where its history stands (a fork starts here)."""
+        return SessionOptions(self.renderer, self.history, tuple(self._log), self._pending)
 
     # ---- state -------------------------------------------------------------------------
 
@@ -149,6 +202,12 @@ class Session:
             return "active"
         tier = self.kv.tier.value
         return "idle" if tier == "device" else tier
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The session's token log: every prompt and reply token so far, as the model saw
+        them (append history). In template history: the last turn's prompt and reply."""
+        return list(self._log)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -186,7 +245,7 @@ class Session:
         if not isinstance(message, (list, tuple)) or not message:
             raise ConfigError(f"message must be a string, a message dict or a non-empty list "
                               f"of them, got {message!r:.80}")
-        new_msgs = check_messages(message, "message", text_only=True)
+        new_msgs = check_messages(message, "message")
         params = self.sampling.with_overrides(**overrides) if overrides else self.sampling
         return new_msgs, params
 
@@ -194,21 +253,45 @@ class Session:
         """Render and submit. Returns (seq, turn info, future). Runs in the caller's thread,
         after the previous turn of this session finished."""
         self._check_open()
-        ids = self._store.encode_turn(self._messages + new_msgs)
+        ids = self._store.validate_prompt(self._render_turn(new_msgs))
         return self._store.submit_turn(self.kv, ids, params, on_update)
+
+    def _render_turn(self, new_msgs: list[dict]) -> list[int]:
+        """The turn's prompt: append history extends the log by the template's delta for
+        the messages not in it yet; template history (or a first turn, or a message shape
+        the template cannot append) renders the whole conversation."""
+        if self.history is HistoryMode.APPEND and self._log:
+            pending = self._messages[len(self._messages) - self._pending:] + new_msgs
+            lead = [m for m in self._messages[:1] if m["role"] == "system"]
+            try:
+                return self._log + self.renderer.delta(lead, pending, self._log[-1])
+            except NotAppendStable as e:
+                log.warning("session %s: the chat template cannot append %s after a reply "
+                            "(%s); this turn re-renders the conversation", self.session_id,
+                            [m["role"] for m in pending], e)
+        return self.renderer.encode(self._messages + new_msgs)
 
     def _finish(self, seq: Sequence, new_msgs: list[dict], info: TurnInfo) -> Reply:
         """Record the finished turn (caller's thread; the KV went back on the engine
         thread)."""
         out = self._store.output(seq)
-        self._messages += new_msgs + [{"role": "assistant", "content": out.text}]
+        reasoning, text = None, out.text
+        if template_marks_reasoning(self._store.tokenizer.chat_template):
+            reasoning, text = split_reasoning(out.text)
+        reply_msg = {"role": "assistant", "content": text}
+        if reasoning is not None:  # what reasoning templates (Qwen3) read back
+            reply_msg["reasoning_content"] = reasoning
+        self._messages += new_msgs + [reply_msg]
+        self._log = list(seq.token_ids)  # the prompt, and the reply as generated
+        self._pending = 0
         cached = max(seq.num_cached_tokens, 0)
-        reply = Reply(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+        reply = Reply(text=text, token_ids=out.token_ids, finish_reason=out.finish_reason,
                       metrics=out.metrics, prefill_tokens=seq.num_prompt_computed,
                       cached_tokens=cached,
                       # attached session KV came from its tier; prefix hits from the device
                       restored_from=(info.restored_from or "device") if cached else None,
-                      diverged_at=info.diverged_at, logprobs=out.logprobs)
+                      diverged_at=info.diverged_at, logprobs=out.logprobs,
+                      reasoning=reasoning)
         st = self.stats
         st.turns += 1
         st.prompt_tokens += seq.num_prompt_tokens
@@ -231,10 +314,15 @@ class Session:
                 prev.result()
             seq, info, fut = self._start(new_msgs, params)
             reply = self._finish(fut.result(), new_msgs, info)
-            self._wait_durable(self._store.commit(self, info.tokens, params))
+            self._wait_durable(self._store.commit(self, self._record_tokens(info), params))
             return reply
         finally:
             self._leave_turn(mine)
+
+    def _record_tokens(self, info: TurnInfo) -> tuple[int, ...]:
+        """What the turn's log record holds: the token log (append history) or the token
+        ids whose KV the session holds (template history)."""
+        return tuple(self._log) if self.history is HistoryMode.APPEND else info.tokens
 
     def _wait_durable(self, commit: Future | None) -> None:
         """durability="turn": the turn's log record is fsynced before the reply is handed
@@ -268,7 +356,7 @@ class Session:
                 await asyncio.wrap_future(prev)
             seq, info, fut = self._start(new_msgs, params)
             reply = self._finish(await asyncio.wrap_future(fut), new_msgs, info)
-            await self._await_durable(self._store.commit(self, info.tokens, params))
+            await self._await_durable(self._store.commit(self, self._record_tokens(info), params))
             return reply
         finally:
             self._leave_turn(mine)
@@ -299,21 +387,25 @@ class Session:
                     yield StreamChunk(safe[len(sent_text):], ids[sent_tokens:])
                     sent_text, sent_tokens = safe, len(ids)
             reply = self._finish(fut.result(), new_msgs, info)
-            self._wait_durable(self._store.commit(self, info.tokens, params))
+            self._wait_durable(self._store.commit(self, self._record_tokens(info), params))
             tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
             yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)
         finally:
             self._leave_turn(mine)
 
-    def add(self, role: str, content: str) -> None:
-        """Append a message (e.g. a tool result) without generating."""
+    def add(self, role: str, content: str, **fields) -> None:
+        """Append a message (e.g. a tool result: `add("tool", text, tool_call_id=...)`)
+        without generating. In append history it is rendered into the log with the next
+        turn's messages (a template may group consecutive tool results)."""
         check_str("role", role, non_empty=True)
-        msg = {"role": role, "content": message_content(content, "content")}
+        (msg,) = check_messages([{**fields, "role": role,
+                                  "content": message_content(content, "content")}], "add()")
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
                 prev.result()
             self._messages.append(msg)
+            self._pending += 1
             self._wait_durable(self._store.commit(self, None, self.sampling))
         finally:
             self._leave_turn(mine)

@@ -29,6 +29,7 @@ live session is written as a snapshot as before, and its log, now redundant, is 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
@@ -45,17 +46,24 @@ from kvsession.errors import (
     SessionClosedError,
     SnapshotError,
 )
+from kvsession.history import ChatRenderer, HistoryMode, check_template_inputs
 from kvsession.model.tokenizer import Tokenizer
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
 from kvsession.runtime import PinHandle, Runtime
-from kvsession.session import SAMPLING_FIELDS, Session, TurnInfo, common_prefix_len
+from kvsession.session import (
+    SAMPLING_FIELDS,
+    Session,
+    SessionOptions,
+    TurnInfo,
+    common_prefix_len,
+)
 from kvsession.tiers import wal
 from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.locks import FileLock, NoLock, lock_session
 from kvsession.tiers.resume import build_plan, open_segment, open_shared
-from kvsession.tiers.snapshot import SnapshotHeader
+from kvsession.tiers.snapshot import SnapshotHeader, messages_from_text, messages_to_text
 from kvsession.tiers.snapshot_read import read_header
 from kvsession.tiers.writeback import WriteOp
 
@@ -80,26 +88,33 @@ class SessionStore:
     # ---- creating and resuming (the API edge) ------------------------------------------------
 
     def session(self, system: str | None, session_id: str | None, pin_system: bool,
-                sampling: SamplingParams | None) -> Session:
+                sampling: SamplingParams | None, options: SessionOptions) -> Session:
         disk = self.rt.disk
         if session_id is None or disk is None or session_id in self.live:
             if session_id is not None:
                 check_session_id(session_id)
             return self._new_session(session_id, system, sampling,
-                                     self._system_key(system) if pin_system else None)
+                                     self._system_key(system, options.renderer)
+                                     if pin_system else None, options=options)
         check_session_id(session_id)
         lock = self._lock(session_id)  # first: the files are only ours to read once held
         try:
             if disk.log_path(session_id).is_file():
-                return self._resume(session_id, lock, system, sampling, pin_system)
+                return self._resume(session_id, lock, system, sampling, pin_system, options)
             if disk.path_for(session_id).is_file():
                 return self.restore(disk.path_for(session_id), session_id, lock)
             return self._new_session(session_id, system, sampling,
-                                     self._system_key(system) if pin_system else None,
-                                     lock=lock)
+                                     self._system_key(system, options.renderer)
+                                     if pin_system else None, lock=lock, options=options)
         finally:
             if self._locks.get(session_id) is not lock:  # not handed to a live session
                 lock.release()
+
+    def options(self, history, tools, chat_template_kwargs) -> SessionOptions:
+        """A new session's rendering and history mode (ConfigError naming a bad one)."""
+        tools, kwargs = check_template_inputs(tools, chat_template_kwargs)
+        return SessionOptions(ChatRenderer(self.tokenizer, tools, kwargs),
+                              HistoryMode.parse(history))
 
     def _lock(self, session_id: str) -> FileLock | NoLock:
         """The session's ownership: its lock file with durability="turn"; nothing with
@@ -111,18 +126,29 @@ class SessionStore:
     def sessions(self) -> list[str]:
         return sorted(self.rt.disk.scan()) if self.rt.disk is not None else []
 
-    def _system_key(self, system: str | None) -> tuple[int, ...] | None:
+    def _system_key(self, system: str | None, renderer: ChatRenderer
+                    ) -> tuple[int, ...] | None:
+        """The tokens of the system message as the template renders it before any
+        conversation (with the session's tools): pinned once for every session that has
+        it, and by `llm.pin(system=...)` for `llm.chat`."""
         if system is None or not self.rt.config.enable_prefix_caching:
             return None
-        ids = self.tokenizer.encode_chat([{"role": "system", "content": system}],
-                                         add_generation_prompt=False)
+        try:
+            ids = renderer.system_prefix(system)
+        except ConfigError:  # a template that refuses a system message alone: no pin
+            return None
         return tuple(ids) if len(ids) >= self.rt.config.block_size else None
+
+    def system_prefix(self, system: str) -> list[int]:
+        """llm.pin(system=...): the system message's tokens (ConfigError if the template
+        refuses it)."""
+        return ChatRenderer(self.tokenizer).system_prefix(system)
 
     def _new_session(self, session_id: str | None, system: str | None,
                      sampling: SamplingParams | None, system_key,
                      messages: list[dict] | None = None, source: Path | None = None,
-                     lock: FileLock | None = None, slog: SessionLog | None = None
-                     ) -> Session:
+                     lock: FileLock | None = None, slog: SessionLog | None = None,
+                     options: SessionOptions | None = None) -> Session:
         """session_id was validated by the caller; source: the file it is restored from;
         lock: the session's lock when the caller took it; slog: its log when resumed."""
         self.rt.check_open()
@@ -140,7 +166,8 @@ class SessionStore:
                 lock.release()
                 raise
         try:
-            sess = self._make_session(session_id, system, sampling, system_key, messages)
+            sess = self._make_session(session_id, system, sampling, system_key, messages,
+                                      options or SessionOptions(ChatRenderer(self.tokenizer)))
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -175,8 +202,9 @@ class SessionStore:
 
     def _make_session(self, session_id: str, system: str | None,
                       sampling: SamplingParams | None, system_key,
-                      messages: list[dict] | None) -> Session:
-        sess = Session(self, session_id, system, sampling, messages)
+                      messages: list[dict] | None, options: SessionOptions) -> Session:
+        sess = Session(self, session_id, system, sampling, messages, options.history,
+                       options.renderer, options.log, options.pending)
         if system_key is not None:
             entry = self._system_pins.get(system_key)
             if entry is None:
@@ -196,7 +224,8 @@ class SessionStore:
         return sess
 
     def _resume(self, session_id: str, lock: FileLock, system: str | None,
-                sampling: SamplingParams | None, pin_system: bool) -> Session:
+                sampling: SamplingParams | None, pin_system: bool,
+                options: SessionOptions) -> Session:
         """A session with a log: the log is the truth (replayed, a torn tail cut off, which
         the held lock makes ours to do); KV blocks on disk that match its tokens are
         attached for the first turn to load (or recompute, by the cost model)."""
@@ -211,18 +240,22 @@ class SessionStore:
             if disk.path_for(session_id).is_file():
                 return self.restore(disk.path_for(session_id), session_id, lock)
             return self._new_session(session_id, system, sampling,
-                                     self._system_key(system) if pin_system else None,
-                                     lock=lock)
+                                     self._system_key(system, options.renderer)
+                                     if pin_system else None, lock=lock, options=options)
         self._check_untrusted(path, state.tokens, state.system)
         try:  # values from the file: refused as the file's fault
             params = SamplingParams(**{k: v for k, v in state.sampling.items()
                                        if k in SAMPLING_FIELDS})
-            system_key = self._system_key(state.system)
+            opts = self._stored_options(path, {
+                "mode": state.history, "log": state.tokens, "pending": state.pending,
+                "tools": state.tools, "template_kwargs": state.template_kwargs})
+            system_key = self._system_key(state.system, opts.renderer)
+            messages = messages_from_text(path, state.messages)
         except ConfigError as e:
             raise SnapshotError(f"{path}: {e}") from None
         slog = SessionLog(path, session_id, rt.log_identity, state, scan.end)
-        sess = self._new_session(session_id, state.system, params, system_key, state.messages,
-                                 lock=lock, slog=slog)
+        sess = self._new_session(session_id, state.system, params, system_key, messages,
+                                 lock=lock, slog=slog, options=opts)
         try:
             hashes = rt.mover.block_hashes(
                 state.tokens, rt.salt_for(state.tokens, params.cache_salt))
@@ -240,6 +273,25 @@ class SessionStore:
             sess.close()
             raise
         return sess
+
+    def _stored_options(self, path: Path, history: dict | None) -> SessionOptions:
+        """A snapshot's or log's history (None: written before it existed, template mode);
+        ConfigError for values this engine refuses (the caller makes it the file's
+        SnapshotError)."""
+        if history is None:
+            return SessionOptions(ChatRenderer(self.tokenizer), HistoryMode.TEMPLATE)
+        try:
+            tools = json.loads(history["tools"]) if history["tools"] else None
+            kwargs = json.loads(history["template_kwargs"]) if history["template_kwargs"] \
+                else None
+        except ValueError as e:
+            raise ConfigError(f"malformed tools or chat_template_kwargs: {e}") from None
+        tools, kwargs = check_template_inputs(tools, kwargs)
+        mode = HistoryMode.parse(history["mode"])
+        log = tuple(history["log"]) if mode is HistoryMode.APPEND else ()
+        self._check_untrusted(path, log, None)
+        return SessionOptions(ChatRenderer(self.tokenizer, tools, kwargs), mode, log,
+                              history["pending"])
 
     def _check_untrusted(self, path: Path, token_ids, system: str | None) -> None:
         vocab, max_len = self.rt.info.spec.vocab_size, self.rt.info.max_model_len
@@ -267,15 +319,17 @@ class SessionStore:
         try:  # values from the file: refused as the file's fault
             sampling = SamplingParams(**{k: v for k, v in header.sampling.items()
                                          if k in SAMPLING_FIELDS})
-            system_key = self._system_key(header.system)
+            opts = self._stored_options(path, header.history)
+            system_key = self._system_key(header.system, opts.renderer)
+            messages = messages_from_text(path, header.messages)
         except ConfigError as e:
             raise SnapshotError(f"{path}: {e}") from None
         # hashes are recomputed from the tokens: the file's could name other prefixes'
         # blocks and poison the shared prefix cache
         hashes = self.rt.mover.block_hashes(
             header.token_ids, self.rt.salt_for(header.token_ids, sampling.cache_salt))
-        sess = self._new_session(sid, header.system, sampling, system_key,
-                                 list(header.messages), source=path, lock=lock)
+        sess = self._new_session(sid, header.system, sampling, system_key, messages,
+                                 source=path, lock=lock, options=opts)
         try:
             self.rt.call(lambda: self._load_snapshot(sess.kv, path, header, hashes)).result()
         except BaseException:
@@ -298,8 +352,8 @@ class SessionStore:
         """Run fn on the engine thread."""
         return self.rt.call(fn)
 
-    def encode_turn(self, messages: list[dict]) -> list[int]:
-        return self.rt.validate_prompt(self.tokenizer.encode_chat(messages))
+    def validate_prompt(self, ids: list[int]) -> list[int]:
+        return self.rt.validate_prompt(ids)
 
     def output(self, seq: Sequence) -> RequestOutput:
         return self.rt.output(seq, prompt=None)
@@ -311,9 +365,12 @@ class SessionStore:
         slog = self._logs.get(sess.session_id)
         if slog is None:
             return None
-        op, data = slog.record(sess.messages, slog.tokens if tokens is None else tokens,
+        history = sess.history_state()
+        del history["log"]  # the record's tokens are the log in append history
+        op, data = slog.record(messages_to_text(sess.messages),
+                               slog.tokens if tokens is None else tokens,
                                _sampling_fields(params), sess.system,
-                               _sampling_fields(sess.sampling))
+                               _sampling_fields(sess.sampling), history)
         return self.rt.journal.submit(slog, op, data)
 
     def submit_turn(self, kv: SessionKV, ids: list[int], params: SamplingParams,
@@ -354,7 +411,8 @@ class SessionStore:
         if parent.state == "closed":  # before anything is created (a child, a system pin)
             raise SessionClosedError(f"session {parent.session_id!r} is closed")
         child = self._new_session(session_id, parent.system, parent.sampling,
-                                  parent.system_key, parent.messages)
+                                  parent.system_key, parent.messages,
+                                  options=parent.options())
 
         def share() -> None:
             self.rt.policy.restore(parent.kv)  # a spilled parent comes back first

@@ -31,3 +31,17 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
 def random_prompts(seed: int, lengths: list[int], vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def expected_turn(llm, s, before: list[int], reply, params) -> list[int]:
+    """The tokens a session's last turn must have produced: in append history, what
+    `llm.generate` gives for the log before the turn plus the delta the turn appended (and
+    the log must have been extended, never rewritten); in template history, what
+    `llm.chat` gives for the full conversation."""
+    if s.history == "template":
+        return llm.chat(s.messages[:-1], params, use_tqdm=False)[0].token_ids
+    log = s.token_ids
+    prompt = log[: len(log) - len(reply.token_ids)]
+    assert prompt[: len(before)] == before, "the turn rewrote the session's token log"
+    return llm.generate(prompt_token_ids=[prompt], sampling_params=params,
+                        use_tqdm=False)[0].token_ids

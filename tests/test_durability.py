@@ -28,6 +28,7 @@ from kvsession.tiers import wal
 from kvsession.tiers.commit import GroupCommit, Op, SessionLog
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.writeback import WriteOp
+from oracle import expected_turn
 
 G = SamplingParams(max_tokens=4, temperature=0.0)
 SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."
@@ -41,8 +42,9 @@ def new_llm(model_dir, sd, **kw):
 
 
 def continues_exactly(llm, s, message="and then?"):
+    before = s.token_ids
     r = s.send(message)
-    want = llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
+    want = expected_turn(llm, s, before, r, G)
     return r.token_ids == want
 
 
@@ -302,7 +304,7 @@ def test_every_kind_of_turn_is_durable_before_it_returns(llama_dir, tmp_path):
         s.add("tool", '{"files": ["a.py"]}')
         assert logged() == s.messages and logged()[-1]["role"] == "tool"
         st = wal.read_log(sd / "d.log").state
-        assert st.tokens == list(s.kv.tokens) and st.seq == 4
+        assert st.tokens == s.token_ids and st.seq == 4  # append history: the token log
         fork = s.fork(session_id="d-fork")
         fork.send("fork's own turn")
         assert wal.read_log(sd / "d-fork.log").state.messages == fork.messages
@@ -395,18 +397,21 @@ def test_a_killed_process_leaves_every_acknowledged_turn(llama_dir, tmp_path):
         holder.wait(60)
     finally:
         holder.kill()
-    # the dead process's lock file, its log, its KV written behind
-    assert sorted(os.listdir(sd)) == ["a.lock", "a.log", "a.seg"]
+    # the dead process's lock file, its log, its KV written behind (the pinned system
+    # prompt's blocks once per directory)
+    assert sorted(os.listdir(sd)) == [".shared.seg", "a.lock", "a.log", "a.seg"]
     with new_llm(llama_dir, sd) as llm:
-        assert sorted(os.listdir(sd)) == ["a.log", "a.seg"]  # stale lock removed at start-up
+        # the stale lock removed at start-up
+        assert sorted(os.listdir(sd)) == [".shared.seg", "a.log", "a.seg"]
         a = llm.session(session_id="a")
         assert len(a.messages) == 1 + 2 * len(acked) and a.state == "disk"
         assert [m["content"] for m in a.messages[2::2]] == [
             llm.tokenizer.decode(r["ids"]) for r in acked]
         held = len(wal.read_log(sd / "a.log").state.tokens)
+        before = a.token_ids
         r = a.send("and then?")
         assert r.restored_from == "disk" and r.cached_tokens >= held // 16 * 16
-        want = llm.chat(a.messages[:-1], G, use_tqdm=False)[0].token_ids
+        want = expected_turn(llm, a, before, r, G)
         assert r.token_ids == want
 
 
@@ -465,9 +470,10 @@ def test_blocks_are_written_behind_once_and_reused_after_a_restart(llama_dir, tm
     with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
         s = llm.session(session_id="w")
         assert s.state == "disk" and s.num_cached_tokens == held // 16 * 16
+        before = s.token_ids
         r = s.send("and then?")
         assert r.restored_from == "disk" and r.cached_tokens == held // 16 * 16
-        assert r.token_ids == llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
+        assert r.token_ids == expected_turn(llm, s, before, r, G)
         wb = llm._rt.writeback
         wb.request(WriteOp.FLUSH, None).result(timeout=60)
         # only the blocks the new turn completed were written: nothing already on disk
@@ -507,9 +513,10 @@ def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path
         assert len(s.messages) == 6
         plan = llm._rt.mover.plans[s.kv]
         assert plan.from_files.get("snapshot", 0) >= 1 and len(plan.tokens) == held
+        before = s.token_ids
         r = s.send("and then?")
         assert r.restored_from == "disk" and r.cached_tokens == held
-        assert r.token_ids == llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
+        assert r.token_ids == expected_turn(llm, s, before, r, G)
 
 
 def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path):
@@ -539,9 +546,10 @@ def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path
         s = llm.session(session_id="p2")
         plan = llm._rt.mover.plans[s.kv]
         assert plan.from_files["shared"] == lead and plan.from_files["segment"] >= 1
+        before = s.token_ids
         r = s.send("and then?")
         assert r.restored_from == "disk"
-        assert r.token_ids == llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
+        assert r.token_ids == expected_turn(llm, s, before, r, G)
 
 
 def on_engine(llm, fn):

@@ -11,6 +11,7 @@ from kvsession.cache.kv_pool import kv_bytes_per_token
 from kvsession.cache.manager import Tier, Transient
 from kvsession.kernels.reference import FP8_MAX, dequantize, quantize_fp8
 from kvsession.numerics import kv_numerics
+from oracle import expected_turn
 
 
 def roundtrip(x):
@@ -126,8 +127,10 @@ def test_blocks_move_with_their_scales_bit_identically(llama_dir, tmp_path):
                     (tier, k)
         assert llm.stats().restores == {"host": 1, "disk": 1}
         # and the session continues as if nothing happened
-        assert s.send("again").token_ids == llm.chat(s.messages[:-1], SamplingParams(
-            max_tokens=9, temperature=0.0), use_tqdm=False)[0].token_ids
+        before = s.token_ids
+        r = s.send("again")
+        assert r.token_ids == expected_turn(llm, s, before, r, SamplingParams(
+            max_tokens=9, temperature=0.0))
         s.close()
         child.close()
 

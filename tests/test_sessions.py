@@ -10,6 +10,7 @@ import pytest
 
 from kvsession import LLM, ConfigError, SamplingParams, SessionClosedError
 from kvsession.session import common_prefix_len
+from oracle import expected_turn
 
 SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."
 G = SamplingParams(max_tokens=10, temperature=0.0)
@@ -37,8 +38,9 @@ def new_llm(model_dir, **kw):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_six_turns_match_chat_and_reuse_kv(model_dirs, arch):
+    """Template history: each turn equals llm.chat over the re-rendered conversation."""
     with new_llm(model_dirs(arch)) as llm:
-        s = llm.session(system=SYSTEM, sampling=G)
+        s = llm.session(system=SYSTEM, sampling=G, history="template")
         history = [{"role": "system", "content": SYSTEM}]
         cached: list[int] = []
         prev_prompt_len = 0
@@ -77,7 +79,7 @@ def test_divergence_when_template_drops_history(llama_dir, tmp_path):
         "<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     with new_llm(d) as llm:
-        s = llm.session(sampling=G)
+        s = llm.session(sampling=G, history="template")
         first = s.send("hello there")
         prompt1 = llm.tokenizer.encode_chat([{"role": "user", "content": "hello there"}])
         second = s.send("and again")
@@ -165,15 +167,18 @@ def test_fork_shares_blocks_and_diverges(llama_dir):
         used = llm.stats().tiers["device"].blocks_used
         child = parent.fork()
         assert llm.stats().tiers["device"].blocks_used == used  # shared, counted once
+        before = parent.token_ids
+        assert child.token_ids == before  # the fork starts from the parent's log
         c = child.send("Now read b.py")
         p = parent.send("Now run the tests")
-        assert c.token_ids == llm.chat(child.messages[:-1], G, use_tqdm=False)[0].token_ids
-        assert p.token_ids == llm.chat(parent.messages[:-1], G, use_tqdm=False)[0].token_ids
+        assert c.token_ids == expected_turn(llm, child, before, c, G)
+        assert p.token_ids == expected_turn(llm, parent, before, p, G)
         assert child.messages[:3] == parent.messages[:3]
         assert child.messages[3] != parent.messages[3]
         parent.close()
+        before = child.token_ids
         again = child.send("and then?")
-        assert again.token_ids == llm.chat(child.messages[:-1], G, use_tqdm=False)[0].token_ids
+        assert again.token_ids == expected_turn(llm, child, before, again, G)
         assert again.cached_tokens > 0
         child.close()
         dev = llm.stats().tiers["device"]

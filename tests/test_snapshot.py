@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from kvsession import LLM, SamplingParams, SnapshotError
 from kvsession.cli import main as cli_main
 from kvsession.tiers import snapshot as snap
+from oracle import expected_turn
 
 G = SamplingParams(max_tokens=6, temperature=0.0)
 ROOT = Path(__file__).resolve().parents[1]
@@ -359,8 +360,9 @@ def test_restored_block_hashes_are_recomputed_not_trusted(llm, saved, tmp_path):
     poison = [x.hex() for x in hasher.extend([], victim, len(victim), None)]
     bad = rewrite_header(saved, tmp_path / "poisoned.kvs", block_hashes=poison)
     s = llm.restore(bad, session_id="attacker")
+    before = s.token_ids
     r = s.send("now tell me everything about the files in the project directory, in order")
-    assert r.token_ids == llm.chat(s.messages[:-1], G, use_tqdm=False)[0].token_ids
+    assert r.token_ids == expected_turn(llm, s, before, r, G)
     # the attacker's turn computed block `full` after its own prefix; a request with the
     # victim's prefix and then the same tokens must not hit it (only its own blocks)
     after = list(s.kv.tokens[full * bs:(full + 1) * bs])

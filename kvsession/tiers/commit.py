@@ -37,6 +37,7 @@ from kvsession.tiers.wal import (
     LogState,
     base_record,
     encode,
+    history_struct,
     remove_quietly,
     sampling_struct,
     turn_record,
@@ -79,23 +80,26 @@ class SessionLog:
         self.end = end  # bytes known durable
 
     def record(self, messages: list[dict], tokens, sampling: dict, system: str | None,
-               defaults: dict) -> tuple[Op, bytes]:
+               defaults: dict, history: dict | None = None) -> tuple[Op, bytes]:
         """The next record: the session's state after a turn (`messages`: all of them,
-        `tokens`: the token ids whose KV it holds; `sampling`: the turn's parameters,
-        `defaults`: the session's). Caller's thread, in turn order."""
+        `tokens`: its token log in append history, else the token ids whose KV it holds;
+        `sampling`: the turn's parameters, `defaults`: the session's; `history`:
+        HistoryState's fields but the log, which `tokens` is). Caller's thread, in turn
+        order."""
         check_text_messages(self.path, messages)
+        hist = history_struct(self.path, {**(history or {"mode": "template"}), "log": []})
         self.seq += 1
         if self.needs_base or self.records >= REWRITE_RECORDS or self.size >= REWRITE_BYTES:
             data = LOG_PREFIX + encode(base_record(
                 self.session_id, self.seq, self.identity, system,
-                sampling_struct(self.path, defaults), messages, tokens))
+                sampling_struct(self.path, defaults), messages, tokens, hist))
             op = Op.REWRITE
             self.records, self.size, self.needs_base = 1, len(data), False
         else:
             keep = _common_prefix(self.tokens, tokens)
             data = encode(turn_record(self.seq, self.identity, messages[self.num_messages:],
-                                      keep, tokens[keep:], sampling_struct(self.path,
-                                                                           sampling)))
+                                      keep, tokens[keep:],
+                                      sampling_struct(self.path, sampling), hist.pending))
             op = Op.APPEND
             self.records += 1
             self.size += len(data)

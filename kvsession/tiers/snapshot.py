@@ -101,6 +101,10 @@ class SnapshotHeader(msgspec.Struct, frozen=True):
     system: str | None
     block_hashes: list[str]       # hex, one per full block
     chunks: list[Chunk]           # one per block (the last may be partial)
+    # the session's history (kvsession/history.py): {"mode": "append"|"template", "log":
+    # the token log, "pending": messages not rendered into it yet}; None in files written
+    # before it existed (template mode)
+    history: dict | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -304,6 +308,44 @@ def copy_snapshot(src: Path, dst: Path) -> int:
             shutil.copyfileobj(s, f, 1 << 20)
 
     return _atomic_write(Path(dst), fill)
+
+
+# a message field whose value is not a string (tool_calls, a None content) is stored as
+# JSON text under this prefix, so a header's messages stay dicts of strings (what the
+# bounded reader decodes); a key that starts with it is escaped the same way
+JSON_FIELD_PREFIX = "json:"
+
+
+def messages_to_text(messages: list[dict]) -> list[dict[str, str]]:
+    """Messages as snapshots and logs store them (see JSON_FIELD_PREFIX)."""
+    out = []
+    for m in messages:
+        text: dict[str, str] = {}
+        for key, value in m.items():
+            if isinstance(value, str) and not key.startswith(JSON_FIELD_PREFIX):
+                text[key] = value
+            else:
+                text[JSON_FIELD_PREFIX + key] = json.dumps(value, ensure_ascii=False)
+        if not isinstance(text.get("content"), str):
+            text["content"] = ""  # the reader requires a text content; the JSON field rules
+        out.append(text)
+    return out
+
+
+def messages_from_text(path: Path, messages: list[dict[str, str]]) -> list[dict]:
+    """The inverse of messages_to_text; a field that is not valid JSON is a SnapshotError."""
+    out = []
+    for i, m in enumerate(messages):
+        msg = {k: v for k, v in m.items() if not k.startswith(JSON_FIELD_PREFIX)}
+        for key, value in m.items():  # after the plain fields: a JSON field rules
+            if key.startswith(JSON_FIELD_PREFIX):
+                try:
+                    msg[key[len(JSON_FIELD_PREFIX):]] = json.loads(value)
+                except (ValueError, RecursionError) as e:
+                    raise SnapshotError(f"{path}: message {i} field {key!r} is not valid "
+                                        f"JSON: {e}") from None
+        out.append(msg)
+    return out
 
 
 def check_text_messages(path: Path, messages) -> None:

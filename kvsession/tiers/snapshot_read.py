@@ -33,7 +33,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import lz4.frame
 import msgspec
@@ -96,6 +96,24 @@ class SnapshotFrame(msgspec.Struct, frozen=True):
     system: msgspec.Raw
     block_hashes: msgspec.Raw
     chunks: msgspec.Raw
+    history: msgspec.Raw = msgspec.Raw(b"null")
+
+
+MAX_LOG_TOKENS = 1 << 22  # a session's token log (max_model_len is far below)
+
+
+class HistoryState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A session's history as snapshots and logs store it: the mode, the token log (append
+    mode: what the session's next turn extends) and how many trailing messages are not
+    rendered into it yet (added without a reply)."""
+
+    mode: Literal["append", "template"]
+    log: Annotated[list[_TokenId], msgspec.Meta(max_length=MAX_LOG_TOKENS)] = []
+    pending: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+    # the session's tools and chat_template_kwargs as JSON text ("" when none): what its
+    # template renders with
+    tools: Annotated[str, msgspec.Meta(max_length=1 << 20)] = ""
+    template_kwargs: Annotated[str, msgspec.Meta(max_length=1 << 16)] = ""
 
 
 class _Sampling(msgspec.Struct):
@@ -233,7 +251,14 @@ def read_header(path: Path, expect: dict | None = None) -> SnapshotHeader:
         token_ids=tokens, messages=messages,
         sampling={k: v for k, v in msgspec.structs.asdict(sampling).items()
                   if v is not msgspec.UNSET},
-        system=system, block_hashes=hashes, chunks=chunks)
+        system=system, block_hashes=hashes, chunks=chunks,
+        history=_decode_history(path, frame.history))
+
+
+def _decode_history(path: Path, raw) -> dict | None:
+    state = _decode(path, "history", raw, HistoryState | None,
+                    MAX_LOG_TOKENS * _TOKEN_ID_BYTES + (1 << 21))
+    return None if state is None else msgspec.structs.asdict(state)
 
 
 def _more_objects_than(raw, limit: int) -> bool:

@@ -53,7 +53,12 @@ import msgspec
 
 from kvsession.errors import SnapshotError
 from kvsession.tiers.snapshot import SESSION_ID_PATTERN, open_regular
-from kvsession.tiers.snapshot_read import MAX_EXTRA_MESSAGES, MAX_TOKEN_ID, _Sampling
+from kvsession.tiers.snapshot_read import (
+    MAX_EXTRA_MESSAGES,
+    MAX_TOKEN_ID,
+    HistoryState,
+    _Sampling,
+)
 
 LOG_MAGIC = b"KVSLOG\x00\x01"
 LOG_VERSION = 1
@@ -99,6 +104,9 @@ class BaseRecord(msgspec.Struct, frozen=True, tag="base"):
     sampling: _Sampling
     messages: _Messages
     tokens: _Tokens
+    # the history mode (append: `tokens` is the session's token log) and the messages not
+    # rendered into it; None in logs written before it existed (template mode)
+    history: HistoryState | None = None
 
 
 class TurnRecord(msgspec.Struct, frozen=True, tag="turn"):
@@ -109,6 +117,7 @@ class TurnRecord(msgspec.Struct, frozen=True, tag="turn"):
     keep: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
     tokens: _Tokens
     sampling: _Sampling
+    pending: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0  # as HistoryState.pending
 
 
 Record = BaseRecord | TurnRecord
@@ -128,6 +137,10 @@ class LogState:
     tokens: list[int]
     seq: int
     num_records: int = 0
+    history: str = "template"  # HistoryMode value
+    pending: int = 0
+    tools: str = ""  # JSON text, as HistoryState
+    template_kwargs: str = ""
     sampling_per_turn: list[dict] = field(default_factory=list, repr=False)
 
 
@@ -183,6 +196,9 @@ def _apply(path: Path, state: LogState | None, rec, expect: Identity | None) -> 
                                         f"has {want!r})")
         new = LogState(rec.session_id, rec.identity, rec.system, sampling_dict(rec.sampling),
                        list(rec.messages), list(rec.tokens), rec.seq)
+        if rec.history is not None:
+            new.history, new.pending = rec.history.mode, rec.history.pending
+            new.tools, new.template_kwargs = rec.history.tools, rec.history.template_kwargs
     else:
         if state is None:
             raise SnapshotError(f"{path}: the log does not start with a base record")
@@ -198,6 +214,7 @@ def _apply(path: Path, state: LogState | None, rec, expect: Identity | None) -> 
         new.tokens += rec.tokens
         new.messages += rec.messages
         new.seq = rec.seq
+        new.pending = rec.pending
         new.sampling_per_turn.append(sampling_dict(rec.sampling))
         del new.sampling_per_turn[:-64]
     if len(new.tokens) > MAX_TOKENS:
@@ -278,17 +295,25 @@ def truncate(path: Path, end: int) -> None:
 
 
 def base_record(session_id: str, seq: int, identity: Identity, system: str | None,
-                sampling: _Sampling, messages: list[dict], tokens) -> BaseRecord:
+                sampling: _Sampling, messages: list[dict], tokens,
+                history: HistoryState) -> BaseRecord:
     return BaseRecord(seq=seq, session_id=session_id, identity=identity, unix_s=time.time(),
                       system=system, sampling=sampling, messages=list(messages),
-                      tokens=list(tokens))
+                      tokens=list(tokens), history=history)
+
+
+def history_struct(path: Path, history: dict) -> HistoryState:
+    try:
+        return msgspec.convert(history, HistoryState)
+    except msgspec.ValidationError as e:
+        raise SnapshotError(f"{path}: history not storable: {e}") from None
 
 
 def turn_record(seq: int, identity: Identity, messages: list[dict], keep: int, tokens,
-                sampling: _Sampling) -> TurnRecord:
+                sampling: _Sampling, pending: int) -> TurnRecord:
     return TurnRecord(seq=seq, identity_digest=identity.digest(), unix_s=time.time(),
                       messages=list(messages), keep=keep, tokens=list(tokens),
-                      sampling=sampling)
+                      sampling=sampling, pending=pending)
 
 
 def remove_quietly(path: Path) -> None:
