@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from datetime import datetime
 from pathlib import Path
 
 from jinja2 import TemplateError
@@ -99,6 +100,10 @@ def check_messages(messages, what: str = "messages", text_only: bool = False) ->
     return out
 
 
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
 def _raise_exception(message: str):
     raise TemplateError(message)
 
@@ -135,6 +140,8 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._env.globals["raise_exception"] = _raise_exception
+        # as transformers provides it: templates (Llama 3.x) date their system turn with it
+        self._env.globals["strftime_now"] = _strftime_now
         self._template = (self._env.from_string(self.chat_template)
                           if self.chat_template else None)
         self.digest = hashlib.sha256(path.read_bytes()).hexdigest()
