@@ -33,6 +33,97 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# Test templates in the three tool-call families' formats, written for the tiny tokenizer
+# (its only special tokens are ChatML's, so other families' markers are plain text and
+# <|im_end|> ends every turn, as the model's EOS). Each renders `tools`, assistant
+# `tool_calls` (arguments as a dict, the HF convention) and tool results like its family.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}"
+    "{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools or messages[0]['role'] == 'system' %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{% if tools %}{{ 'Environment: ipython\\n' }}{% endif %}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% endif %}"
+    "{% if tools %}{{ '\\nYou have access to the following functions. To call a function, "
+    "respond with JSON for a function call. Respond in the format {\"name\": function name, "
+    "\"parameters\": dictionary of argument name and its value}. Do not use variables.\\n' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{% if message['tool_calls'] | length != 1 %}"
+    "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+    "{% set call = message['tool_calls'][0]['function'] %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n{\"name\": \"' + call['name'] "
+    "+ '\", \"parameters\": ' + (call['arguments'] | tojson) + '}<|im_end|>' }}"
+    "{% elif message['role'] in ('tool', 'ipython') %}"
+    "{{ '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message['content'] "
+    "+ '<|im_end|>' }}"
+    "{% else %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' "
+    "+ message['content'] + '<|im_end|>' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first %}"
+    "{% elif message['role'] == 'user' %}"
+    "{% if tools and loop.index0 == ns.last_user %}{{ '[AVAILABLE_TOOLS][' }}"
+    "{% for tool in tools %}{{ (tool | tojson) + (', ' if not loop.last else '') }}"
+    "{% endfor %}{{ '][/AVAILABLE_TOOLS]' }}{% endif %}"
+    "{{ '[INST]' }}{% if system and loop.index0 == ns.last_user %}"
+    "{{ system + '\\n\\n' }}{% endif %}{{ message['content'] + '[/INST]' }}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '[TOOL_CALLS][' }}{% for call in message['tool_calls'] %}"
+    "{{ '{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+    "+ (call['function']['arguments'] | tojson) + ', \"id\": \"' + call['id'] + '\"}' "
+    "+ (', ' if not loop.last else '') }}{% endfor %}{{ ']<|im_end|>' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '[TOOL_RESULTS]{\"content\": ' + (message['content'] | tojson) "
+    "+ ', \"call_id\": \"' + message['tool_call_id'] + '\"}[/TOOL_RESULTS]' }}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endif %}{% endfor %}"
+)
+CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "hermes": HERMES_TEMPLATE,
+                  "llama3": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
 _WORDS = (
     "the agent reads a file and calls a tool then writes the answer to the user who asked for "
     "a list of files in the project with tests docs code and data while the model keeps its "
@@ -119,12 +210,14 @@ def _random_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 
 def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "current",
                     num_shards: int = 1, tokenizer_vocab_size: int = 512,
-                    **config_overrides) -> Path:
+                    chat_template: str = "chatml", **config_overrides) -> Path:
     """Write a deterministic random checkpoint of `arch` to `path`; returns the path.
 
     layout: "current" (rope_parameters, dtype, chat_template.jinja, merges as pairs) or
     "classic" (rope_theta/rope_scaling, torch_dtype, chat_template in tokenizer_config.json,
-    merges as space-joined strings). config_overrides replace config.json fields (e.g.
+    merges as space-joined strings). chat_template: "chatml" (no tools), or a template in
+    one tool-call family's format: "hermes" (Qwen/Hermes <tool_call>), "llama3" (Llama 3
+    JSON) or "mistral" ([TOOL_CALLS]). config_overrides replace config.json fields (e.g.
     hidden_size=512, num_hidden_layers=8, vocab_size=32000, rope_scaling={...}); a vocab_size
     above the tokenizer's size leaves the extra ids without text.
     """
@@ -132,6 +225,10 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "cur
         raise ConfigError(f"arch={arch!r} is not supported; accepted: {sorted(ARCHS)}")
     if layout not in ("current", "classic"):
         raise ConfigError(f"layout={layout!r}; accepted: ['classic', 'current']")
+    if chat_template not in CHAT_TEMPLATES:
+        raise ConfigError(f"chat_template={chat_template!r}; accepted: "
+                          f"{sorted(CHAT_TEMPLATES)}")
+    template = CHAT_TEMPLATES[chat_template]
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(tokenizer_vocab_size, seed=0)
@@ -151,9 +248,9 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "cur
     tcfg = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
             "model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast"}
     if layout == "classic":
-        tcfg["chat_template"] = CHATML_TEMPLATE
+        tcfg["chat_template"] = template
     else:
-        (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+        (out / "chat_template.jinja").write_text(template)
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],

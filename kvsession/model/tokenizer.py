@@ -64,12 +64,50 @@ def message_content(content, where: str) -> str:
                       f"{{'type': 'text', 'text': str}} parts, got {content!r:.80}")
 
 
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's OpenAI `tool_calls`, each {"id", "type": "function",
+    "function": {"name", "arguments"}}, with `arguments` as a dict (JSON text is parsed):
+    chat templates index into it (the HF convention)."""
+    if not isinstance(calls, list) or not calls:
+        raise ConfigError(f"{where} must be a non-empty list of {{'id', 'type': 'function', "
+                          f"'function': {{'name', 'arguments'}}}} dicts, got {calls!r:.80}")
+    out = []
+    for i, call in enumerate(calls):
+        w = f"{where}[{i}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+            raise ConfigError(f"{w} must be {{'id', 'type': 'function', 'function': "
+                              f"{{'name', 'arguments'}}}}, got {call!r:.80}")
+        if not isinstance(call.get("id", ""), str):
+            raise ConfigError(f"{w}['id'] must be a string, got {call['id']!r:.80}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ConfigError(f"{w}['function']['name'] must be a non-empty string, "
+                              f"got {fn.get('name')!r:.80}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{w}['function']['arguments'] must be a JSON object (a "
+                                  f"dict or its JSON text), got text that is not JSON: "
+                                  f"{e}") from None
+        if not isinstance(args, dict):
+            raise ConfigError(f"{w}['function']['arguments'] must be a JSON object (a dict "
+                              f"or its JSON text), got {args!r:.80}")
+        _check_json(args, f"{w}['function']['arguments']", 3)
+        out.append({**call, "type": "function", "function": {**fn, "arguments": args}})
+    return out
+
+
 def check_messages(messages, what: str = "messages", text_only: bool = False) -> list[dict]:
     """Validated copies of chat messages (the API edge: llm.chat, Session.send/add, the
     system prompt). Each is a dict with 'role' (a non-empty string) and 'content' (a string,
     or OpenAI-style text parts, joined here into one string); other fields must be JSON
     values, or with `text_only` (a session's messages: its snapshots hold text fields only)
-    strings. Errors name the message index and the field."""
+    strings. Without `text_only` the OpenAI tool shapes are accepted: an assistant message
+    with `tool_calls` (its content may be None or absent: rendered as "") whose arguments
+    become dicts, and a tool result with a string `tool_call_id`. Errors name the message
+    index and the field."""
     if not isinstance(messages, (list, tuple)):
         raise ConfigError(f"{what} must be a list of message dicts, got {messages!r:.80}")
     out = []
@@ -78,25 +116,38 @@ def check_messages(messages, what: str = "messages", text_only: bool = False) ->
         if not isinstance(m, dict):
             raise ConfigError(f"{where} must be a dict with 'role' and 'content', "
                               f"got {m!r:.80}")
+        calls = None if text_only else m.get("tool_calls")
         for key in ("role", "content"):
-            if key not in m:
+            if key not in m and not (key == "content" and calls is not None):
                 raise ConfigError(f"{where} has no {key!r}: a message is a dict with 'role' "
                                   f"and 'content', got {m!r:.80}")
         role = m["role"]
         if not isinstance(role, str) or not role:
             raise ConfigError(f"{where}['role'] must be a non-empty string, got {role!r:.80}")
-        content = message_content(m["content"], f"{where}['content']")
+        if calls is not None and role != "assistant":
+            raise ConfigError(f"{where} has tool_calls but role {role!r}: only an "
+                              f"'assistant' message makes tool calls")
+        if calls is not None and m.get("content") is None:
+            content = ""  # OpenAI's content=None beside tool_calls; templates concatenate it
+        else:
+            content = message_content(m["content"], f"{where}['content']")
         for key, value in m.items():
             if not isinstance(key, str):
                 raise ConfigError(f"{where} keys must be strings, got {key!r:.80}")
-            if key == "content":
+            if key in ("content", "tool_calls") and not (text_only and key == "tool_calls"):
                 continue
             if text_only and not isinstance(value, str):
                 raise ConfigError(f"{where}[{key!r}] must be a string (a session's messages "
                                   f"are saved in its snapshots, which hold text fields), "
                                   f"got {value!r:.80}")
+            if key == "tool_call_id" and not isinstance(value, str):
+                raise ConfigError(f"{where}['tool_call_id'] must be a string (the id of the "
+                                  f"call this result answers), got {value!r:.80}")
             _check_json(value, f"{where}[{key!r}]", 1)
-        out.append({**m, "content": content})
+        msg = {**m, "content": content}
+        if calls is not None:
+            msg["tool_calls"] = _tool_calls(calls, f"{where}['tool_calls']")
+        out.append(msg)
     return out
 
 
@@ -106,6 +157,14 @@ def _strftime_now(fmt: str) -> str:
 
 def _raise_exception(message: str):
     raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' `tojson` for chat templates: plain JSON text in the value's own key
+    order. jinja2's built-in returns HTML-escaped Markup with sorted keys, and Markup turns
+    `'<tool_call>' + args|tojson` (how Qwen templates write a call) into escaped text."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _token_text(value) -> str | None:
@@ -142,6 +201,7 @@ class Tokenizer:
         self._env.globals["raise_exception"] = _raise_exception
         # as transformers provides it: templates (Llama 3.x) date their system turn with it
         self._env.globals["strftime_now"] = _strftime_now
+        self._env.filters["tojson"] = _tojson
         self._template = (self._env.from_string(self.chat_template)
                           if self.chat_template else None)
         self.digest = hashlib.sha256(path.read_bytes()).hexdigest()

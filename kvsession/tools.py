@@ -1,0 +1,424 @@
+"""Tool calling: `tools` / `tool_choice` validation, the checkpoint's tool-call format (read
+off its chat template), calls parsed out of generated text, and decoding constrained to a
+valid call.
+
+Contract (the API edge, `llm.chat` / `achat` / `stream`, and sessions use exactly this):
+
+    spec = ToolSpec.from_args(tools, tool_choice, tokenizer)      # -> ToolSpec | None
+        tools: None, [] or a list of OpenAI tools {"type": "function", "function": {"name",
+        "description", "parameters": JSON schema of an object}}; tool_choice: "auto" (None
+        means it) | "none" | "required" | {"type": "function", "function": {"name": ...}}.
+        None when no tools are given ("required" or a named function then: ConfigError).
+        ConfigError naming the index and field for a bad tool, an unknown choice or name, or
+        a chat template that never renders `tools` or writes calls in no known format.
+    spec.format            ToolFormat (HERMES | LLAMA3_JSON | MISTRAL)
+    spec.choice            ToolChoice (AUTO | NONE | REQUIRED | NAMED); spec.forced_name
+    spec.template_tools    list[dict]: the validated tools, the chat template's `tools`
+                           variable (rendered for every choice, "none" included, so the
+                           prompt and its cached KV are the same whatever the choice)
+    spec.constrain(params) -> SamplingParams: for REQUIRED / NAMED a copy whose `structured`
+                           grammar admits exactly one call (any tool / the named one) in the
+                           family's format, arguments valid under that tool's schema (the
+                           sampler masks every step, so this holds whatever the weights);
+                           otherwise `params` itself. ConfigError if `params` already carry
+                           a structured format and a call is forced.
+    spec.parse(text)       -> (content, [ToolCall]): the calls in the family's format and
+                           the text before the first one. Malformed markup or an unknown tool
+                           name: (text, []). NONE: (text, []).
+    spec.apply(output)     -> the RequestOutput with each completion's `tool_calls` filled
+                           and its `text` replaced by the content.
+
+`ToolCall.to_dict()` is the OpenAI shape of a call for an assistant message's `tool_calls`;
+`kvsession.model.tokenizer.check_messages` accepts it back (arguments as JSON text or dict).
+The grammar is composed with xgrammar (a JSON-schema grammar between the family's literal
+call prefix and suffix); xgrammar is imported only when a call is forced.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass, field, replace
+
+from kvsession.errors import ConfigError
+from kvsession.params import SamplingParams, StructuredOutput
+
+# OpenAI's function names (a-z, A-Z, 0-9, _ and -, at most 64) plus '.', which vLLM allows;
+# names go verbatim into the call grammar's literals, so nothing that needs escaping
+NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_TOOL_KEYS = ("type", "function")
+_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+# Mistral's templates require 9 alphanumeric characters in a tool call id
+_MISTRAL_ID_CHARS = string.ascii_letters + string.digits
+# the separators the templates' `tojson` writes: forced calls look like rendered ones
+_SEPARATORS = (", ", ": ")
+
+
+class ToolFormat(enum.Enum):
+    """How a family writes a call. `prefix`/`suffix` wrap one call's JSON arguments as the
+    forced grammar writes it (the parsers accept more: several calls, other spacing)."""
+
+    HERMES = "hermes"            # Hermes, Qwen2.5, Qwen3: <tool_call>\n{json}\n</tool_call>
+    LLAMA3_JSON = "llama3_json"  # Llama 3.x: {"name": ..., "parameters": {...}}
+    MISTRAL = "mistral"          # Mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}]
+
+    def affixes(self, name: str) -> tuple[str, str]:
+        if self is ToolFormat.HERMES:
+            return f'<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"
+        if self is ToolFormat.LLAMA3_JSON:
+            return f'{{"name": "{name}", "parameters": ', "}"
+        return f'[TOOL_CALLS][{{"name": "{name}", "arguments": ', "}]"
+
+
+class ToolChoice(enum.Enum):
+    AUTO = "auto"
+    NONE = "none"
+    REQUIRED = "required"
+    NAMED = "named"  # {"type": "function", "function": {"name": ...}}
+
+
+# markers a template writes for each family, checked in this order (a Qwen template may also
+# mention JSON "parameters"; a Llama 3 one never writes <tool_call>)
+_MARKERS = (
+    (ToolFormat.HERMES, ("<tool_call>",)),
+    (ToolFormat.MISTRAL, ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]")),
+    (ToolFormat.LLAMA3_JSON, ("<|python_tag|>", "ipython", "<|start_header_id|>")),
+)
+_USES_TOOLS = re.compile(r"\btools\b")
+
+
+def detect_tool_format(chat_template: str | None) -> ToolFormat | None:
+    """The tool-call format a chat template writes, or None when it never renders `tools`
+    (or writes calls in no format known here)."""
+    if not chat_template or not _USES_TOOLS.search(chat_template):
+        return None
+    for fmt, markers in _MARKERS:
+        if any(m in chat_template for m in markers):
+            return fmt
+    return None
+
+
+@dataclass
+class ToolCall:
+    """One call the model made: `arguments` is the parsed JSON object."""
+
+    id: str
+    name: str
+    arguments: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """The OpenAI shape, for an assistant message's `tool_calls` list."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name,
+                             "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+def new_call_id(fmt: ToolFormat | None = None) -> str:
+    """A fresh call id: OpenAI-like `call_<hex>`, or Mistral's 9 alphanumerics."""
+    if fmt is ToolFormat.MISTRAL:
+        return "".join(secrets.choice(_MISTRAL_ID_CHARS) for _ in range(9))
+    return f"call_{secrets.token_hex(12)}"
+
+
+def _json_copy(value, where: str):
+    """A deep copy through JSON; anything that does not survive the round trip unchanged
+    (tuples, non-str keys, NaN, objects) is a ConfigError naming `where`."""
+    try:
+        copy = json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where} must hold JSON values only: {e}") from None
+    if copy != value:
+        raise ConfigError(f"{where} must hold JSON values only (dicts with str keys, lists, "
+                          f"str, numbers, bool, None), got {value!r:.80}")
+    return copy
+
+
+def check_tools(tools) -> list[dict]:
+    """Validated copies of OpenAI tools; ConfigError naming the index and field."""
+    if not isinstance(tools, (list, tuple)):
+        raise ConfigError(f"tools must be None or a list of {{'type': 'function', 'function': "
+                          f"{{'name', 'description', 'parameters'}}}} dicts, got {tools!r:.80}")
+    out, seen = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or \
+                not isinstance(tool.get("function"), dict):
+            raise ConfigError(f"{where} must be {{'type': 'function', 'function': {{...}}}}, "
+                              f"got {tool!r:.80}")
+        fn = tool["function"]
+        unknown = sorted(set(tool) - set(_TOOL_KEYS)) + sorted(
+            f"function.{k}" for k in set(fn) - set(_FUNCTION_KEYS))
+        if unknown:
+            raise ConfigError(f"{where} has unknown fields {unknown}; accepted: type, "
+                              f"function.{{{', '.join(_FUNCTION_KEYS)}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+            raise ConfigError(f"{where}.function.name must be 1-64 characters of a-z, A-Z, "
+                              f"0-9, '_', '-' or '.', got {name!r:.80}")
+        if name in seen:
+            raise ConfigError(f"{where}.function.name {name!r} is used by an earlier tool")
+        seen.add(name)
+        if not isinstance(fn.get("description", ""), str):
+            raise ConfigError(f"{where}.function.description must be a string, "
+                              f"got {fn['description']!r:.80}")
+        if not isinstance(fn.get("strict", False), bool):
+            raise ConfigError(f"{where}.function.strict must be a bool, got {fn['strict']!r}")
+        params = fn.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise ConfigError(f"{where}.function.parameters must be a JSON schema (a "
+                                  f"dict), got {params!r:.80}")
+            if params.get("type", "object") != "object":
+                raise ConfigError(f"{where}.function.parameters must describe an object (the "
+                                  f"call's arguments), got type {params['type']!r}")
+        out.append(_json_copy(tool, where))
+    return out
+
+
+def check_tool_choice(tool_choice, names: list[str]) -> tuple[ToolChoice, str | None]:
+    """(choice, forced name); an unknown choice or tool name is a ConfigError."""
+    if tool_choice is None:
+        return ToolChoice.AUTO, None
+    if isinstance(tool_choice, str):
+        try:
+            choice = ToolChoice(tool_choice)
+        except ValueError:
+            choice = None
+        if choice is None or choice is ToolChoice.NAMED:
+            raise ConfigError(f"tool_choice must be 'auto', 'none', 'required' or "
+                              f"{{'type': 'function', 'function': {{'name': ...}}}}, "
+                              f"got {tool_choice!r}")
+        if choice is ToolChoice.REQUIRED and not names:
+            raise ConfigError("tool_choice='required' needs tools")
+        return choice, None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or \
+            not isinstance(name, str):
+        raise ConfigError(f"tool_choice must be 'auto', 'none', 'required' or {{'type': "
+                          f"'function', 'function': {{'name': ...}}}}, got {tool_choice!r:.80}")
+    if name not in names:
+        raise ConfigError(f"tool_choice names the function {name!r}, which is not among the "
+                          f"tools: {names}")
+    return ToolChoice.NAMED, name
+
+
+# ---- parsing -------------------------------------------------------------------------------
+
+class _Malformed(Exception):
+    """Markup that is not a valid call: the whole text stays content."""
+
+
+def _arguments(value) -> dict:
+    if value is None:
+        return {}
+    if isinstance(value, str):  # some models (and OpenAI messages) write the JSON as text
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise _Malformed from None
+    if not isinstance(value, dict):
+        raise _Malformed
+    return value
+
+
+def _call(obj, fmt: ToolFormat, names) -> ToolCall:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise _Malformed
+    if names is not None and obj["name"] not in names:
+        raise _Malformed
+    args = obj["arguments"] if "arguments" in obj else obj.get("parameters")
+    call_id = obj.get("id")
+    if not isinstance(call_id, str) or not call_id:
+        call_id = new_call_id(fmt)
+    return ToolCall(call_id, obj["name"], _arguments(args))
+
+
+def _json_values(body: str, separators: str = "") -> list:
+    """The JSON values that make up all of `body`, separated by whitespace (and any of
+    `separators`, e.g. ';' between Llama 3 calls)."""
+    dec, pos, out = json.JSONDecoder(), 0, []
+    while True:
+        while pos < len(body) and (body[pos].isspace() or (out and body[pos] in separators)):
+            pos += 1
+        if pos == len(body):
+            return out
+        try:
+            value, pos = dec.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            raise _Malformed from None
+        out.append(value)
+
+
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
+_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]{1,64})\[ARGS\](.*)\Z", re.S)
+
+
+def _parse_hermes(text: str, names) -> tuple[str, list[ToolCall]]:
+    start = text.find("<tool_call>")
+    if start < 0:
+        return text, []
+    calls = []
+    for m in _HERMES_CALL.finditer(text, start):
+        values = _json_values(m.group(1))
+        if len(values) != 1:
+            raise _Malformed
+        calls.append(_call(values[0], ToolFormat.HERMES, names))
+    return text[:start], calls
+
+
+def _parse_llama3(text: str, names) -> tuple[str, list[ToolCall]]:
+    # <|python_tag|> is a special token: decoded output usually lacks it, leaving bare JSON
+    start = text.find("<|python_tag|>")
+    if start >= 0:
+        content, body = text[:start], text[start + len("<|python_tag|>"):]
+    elif text.lstrip().startswith("{"):
+        content, body = "", text
+    else:
+        return text, []
+    values = _json_values(body, separators=";")
+    if not values:
+        raise _Malformed
+    return content, [_call(v, ToolFormat.LLAMA3_JSON, names) for v in values]
+
+
+def _parse_mistral(text: str, names) -> tuple[str, list[ToolCall]]:
+    start = text.find("[TOOL_CALLS]")
+    if start >= 0:
+        content, body = text[:start], text[start + len("[TOOL_CALLS]"):]
+    elif text.lstrip().startswith("[{"):  # [TOOL_CALLS] is a special token, often not decoded
+        content, body = "", text
+    else:
+        return text, []
+    calls = []
+    # v0.3: one JSON list of calls; v11+ templates: name[ARGS]{json} after each marker
+    for part in body.split("[TOOL_CALLS]"):
+        m = _MISTRAL_NAMED.match(part)
+        if m:
+            values = _json_values(m.group(2))
+            if len(values) != 1:
+                raise _Malformed
+            calls.append(_call({"name": m.group(1), "arguments": values[0]},
+                               ToolFormat.MISTRAL, names))
+            continue
+        values = _json_values(part)
+        if len(values) != 1 or not isinstance(values[0], list) or not values[0]:
+            raise _Malformed
+        calls += [_call(v, ToolFormat.MISTRAL, names) for v in values[0]]
+    return content, calls
+
+
+_PARSERS = {ToolFormat.HERMES: _parse_hermes, ToolFormat.LLAMA3_JSON: _parse_llama3,
+            ToolFormat.MISTRAL: _parse_mistral}
+
+
+def parse_tool_calls(text: str, fmt: ToolFormat,
+                     names=None) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a generated text in `fmt`; content is the text before the first
+    call (trailing whitespace dropped). Malformed markup, or a name not in `names` (when
+    given): (text, []), as vLLM's tool parsers."""
+    try:
+        content, calls = _PARSERS[fmt](text, names)
+    except _Malformed:
+        return text, []
+    return (content.rstrip(), calls) if calls else (text, [])
+
+
+# ---- constraint ----------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=64)
+def call_grammar(fmt: ToolFormat, tools: tuple[tuple[int, str, str], ...]) -> str:
+    """EBNF text of exactly one call of one of `tools` ((index in the request's tools, name,
+    parameters schema as JSON text) each) in `fmt`: the family's literal prefix, the
+    arguments as xgrammar's grammar of the schema (written with the templates' separators,
+    no free whitespace, so a random model cannot pad the call until max_tokens), the literal
+    suffix. Cached: a session's turns reuse the same tools."""
+    from kvsession.structured import _xgrammar, bounded_strings_as_patterns
+
+    xgr = _xgrammar()
+    alternatives = []
+    for index, name, schema_json in tools:
+        schema = bounded_strings_as_patterns(json.loads(schema_json))
+        try:
+            args = xgr.Grammar.from_json_schema(
+                json.dumps(schema, ensure_ascii=False), any_whitespace=False,
+                separators=_SEPARATORS)
+        except (RuntimeError, ValueError, TypeError) as e:
+            msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"tools[{index}].function.parameters is not a JSON schema "
+                              f"xgrammar can compile: {msg}") from None
+        prefix, suffix = fmt.affixes(name)
+        alternatives.append(xgr.Grammar.concat(
+            xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"), args,
+            xgr.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}")))
+    grammar = alternatives[0] if len(alternatives) == 1 else xgr.Grammar.union(*alternatives)
+    return str(grammar)
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """One request's tools, choice and the checkpoint's call format (see the module doc)."""
+
+    template_tools: list[dict]
+    format: ToolFormat
+    choice: ToolChoice
+    forced_name: str | None = None
+
+    @classmethod
+    def from_args(cls, tools, tool_choice, tokenizer) -> ToolSpec | None:
+        tools = None if tools is None else check_tools(tools)
+        names = [t["function"]["name"] for t in tools or ()]
+        choice, name = check_tool_choice(tool_choice, names)
+        if not tools:
+            return None
+        fmt = detect_tool_format(tokenizer.chat_template)
+        if fmt is None:
+            raise ConfigError("tools were given but this checkpoint's chat template never "
+                              "renders `tools` in a known tool-call format (Hermes/Qwen "
+                              "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS])")
+        return cls(tools, fmt, choice, name)
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.template_tools]
+
+    @property
+    def forced(self) -> bool:
+        return self.choice in (ToolChoice.REQUIRED, ToolChoice.NAMED)
+
+    def grammar(self) -> str:
+        """The forced call's EBNF (REQUIRED: any tool; NAMED: that one)."""
+        picked = tuple(
+            (i, t["function"]["name"],
+             # declared key order kept: xgrammar writes properties in schema order
+             json.dumps(t["function"].get("parameters") or {"type": "object",
+                                                            "properties": {}}))
+            for i, t in enumerate(self.template_tools)
+            if self.choice is ToolChoice.REQUIRED or t["function"]["name"] == self.forced_name)
+        return call_grammar(self.format, picked)
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        if not self.forced:
+            return params
+        if params.structured is not None:
+            raise ConfigError(f"sampling_params.structured must be None with tool_choice="
+                              f"{self.forced_name or self.choice.value!r}: the forced tool call "
+                              f"is the output's format")
+        return params.with_overrides(structured=StructuredOutput(grammar=self.grammar()))
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self.choice is ToolChoice.NONE:
+            return text, []
+        return parse_tool_calls(text, self.format, set(self.names))
+
+    def apply(self, output):
+        """`output` (a RequestOutput) with every completion's calls parsed out."""
+        outs = []
+        for c in output.outputs:
+            content, calls = self.parse(c.text)
+            outs.append(replace(c, text=content, tool_calls=calls))
+        return replace(output, outputs=outs)

@@ -1,0 +1,208 @@
+"""Tool calling: the three families' formats (detected from the chat template, rendered,
+parsed back), tools / tool_choice validation, OpenAI message shapes, and forced calls that
+are valid whatever the weights (tiny random models, temperature 1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvsession.errors import ConfigError
+from kvsession.model.tokenizer import Tokenizer, check_messages
+from kvsession.testing import CHAT_TEMPLATES
+from kvsession.tools import (
+    ToolCall,
+    ToolChoice,
+    ToolFormat,
+    ToolSpec,
+    detect_tool_format,
+    parse_tool_calls,
+)
+
+FAMILIES = {"hermes": ToolFormat.HERMES, "llama3": ToolFormat.LLAMA3_JSON,
+            "mistral": ToolFormat.MISTRAL}
+READ = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the project",
+    "parameters": {"type": "object", "properties": {
+        "path": {"type": "string", "minLength": 1, "maxLength": 12},
+        "encoding": {"enum": ["utf-8", "latin-1"]},
+        "lines": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                  "maxItems": 3}},
+        "required": ["path"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two numbers",
+    "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": -100, "maximum": 100},
+        "b": {"type": "number", "minimum": 0, "maximum": 1},
+        "note": {"type": "string", "maxLength": 6}},
+        "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [READ, ADD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(model_dirs):
+    return {fam: Tokenizer(model_dirs("llama", chat_template=fam)) for fam in FAMILIES}
+
+
+def assistant_call(*calls, content=None):
+    return {"role": "assistant", "content": content, "tool_calls": [
+        {"id": f"call{i:05d}", "type": "function",
+         "function": {"name": name, "arguments": args}}
+        for i, (name, args) in enumerate(calls)]}
+
+
+def rendered_reply(tok: Tokenizer, message: dict) -> str:
+    """What the template writes for `message` after the generation prompt, end of turn cut."""
+    history = [{"role": "system", "content": "You are an agent."},
+               {"role": "user", "content": "Read main.py"}]
+    before = tok.render_chat(history, True, tools=TOOLS)
+    after = tok.render_chat([*history, message], False, tools=TOOLS)
+    assert after.startswith(before)
+    return after[len(before):].rstrip("\n").removesuffix("<|im_end|>")
+
+
+# ---- formats ---------------------------------------------------------------------------------
+
+def test_format_is_detected_from_the_template(tokenizers, model_dirs):
+    for fam, fmt in FAMILIES.items():
+        assert detect_tool_format(tokenizers[fam].chat_template) is fmt
+    assert detect_tool_format(CHAT_TEMPLATES["chatml"]) is None
+    # a Llama 3.0-style template: header markers but no `tools` -> no tool format
+    assert detect_tool_format("{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+                              "<|end_header_id|>{% endfor %}") is None
+    assert detect_tool_format(None) is None
+    chatml = Tokenizer(model_dirs("llama"))
+    with pytest.raises(ConfigError, match="never renders `tools`"):
+        ToolSpec.from_args(TOOLS, "auto", chatml)
+    assert ToolSpec.from_args(None, "auto", chatml) is None  # no tools: nothing to check
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_rendered_call_parses_back(tokenizers, fam):
+    tok = tokenizers[fam]
+    spec = ToolSpec.from_args(TOOLS, "auto", tok)
+    assert spec.format is FAMILIES[fam] and spec.choice is ToolChoice.AUTO
+    calls = [("read_file", {"path": "src/<a>.py", "lines": [1, 20]}),
+             ("add", {"a": -3, "b": 0.5, "note": "é\"x"})]
+    # Llama 3 writes one call per message; JSON-text arguments (OpenAI) render as dicts
+    calls = calls[:1] if fam == "llama3" else calls
+    message = assistant_call(*[(n, json.dumps(a)) for n, a in calls])
+    content, parsed = spec.parse(rendered_reply(tok, message))
+    assert content == ""
+    assert [(c.name, c.arguments) for c in parsed] == calls
+    assert all(c.id.startswith("call") for c in parsed) if fam != "mistral" else \
+        [c.id for c in parsed] == ["call00000", "call00001"][:len(calls)]  # ids kept
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", [
+    (ToolFormat.HERMES, 'Let me look.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n'
+     '</tool_call>', "Let me look.", [("add", {"a": 1})]),
+    (ToolFormat.HERMES, '<tool_call>{"name": "add", "arguments": "{\\"a\\": 2}"}',  # unclosed
+     "", [("add", {"a": 2})]),
+    (ToolFormat.HERMES, "no call here", "no call here", []),
+    (ToolFormat.LLAMA3_JSON, '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
+     '{"name": "read_file", "arguments": {"path": "x"}}', "",
+     [("add", {"a": 1}), ("read_file", {"path": "x"})]),
+    (ToolFormat.LLAMA3_JSON, ' {"name": "add"}', "", [("add", {})]),
+    (ToolFormat.MISTRAL, '[{"name": "add", "arguments": {"a": 1}}]', "",  # marker not decoded
+     [("add", {"a": 1})]),
+    (ToolFormat.MISTRAL, 'ok [TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]read_file[ARGS]{}',
+     "ok", [("add", {"a": 1}), ("read_file", {})]),
+])
+def test_parse_forms(fmt, text, content, calls):
+    got_content, got = parse_tool_calls(text, fmt, {"add", "read_file"})
+    assert got_content == content and [(c.name, c.arguments) for c in got] == calls
+    assert all(c.id.startswith("call_") and len(c.id) == 29 for c in got if fmt !=
+               ToolFormat.MISTRAL)
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in got if fmt == ToolFormat.MISTRAL)
+
+
+@pytest.mark.parametrize("fmt, text", [
+    (ToolFormat.HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>'),
+    (ToolFormat.HERMES, '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'),
+    (ToolFormat.HERMES, '<tool_call>\n{"name": "add", "arguments": [1]}\n</tool_call>'),
+    (ToolFormat.HERMES, '<tool_call>\n{"name": "add"} {"name": "add"}\n</tool_call>'),
+    (ToolFormat.LLAMA3_JSON, '{"name": "add", "parameters": {"a": 1}} and more text'),
+    (ToolFormat.LLAMA3_JSON, '{"answer": 42}'),
+    (ToolFormat.MISTRAL, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}'),
+    (ToolFormat.MISTRAL, "[TOOL_CALLS][]"),
+])
+def test_malformed_markup_stays_content(fmt, text):
+    assert parse_tool_calls(text, fmt, {"add", "read_file"}) == (text, [])
+
+
+def test_tool_call_to_dict_is_the_openai_shape_and_renders(tokenizers):
+    call = ToolCall("call_1", "add", {"a": 1, "b": 0.25})
+    d = call.to_dict()
+    assert d == {"id": "call_1", "type": "function",
+                 "function": {"name": "add", "arguments": '{"a": 1, "b": 0.25}'}}
+    msg = {"role": "assistant", "content": None, "tool_calls": [d]}
+    (checked,) = check_messages([msg])
+    assert checked["content"] == "" and checked["tool_calls"][0]["function"]["arguments"] == \
+        {"a": 1, "b": 0.25}
+    assert d["function"]["arguments"] == '{"a": 1, "b": 0.25}'  # the caller's dict untouched
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tools, choice, match", [
+    ("read_file", "auto", "tools must be None or a list"),
+    ([{"type": "function"}], "auto", r"tools\[0\] must be"),
+    ([READ, {"type": "code_interpreter"}], "auto", r"tools\[1\] must be"),
+    ([{"type": "function", "function": {"name": "a b"}}], "auto",
+     r"tools\[0\]\.function\.name"),
+    ([READ, READ], "auto", r"tools\[1\]\.function\.name 'read_file' is used"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], "auto",
+     r"tools\[0\]\.function\.parameters must be a JSON schema"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     "auto", "must describe an object"),
+    ([{"type": "function", "function": {"name": "f", "paramters": {}}}], "auto",
+     r"unknown fields \['function.paramters'\]"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"x": (1, 2)}}}], "auto",
+     r"tools\[0\] must hold JSON values"),
+    ([{"type": "function", "function": {"name": "f", "description": 3}}], "auto",
+     "description must be a string"),
+    (TOOLS, "always", "tool_choice must be 'auto', 'none', 'required'"),
+    (TOOLS, "named", "tool_choice must be"),
+    (TOOLS, {"type": "function", "function": {"name": "write_file"}},
+     "names the function 'write_file', which is not among the tools"),
+    (TOOLS, {"type": "function", "name": "add"}, "tool_choice must be"),
+    (None, "required", "tool_choice='required' needs tools"),
+    (None, {"type": "function", "function": {"name": "add"}}, "not among the tools"),
+])
+def test_bad_tools_and_tool_choice(tokenizers, tools, choice, match):
+    with pytest.raises(ConfigError, match=match):
+        ToolSpec.from_args(tools, choice, tokenizers["hermes"])
+
+
+def test_uncompilable_schema_names_the_tool(tokenizers):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(unclosed"}}}}}
+    spec = ToolSpec.from_args([ADD, bad], "required", tokenizers["hermes"])
+    with pytest.raises(ConfigError, match=r"tools\[1\]\.function\.parameters"):
+        spec.grammar()
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "assistant", "content": None, "tool_calls": []}], "non-empty list"),
+    ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}],
+     "only an 'assistant' message makes tool calls"),
+    ([assistant_call(("add", "{not json"))], r"\['arguments'\] must be a JSON object"),
+    ([assistant_call(("add", "[1, 2]"))], r"\['arguments'\] must be a JSON object"),
+    ([{"role": "assistant", "content": None,
+       "tool_calls": [{"type": "function", "function": {"arguments": {}}}]}],
+     r"\['name'\] must be a non-empty string"),
+    ([{"role": "tool", "tool_call_id": 7, "content": "x"}], "tool_call_id'] must be a string"),
+    ([{"role": "assistant", "content": None}], r"messages\[0\]\['content'\] must be"),
+])
+def test_bad_openai_message_shapes(messages, match):
+    with pytest.raises(ConfigError, match=match):
+        check_messages(messages)
+
+
+def test_session_messages_stay_text_only():
+    # sessions snapshot text fields only (for now): tool_calls there is refused, not dropped
+    with pytest.raises(ConfigError, match="must be a string"):
+        check_messages([assistant_call(("add", {}))], text_only=True)
