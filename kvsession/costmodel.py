@@ -69,6 +69,22 @@ def pd_split_gain_ms(prompt_tokens: int, output_tokens: int, kv_bytes_per_token:
     return saved_ms - transfer_ms(kv_bytes_per_token, prompt_tokens, net_bytes_per_s)
 
 
+def remote_prefill_gain_ms(new_tokens: int, context_tokens: int, worker_cached_tokens: int,
+                           output_tokens: int, kv_bytes_per_token: float,
+                           net_bytes_per_s: float, tpot_ms: float,
+                           colocated_stall_ratio: float, prefill_tps: float) -> float:
+    """The gain of offloading the prefill of `new_tokens` that follow `context_tokens` the
+    caller already holds (a session's earlier turns, prefix hits): `pd_split_gain_ms` with
+    only the new tokens' KV moving, minus the time the worker spends recomputing the part
+    of the context its own prefix cache lacks (`context_tokens - worker_cached_tokens`; the
+    new tokens it computes as the caller would have). `prefill_tps`: the worker's speed
+    (the caller's measured one: same model)."""
+    missing = max(0, context_tokens - worker_cached_tokens)
+    gain = pd_split_gain_ms(new_tokens, output_tokens, kv_bytes_per_token, net_bytes_per_s,
+                            tpot_ms, colocated_stall_ratio)
+    return gain - (recompute_ms(missing, prefill_tps) if missing else 0.0)
+
+
 # ---- load from a tier, or recompute? ----------------------------------------------------
 
 def recompute_ms(num_tokens: int, prefill_tps: float, queue_depth: int = 0) -> float:

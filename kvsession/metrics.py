@@ -72,6 +72,15 @@ class WorkerStats(msgspec.Struct):
     heartbeats: int = 0  # heartbeats answered
     rejected: int = 0  # messages the worker rejected
     requests: int = 0  # prefills sent to it
+    prefills: int = 0  # prefills it completed
+    # KV bytes it wrote into this engine's cache, as it reports them (its answers, which may
+    # trail the completion; `RemoteStats.bytes` counts completed prefills on this side)
+    bytes: int = 0
+    # routing (prefix affinity with bounded load): requests it got as their preferred
+    # worker, and requests it got because the preferred one was at the load bound
+    routed: int = 0
+    spilled: int = 0
+    cached_tokens: int = 0  # context tokens it served from its own prefix cache
 
 
 class RemoteStats(msgspec.Struct):

@@ -112,26 +112,36 @@ def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, bytes_per_token: int) -> i
 
 class RemoteOffload:
     """remote_prefill: "always" when a worker is healthy; "auto": when the cost model's gain
-    (decode time no longer stalled minus the KV transfer, docs/cost-model.md) is positive,
-    with the transfer bandwidth measured on past transfers. A request that should go remote
-    but that no worker can take is counted once in the connector's fallbacks (so a dead
-    worker shows in stats().remote even while nothing is sent to it)."""
+    (decode time no longer stalled, minus the transfer of the KV the caller lacks, minus
+    the worker's recompute of the context its cache probably lacks; docs/cost-model.md) is
+    positive, with the transfer bandwidth measured on past transfers and the worker-side
+    hit predicted by the connector's router. A session's follow-up turn is decided like a
+    fresh prompt: only its new tokens would move. A request that should go remote but that
+    no worker can take is counted once in the connector's fallbacks (so a dead worker shows
+    in stats().remote even while nothing is sent to it)."""
 
     def __init__(self, connector, mode: RemotePrefillMode, latency: LatencyTracker,
-                 kv_bytes_per_token: int):
+                 kv_bytes_per_token: int, prefill_tps: costmodel.RateEstimator):
         self.connector, self.mode, self.latency = connector, mode, latency
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.prefill_tps = prefill_tps
         # admission may ask again for a sequence it could not place: count each once
         self._counted: collections.deque[int] = collections.deque(maxlen=4096)
 
-    def should_offload(self, seq: Sequence) -> bool:
-        if self.mode is not RemotePrefillMode.ALWAYS:
-            tpot_ms = (self.latency.tpot_p50_s() or 0.025) * 1000
-            gain = costmodel.pd_split_gain_ms(
-                seq.num_tokens - 1, seq.params.max_tokens, self.kv_bytes_per_token,
-                self.connector.bandwidth_bytes_per_s or 5e9, tpot_ms, REMOTE_STALL_RATIO)
-            if gain <= 0:
-                return False
+    def gain_ms(self, seq: Sequence, num_cached: int) -> float:
+        """The cost model's gain of offloading `seq`, whose first `num_cached` tokens the
+        caller holds (its block hashes cover the tokens the worker would compute)."""
+        num_tokens = seq.num_tokens - 1  # the worker computes all but the last
+        tpot_ms = (self.latency.tpot_p50_s() or 0.025) * 1000
+        worker_hit = self.connector.expected_cached_tokens(seq.block_hashes, num_tokens)
+        return costmodel.remote_prefill_gain_ms(
+            num_tokens - num_cached, num_cached, worker_hit, seq.params.max_tokens,
+            self.kv_bytes_per_token, self.connector.bandwidth_bytes_per_s or 5e9, tpot_ms,
+            REMOTE_STALL_RATIO, self.prefill_tps.value)
+
+    def should_offload(self, seq: Sequence, num_cached: int = 0) -> bool:
+        if self.mode is not RemotePrefillMode.ALWAYS and self.gain_ms(seq, num_cached) <= 0:
+            return False
         conn = self.connector
         reason = "no healthy worker" if not conn.healthy() else \
             "" if conn.accepts(seq.num_tokens - 1) else "prompt too long for the workers"
@@ -210,11 +220,14 @@ class Runtime:
         self.prefix = PrefixCache(self.manager, self.identity.hasher(),
                                   int(cfg.max_pinned_fraction * num_blocks))
         self.latency, self.slo = LatencyTracker(), SLO()
+        # measured by the engine; read by the tier policy and the remote-prefill decision
+        prefill_tps = costmodel.RateEstimator(prior=2000.0)
         self.connector = None
         offload = None
         if client_class is not None:
             self.connector = self._connect(client_class)
-            offload = RemoteOffload(self.connector, cfg.remote_prefill, self.latency, bpt)
+            offload = RemoteOffload(self.connector, cfg.remote_prefill, self.latency, bpt,
+                                    prefill_tps)
         self.scheduler = Scheduler(self.manager, self.prefix, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, offload)
 
@@ -229,7 +242,6 @@ class Runtime:
             "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
             "head_dim": spec.head_dim, "tensor_names": list(self.kv.tensors()),
         }
-        prefill_tps = costmodel.RateEstimator(prior=2000.0)
         snapshot_locks = SnapshotLocks()  # spills and saves vs write-behind compaction
         self.mover = TierMover(self.manager, self.host, self.disk, self.prefix.hasher,
                                self.header_fields, prefill_tps, snapshot_locks)
@@ -521,7 +533,9 @@ class Runtime:
         workers = {w.address: WorkerStats(
             state=w.state, reason=w.reason, attempts=w.attempts, connects=w.connects,
             reconnects=w.reconnects, deaths=dict(w.deaths), heartbeats=w.heartbeats,
-            rejected=w.rejected, requests=w.num_requests) for w in conn.workers}
+            rejected=w.rejected, requests=w.num_requests, prefills=w.prefills, bytes=w.bytes,
+            routed=w.routed, spilled=w.spilled, cached_tokens=w.cached_tokens)
+            for w in conn.workers}
         return RemoteStats(prefills=conn.num_prefills, fallbacks=dict(conn.fallbacks),
                            bytes=conn.bytes, bandwidth_gbps=conn.bandwidth_bytes_per_s * 8 / 1e9,
                            workers=workers, foreign_notifications=conn.foreign_notifications)

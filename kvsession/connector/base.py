@@ -1,12 +1,15 @@
 """Remote prefill: the control-plane messages and the two small interfaces, one per side.
 
 Caller side (`PrefillConnector`): the engine asks a worker to compute the KV of a
-sequence's first `num_tokens` tokens and write it into the caller's blocks
-`block_ids[first_block:]` (blocks before `first_block` are the caller's own prefix hits and
-are never sent). The engine thread calls `submit` and `poll`; nothing else mutates the
-connector (a client may ask the engine thread for an extra `poll` while it idles). Blocks
-of a request stay referenced by the engine until `poll` reports the request done, or
-reports it failed *and fenced* (no remote write can touch them any more).
+sequence's first `num_tokens` tokens and write the KV of tokens `first_token..` into the
+caller's blocks `block_ids` (the sequence's blocks `first_token // block_size..`). What the
+caller already holds (its prefix hits, a session's earlier turns) is never sent, to the
+token: a follow-up turn moves only its new tokens. The worker computes the prefix it needs
+for their attention from its own prefix cache, recomputing what it lacks. The engine
+thread calls `submit` and `poll`; nothing else mutates the connector (a client may ask the
+engine thread for an extra `poll` while it idles). Blocks of a request stay referenced by
+the engine until `poll` reports the request done, or reports it failed *and fenced* (no
+remote write can touch them any more).
 
 Worker side (`PrefillService`, implemented by the worker application `kvsession.worker`):
 accepts a handshake, then prefill requests, and writes the KV with its data plane (NIXL)
@@ -32,7 +35,8 @@ from kvsession.cache.hashing import CacheIdentity
 from kvsession.errors import ConfigError
 
 # 2: HelloOk carries the worker's limits; Rejected, StatsQuery and WorkerStatus
-PROTOCOL_VERSION = 2
+# 3: PrefillRequest.first_token (writes start mid-block), PrefillDone.cached_tokens
+PROTOCOL_VERSION = 3
 MAX_CACHE_SALT = 1024  # characters
 NO_HANDSHAKE = "no handshake"  # PrefillFailed.reason: the worker forgot us; say Hello again
 
@@ -69,16 +73,22 @@ class Refused(msgspec.Struct, tag=True):
 
 class PrefillRequest(msgspec.Struct, tag=True):
     req_id: int
-    token_ids: list[int]  # exactly the tokens whose KV is wanted
+    token_ids: list[int]  # the whole context: the worker computes the KV of all of them
     first_block: int
     block_ids: list[int]  # the caller's blocks for blocks first_block.. of the sequence
     cache_salt: str | None = None
+    # the first token whose KV is written (in block first_block); -1: first_block's start
+    first_token: int = -1
+
+    def write_from(self, block_size: int) -> int:
+        return self.first_block * block_size if self.first_token < 0 else self.first_token
 
 
 class PrefillDone(msgspec.Struct, tag=True):
     req_id: int
     num_bytes: int
     seconds: float
+    cached_tokens: int = 0  # of token_ids, served by the worker's own prefix cache
 
 
 class PrefillFailed(msgspec.Struct, tag=True):
@@ -162,6 +172,9 @@ def check_request(req: PrefillRequest, vocab: int, max_tokens: int, block_size: 
     total = blocks_for(n, block_size)
     if not 0 <= req.first_block < total:
         return f"first_block {req.first_block} is outside [0, {total}) for {n} tokens"
+    start = req.write_from(block_size)
+    if not (start < n and start // block_size == req.first_block):
+        return f"first_token {req.first_token} is not in block {req.first_block} or not < {n}"
     if len(req.block_ids) != total - req.first_block:
         return f"{len(req.block_ids)} target blocks for {total - req.first_block} blocks to write"
     if min(req.block_ids) < 0 or len(set(req.block_ids)) != len(req.block_ids):
@@ -239,12 +252,20 @@ class PrefillConnector(abc.ABC):
         """A healthy worker takes a request of `num_tokens` tokens (its limits)."""
         return self.healthy()
 
+    def expected_cached_tokens(self, keys: list[bytes], num_tokens: int) -> int:
+        """How many leading tokens of a request of `num_tokens` tokens with these block
+        hashes the worker it would go to now probably has cached (its own prefix cache):
+        the cost model's expected worker-side hit."""
+        return 0
+
     @abc.abstractmethod
-    def submit(self, seq_id: int, token_ids: list[int], first_block: int,
-               block_ids: list[int], affinity: bytes, cache_salt: str | None) -> bool:
-        """Ask a worker (chosen by `affinity`, e.g. the first block hash) to write the KV of
-        `token_ids` into `block_ids` (blocks first_block..). False: no worker can take it
-        (prefill locally; nothing was sent)."""
+    def submit(self, seq_id: int, token_ids: list[int], first_token: int,
+               block_ids: list[int], keys: list[bytes], cache_salt: str | None) -> bool:
+        """Ask a worker (chosen by prefix affinity on `keys`, the block hashes of
+        `token_ids`' full blocks, with bounded load) to compute the KV of `token_ids` and
+        write that of tokens first_token.. into `block_ids` (the sequence's blocks
+        first_token // block_size..). False: no worker can take it (prefill locally;
+        nothing was sent)."""
 
     @abc.abstractmethod
     def poll(self, timeout_s: float = 0.0) -> list[Completion]:

@@ -18,7 +18,6 @@ agent of the worker the request was sent to. A dead worker is reconnected with b
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -49,7 +48,9 @@ from kvsession.connector.base import (
     decode,
     encode,
 )
+from kvsession.connector.router import PrefixRouter
 from kvsession.costmodel import RateEstimator
+from kvsession.errors import ConfigError
 
 log = logging.getLogger("kvsession")
 
@@ -71,16 +72,39 @@ def describe_tensors(tensors: dict[str, torch.Tensor]) -> list[TensorDesc]:
             for name, t in tensors.items()]
 
 
+def slot_runs(src_ids: list[int], dst_ids: list[int], first_slot: int, num_slots: int,
+              block_size: int) -> list[tuple[int, int, int]]:
+    """(src slot, dst slot, count) runs, in slots of one layer (slot = block id *
+    block_size + position in the block), for `num_slots` consecutive token positions
+    starting at position `first_slot` of the first block: only the tokens wanted move, not
+    whole blocks (a follow-up turn's first block is shared with the previous turn's tail).
+    Runs contiguous on both sides are merged into one descriptor."""
+    runs: list[list[int]] = []
+    end = first_slot + num_slots
+    for i, (s_blk, d_blk) in enumerate(zip(src_ids, dst_ids, strict=True)):
+        lo, hi = max(first_slot - i * block_size, 0), min(end - i * block_size, block_size)
+        if hi <= lo:
+            break
+        s0, d0 = s_blk * block_size + lo, d_blk * block_size + lo
+        if runs and runs[-1][0] + runs[-1][2] == s0 and runs[-1][1] + runs[-1][2] == d0:
+            runs[-1][2] += hi - lo
+        else:
+            runs.append([s0, d0, hi - lo])
+    return [(s, d, n) for s, d, n in runs]
+
+
 def layer_descs(local: list[TensorDesc], remote: list[TensorDesc], layer: int,
-                runs: list[tuple[int, int, int]]) -> tuple[list, list]:
-    """(local, remote) (addr, length, device) lists for one layer of every tensor."""
+                runs: list[tuple[int, int, int]], block_size: int) -> tuple[list, list]:
+    """(local, remote) (addr, length, device) lists for one layer of every tensor; `runs`
+    in slots (`slot_runs`)."""
     src, dst = [], []
     for lt, rt in zip(local, remote, strict=True):
+        slot = lt.block_bytes // block_size  # a block is [block_size, ...]: slots contiguous
         for s0, d0, n in runs:
-            src.append((lt.addr + (layer * lt.num_blocks + s0) * lt.block_bytes,
-                        n * lt.block_bytes, lt.device_id))
-            dst.append((rt.addr + (layer * rt.num_blocks + d0) * rt.block_bytes,
-                        n * rt.block_bytes, rt.device_id))
+            src.append((lt.addr + (layer * lt.num_blocks * block_size + s0) * slot,
+                        n * slot, lt.device_id))
+            dst.append((rt.addr + (layer * rt.num_blocks * block_size + d0) * slot,
+                        n * slot, rt.device_id))
     return src, dst
 
 
@@ -105,6 +129,11 @@ class _Worker:
     died: bool = False  # dead since its last handshake (the next one is a reconnect)
     num_requests: int = 0
     # counters, for stats().remote.workers
+    prefills: int = 0  # completed
+    bytes: int = 0  # KV bytes it says it wrote (its answers: what its NIXL writes moved)
+    routed: int = 0  # requests it got as their first preference (prefix affinity)
+    spilled: int = 0  # requests it got because the preferred worker was at the load bound
+    cached_tokens: int = 0  # tokens it served from its own prefix cache (its answers)
     attempts: int = 0
     connects: int = 0
     reconnects: int = 0
@@ -148,6 +177,9 @@ class NixlPrefillClient(PrefillConnector):
                  schedule: Callable[[Callable[[], None]], object] | None = None):
         import zmq
 
+        dup = sorted({a for a in addresses if addresses.count(a) > 1})
+        if dup:
+            raise ConfigError(f"prefill_worker lists {dup[0]!r} more than once")
         self.zmq = zmq
         self.compat, self.timeout_s = compat, timeout_s
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
@@ -155,8 +187,10 @@ class NixlPrefillClient(PrefillConnector):
         self.reconnect_min_s, self.reconnect_max_s = reconnect_min_s, reconnect_max_s
         self.auth = auth
         self.tensors = tensors
-        self.num_layers = next(iter(tensors.values())).shape[0]
-        self._bytes_per_block = sum(t[:, 0].numel() * t.element_size() for t in tensors.values())
+        first = next(iter(tensors.values()))  # [layers, blocks, block_size, ...]
+        self.num_layers, self.block_size = first.shape[0], first.shape[2]
+        self._bytes_per_token = sum(t[:, 0, 0].numel() * t.element_size()
+                                    for t in tensors.values())
         self.agent = make_agent("kvs-caller")
         self.reg = self.agent.register_memory(list(tensors.values()))
         self.ctx = zmq.Context()
@@ -174,6 +208,8 @@ class NixlPrefillClient(PrefillConnector):
         self.transfer_rate = RateEstimator(prior=0.0)
         self._completed: dict[int, _Worker] = {}  # req_id -> its worker, recently done
         self.workers = [_Worker(a, backoff=reconnect_min_s) for a in addresses]
+        # prefix affinity with bounded load over the workers, by address
+        self.router = PrefixRouter(addresses)
         for w in self.workers:
             self._open(w)
         # idle ticks (see the class docstring); an exception in one is raised by next poll
@@ -239,34 +275,53 @@ class NixlPrefillClient(PrefillConnector):
         return any(w.state == "ready" and (not w.max_tokens or num_tokens <= w.max_tokens)
                    for w in self.workers)
 
-    def _pick(self, affinity: bytes) -> _Worker | None:
-        """Rendezvous hashing on the request's first block hash: the same prefix keeps
-        landing on the same healthy worker (where it is cached)."""
-        ready = [w for w in self.workers if w.state == "ready"]
-        if not ready:
-            return None
-        return max(ready, key=lambda w: hashlib.sha256(affinity + w.address.encode()).digest())
+    def _loads(self) -> dict[str, int]:
+        """Requests each worker is working on: pending, and timed out but unanswered."""
+        loads: dict[str, int] = {}
+        for r in itertools.chain(self.pending.values(), self.quarantine.values()):
+            loads[r.worker.address] = loads.get(r.worker.address, 0) + 1
+        return loads
+
+    def _route(self, keys: list[bytes], num_tokens: int):
+        """(worker, route) by prefix affinity with bounded load (`PrefixRouter`) among the
+        ready workers that take `num_tokens` tokens; (None, None) if there is none."""
+        eligible = {w.address: w for w in self.workers if w.state == "ready" and (
+            not w.max_tokens or num_tokens <= w.max_tokens)}
+        route = self.router.choose(keys, self._loads(), eligible) if eligible else None
+        return (None, None) if route is None else (eligible[route.target], route)
+
+    def expected_cached_tokens(self, keys: list[bytes], num_tokens: int) -> int:
+        _, route = self._route(keys, num_tokens)
+        if route is None:
+            return 0
+        return min(route.matched_blocks * self.block_size, max(num_tokens - 1, 0))
 
     # ---- requests -----------------------------------------------------------------------
 
-    def submit(self, seq_id: int, token_ids: list[int], first_block: int,
-               block_ids: list[int], affinity: bytes, cache_salt: str | None) -> bool:
-        w = self._pick(affinity)
+    def submit(self, seq_id: int, token_ids: list[int], first_token: int,
+               block_ids: list[int], keys: list[bytes], cache_salt: str | None) -> bool:
+        keys = list(keys)[: len(token_ids) // self.block_size]
+        w, route = self._route(keys, len(token_ids))
         if w is None:
             return False
         req_id = next(self._ids)
-        data = encode(PrefillRequest(req_id, list(token_ids), first_block, list(block_ids),
-                                     cache_salt))
-        if (w.max_tokens and len(token_ids) > w.max_tokens) or (
-                w.max_message_bytes and len(data) > w.max_message_bytes):
+        data = encode(PrefillRequest(req_id, list(token_ids), first_token // self.block_size,
+                                     list(block_ids), cache_salt, first_token))
+        if w.max_message_bytes and len(data) > w.max_message_bytes:
             return False  # beyond the worker's limits: it would refuse it
         try:
             w.socket.send(data, flags=self.zmq.NOBLOCK)
         except self.zmq.ZMQError:
             return False
+        num_bytes = self._bytes_per_token * (len(token_ids) - first_token)
         self.pending[req_id] = _Request(seq_id, w, time.monotonic(), self.num_layers,
-                                        num_bytes=self._bytes_per_block * len(block_ids))
+                                        num_bytes=num_bytes)
         w.num_requests += 1
+        if route.preferred:
+            w.routed += 1
+        else:
+            w.spilled += 1
+        self.router.record(w.address, keys)  # it will cache this prefix (it computes it)
         return True
 
     def poll(self, timeout_s: float = 0.0) -> list[Completion]:
@@ -332,6 +387,7 @@ class NixlPrefillClient(PrefillConnector):
             self._completed.pop(next(iter(self._completed)))
         self.num_prefills += 1
         self.bytes += r.num_bytes
+        r.worker.prefills += 1
         out.append(Completion(r.seq_id, "done", num_bytes=r.num_bytes,
                               seconds=time.monotonic() - r.started))
 
@@ -384,6 +440,8 @@ class NixlPrefillClient(PrefillConnector):
             if owner is not w:
                 return  # not this worker's request: it cannot complete, fence or time it
             self.transfer_rate.observe(msg.num_bytes, msg.seconds)
+            w.cached_tokens += msg.cached_tokens
+            w.bytes += msg.num_bytes
             if r is None:  # completed by its notifications already
                 return
             if msg.req_id in self.quarantine:  # a late answer fences the blocks
@@ -451,6 +509,7 @@ class NixlPrefillClient(PrefillConnector):
             return
         was_ready = w.state == "ready"
         w.state, w.reason, w.died = "dead", reason, True
+        self.router.forget(w.address)  # it may come back restarted, with an empty cache
         w.deaths[reason] = w.deaths.get(reason, 0) + 1
         self._close_socket(w)
         now = time.monotonic()

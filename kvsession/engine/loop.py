@@ -56,8 +56,8 @@ class RemotePrefills(Protocol):
     pending: dict
     quarantine: dict
 
-    def submit(self, seq_id: int, token_ids: list[int], first_block: int,
-               block_ids: list[int], affinity: bytes, cache_salt: str | None) -> bool: ...
+    def submit(self, seq_id: int, token_ids: list[int], first_token: int,
+               block_ids: list[int], keys: list[bytes], cache_salt: str | None) -> bool: ...
 
     def poll(self, timeout_s: float) -> list: ...
 
@@ -114,10 +114,11 @@ class Engine:
         """Submit newly offloaded prefills; apply what the workers finished or failed."""
         sched, conn = self.scheduler, self.connector
         for seq in sched.new_remote:
-            affinity = seq.block_hashes[0] if seq.block_hashes else b""
-            first = seq.num_computed_tokens // sched.pool.block_size  # caller's own hits
+            # only the KV after what it holds (prefix hits, a session's earlier turns)
+            first = seq.num_computed_tokens
+            blocks = seq.blocks[first // sched.pool.block_size:]
             if not conn.submit(seq.seq_id, seq.token_ids[: seq.num_tokens - 1], first,
-                               [b.block_id for b in seq.blocks[first:]], affinity,
+                               [b.block_id for b in blocks], seq.block_hashes,
                                seq.params.cache_salt):
                 conn.fallbacks["no healthy worker"] = conn.fallbacks.get(
                     "no healthy worker", 0) + 1

@@ -48,7 +48,9 @@ class Reclaimer(Protocol):
 class OffloadDecider(Protocol):
     """Decides whether a sequence's prefill goes to a remote worker."""
 
-    def should_offload(self, seq: Sequence) -> bool: ...
+    def should_offload(self, seq: Sequence, num_cached: int) -> bool:
+        """`num_cached`: the leading tokens whose KV the caller already holds (prefix hits,
+        a session's earlier turns); only the rest would move."""
 
 
 class Scheduler:
@@ -173,7 +175,7 @@ class Scheduler:
         else:
             num_cached = seq.num_computed_tokens
         held = seq.blocks if attached else hits
-        if not attached and self._wants_remote(seq, num_cached):
+        if self._wants_remote(seq, num_cached):
             return self._admit_remote(seq, hits, num_cached)
         n = min(seq.num_tokens - num_cached, budget)
         num_new_blocks = blocks_for(num_cached + n, self.pool.block_size) - len(held)
@@ -213,15 +215,25 @@ class Scheduler:
                 self.waiting.appendleft(child)
 
     def _wants_remote(self, seq: Sequence, num_cached: int) -> bool:
-        return (self.offload is not None and not seq.no_remote
-                and seq.params.prompt_logprobs is None
-                and seq.num_tokens - 1 - num_cached >= self.pool.block_size
-                and self.offload.should_offload(seq))
+        """A follow-up turn (attached blocks) qualifies like a fresh prompt: only its tokens
+        after `num_cached` would move."""
+        if (self.offload is None or seq.no_remote or seq.params.prompt_logprobs is not None
+                or seq.num_tokens - 1 - num_cached < self.pool.block_size):
+            return False
+        if self.pool.enable_caching:
+            # the routing keys: the hash of every full block the worker will compute (a
+            # session turn arrives with its earlier turns' hashes only); the same hashes
+            # `update` would publish
+            self.prefix.hasher.extend(seq.block_hashes, seq.token_ids, seq.num_tokens - 1,
+                                      seq.params.cache_salt)
+        return self.offload.should_offload(seq, num_cached)
 
     def _admit_remote(self, seq: Sequence, hits: list, num_cached: int):
         """Blocks for every prompt token but the last (computed locally, for the logits);
-        the worker fills those after the prefix hits."""
-        need = blocks_for(seq.num_tokens - 1, self.pool.block_size) - len(hits)
+        the worker writes the KV of the tokens after `num_cached` into them (after the
+        prefix hits, or from inside a session's partial last block)."""
+        held = len(seq.blocks) + len(hits)  # attached blocks or prefix hits, never both
+        need = blocks_for(seq.num_tokens - 1, self.pool.block_size) - held
         revived = sum(1 for b in hits if b.ref_cnt == 0)
         if need + revived > self.pool.num_free:
             self._last_need = need + revived
@@ -239,22 +251,29 @@ class Scheduler:
     def remote_done(self, seq: Sequence) -> None:
         """The worker wrote the KV of every prompt token but the last: run the rest."""
         del self.remote[seq.seq_id]
+        seq.num_remote_tokens = seq.num_tokens - 1 - seq.num_computed_tokens
         # advance progress and publish the full blocks as if computed here
-        self.update([ScheduledSeq(seq, seq.num_tokens - 1 - seq.num_computed_tokens)])
+        self.update([ScheduledSeq(seq, seq.num_remote_tokens)])
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
     def remote_failed(self, seq: Sequence, fenced: bool) -> None:
-        """Prefill it locally. Blocks a late remote write might still reach stay referenced
-        in quarantine until `release_quarantine`."""
+        """Prefill it locally. Fenced (no remote write can land any more): it keeps the KV
+        it already had (a session's earlier turns, its prefix hits) and computes only the
+        rest. Otherwise every block goes to quarantine (a late write may still reach the
+        new ones, or a session's partial last block) until `release_quarantine`, and it
+        starts over (its full blocks, never written by the worker, are prefix hits)."""
         self.remote.pop(seq.seq_id, None)
         self.prefix.clear_pending(seq.seq_id, seq.block_hashes)
-        if fenced:
+        keep = seq.num_computed_tokens if fenced else 0
+        if keep:
+            self.manager.truncate(seq, blocks_for(keep, self.pool.block_size))
+        elif fenced:
             self.manager.release(seq)
         else:
             q = self.quarantine[seq.seq_id] = Quarantine(seq.seq_id)
             self.manager.transfer(seq, q)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = keep
         seq.no_remote = True
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

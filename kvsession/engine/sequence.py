@@ -64,6 +64,9 @@ class Sequence:
     num_preemptions: int = 0
     retain_blocks: bool = False  # on finish, hand the block references to the caller
     no_remote: bool = False  # a remote prefill failed: compute this one locally
+    # prompt tokens whose KV a remote prefill worker wrote (after the KV this sequence
+    # already had: prefix hits or a session's earlier turns); 0: prefilled here
+    num_remote_tokens: int = 0
     # called on the engine thread when the sequence ends: on_finish(seq, succeeded)
     on_finish: object = None
     # called on the engine thread after each layer of the step that completes the prompt,
