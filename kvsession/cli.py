@@ -1,4 +1,4 @@
-"""Command line: `python -m kvsession {demo,generate,make-tiny-model}`.
+"""Command line: `python -m kvsession {demo,generate,inspect,make-tiny-model,serve}`.
 
 Errors print one line (no traceback) and exit with status 1.
 """
@@ -72,6 +72,33 @@ def cmd_make_tiny_model(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from kvsession.serve.main import run
+
+    return run(args, args.parser)
+
+
+def add_serve(sub) -> None:
+    """`serve`: the OpenAI-compatible server (needs the `server` extra, imported only here)."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (extra: server)")
+    try:
+        from kvsession import LLM
+        from kvsession.serve.main import add_serve_arguments
+    except ImportError as e:  # the extra is not installed: say how to get it
+        missing = str(e)
+        s.set_defaults(fn=lambda args: _missing_server_extra(missing))
+        s.add_argument("rest", nargs=argparse.REMAINDER)
+        return
+    add_serve_arguments(s, LLM)
+    s.set_defaults(fn=cmd_serve, parser=s)
+
+
+def _missing_server_extra(why: str) -> int:
+    print(f"error: `serve` needs the server extra (pip install 'kvsession[server]'): {why}",
+          file=sys.stderr)
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvsession",
                                 description="kvsession: LLM sessions whose KV cache is state")
@@ -99,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--layout", default="current", choices=["current", "classic"])
     m.set_defaults(fn=cmd_make_tiny_model)
+    add_serve(sub)
     return p
 
 

@@ -1,7 +1,9 @@
 """Dependencies point one way (docs/architecture.md): API -> engine -> (scheduler, runner)
 -> model -> attention -> kernels; cache/ and tiers/ never reach up into the engine, the
 model or the API; the connector package (protocol and NIXL helpers) is library code below
-the API (the prefill worker, `kvsession.worker`, is an application). Read from the source
+the API (the prefill worker, `kvsession.worker`, is an application); the HTTP server,
+`kvsession.serve`, is an application over the public API only: it imports nothing but
+`kvsession`'s public names and itself. Read from the source
 (imports inside functions and relative imports included), so a lazy or relative import
 cannot slip an upward edge past the rule."""
 
@@ -18,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # (kvsession.worker, the prefill worker, and kvsession.numerics build a Runtime)
 API = {"kvsession.llm", "kvsession.session", "kvsession.session_store", "kvsession.cli",
        "kvsession.demo", "kvsession.testing", "kvsession.worker", "kvsession.runtime",
-       "kvsession.numerics", "kvsession.requests", "kvsession.handles", "kvsession"}
+       "kvsession.numerics", "kvsession.requests", "kvsession.handles", "kvsession",
+       "kvsession.serve"}
 # module prefix -> the kvsession modules (by prefix) it must not import
 FORBIDDEN = {
     "kvsession.kernels": {"kvsession.cache", "kvsession.engine", "kvsession.model",
@@ -45,6 +48,10 @@ def modules():
 
 
 MODULES = {m for m, _ in modules()}
+# the server sits on top: every kvsession module but the package itself (its public names)
+# and the server's own modules is off limits to it
+FORBIDDEN["kvsession.serve"] = {m for m in MODULES
+                                if m != "kvsession" and not m.startswith("kvsession.serve")}
 
 
 def package_of(module: str, path: Path) -> str:
@@ -142,3 +149,11 @@ def test_relative_imports_count(tmp_path):
         "kvsession", "kvsession.engine", "kvsession.llm"]
     with pytest.raises(ImportError):
         resolve("kvsession", 2, "x")
+
+
+def test_the_server_uses_only_the_public_api(tmp_path):
+    assert any(under(m, "kvsession.serve") for m in MODULES)
+    f = tmp_path / "app.py"
+    f.write_text("from kvsession import LLM\nfrom kvsession.serve import protocol\n"
+                 "def g():\n    from kvsession.session import Session\n")
+    assert violations("kvsession.serve.app", f) == ["kvsession.session"]

@@ -1,0 +1,516 @@
+"""The Starlette application: OpenAI-compatible routes over one `LLM`.
+
+Admission: at most `max_concurrent` generation requests are in flight (queued in the engine
+or running); one more is answered 503 with Retry-After at once, so a flood never grows an
+unbounded queue. Every failure of one request is answered as OpenAI error JSON for that
+request alone (the engine fails bad requests alone too). A client that goes away cancels a
+stateless request at once; a session turn runs to its end and its session is closed (see
+kvsession/serve/runs.py). docs/server.md describes the design.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvsession import LLM, KVSessionError
+from kvsession.serve import protocol as P
+from kvsession.serve.conversations import SEND_TAKES, SESSION_TAKES, Conversations, Plan
+from kvsession.serve.prometheus import CONTENT_TYPE, Exposition
+from kvsession.serve.runs import SessionTurn, Slot, collect, stateless_events, turn_overrides
+
+log = logging.getLogger("kvsession.serve")
+
+MAX_BODY_BYTES = 32 << 20
+CHAT_TAKES = set(inspect.signature(LLM.chat).parameters)
+TOOL_ARGS = ("tools", "tool_choice", "chat_template_kwargs")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events. However the response ends (a disconnect included), its body
+    iterator is closed and `on_close` runs at once, so the request behind it is cancelled
+    and its admission slot released now, not when the iterator is garbage collected."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_close):
+        super().__init__(content, headers={"Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self._on_close()
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Server:
+    """Routes, admission and counters of one served model."""
+
+    def __init__(self, llm: LLM, model_name: str, api_key: str | None = None,
+                 max_concurrent: int = 256, max_conversations: int = 256,
+                 default_max_tokens: int | None = None, aliases: tuple[str, ...] = ()):
+        self.llm, self.model_name, self.api_key = llm, model_name, api_key
+        self.names = {model_name, *aliases}
+        self.max_concurrent = max_concurrent
+        self.max_model_len = llm.runtime.max_model_len
+        self.default_max_tokens = default_max_tokens or self.max_model_len
+        self.conversations = Conversations(llm, max_conversations)
+        self.in_flight = 0
+        self.accepting = True
+        self.started = time.time()
+        self.requests: Counter = Counter()  # (route, status) -> count
+        self.tokens: Counter = Counter()  # prompt / cached / completion
+        self.decode = llm.tokenizer.decode
+
+    # ---- app -------------------------------------------------------------------------
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={
+            HTTPException: self._http_error, P.APIError: self._api_error,
+            ClientGone: self._gone, Exception: self._internal_error})
+
+    async def _gone(self, request: Request, e: ClientGone) -> Response:
+        self.requests[(request.url.path, 499)] += 1  # nginx's "client closed request"
+        return Response(status_code=499)
+
+    async def _api_error(self, request: Request, e: P.APIError) -> Response:
+        self.requests[(request.url.path, e.status)] += 1
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    async def _http_error(self, request: Request, e: HTTPException) -> Response:
+        what = "route" if e.status_code == 404 else "method"
+        return await self._api_error(request, P.APIError(
+            e.status_code, f"{e.detail}: no {what} {request.method} {request.url.path}",
+            code="not_found" if e.status_code == 404 else None))
+
+    async def _internal_error(self, request: Request, e: Exception) -> Response:
+        log.exception("request %s failed", request.url.path)
+        return await self._api_error(request, P.from_engine_error(e))
+
+    # ---- admission -------------------------------------------------------------------
+
+    def _check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self.api_key.encode()):
+            raise P.APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                             code="invalid_api_key")
+
+    def _check_model(self, model: str) -> None:
+        if model not in self.names:
+            raise P.APIError(404, f"the model {model!r} does not exist; this server serves "
+                                  f"{self.model_name!r}", param="model", code="model_not_found")
+
+    async def _body(self, request: Request, kind: type):
+        self._check_key(request)
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            raise P.APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
+                             code="body_too_large")
+        req = P.decode_body(await request.body(), kind)
+        self._check_model(req.model)
+        return req
+
+    def _admit(self) -> Slot:
+        if not self.accepting:
+            raise P.APIError(503, "the server is shutting down", type="server_error",
+                             code="shutting_down", headers={"Retry-After": "1"})
+        if self.in_flight >= self.max_concurrent:
+            raise P.APIError(503, f"the server is at its bound of {self.max_concurrent} "
+                                  f"requests in flight; retry shortly", type="server_error",
+                             code="overloaded", headers={"Retry-After": "1"})
+        self.in_flight += 1
+
+        def release():
+            self.in_flight -= 1
+        return Slot(release)
+
+    def _count(self, res: P.Result) -> None:
+        u = res.usage()
+        self.tokens["prompt"] += u["prompt_tokens"]
+        self.tokens["cached"] += u["prompt_tokens_details"]["cached_tokens"]
+        self.tokens["completion"] += u["completion_tokens"]
+
+    # ---- /v1/chat/completions ----------------------------------------------------------
+
+    def _chat_params(self, req: P.ChatRequest):
+        if not isinstance(req.messages, list) or not req.messages:
+            raise P.APIError(400, "messages must be a non-empty list of message objects",
+                             param="messages")
+        top = req.top_logprobs if req.top_logprobs is not None else 0
+        params = P.sampling_params(req, self.default_max_tokens,
+                                   top if req.logprobs else None,
+                                   P.structured_output(req.response_format),
+                                   req.max_completion_tokens or req.max_tokens)
+        tool_kwargs = {k: getattr(req, k) for k in TOOL_ARGS if getattr(req, k) is not None}
+        if tool_kwargs and not set(tool_kwargs) <= CHAT_TAKES:
+            raise P.APIError(400, f"this kvsession version does not take "
+                                  f"{sorted(set(tool_kwargs) - CHAT_TAKES)}",
+                             param=sorted(set(tool_kwargs) - CHAT_TAKES)[0])
+        return params, tool_kwargs
+
+    def _session_kwargs(self, params, tool_kwargs) -> tuple[dict, dict, bool]:
+        """(llm.session kwargs, per-turn kwargs, whether a Session can run the request)."""
+        per_session = {"sampling": params}
+        per_turn = {}
+        ok = params.n == 1
+        for k, v in tool_kwargs.items():
+            if k in SESSION_TAKES and k != "tool_choice":
+                per_session[k] = v
+            elif k in SEND_TAKES:
+                per_turn[k] = v
+            else:
+                ok = False
+        return per_session, per_turn, ok
+
+    async def chat(self, request: Request) -> Response:
+        req: P.ChatRequest = await self._body(request, P.ChatRequest)
+        params, tool_kwargs = self._chat_params(req)
+        session_id = req.session_id or request.headers.get("x-session-id")
+        salt = json.dumps([tool_kwargs, req.cache_salt], sort_keys=True, default=str)
+        per_session, per_turn, can_session = self._session_kwargs(params, tool_kwargs)
+        if session_id is not None and not can_session:
+            raise P.APIError(400, "a named session takes one completion (n=1) and the "
+                                  "tool arguments its Session API accepts", param="n")
+        slot = self._admit()
+        plan: Plan | None = None
+        try:
+            try:
+                plan = await self.conversations.plan(req.messages, salt, session_id,
+                                                     per_session, can_session)
+            except KVSessionError as e:
+                raise P.from_engine_error(e) from None
+            rid = P.new_id("chatcmpl")
+            events = self._chat_events(plan, params, tool_kwargs, per_turn)
+            if req.stream:
+                return await self._chat_stream(req, rid, plan, events, slot, bool(tool_kwargs))
+            res = await self._until_disconnect(request, plan, events, slot)
+        except BaseException:
+            if not slot.handed:
+                if plan is not None:
+                    self.conversations.abandon(plan)
+                slot.release()
+            raise
+        self.conversations.finish(plan, P.assistant_message(res.choices[0]))
+        slot.release()
+        self._count(res)
+        self.requests[(request.url.path, 200)] += 1
+        lp = P.Logprobs(self.decode, params.logprobs) if req.logprobs else None
+        return JSONResponse(P.chat_response(rid, self.model_name, res, lp))
+
+    def _chat_events(self, plan: Plan, params, tool_kwargs: dict, per_turn: dict):
+        if plan.session is not None:
+            turn = SessionTurn(plan.session, plan.new, turn_overrides(params, per_turn))
+            return turn
+        return stateless_events(self.llm, params, messages=plan.new, tool_kwargs=tool_kwargs)
+
+    async def _until_disconnect(self, request: Request, plan: Plan, events,
+                                slot: Slot) -> P.Result:
+        """Collect the result unless the client disconnects first: then a stateless request
+        is cancelled, a session turn left to finish (its session is closed after)."""
+        source = events.events() if isinstance(events, SessionTurn) else events
+        work = asyncio.ensure_future(self._map_errors(collect(source)))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if work.done():
+            return work.result()
+        if isinstance(events, SessionTurn):
+            events.discard()
+            events.settled.add_done_callback(
+                lambda _: (self.conversations.abandon(plan), slot.release()))
+            work.add_done_callback(lambda t: t.cancelled() or t.exception())
+            slot.handed = True  # released when the turn settles (the callback above)
+            raise ClientGone()
+        work.cancel()
+        with _suppress_all():
+            await work
+        raise ClientGone()
+
+    @staticmethod
+    async def _map_errors(coro):
+        try:
+            return await coro
+        except KVSessionError as e:
+            raise P.from_engine_error(e, P.SAMPLING_FIELDS) from None
+
+    async def _first(self, events):
+        """The first event, before any header is sent: an error the engine raises at
+        submission (a bad schema, a prompt too long) is still an HTTP status."""
+        try:
+            return await events.__anext__()
+        except KVSessionError as e:
+            raise P.from_engine_error(e, P.SAMPLING_FIELDS) from None
+
+    async def _chat_stream(self, req: P.ChatRequest, rid: str, plan: Plan, events, slot: Slot,
+                           buffered: bool) -> Response:
+        turn = events if isinstance(events, SessionTurn) else None
+        source = turn.events() if turn else events
+        first = await self._first(source)
+        created, model = int(time.time()), self.model_name
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        lp = P.Logprobs(self.decode, req.top_logprobs or 0) if req.logprobs else None
+
+        state = {"done": False}
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                yield sse(P.chat_chunk(rid, model, created, 0, {"role": "assistant",
+                                                                "content": ""}))
+                event = first
+                while event[0] == "delta":
+                    if not buffered:  # tool calls are parsed from the whole text
+                        yield sse(P.chat_chunk(rid, model, created, 0, {"content": event[1]}))
+                    event = await source.__anext__()
+                res: P.Result = event[1]
+                for c in res.choices:
+                    if c.index > 0:
+                        yield sse(P.chat_chunk(rid, model, created, c.index,
+                                               {"role": "assistant", "content": ""}))
+                    delta = ({"tool_calls": [P.tool_call_json(t, i)
+                                             for i, t in enumerate(c.tool_calls)]}
+                             if c.tool_calls else
+                             {"content": c.text} if buffered or c.index > 0 else {})
+                    yield sse(P.chat_chunk(rid, model, created, c.index, delta,
+                                           P.finish_reason(c),
+                                           lp.chat(c.token_ids, c.logprobs) if lp else None))
+                if usage:
+                    yield sse(P.usage_chunk(rid, model, created, "chat.completion.chunk", res))
+                yield "data: [DONE]\n\n"
+                state["done"] = True
+                self.conversations.finish(plan, P.assistant_message(res.choices[0]))
+                self._count(res)
+                self.requests[("/v1/chat/completions", 200)] += 1
+            except KVSessionError as e:  # mid-stream: the error is the last event
+                yield sse(P.from_engine_error(e).body())
+                yield "data: [DONE]\n\n"
+
+        async def on_close() -> None:
+            if state["done"]:
+                slot.release()
+            elif turn is not None and not turn.settled.done():
+                turn.discard()  # runs to its end; then its session is closed
+                turn.settled.add_done_callback(
+                    lambda _: (self.conversations.abandon(plan), slot.release()))
+            else:
+                await source.aclose()  # a stateless request is cancelled here
+                self.conversations.abandon(plan)
+                slot.release()
+
+        return SSEResponse(body(), on_close)
+
+    # ---- /v1/completions -------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        req: P.CompletionRequest = await self._body(request, P.CompletionRequest)
+        if req.suffix:
+            raise P.APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of not in (None, req.n):
+            raise P.APIError(400, "best_of must equal n (or be omitted)", param="best_of")
+        prompts = _prompts(req.prompt)
+        params = P.sampling_params(req, self.default_max_tokens, req.logprobs, None,
+                                   req.max_tokens)
+        slot = self._admit()
+        try:
+            rid = P.new_id("cmpl")
+            if req.stream and len(prompts) == 1 and params.n == 1:
+                return await self._completion_stream(req, rid, prompts[0], params, slot)
+            results = await self._map_errors(self._generate_all(request, prompts, params))
+        finally:
+            if not (req.stream and len(prompts) == 1 and params.n == 1):
+                slot.release()
+        for _, res in results:
+            self._count(res)
+        lp = P.Logprobs(self.decode, req.logprobs) if req.logprobs is not None else None
+        texts = [(self._prompt_text(p) if req.echo else "", r) for p, r in results]
+        body = P.completion_response(rid, self.model_name, texts, lp, req.echo)
+        self.requests[(request.url.path, 200)] += 1
+        if not req.stream:
+            return JSONResponse(body)
+        return SSEResponse(_replay(body), _nothing)
+
+    def _prompt_text(self, prompt) -> str:
+        return prompt if isinstance(prompt, str) else self.decode(prompt)
+
+    async def _generate_all(self, request: Request, prompts: list, params):
+        if len(prompts) == 1 and params.n == 1:
+            p = prompts[0]
+            events = stateless_events(self.llm, params,
+                                      prompt=p if isinstance(p, str) else None,
+                                      prompt_token_ids=None if isinstance(p, str) else p)
+            plan = Plan(None, [], b"")
+            return [(p, await self._until_disconnect(request, plan, events, Slot(lambda: None)))]
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts:
+            outs = await self.llm.agenerate(texts, params)
+        else:
+            outs = await self.llm.agenerate(prompt_token_ids=prompts, sampling_params=params)
+        return [(p, P.Result.of_output(o)) for p, o in zip(prompts, outs, strict=True)]
+
+    async def _completion_stream(self, req, rid: str, prompt, params, slot: Slot) -> Response:
+        events = stateless_events(self.llm, params,
+                                  prompt=prompt if isinstance(prompt, str) else None,
+                                  prompt_token_ids=None if isinstance(prompt, str) else prompt)
+        try:
+            first = await self._first(events)
+        except BaseException:
+            slot.release()
+            raise
+        created, model = int(time.time()), self.model_name
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        echo = self._prompt_text(prompt) if req.echo else ""
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                if echo:
+                    yield sse(P.completion_chunk(rid, model, created, echo))
+                event = first
+                while event[0] == "delta":
+                    yield sse(P.completion_chunk(rid, model, created, event[1]))
+                    event = await events.__anext__()
+                res: P.Result = event[1]
+                yield sse(P.completion_chunk(rid, model, created, "",
+                                             res.choices[0].finish_reason))
+                if usage:
+                    yield sse(P.usage_chunk(rid, model, created, "text_completion", res))
+                yield "data: [DONE]\n\n"
+                self._count(res)
+                self.requests[("/v1/completions", 200)] += 1
+            except KVSessionError as e:
+                yield sse(P.from_engine_error(e).body())
+                yield "data: [DONE]\n\n"
+
+        async def on_close() -> None:
+            await events.aclose()  # cancels the request if it has not finished
+            slot.release()
+
+        return SSEResponse(body(), on_close)
+
+    # ---- models, health, metrics -------------------------------------------------------
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": int(self.started),
+                "owned_by": "kvsession", "max_model_len": self.max_model_len}
+
+    async def models(self, request: Request) -> Response:
+        self._check_key(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_key(request)
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def health(self, request: Request) -> Response:
+        st = await asyncio.to_thread(self.llm.stats)
+        dev = st.tiers["device"]
+        body = {"status": "ok" if self.accepting else "shutting_down",
+                "model": self.model_name, "requests_in_flight": self.in_flight,
+                "conversations": self.conversations.num_sessions,
+                "blocks_used": dev.blocks_used, "blocks_pinned": dev.blocks_pinned,
+                "blocks_total": dev.blocks_total}
+        return JSONResponse(body, status_code=200 if self.accepting else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        st = await asyncio.to_thread(self.llm.stats)
+        ex = Exposition()
+        ex.add_stats(st)
+        ex.add("kvsession_server_requests_in_flight", self.in_flight,
+               help="generation requests admitted and not finished")
+        ex.add("kvsession_server_max_concurrent_requests", self.max_concurrent,
+               help="the admission bound (503 beyond it)")
+        for (route, status), n in sorted(self.requests.items()):
+            ex.add("kvsession_server_requests_total", n, {"route": route, "code": str(status)},
+                   kind="counter", help="answered requests by route and status")
+        conv = self.conversations
+        ex.add("kvsession_server_conversations", conv.num_sessions,
+               help="idle sessions kept for conversations that may continue")
+        ex.add("kvsession_server_conversation_hits_total", conv.hits, kind="counter",
+               help="requests that continued a kept session")
+        ex.add("kvsession_server_conversation_misses_total", conv.misses, kind="counter",
+               help="requests that started a new session")
+        for kind in ("prompt", "cached", "completion"):
+            ex.add(f"kvsession_server_{kind}_tokens_total", self.tokens[kind], kind="counter",
+                   help=f"{kind} tokens of answered requests")
+        return Response(ex.render(), media_type=CONTENT_TYPE)
+
+
+def _prompts(prompt) -> list:
+    """A completion request's prompts: strings, or token id lists (OpenAI's four shapes)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [prompt]
+    ok = prompt and (all(isinstance(p, str) for p in prompt) or all(
+        isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in p) for p in prompt))
+    if not ok:
+        raise P.APIError(400, "prompt must be a string, a list of strings, a list of token "
+                              "ids or a list of such lists (non-empty)", param="prompt")
+    return list(prompt)
+
+
+async def _replay(body: dict) -> AsyncIterator[str]:
+    """A finished batch completion as one SSE event per choice."""
+    for c in body["choices"]:
+        yield sse({**body, "choices": [c]})
+    yield "data: [DONE]\n\n"
+
+
+async def _nothing() -> None:
+    pass
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has disconnected (the body was already read, so the next
+    ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _suppress_all:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], (Exception, asyncio.CancelledError))

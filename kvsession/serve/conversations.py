@@ -1,0 +1,291 @@
+"""Conversations -> kvsession Sessions, so that stateless clients reuse their KV.
+
+An OpenAI client re-sends the whole conversation every turn. After each turn served by a
+Session, the server files that Session under a hash of the conversation as the client will
+send it back: the request's messages plus the assistant message the server answered
+(canonicalised: text parts joined, None and "" alike, tool-call arguments as sorted JSON,
+transport-only fields dropped). A request whose messages extend a filed conversation (the
+longest filed prefix that ends with an assistant message) takes that Session out of the
+table and sends it only the new messages: with the session's append-only history the
+previous reply's exact tokens, and everything before them, are reused.
+
+The table is an LRU of idle Sessions (taken sessions are not in it, so a Session serves
+one request at a time and is never closed under a running turn); the least recently used
+is closed when it is full. A conversation that diverges from every filed one (an edited
+message, a retry of an answered turn) starts a new Session: the prefix cache still serves
+the blocks they share.
+
+`session_id` (a body field, `extra_body={"session_id": ...}` in the openai client, or the
+`X-Session-Id` header) binds a request to a named Session instead (durable with
+--session-dir: `llm.session(session_id=...)` resumes it after a restart). Its messages must
+extend the session's history (or hold only new messages); turns on one named session run
+one at a time, in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvsession import LLM, CacheFullError, Session
+from kvsession.serve.protocol import APIError
+
+log = logging.getLogger("kvsession.serve")
+
+# what the installed Session API can take per conversation (read off the signatures, so the
+# server uses sessions for tool conversations as soon as the API has them)
+SESSION_TAKES = set(inspect.signature(LLM.session).parameters)
+SEND_TAKES = set(inspect.signature(Session.send).parameters)
+
+
+def _content(value) -> str:
+    """A message's content as one string: text parts joined, None as ""."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        return "".join(p.get("text", "") for p in value if isinstance(p, dict))
+    return str(value)
+
+
+def _arguments(args) -> str:
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return args
+    return json.dumps(args, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def canonical(m: dict) -> str:
+    """One message as the text the conversation key hashes: what the model saw of it, in a
+    form every client's way of sending it back gives alike."""
+    if not isinstance(m, dict):
+        return json.dumps(repr(m))
+    d = {"role": m.get("role"), "content": _content(m.get("content"))}
+    calls = m.get("tool_calls")
+    if calls:
+        # a client may drop or blank the content of a tool-call message, and some rewrite
+        # the call ids: the calls themselves (name, arguments) identify the reply
+        d["content"] = ""
+        d["tool_calls"] = [
+            [(c.get("function") or {}).get("name"), _arguments((c.get("function") or {})
+                                                             .get("arguments"))]
+            for c in calls if isinstance(c, dict)]
+    for key in ("name", "tool_call_id"):
+        if isinstance(m.get(key), str):
+            d[key] = m[key]
+    return json.dumps(d, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def chain(salt: str, messages: list[dict]) -> list[bytes]:
+    """Hashes of every prefix of `messages` (index i: the first i messages)."""
+    h = hashlib.sha256(salt.encode()).digest()
+    out = [h]
+    for m in messages:
+        h = hashlib.sha256(h + canonical(m).encode()).digest()
+        out.append(h)
+    return out
+
+
+def extend(h: bytes, m: dict) -> bytes:
+    return hashlib.sha256(h + canonical(m).encode()).digest()
+
+
+def session_safe(messages: list[dict]) -> bool:
+    """Messages a Session can take: its snapshots hold text fields only (no tool_calls list,
+    no null content)."""
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return False
+        c = m.get("content")
+        if not (isinstance(c, str) or (isinstance(c, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" for p in c))):
+            return False
+        if any(k != "content" and not isinstance(v, str) for k, v in m.items()):
+            return False
+    return True
+
+
+@dataclass
+class Plan:
+    """How one request runs: on `session` (sending it `new`), or stateless (session None).
+    `key`: the hash of the request's messages, to file the session under once the reply
+    is known; `named`: the named-session entry it holds (released when the turn ends)."""
+
+    session: Session | None
+    new: list[dict]
+    key: bytes
+    auto: bool = False
+    reused: bool = False
+    named: _Named | None = None
+
+
+@dataclass
+class _Named:
+    session: Session
+    view: list[str]  # the conversation as the client sees it (canonical messages)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Conversations:
+    """The conversation table (auto sessions) and the named sessions of one server."""
+
+    def __init__(self, llm: LLM, capacity: int = 256):
+        self.llm, self.capacity = llm, capacity
+        self._auto: OrderedDict[bytes, Session] = OrderedDict()
+        self._named: OrderedDict[str, _Named] = OrderedDict()
+        self.hits = self.misses = 0
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._auto) + len(self._named)
+
+    # ---- planning --------------------------------------------------------------------
+
+    async def plan(self, messages: list[dict], salt: str, session_id: str | None,
+                   session_kwargs: dict, can_session: bool) -> Plan:
+        """Where the request runs. `can_session`: its parameters fit a Session turn."""
+        hashes = chain(salt, messages)
+        if session_id is not None:
+            return await self._plan_named(messages, hashes[-1], session_id, session_kwargs)
+        if not can_session or not messages:
+            return Plan(None, messages, hashes[-1])
+        for i in range(len(messages), 0, -1):
+            if messages[i - 1].get("role") != "assistant" or hashes[i] not in self._auto:
+                continue
+            new = messages[i:]
+            if not new or not session_safe(new) or new[-1].get("role") == "assistant":
+                break
+            self.hits += 1
+            return Plan(self._auto.pop(hashes[i]), new, hashes[-1], auto=True, reused=True)
+        self.misses += 1
+        system = None
+        rest = messages
+        first = messages[0]
+        if first.get("role") == "system" and session_safe([first]):
+            system, rest = _content(first.get("content")), messages[1:]
+        if not rest or not session_safe(rest) or rest[-1].get("role") == "assistant":
+            return Plan(None, messages, hashes[-1])
+        sess = await asyncio.to_thread(self._new_session, system, None, session_kwargs)
+        return Plan(sess, rest, hashes[-1], auto=True)
+
+    def _new_session(self, system: str | None, session_id: str | None,
+                     kwargs: dict) -> Session:
+        try:
+            return self.llm.session(system=system, session_id=session_id, **kwargs)
+        except CacheFullError:
+            # the pinned share of the cache is full of other system prompts: this
+            # conversation still works, its system prompt is only not shared
+            return self.llm.session(system=system, session_id=session_id, pin_system=False,
+                                    **kwargs)
+
+    async def _plan_named(self, messages: list[dict], key: bytes, session_id: str,
+                          kwargs: dict) -> Plan:
+        entry = self._named.get(session_id)
+        if entry is None:
+            entry = await asyncio.to_thread(self._open_named, session_id, messages, kwargs)
+            self._named[session_id] = entry
+        self._named.move_to_end(session_id)
+        await entry.lock.acquire()  # released by finish() / abandon()
+        try:
+            new = self._new_messages(entry, messages, session_id)
+        except BaseException:
+            entry.lock.release()
+            raise
+        return Plan(entry.session, new, key, named=entry)
+
+    def _open_named(self, session_id: str, messages: list[dict], kwargs: dict) -> _Named:
+        if session_id in self.llm.sessions():  # persisted in --session-dir: resume it
+            sess = self.llm.session(session_id=session_id)
+        else:
+            first = messages[0] if messages else {}
+            system = (_content(first.get("content"))
+                      if first.get("role") == "system" and session_safe([first]) else None)
+            sess = self._new_session(system, session_id, kwargs)
+        return _Named(sess, [canonical(m) for m in sess.messages])
+
+    @staticmethod
+    def _new_messages(entry: _Named, messages: list[dict], session_id: str) -> list[dict]:
+        view, got = entry.view, [canonical(m) for m in messages]
+        n = 0
+        while n < min(len(view), len(got)) and view[n] == got[n]:
+            n += 1
+        if n == len(view):
+            new = messages[n:]
+        elif n == 0:
+            new = messages  # a stateful client sends only the new messages
+        else:
+            raise APIError(409, f"messages[{n}] differs from message {n} of session "
+                                f"{session_id!r}: a session's history can only be extended "
+                                f"(start a new session_id to branch)", param="messages",
+                           code="session_conflict")
+        if not new:
+            raise APIError(400, f"nothing new to answer: the messages are session "
+                                f"{session_id!r}'s history", param="messages")
+        if not session_safe(new):
+            raise APIError(400, "a named session takes text messages (content a string; "
+                                "other fields strings)", param="messages")
+        return new
+
+    # ---- after the turn --------------------------------------------------------------
+
+    def finish(self, plan: Plan, reply: dict) -> None:
+        """The turn answered `reply` (the assistant message sent to the client): file the
+        session under the conversation the client will send back."""
+        if plan.named is not None:
+            plan.named.view += [canonical(m) for m in plan.new] + [canonical(reply)]
+            plan.named.lock.release()
+            self._bound()
+            return
+        if plan.session is None:
+            return
+        self._auto[extend(plan.key, reply)] = plan.session
+        self._bound()
+
+    def abandon(self, plan: Plan) -> None:
+        """The turn failed or its client went away: the session holds a turn no client has
+        seen, so no conversation can continue it; close it (named: kept, its client may
+        retry; its view no longer matches, so the retry's messages must be new ones)."""
+        if plan.named is not None:
+            plan.named.lock.release()
+            return
+        if plan.session is not None:
+            self._close_later(plan.session)
+
+    def _bound(self) -> None:
+        while len(self._auto) + len(self._named) > self.capacity:
+            if self._auto:
+                _, sess = self._auto.popitem(last=False)
+                self._close_later(sess)
+                continue
+            sid, entry = next(iter(self._named.items()))
+            if entry.lock.locked():
+                return  # in use; evicted once idle
+            del self._named[sid]
+            self._close_later(entry.session, delete=False)
+
+    @staticmethod
+    def _close_later(sess: Session, delete: bool = True) -> None:
+        """Close off the event loop (it waits for the engine thread). An auto session's
+        file, if --session-dir wrote one, is useless without this table: delete it."""
+        def close():
+            try:
+                sess.close(delete=delete)
+            except Exception:  # closing is best effort; the engine keeps running
+                log.exception("closing session %s failed", sess.session_id)
+        asyncio.get_running_loop().run_in_executor(None, close)
+
+    def close_all(self) -> None:
+        """Shutdown (blocking): close auto sessions (deleting their files); named sessions
+        are left to llm.close(), which persists them."""
+        for sess in self._auto.values():
+            try:
+                sess.close(delete=True)
+            except Exception:
+                log.exception("closing session %s failed", sess.session_id)
+        self._auto.clear()

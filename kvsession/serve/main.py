@@ -1,0 +1,134 @@
+"""`python -m kvsession serve --model DIR [...]`: build the LLM, serve it with uvicorn.
+
+The listening socket is bound here, before uvicorn starts, so `--port 0` works: the line
+`kvsession serve listening on http://HOST:PORT` (stdout, flushed) names the port the system
+chose, once the model is loaded and the server accepts connections.
+
+SIGTERM / SIGINT: uvicorn stops accepting connections and waits up to
+`--shutdown-timeout-s` for the requests in flight (then cancels them); the application's
+shutdown closes the conversation sessions and `llm.close()` persists the named ones to
+--session-dir. The process then exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from kvsession.serve.flags import add_llm_flags, llm_kwargs
+
+LISTENING = "kvsession serve listening on"
+
+
+def add_serve_arguments(p: argparse.ArgumentParser, llm_cls) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="0: a free port, printed")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--max-concurrent-requests", type=int, default=256,
+                   help="generation requests in flight; beyond it: 503 with Retry-After")
+    p.add_argument("--max-conversations", type=int, default=256,
+                   help="idle conversation sessions kept for reuse (least recently used "
+                        "closed first)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of a request that sets none (default: up to "
+                        "max_model_len, as OpenAI)")
+    p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, how long requests in flight may take to finish")
+    p.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    add_llm_flags(p, llm_cls)
+
+
+def _check(p: argparse.ArgumentParser, args) -> None:
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in 0..65535, got {args.port}")
+    for name in ("max_concurrent_requests", "max_conversations"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        p.error(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    if not args.shutdown_timeout_s > 0:
+        p.error(f"--shutdown-timeout-s must be > 0, got {args.shutdown_timeout_s}")
+
+
+def run(args, parser: argparse.ArgumentParser) -> int:
+    """Serve until SIGTERM / SIGINT. Errors building the LLM propagate (KVSessionError:
+    the CLI prints them on one line)."""
+    from kvsession import LLM
+    from kvsession.serve.app import Server
+
+    _check(parser, args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
+                                                              "%(message)s")
+    sock = _bind(args.host, args.port)  # before the model loads: a busy port fails fast
+    llm = LLM(args.model, **llm_kwargs(args, LLM))
+    server = Server(llm, args.served_model_name or Path(args.model).name, args.api_key,
+                    args.max_concurrent_requests, args.max_conversations,
+                    args.default_max_tokens, aliases=(str(args.model),))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"{LISTENING} http://{shown}:{port}", flush=True)
+        yield
+        server.accepting = False
+        await asyncio.to_thread(server.conversations.close_all)
+
+    app = server.app()
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=int(max(1, args.shutdown_timeout_s)),
+                            lifespan="on")
+    uv = _Uvicorn(config, server)
+    # uvicorn re-raises the signal it shut down on once its own handlers are gone: this
+    # handler takes it, so a graceful SIGTERM exits 0 (SIGINT stays KeyboardInterrupt)
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+        llm.close()  # persists named sessions to --session-dir
+    print("kvsession serve: stopped", flush=True)
+    return 0
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn.Server whose exit signal also closes admission at once (new requests get
+    503 while the ones in flight finish)."""
+
+    def __init__(self, config, server):
+        super().__init__(config)
+        self._app_server = server
+
+    def handle_exit(self, sig, frame) -> None:
+        self._app_server.accepting = False
+        super().handle_exit(sig, frame)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        print(f"error: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,351 @@
+"""The OpenAI wire format: request bodies (msgspec structs, decoded and type-checked in one
+pass), their translation into `SamplingParams`, OpenAI error JSON, and the response
+objects built from `RequestOutput` / `Reply`.
+
+Fields the OpenAI API defines and kvsession has no use for (`user`, `store`, `metadata`,
+...) are accepted and ignored, as OpenAI-compatible servers do; vLLM's extensions that map
+onto `SamplingParams` (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `cache_salt`) are honoured, as is `session_id` (binds a durable session).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvsession import (
+    CacheFullError,
+    ConfigError,
+    EngineClosedError,
+    KVSessionError,
+    SamplingParams,
+    SessionClosedError,
+    SessionLockedError,
+    StructuredOutput,
+)
+
+# ---- errors ---------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error answered as OpenAI error JSON: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+# ConfigError says "prompt of N tokens leaves no room to generate within max_model_len=..."
+# for a prompt the engine cannot take at all: that is OpenAI's 413 / context_length_exceeded
+_TOO_LONG = re.compile(r"prompt of \d+ tokens .*max_model_len")
+_LEADING_NAME = re.compile(r"^([a-z_][a-z0-9_]*)[\s\[=]")
+
+
+def from_engine_error(e: Exception, fields: tuple[str, ...] = ()) -> APIError:
+    """The HTTP answer to an error the engine raised for one request."""
+    msg = str(e)
+    if isinstance(e, ConfigError):
+        if _TOO_LONG.search(msg):
+            return APIError(413, msg, param="messages", code="context_length_exceeded")
+        m = _LEADING_NAME.match(msg)  # ConfigError messages start with the argument's name
+        param = m.group(1) if m and (not fields or m.group(1) in fields) else None
+        return APIError(400, msg, param=param)
+    if isinstance(e, SessionLockedError):
+        return APIError(409, msg, code="session_locked")
+    if isinstance(e, (EngineClosedError, SessionClosedError)):
+        return APIError(503, msg, type="server_error", code="shutting_down",
+                        headers={"Retry-After": "1"})
+    if isinstance(e, CacheFullError):
+        return APIError(503, msg, type="server_error", code="cache_full",
+                        headers={"Retry-After": "1"})
+    if isinstance(e, KVSessionError):
+        return APIError(500, f"{type(e).__name__}: {msg}", type="server_error")
+    return APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+
+
+# ---- request bodies -------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extensions (names of SamplingParams)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    session_id: str | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[Any]  # a string, strings, token ids or lists of them (_prompts)
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+_AT = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def decode_body(body: bytes, kind: type):
+    """Decode and type-check a request body (400 naming the field if it is wrong)."""
+    if not body:
+        raise APIError(400, "the request body is empty: send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        m = _AT.search(str(e))
+        raise APIError(400, f"invalid request: {e}", param=m.group(1) if m else None) from None
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+SAMPLING_FIELDS = tuple(f for f in ChatRequest.__struct_fields__)
+
+
+def structured_output(rf: dict | None) -> StructuredOutput | None:
+    """OpenAI's response_format (plus kvsession's regex / grammar kinds)."""
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutput(json_object=True)
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise APIError(400, "response_format.json_schema must be an object with a "
+                                    "'schema'", param="response_format")
+            return StructuredOutput(json_schema=spec["schema"])
+        if kind == "regex":
+            return StructuredOutput(regex=rf.get("pattern"))
+        if kind == "grammar":
+            return StructuredOutput(grammar=rf.get("ebnf") or rf.get("grammar"))
+    except ConfigError as e:
+        raise APIError(400, f"response_format: {e}", param="response_format") from None
+    raise APIError(400, f"response_format.type must be one of text, json_object, json_schema, "
+                        f"regex, grammar; got {kind!r}", param="response_format")
+
+
+def sampling_params(req: ChatRequest | CompletionRequest, default_max_tokens: int,
+                    logprobs: int | None, structured: StructuredOutput | None,
+                    max_tokens: int | None) -> SamplingParams:
+    """The SamplingParams of a request: OpenAI's defaults (temperature 1, no token limit
+    but the context), a ConfigError as a 400 naming the field."""
+    bias = None
+    if req.logit_bias is not None:
+        try:
+            bias = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+    given = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+             "min_p": req.min_p, "seed": req.seed, "presence_penalty": req.presence_penalty,
+             "frequency_penalty": req.frequency_penalty,
+             "repetition_penalty": req.repetition_penalty, "min_tokens": req.min_tokens,
+             "ignore_eos": req.ignore_eos, "cache_salt": req.cache_salt,
+             "stop": req.stop or None, "logit_bias": bias,
+             "stop_token_ids": req.stop_token_ids, "logprobs": logprobs,
+             "structured": structured}
+    try:
+        return SamplingParams(max_tokens=max_tokens or default_max_tokens, n=req.n,
+                              **{k: v for k, v in given.items() if v is not None})
+    except ConfigError as e:
+        raise from_engine_error(e, SAMPLING_FIELDS) from None
+
+
+# ---- results --------------------------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[dict[int, float]] | None = None
+    tool_calls: list = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """One request's outcome, from a RequestOutput (stateless) or a Reply (a session)."""
+
+    choices: list[Choice]
+    prompt_tokens: int
+    cached_tokens: int
+
+    @classmethod
+    def of_output(cls, out) -> Result:
+        return cls([Choice(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs,
+                           list(getattr(c, "tool_calls", None) or ())) for c in out.outputs],
+                   len(out.prompt_token_ids), max(out.num_cached_tokens, 0))
+
+    @classmethod
+    def of_reply(cls, r) -> Result:
+        return cls([Choice(0, r.text, r.token_ids, r.finish_reason, r.logprobs,
+                           list(getattr(r, "tool_calls", None) or ()))],
+                   r.prefill_tokens + r.cached_tokens, max(r.cached_tokens, 0))
+
+    def usage(self) -> dict:
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def tool_call_json(call, index: int | None = None) -> dict:
+    """A kvsession ToolCall (id, name, arguments: dict) as an OpenAI tool call."""
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name,
+                        "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return out if index is None else {"index": index, **out}
+
+
+def assistant_message(c: Choice) -> dict:
+    """The assistant message of a choice, as a client will send it back next turn."""
+    if c.tool_calls:
+        return {"role": "assistant", "content": None,
+                "tool_calls": [tool_call_json(t) for t in c.tool_calls]}
+    return {"role": "assistant", "content": c.text}
+
+
+def finish_reason(c: Choice) -> str:
+    return "tool_calls" if c.tool_calls else c.finish_reason
+
+
+class Logprobs:
+    """Token logprobs in OpenAI's shapes; token ids are shown as the text they decode to."""
+
+    def __init__(self, decode, top: int):
+        self._decode, self.top = decode, top
+
+    def _entry(self, tid: int, lp: float) -> dict:
+        text = self._decode([tid])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    def chat(self, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> dict | None:
+        if logprobs is None:
+            return None
+        content = []
+        for tid, d in zip(token_ids, logprobs, strict=False):
+            ranked = sorted(d.items(), key=lambda kv: -kv[1])[: self.top]
+            content.append({**self._entry(tid, d.get(tid, float("-inf"))),
+                            "top_logprobs": [self._entry(t, lp) for t, lp in ranked]})
+        return {"content": content}
+
+    def completion(self, token_ids: list[int],
+                   logprobs: list[dict[int, float]] | None) -> dict | None:
+        if logprobs is None:
+            return None
+        tokens, lps, tops, offsets, pos = [], [], [], [], 0
+        for tid, d in zip(token_ids, logprobs, strict=False):
+            text = self._decode([tid])
+            tokens.append(text)
+            lps.append(d.get(tid, float("-inf")))
+            ranked = sorted(d.items(), key=lambda kv: -kv[1])[: self.top]
+            tops.append({self._decode([t]): lp for t, lp in ranked})
+            offsets.append(pos)
+            pos += len(text)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+
+def chat_response(rid: str, model: str, res: Result, lp: Logprobs | None) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "system_fingerprint": None,
+            "choices": [{"index": c.index, "message": assistant_message(c),
+                         "logprobs": lp.chat(c.token_ids, c.logprobs) if lp else None,
+                         "finish_reason": finish_reason(c)} for c in res.choices],
+            "usage": res.usage()}
+
+
+def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict,
+               finish: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": finish}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, res: Result) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": res.usage()}
+
+
+def completion_response(rid: str, model: str, results: list[tuple[str, Result]],
+                        lp: Logprobs | None, echo: bool) -> dict:
+    """`results`: (prompt text, its Result) per prompt; choices are numbered across them."""
+    choices, prompt, cached, completion = [], 0, 0, 0
+    for text, res in results:
+        for c in res.choices:
+            choices.append({"index": len(choices),
+                            "text": (text if echo else "") + c.text,
+                            "logprobs": lp.completion(c.token_ids, c.logprobs) if lp else None,
+                            "finish_reason": c.finish_reason})
+        u = res.usage()
+        prompt += u["prompt_tokens"]
+        cached += u["prompt_tokens_details"]["cached_tokens"]
+        completion += u["completion_tokens"]
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": None, "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                      "total_tokens": prompt + completion,
+                      "prompt_tokens_details": {"cached_tokens": cached}}}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str,
+                     finish: str | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}

@@ -1,0 +1,134 @@
+"""Running one request on the engine, as a stream of events for the HTTP layer:
+`("delta", text)` while tokens arrive, then `("done", Result)`.
+
+Three ways, by the request's plan:
+- a Session turn (`Session.stream`, a blocking iterator, pumped by a thread into the event
+  loop). The Session API has no way to cancel a running turn, so a turn whose client went
+  away runs to its end (bounded by max_tokens) with its output discarded; `on_settled`
+  then tells the caller (which closes the session and frees its blocks);
+- a stateless stream (`LLM.astream`): closing it cancels the request at once and frees its
+  blocks;
+- a stateless batch (`LLM.achat` / `LLM.agenerate`, n > 1 or several prompts): one "done".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from kvsession import LLM, SamplingParams
+from kvsession.serve.protocol import Result
+
+# SamplingParams' keyword arguments: a session turn takes them all as per-turn overrides
+SAMPLING_NAMES = tuple(
+    p.name for p in inspect.signature(SamplingParams.__init__).parameters.values()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def turn_overrides(params: SamplingParams, extra: dict | None = None) -> dict:
+    """A request's sampling as `Session.send` keyword arguments (n is always 1 there)."""
+    out = {n: getattr(params, n) for n in SAMPLING_NAMES if n != "n"}
+    return out | (extra or {})
+
+
+class Slot:
+    """One admitted request's place in the server's bound; released exactly once.
+    `handed`: a session turn left running (its client went away) releases it when it
+    settles, not the request's handler."""
+
+    def __init__(self, release: Callable[[], None]):
+        self._release, self.released, self.handed = release, False, False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._release()
+
+
+class SessionTurn:
+    """A `Session.stream` turn pumped from a thread into the event loop."""
+
+    def __init__(self, session, messages: list[dict], overrides: dict):
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.settled: asyncio.Future = self._loop.create_future()
+        self._discard = False
+        self._thread = threading.Thread(
+            target=self._run, args=(session, messages, overrides), daemon=True,
+            name="kvsession-serve-turn")
+        self._thread.start()
+
+    def _post(self, item) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def _settle(self, error: BaseException | None) -> None:
+        def done():
+            if not self.settled.done():
+                self.settled.set_result(error)
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(done)
+
+    def _run(self, session, messages, overrides) -> None:
+        error = None
+        try:
+            reply = None
+            for chunk in session.stream(messages, **overrides):
+                if chunk.reply is not None:
+                    reply = chunk.reply
+                if chunk.text and not self._discard:
+                    self._post(("delta", chunk.text))
+            self._post(("done", Result.of_reply(reply)))
+        except BaseException as e:  # handed to the event loop, raised there
+            error = e
+            self._post(("error", e))
+        finally:
+            self._settle(error)
+
+    async def events(self) -> AsyncIterator[tuple[str, object]]:
+        while True:
+            kind, value = await self._queue.get()
+            if kind == "error":
+                raise value
+            yield kind, value
+            if kind == "done":
+                return
+
+    def discard(self) -> None:
+        """The client went away: the turn runs on (no cancel in the Session API); its
+        text is dropped."""
+        self._discard = True
+
+
+async def stateless_events(llm: LLM, params: SamplingParams, *, messages=None, prompt=None,
+                           prompt_token_ids=None,
+                           tool_kwargs: dict | None = None) -> AsyncIterator[tuple[str, object]]:
+    """A stateless request: streamed (cancelled when closed early) when n == 1 and there is
+    one prompt, else batched."""
+    tool_kwargs = tool_kwargs or {}
+    if params.n > 1:
+        if messages is not None:
+            outs = await llm.achat(messages, params, **tool_kwargs)
+        else:
+            outs = await llm.agenerate(prompt, params, prompt_token_ids=prompt_token_ids)
+        yield "done", Result.of_output(outs[0])
+        return
+    stream = llm.astream(prompt, params, prompt_token_ids=prompt_token_ids, messages=messages,
+                         **tool_kwargs)
+    try:
+        async for delta in stream:
+            yield "delta", delta
+        yield "done", Result.of_output(stream.output)
+    finally:
+        if stream.output is None:
+            await stream.aclose()  # cancels the request: its blocks are freed now
+
+
+async def collect(events: AsyncIterator[tuple[str, object]]) -> Result:
+    async for kind, value in events:
+        if kind == "done":
+            return value
+    raise RuntimeError("the request ended without a result")

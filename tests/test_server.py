@@ -1,0 +1,399 @@
+"""`python -m kvsession serve`, driven by clients no one here wrote: the official `openai`
+package and an agent framework (pydantic-ai), against one server subprocess on the tiny
+model (port 0; the address is read from its stdout)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx2")
+
+from kvsession import LLM, SamplingParams  # noqa: E402
+from kvsession.serve.flags import add_llm_flags, llm_kwargs  # noqa: E402
+
+KEY = "test-key"
+MAX_CONCURRENT = 40
+ENGINE = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+          "--host-cache-memory", "0"]
+SYSTEM = "You are a helpful coding assistant."
+START_TIMEOUT_S = 120
+
+
+class ServerProcess:
+    """A `python -m kvsession serve` subprocess; `url` once it listens."""
+
+    def __init__(self, model: Path, tmp: Path, *extra: str):
+        self.stderr_path = tmp / "server.stderr"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvsession", "serve", "--model", str(model), "--port", "0",
+             *ENGINE, *extra],
+            stdout=subprocess.PIPE, stderr=open(self.stderr_path, "w"), text=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url = self.wait_for(r"listening on (http://\S+)", START_TIMEOUT_S).group(1)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"no {pattern!r} from the server; stderr:\n"
+                                     f"{self.stderr_path.read_text()[-3000:]}")
+            if m := re.search(pattern, line):
+                return m
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", KEY),
+                             max_retries=0, timeout=60, **kw)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            raise
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    s = ServerProcess(llama_dir, tmp_path_factory.mktemp("server"), "--api-key", KEY,
+                      "--max-concurrent-requests", str(MAX_CONCURRENT))
+    yield s
+    rc = s.stop()
+    assert rc == 0, s.stderr_path.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    """The same model in this process: the oracle for greedy outputs."""
+    with LLM(llama_dir, device="cpu", kv_cache_memory="64MiB", max_model_len=512) as llm:
+        yield llm
+
+
+def model_name(llama_dir: Path) -> str:
+    return llama_dir.name
+
+
+def wait_until(pred, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := pred()):
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+# ---- chat ------------------------------------------------------------------------------
+
+
+def test_chat_greedy_equals_llm_chat(server, llm, llama_dir):
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "List the files"}]
+    want = llm.chat(msgs, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0]
+    c = server.client()
+    r = c.chat.completions.create(model=model_name(llama_dir), messages=msgs, max_tokens=24,
+                                  temperature=0)
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.token_ids)
+    # streamed: the deltas join to the same text; usage comes last when asked
+    chunks = list(c.chat.completions.create(
+        model=model_name(llama_dir), messages=msgs, max_tokens=24, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == want.text
+    assert len([ch for ch in chunks if ch.choices and ch.choices[0].delta.content]) > 1
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == \
+        want.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+def test_text_completion_equals_generate(server, llm, llama_dir):
+    want = llm.generate("the agent reads a file", SamplingParams(max_tokens=12, temperature=0),
+                        use_tqdm=False)[0]
+    c = server.client()
+    r = c.completions.create(model=model_name(llama_dir), prompt="the agent reads a file",
+                             max_tokens=12, temperature=0)
+    assert r.choices[0].text == want.text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=model_name(llama_dir), prompt="the agent reads a file", max_tokens=12,
+        temperature=0, stream=True) if ch.choices)
+    assert streamed == want.text
+
+
+def test_sampling_fields_logprobs_n_stop_seed(server, llama_dir):
+    c = server.client()
+    msgs = [{"role": "user", "content": "write the answer"}]
+    r = c.chat.completions.create(model=model_name(llama_dir), messages=msgs, max_tokens=6,
+                                  temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert t.logprob == pytest.approx(max(x.logprob for x in t.top_logprobs))
+    kw = dict(model=model_name(llama_dir), messages=msgs, max_tokens=8, temperature=1.0,
+              seed=7, n=2, presence_penalty=0.5, frequency_penalty=0.5, top_p=0.9)
+    a, b = c.chat.completions.create(**kw), c.chat.completions.create(**kw)
+    assert [ch.message.content for ch in a.choices] == [ch.message.content for ch in b.choices]
+    assert len(a.choices) == 2 and a.usage.completion_tokens <= 16
+    assert {ch.finish_reason for ch in a.choices} <= {"stop", "length"}
+    full = c.chat.completions.create(model=model_name(llama_dir), messages=msgs,
+                                     max_completion_tokens=10, temperature=0)
+    cut = full.choices[0].message.content[3:6]
+    if cut:
+        stopped = c.chat.completions.create(model=model_name(llama_dir), messages=msgs,
+                                            max_tokens=10, temperature=0, stop=[cut])
+        assert cut not in stopped.choices[0].message.content
+        assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_response_format_json_schema(server, llama_dir):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {
+        "file": {"type": "string", "maxLength": 12},
+        "lines": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["file", "lines"], "additionalProperties": False}
+    r = server.client().chat.completions.create(
+        model=model_name(llama_dir), messages=[{"role": "user", "content": "read a file"}],
+        max_tokens=60, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "read", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+# ---- reuse for stateless clients -------------------------------------------------------
+
+
+def test_resent_conversation_reuses_its_kv(server, llama_dir):
+    c = server.client()
+    msgs = [{"role": "system", "content": SYSTEM + " Turn counting."},
+            {"role": "user", "content": "List the files in the project"}]
+    history = 0
+    for turn in range(6):
+        r = c.chat.completions.create(model=model_name(llama_dir), messages=msgs,
+                                      max_tokens=16, temperature=0)
+        if turn:
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            assert cached >= 0.9 * history, (turn, cached, history)
+        history = r.usage.prompt_tokens + r.usage.completion_tokens
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": f"now run the tests, step {turn}"}]
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    hits = re.search(r"^kvsession_server_conversation_hits_total (\d+)", metrics, re.M)
+    assert int(hits.group(1)) >= 5
+
+
+def test_named_session_binds_turns(server, llama_dir):
+    c = server.client()
+    msgs = [{"role": "user", "content": "open the json file"}]
+    r1 = c.chat.completions.create(model=model_name(llama_dir), messages=msgs, max_tokens=8,
+                                   temperature=0, extra_body={"session_id": "named-1"})
+    # a stateful client sends only the new message; the header binds the session too
+    r2 = c.chat.completions.create(
+        model=model_name(llama_dir), messages=[{"role": "user", "content": "and close it"}],
+        max_tokens=8, temperature=0, extra_headers={"X-Session-Id": "named-1"})
+    assert r2.usage.prompt_tokens_details.cached_tokens >= 0.9 * (
+        r1.usage.prompt_tokens + r1.usage.completion_tokens)
+    # an edited history cannot continue the session
+    with pytest.raises(openai.ConflictError):
+        c.chat.completions.create(
+            model=model_name(llama_dir), max_tokens=4, extra_body={"session_id": "named-1"},
+            messages=[msgs[0], {"role": "assistant", "content": "something else"},
+                      {"role": "user", "content": "x"}])
+
+
+# ---- load, disconnects, errors ---------------------------------------------------------
+
+
+def test_32_concurrent_clients_all_answered(server, llama_dir):
+    def one(i: int) -> str:
+        c = server.client()
+        r = c.chat.completions.create(
+            model=model_name(llama_dir), max_tokens=8, temperature=0,
+            messages=[{"role": "system", "content": SYSTEM},
+                      {"role": "user", "content": f"client {i}: list the files"}])
+        return r.choices[0].finish_reason
+    with ThreadPoolExecutor(32) as pool:
+        reasons = list(pool.map(one, range(32)))
+    assert len(reasons) == 32 and set(reasons) <= {"stop", "length"}
+
+
+def _blocks_settled(server, baseline: int):
+    h = server.health()
+    return h if h["requests_in_flight"] == 0 and h["blocks_used"] <= baseline else None
+
+
+def test_disconnect_mid_stream_frees_blocks(server, llama_dir):
+    c = server.client()
+    wait_until(lambda: server.health()["requests_in_flight"] == 0, what="idle server")
+    baseline = server.health()["blocks_used"]
+    # a stateless stream (cancelled at once) and a conversation's session turn (runs out,
+    # then its session is closed): both leave no block in use
+    long = dict(model=model_name(llama_dir), max_tokens=400, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+    with c.completions.create(prompt="the agent reads a file", **long) as s:
+        next(iter(s))
+    with c.chat.completions.create(messages=[{"role": "user", "content": "a long answer"}],
+                                   **long) as s:
+        it = iter(s)
+        next(it), next(it)
+    wait_until(lambda: _blocks_settled(server, baseline), what="blocks freed")
+
+
+def test_overload_is_503_with_retry_after(server, llama_dir):
+    c = server.client()
+    wait_until(lambda: server.health()["requests_in_flight"] == 0, what="idle server")
+    streams = []
+    try:
+        for _ in range(MAX_CONCURRENT):  # fill the bound with cancellable streams
+            s = c.completions.create(model=model_name(llama_dir), prompt="the agent",
+                                     max_tokens=400, temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+            streams.append(s)
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model=model_name(llama_dir), max_tokens=4,
+                                      messages=[{"role": "user", "content": "one more"}])
+        assert e.value.status_code == 503
+        assert e.value.response.headers["retry-after"] == "1"
+        assert e.value.body["code"] == "overloaded"
+    finally:
+        for s in streams:
+            s.close()
+    wait_until(lambda: server.health()["requests_in_flight"] == 0, what="streams cancelled")
+    r = c.chat.completions.create(model=model_name(llama_dir), max_tokens=4,
+                                  messages=[{"role": "user", "content": "after the flood"}])
+    assert r.choices[0].message.content is not None
+
+
+def test_errors_are_openai_json_and_fail_alone(server, llama_dir):
+    c = server.client()
+    name = model_name(llama_dir)
+    msgs = [{"role": "user", "content": "hello"}]
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client(api_key="wrong").chat.completions.create(model=name, messages=msgs)
+    assert e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-nope", messages=msgs)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=name, messages=msgs, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=name, messages=msgs, extra_body={"max_tokens": "x"})
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=name, messages=msgs, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+    long = [{"role": "user", "content": " ".join(["the agent reads a file"] * 200)}]
+    with pytest.raises(openai.APIStatusError) as e:
+        c.chat.completions.create(model=name, messages=long, max_tokens=4)
+    assert e.value.status_code == 413 and e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.APIStatusError) as e:  # streamed: still an HTTP status
+        list(c.chat.completions.create(model=name, messages=long, max_tokens=4, stream=True))
+    assert e.value.status_code == 413
+    raw = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json",
+                     headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert raw.status_code == 400 and set(raw.json()["error"]) == {
+        "message", "type", "param", "code"}
+    assert httpx.get(f"{server.url}/v1/nothing", timeout=10).status_code == 404
+    # bad requests sent together with good ones fail alone
+    def good(i):
+        return c.chat.completions.create(model=name, messages=msgs, max_tokens=4,
+                                         temperature=0).choices[0].finish_reason
+    def bad(i):
+        with pytest.raises(openai.APIStatusError):
+            c.chat.completions.create(model=name, messages=long, max_tokens=4)
+    with ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(good if i % 2 else bad, i) for i in range(8)]
+        results = [f.result() for f in futs]
+    assert all(r in ("stop", "length") for r in results[1::2])
+
+
+def test_models_health_metrics(server, llama_dir):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [model_name(llama_dir)]
+    h = server.health()
+    assert h["status"] == "ok" and h["blocks_total"] > 0
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for metric in ('kvsession_tiers_blocks_used{tier="device"}', "kvsession_prefix_hit_tokens",
+                   'kvsession_spills{tier="host"}', "kvsession_latency_ttft_p99_s",
+                   "kvsession_goodput_tokens_per_s", "kvsession_server_requests_in_flight",
+                   'kvsession_server_requests_total{route="/v1/chat/completions",code="200"}'):
+        assert re.search(rf"^{re.escape(metric)} [0-9.e+-]+$", text, re.M), metric
+    assert re.search(r"^kvsession_server_cached_tokens_total [1-9]", text, re.M)
+
+
+# ---- command line, shutdown --------------------------------------------------------------
+
+
+def test_every_llm_argument_is_a_flag():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_llm_flags(p, LLM)
+    args = p.parse_args(["--model", "m", "--block-size", "32", "--no-enable-prefix-caching",
+                         "--max-model-len", "256", "--kv-cache-memory", "1GiB",
+                         "--spill-after-s", "2.5", "--prefill-worker", "tcp://a:1",
+                         "tcp://b:2"])
+    kw = llm_kwargs(args, LLM)
+    assert kw["block_size"] == 32 and kw["enable_prefix_caching"] is False
+    assert kw["max_model_len"] == 256 and kw["kv_cache_memory"] == "1GiB"
+    assert kw["spill_after_s"] == 2.5 and kw["prefill_worker"] == ["tcp://a:1", "tcp://b:2"]
+    assert kw["seed"] == 0 and kw["device"] == "auto"
+    import inspect
+    named = {n for n, prm in inspect.signature(LLM.__init__).parameters.items()
+             if prm.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert named == set(kw)
+
+
+def test_sigterm_finishes_in_flight_and_persists_named_sessions(llama_dir, tmp_path):
+    sessions = tmp_path / "sessions"
+    s = ServerProcess(llama_dir, tmp_path, "--session-dir", str(sessions))
+    try:
+        c = s.client(api_key="unused")
+        c.chat.completions.create(model=model_name(llama_dir), max_tokens=4, temperature=0,
+                                  messages=[{"role": "user", "content": "remember me"}],
+                                  extra_body={"session_id": "keep-me"})
+        stream = c.chat.completions.create(
+            model=model_name(llama_dir), max_tokens=200, temperature=0, stream=True,
+            messages=[{"role": "user", "content": "in flight"}], extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it)
+        s.proc.send_signal(signal.SIGTERM)
+        rest = list(it)  # the request in flight finishes
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert s.proc.wait(timeout=60) == 0, s.stderr_path.read_text()[-3000:]
+    finally:
+        s.stop()
+    assert (sessions / "keep-me.kvs").is_file()
+    assert not [p for p in sessions.glob("*.kvs") if p.name != "keep-me.kvs"], \
+        "conversation sessions are closed and deleted at shutdown"
