@@ -402,6 +402,16 @@ def _attend_gathered(qg, kv, block_tables, scale, plan, workspace):
                 .view(len(rows), -1, num_kv_heads, head_dim)[:, :n].transpose(1, 2)
                 for cache, sc, name in ((k_cache, k_scale, "k"), (v_cache, v_scale, "v")))
         bias = None if plan.bias is None else plan.bias[..., start: start + n]
+        if bias is not None:
+            # positions past a row's end hold whatever their slots do (-1 padding reads
+            # block 0; a last block's unused slots: freed data, an fp8 byte that is NaN).
+            # The bias hides them from the softmax, but a NaN key scores NaN through -inf
+            # and 0 x a NaN value is NaN: they are zeroed (in the gathered copy, not the cache)
+            for j, i in enumerate(rows):
+                end = plan.rest[i] - start
+                if end < n:
+                    k[j, :, max(end, 0):].zero_()
+                    v[j, :, max(end, 0):].zero_()
         o, lse = _attend(qg, k, v, scale, bias)
         if min(plan.rest[i] for i in rows) <= start:  # rows past their end see no key here
             lse = lse.masked_fill((plan.gathered_rest <= start)[:, None, None, None],
