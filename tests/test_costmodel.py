@@ -109,3 +109,18 @@ def test_a_fixed_estimate_ignores_measurements():
     r.fix(2.0)
     r.observe(1000.0, 1.0)
     assert r.value == 2.0 and r.num_samples == 1
+
+
+@pytest.mark.parametrize("new, context, worker_has, gain", [
+    (1024, 32768, 32256, 1813.1),  # affine worker: 512 context tokens to recompute
+    (1024, 32768, 0, -2218.9),  # cold worker: the whole context to recompute
+    (1024, 0, 0, 1877.1),  # a fresh 1,024-token prompt
+])
+def test_follow_up_offload_worked_examples(new, context, worker_has, gain):
+    g = cm.remote_prefill_gain_ms(new, context, worker_has, 256, KIB128, 25 * GBIT, 25.0, 0.30,
+                                  8000.0)
+    assert g == pytest.approx(gain, abs=0.05)
+    # shipping the whole context instead (what a turn 2+ would cost without the delta)
+    assert cm.pd_split_gain_ms(new + context, 256, KIB128, 25 * GBIT, 25.0, 0.30) == \
+        pytest.approx(502.7 if context else gain, abs=0.05)
+    assert cm.transfer_ms(KIB128, new, 25 * GBIT) == pytest.approx(42.9, abs=0.05)
