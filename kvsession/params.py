@@ -30,7 +30,7 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 # names users reach for that spelling alone does not lead back to the argument
 _HINTS = {"stop_strings": "stop", "stop_ids": "stop_token_ids", "max_new_tokens": "max_tokens",
-          "response_format": "structured", "guided_json": "structured",
+          "guided_json": "response_format", "guided_regex": "response_format",
           "min_new_tokens": "min_tokens"}
 # OpenAI's bounds: a bias of +-100 already bans or forces a token; beyond it is a mistake
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
@@ -126,6 +126,44 @@ class StructuredOutput:
             if not self.json_object else "json_object"
 
 
+def structured_from_response_format(rf) -> StructuredOutput | None:
+    """OpenAI's `response_format` (plus vLLM's regex and grammar kinds) as a
+    StructuredOutput: {"type": "text"} | {"type": "json_object"} | {"type": "json_schema",
+    "json_schema": {"schema": {...}, "name": ..., "strict": ...}} | {"type": "regex",
+    "pattern": "..."} | {"type": "grammar", "ebnf": "..."}. ConfigError naming the field."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise ConfigError(f"response_format must be None or a dict with a 'type', got "
+                          f"{rf!r:.80}")
+    kind = rf["type"]
+    fields = {"text": (), "json_object": (), "json_schema": ("json_schema",),
+              "regex": ("pattern",), "grammar": ("ebnf",)}
+    if kind not in fields:
+        raise ConfigError(f"response_format['type'] must be one of {sorted(fields)}, got "
+                          f"{kind!r:.40}")
+    extra = sorted(set(rf) - {"type", *fields[kind]})
+    if extra:
+        raise ConfigError(f"response_format of type {kind!r} takes {list(fields[kind])}, "
+                          f"got also {extra}")
+    missing = [f for f in fields[kind] if f not in rf]
+    if missing:
+        raise ConfigError(f"response_format of type {kind!r} needs {missing}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "regex":
+        return StructuredOutput(regex=rf["pattern"])
+    if kind == "grammar":
+        return StructuredOutput(grammar=rf["ebnf"])
+    spec = rf["json_schema"]
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise ConfigError(f"response_format['json_schema'] must be a dict with a 'schema' "
+                          f"(OpenAI's shape), got {spec!r:.80}")
+    return StructuredOutput(json_schema=spec["schema"])
+
+
 def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
     """{token id: bias} (or the (id, bias) pairs this returns) -> sorted pairs, hashable."""
     if value is None:
@@ -166,7 +204,8 @@ class SamplingParams:
     min_tokens: EOS, stop_token_ids and stop strings do not end the request before this
     many tokens (EOS and stop ids are masked). prompt_logprobs: per prompt token (the first
     is None) a {token_id: logprob} dict of the top k and the actual token; such a request
-    computes its whole prompt (no prefix-cache hits). structured: a StructuredOutput."""
+    computes its whole prompt (no prefix-cache hits). response_format: OpenAI's dict
+    (structured_from_response_format), or structured: a StructuredOutput."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -186,6 +225,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] | None = None
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    # response_format (OpenAI's dict) is converted into `structured` by the constructor
     structured: StructuredOutput | None = None
     # Normalised forms, filled in __init__ (not constructor arguments).
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
@@ -201,8 +241,14 @@ class SamplingParams:
                  frequency_penalty: float = 0.0,
                  logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None,
                  min_tokens: int = 0, prompt_logprobs: int | None = None,
+                 response_format: dict | None = None,
                  structured: StructuredOutput | None = None, **unknown) -> None:
         reject_unknown("SamplingParams()", unknown, SAMPLING_ARG_NAMES, hints=_HINTS)
+        if response_format is not None:
+            if structured is not None:
+                raise ConfigError("pass one of response_format (OpenAI's dict) or "
+                                  "structured (a StructuredOutput), not both")
+            structured = structured_from_response_format(response_format)
         top_k = check_int("top_k", top_k, min_value=-1)
         if top_k == 0:
             raise ConfigError(f"top_k must be -1 (off) or an int >= 1, got {top_k!r}")
@@ -263,8 +309,10 @@ class SamplingParams:
         reject_unknown("SamplingParams.with_overrides()", {
             k: v for k, v in overrides.items() if k not in SAMPLING_ARG_NAMES},
             SAMPLING_ARG_NAMES, hints=_HINTS)
-        return SamplingParams(**{**{n: getattr(self, n) for n in SAMPLING_ARG_NAMES},
-                                 **overrides})
+        base = {n: getattr(self, n) for n in SAMPLING_ARG_NAMES if n != "response_format"}
+        if "response_format" in overrides:  # replaces the format, as `structured` would
+            base.pop("structured")
+        return SamplingParams(**{**base, **overrides})
 
     @property
     def greedy(self) -> bool:
