@@ -17,11 +17,12 @@ from kvsession.metrics import SLO, RequestMetrics, Stats
 from kvsession.outputs import CompletionOutput, RequestOutput
 from kvsession.params import SamplingParams, StructuredOutput
 from kvsession.session import Reply, Session, SessionStats, StreamChunk
+from kvsession.tools import ToolCall
 
 __all__ = [
     "LLM", "PinnedPrefix", "SamplingParams", "Session", "Reply", "StreamChunk", "SessionStats",
-    "RequestOutput", "CompletionOutput", "StructuredOutput", "TextStream", "AsyncTextStream",
-    "RequestMetrics", "Stats", "SLO",
+    "RequestOutput", "CompletionOutput", "StructuredOutput", "ToolCall", "TextStream",
+    "AsyncTextStream", "RequestMetrics", "Stats", "SLO",
     "KVSessionError", "ConfigError", "ModelLoadError", "CacheFullError", "SnapshotError",
     "SessionClosedError", "EngineClosedError", "SessionLockedError", "RemotePrefillError",
 ]

@@ -24,10 +24,12 @@ def _progress(seq) -> int:
 class TextStream:
     """Text deltas of one streamed request (an iterator); `output` is its RequestOutput once
     the stream is exhausted. `close()` (or leaving a `with` block) before the end cancels
-    the request."""
+    the request. `finish` (e.g. tool-call parsing) turns the request's output into
+    `output`; the deltas are the raw text."""
 
-    def __init__(self, rt: Runtime, seq, prompt: str | None):
+    def __init__(self, rt: Runtime, seq, prompt: str | None, finish=None):
         self._rt, self._seq, self._prompt = rt, seq, prompt
+        self._finish = finish
         self.output: RequestOutput | None = None
         self._updates: queue.SimpleQueue = queue.SimpleQueue()
         self._fut = rt.submit(seq, on_update=lambda s: self._updates.put(_progress(s)))
@@ -41,8 +43,10 @@ class TextStream:
             while (n := self._updates.get()) is not None:
                 if n and (delta := text.update(seq.token_ids[seq.num_prompt_tokens:n])):
                     yield delta
-            self.output = self._rt.output(self._fut.result(), self._prompt)
-            if tail := text.finish(self.output.text):
+            out = self._rt.output(self._fut.result(), self._prompt)
+            tail = text.finish(out.text)
+            self.output = out if self._finish is None else self._finish(out)
+            if tail:
                 yield tail
         finally:
             if self.output is None:
@@ -67,8 +71,9 @@ class TextStream:
 class AsyncTextStream:
     """`TextStream` for asyncio (`async for`); `output` once exhausted, `aclose()` cancels."""
 
-    def __init__(self, rt: Runtime, seq, prompt: str | None):
+    def __init__(self, rt: Runtime, seq, prompt: str | None, finish=None):
         self._rt, self._seq, self._prompt = rt, seq, prompt
+        self._finish = finish
         self.output: RequestOutput | None = None
         self._gen = self._deltas()
 
@@ -87,8 +92,10 @@ class AsyncTextStream:
             while (n := await updates.get()) is not None:
                 if n and (delta := text.update(seq.token_ids[seq.num_prompt_tokens:n])):
                     yield delta
-            self.output = self._rt.output(fut.result(), self._prompt)
-            if tail := text.finish(self.output.text):
+            out = self._rt.output(fut.result(), self._prompt)
+            tail = text.finish(out.text)
+            self.output = out if self._finish is None else self._finish(out)
+            if tail:
                 yield tail
         finally:
             if self.output is None:

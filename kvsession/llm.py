@@ -156,14 +156,21 @@ class LLM:
                                use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, **unknown) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {role, content} dicts) or a list
-        of conversations, rendered with the checkpoint's chat template."""
+             add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             tool_choice="auto", chat_template_kwargs: dict | None = None,
+             **unknown) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {role, content} dicts, OpenAI tool
+        shapes included) or a list of conversations, rendered with the checkpoint's chat
+        template. `tools` (OpenAI function tools) are rendered by the template and the calls
+        parsed into `out.tool_calls` (`out.text` is then the content before them);
+        tool_choice "required" or {"type": "function", "function": {"name": ...}} forces a
+        valid call, "none" parses none. `chat_template_kwargs`: extra template variables."""
         reject_unknown("chat()", unknown, CHAT_ARGS, hints=TO_SAMPLING_PARAMS)
         check_bool("use_tqdm", use_tqdm)
-        texts, ids = self._requests.chat_inputs(messages, add_generation_prompt)
-        return self._run_batch(texts, ids, self._requests.params_list(sampling_params, len(ids)),
-                               use_tqdm)
+        chat = self._requests.chat_inputs(messages, add_generation_prompt, tools, tool_choice,
+                                          chat_template_kwargs)
+        params = chat.params(self._requests.params_list(sampling_params, len(chat.ids)))
+        return [chat.finish(o) for o in self._run_batch(chat.texts, chat.ids, params, use_tqdm)]
 
     # ---- asyncio and streaming -----------------------------------------------------------
 
@@ -176,11 +183,14 @@ class LLM:
         return await self._arun(texts, ids, self._requests.params_list(sampling_params, len(ids)))
 
     async def achat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
-                    **unknown) -> list[RequestOutput]:
+                    tools: list[dict] | None = None, tool_choice="auto",
+                    chat_template_kwargs: dict | None = None, **unknown) -> list[RequestOutput]:
         """`chat` for asyncio."""
         reject_unknown("achat()", unknown, ACHAT_ARGS, hints=TO_SAMPLING_PARAMS)
-        texts, ids = self._requests.chat_inputs(messages, add_generation_prompt)
-        return await self._arun(texts, ids, self._requests.params_list(sampling_params, len(ids)))
+        chat = self._requests.chat_inputs(messages, add_generation_prompt, tools, tool_choice,
+                                          chat_template_kwargs)
+        params = chat.params(self._requests.params_list(sampling_params, len(chat.ids)))
+        return [chat.finish(o) for o in await self._arun(chat.texts, chat.ids, params)]
 
     async def _arun(self, texts, ids, params) -> list[RequestOutput]:
         futures = self._submit_all(ids, params)
@@ -188,23 +198,31 @@ class LLM:
         return [self._rt.output(s, t) for s, t in zip(done, texts, strict=True)]
 
     def stream(self, prompt=None, sampling_params=None, prompt_token_ids=None, messages=None,
-               **unknown) -> TextStream:
+               tools: list[dict] | None = None, tool_choice="auto",
+               chat_template_kwargs: dict | None = None, **unknown) -> TextStream:
         """Generate for one prompt (a string, `prompt_token_ids`, or a conversation as
         `messages`), yielding text deltas as tokens arrive. The deltas join to exactly the
         text `generate` returns: stop strings never leak and no UTF-8 character is split.
         The returned `TextStream` has `.output` (the RequestOutput) once exhausted; closing it
-        early (or leaving a `with` block) cancels the request."""
+        early (or leaving a `with` block) cancels the request. With `tools` (messages only,
+        as `chat`) the deltas are the raw text, call markup included, and `.output` has the
+        parsed `tool_calls`."""
         reject_unknown("stream()", unknown, STREAM_ARGS, hints=TO_SAMPLING_PARAMS)
-        text, seq = self._requests.one_request(prompt, sampling_params, prompt_token_ids, messages)
-        return TextStream(self._rt, seq, text)
+        text, seq, chat = self._requests.one_request(prompt, sampling_params, prompt_token_ids,
+                                                     messages, tools, tool_choice,
+                                                     chat_template_kwargs)
+        return TextStream(self._rt, seq, text, chat.finish)
 
     def astream(self, prompt=None, sampling_params=None, prompt_token_ids=None,
-                messages=None, **unknown) -> AsyncTextStream:
+                messages=None, tools: list[dict] | None = None, tool_choice="auto",
+                chat_template_kwargs: dict | None = None, **unknown) -> AsyncTextStream:
         """`stream` for asyncio: `async for delta in llm.astream(...)`; many concurrent
         streams batch together in the one engine loop."""
         reject_unknown("astream()", unknown, STREAM_ARGS, hints=TO_SAMPLING_PARAMS)
-        text, seq = self._requests.one_request(prompt, sampling_params, prompt_token_ids, messages)
-        return AsyncTextStream(self._rt, seq, text)
+        text, seq, chat = self._requests.one_request(prompt, sampling_params, prompt_token_ids,
+                                                     messages, tools, tool_choice,
+                                                     chat_template_kwargs)
+        return AsyncTextStream(self._rt, seq, text, chat.finish)
 
     # ---- sessions ----------------------------------------------------------------------
 

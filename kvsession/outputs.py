@@ -5,8 +5,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvsession.metrics import RequestMetrics
+
+if TYPE_CHECKING:
+    from kvsession.tools import ToolCall
 
 log = logging.getLogger("kvsession")
 
@@ -16,13 +20,16 @@ class CompletionOutput:
     """One completion of a request (`SamplingParams(n=...)` asks for several). `text`
     excludes any matched stop string; `logprobs` (if asked) has one {token_id: logprob}
     dict per generated token; `finish_reason` is "stop" (EOS, a stop token or string, or a
-    structured format completed) or "length"."""
+    structured format completed) or "length". With `tools`, `tool_calls` holds the calls
+    parsed from the output and `text` is the content before them ([] and the whole text
+    when there are none)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str
     logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass
@@ -55,6 +62,10 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[dict[int, float]] | None:
         return self.outputs[0].logprobs
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.outputs[0].tool_calls
 
 
 class DeltaText:

@@ -4,20 +4,26 @@ naming the argument before anything is submitted."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError
+from kvsession.history import check_template_inputs
 from kvsession.model.tokenizer import check_messages
+from kvsession.outputs import RequestOutput
 from kvsession.params import SAMPLING_ARG_NAMES, SamplingParams
 from kvsession.runtime import Runtime
+from kvsession.tools import ToolSpec
 from kvsession.validation import check_bool
 
 GENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids", "use_tqdm")
-CHAT_ARGS = ("messages", "sampling_params", "use_tqdm", "add_generation_prompt")
+TOOL_ARGS = ("tools", "tool_choice", "chat_template_kwargs")
+CHAT_ARGS = ("messages", "sampling_params", "use_tqdm", "add_generation_prompt", *TOOL_ARGS)
 SESSION_ARGS = ("system", "session_id", "pin_system", "sampling", "history", "tools",
                 "chat_template_kwargs", "cache_salt")
 AGENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids")
-ACHAT_ARGS = ("messages", "sampling_params", "add_generation_prompt")
-STREAM_ARGS = ("prompt", "sampling_params", "prompt_token_ids", "messages")
+ACHAT_ARGS = ("messages", "sampling_params", "add_generation_prompt", *TOOL_ARGS)
+STREAM_ARGS = ("prompt", "sampling_params", "prompt_token_ids", "messages", *TOOL_ARGS)
 # sampling settings passed to generate()/chat() directly belong in a SamplingParams
 TO_SAMPLING_PARAMS = {name: "sampling_params" for name in SAMPLING_ARG_NAMES}
 
@@ -36,6 +42,23 @@ def token_id_lists(prompt_token_ids) -> list[list[int]]:
             raise ConfigError(f"prompt_token_ids[{i}] must be a list of token ids, "
                               f"got {p!r:.80}")
     return [list(p) for p in ids]
+
+
+@dataclass
+class ChatInputs:
+    """Rendered conversations and their tools (None without tools)."""
+
+    texts: list[str]
+    ids: list[list[int]]
+    tools: ToolSpec | None = None
+
+    def params(self, params: list[SamplingParams]) -> list[SamplingParams]:
+        """The requests' parameters with a forced tool call's grammar (tool_choice)."""
+        return params if self.tools is None else [self.tools.constrain(p) for p in params]
+
+    def finish(self, output: RequestOutput) -> RequestOutput:
+        """The output with its tool calls parsed out (when tools were given)."""
+        return output if self.tools is None else self.tools.apply(output)
 
 
 class RequestBuilder:
@@ -69,8 +92,11 @@ class RequestBuilder:
         ids = token_id_lists(prompt_token_ids)
         return [None] * len(ids), ids
 
-    def chat_inputs(self, messages, add_generation_prompt) -> tuple[list, list[list[int]]]:
+    def chat_inputs(self, messages, add_generation_prompt, tools=None, tool_choice="auto",
+                    chat_template_kwargs=None) -> ChatInputs:
         check_bool("add_generation_prompt", add_generation_prompt)
+        spec = ToolSpec.from_args(tools, tool_choice, self.tokenizer)
+        _, kwargs = check_template_inputs(None, chat_template_kwargs)
         if not isinstance(messages, (list, tuple)):
             raise ConfigError(f"messages must be a list of message dicts (one conversation) "
                               f"or a list of such lists, got {messages!r:.80}")
@@ -78,27 +104,39 @@ class RequestBuilder:
             convs = [check_messages(messages, "messages")]
         else:
             convs = [check_messages(c, f"messages[{i}]") for i, c in enumerate(messages)]
-        texts = [self.tokenizer.render_chat(c, add_generation_prompt) for c in convs]
-        return texts, [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        tools = None if spec is None else spec.template_tools
+        texts = [self.tokenizer.render_chat(c, add_generation_prompt, tools, kwargs)
+                 for c in convs]
+        return ChatInputs(texts, [self.tokenizer.encode(t, add_special_tokens=False)
+                                  for t in texts], spec)
 
-    def one_request(self, prompt, sampling_params, prompt_token_ids,
-                    messages) -> tuple[str | None, Sequence]:
+    def one_request(self, prompt, sampling_params, prompt_token_ids, messages, tools=None,
+                    tool_choice="auto",
+                    chat_template_kwargs=None) -> tuple[str | None, Sequence, ChatInputs]:
         if messages is not None:
             if prompt is not None or prompt_token_ids is not None:
                 raise ConfigError("pass exactly one of prompt, prompt_token_ids or messages")
             if messages and not isinstance(messages[0], dict):
                 raise ConfigError("stream() takes one conversation: messages must be a list "
                                   "of message dicts")
-            texts, ids = self.chat_inputs(messages, True)
+            chat = self.chat_inputs(messages, True, tools, tool_choice, chat_template_kwargs)
+            texts, ids = chat.texts, chat.ids
         else:
+            choice = None if tool_choice == "auto" else tool_choice
+            given = [n for n, v in (("tools", tools), ("tool_choice", choice),
+                                    ("chat_template_kwargs", chat_template_kwargs))
+                     if v is not None]
+            if given:
+                raise ConfigError(f"{given[0]} needs a conversation: pass messages=")
             if prompt is not None and not isinstance(prompt, str):
                 raise ConfigError(f"prompt must be a string (one prompt), got {prompt!r:.80}")
             texts, ids = self.prompt_inputs(prompt, prompt_token_ids)
             if len(ids) != 1:
                 raise ConfigError(f"stream() takes one prompt, got {len(ids)}")
-        (params,) = self.params_list(sampling_params, 1)
+            chat = ChatInputs(texts, ids)
+        (params,) = chat.params(self.params_list(sampling_params, 1))
         if params.n != 1:
             raise ConfigError(f"n must be 1 to stream (one text), got {params.n}")
         seq = self._rt.new_sequence(ids[0], params)
         self._rt.check_open()
-        return texts[0], seq
+        return texts[0], seq, chat

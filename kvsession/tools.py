@@ -124,7 +124,7 @@ def new_call_id(fmt: ToolFormat | None = None) -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def _json_copy(value, where: str):
+def json_copy(value, where: str):
     """A deep copy through JSON; anything that does not survive the round trip unchanged
     (tuples, non-str keys, NaN, objects) is a ConfigError naming `where`."""
     try:
@@ -175,7 +175,7 @@ def check_tools(tools) -> list[dict]:
             if params.get("type", "object") != "object":
                 raise ConfigError(f"{where}.function.parameters must describe an object (the "
                                   f"call's arguments), got type {params['type']!r}")
-        out.append(_json_copy(tool, where))
+        out.append(json_copy(tool, where))
     return out
 
 

@@ -206,3 +206,145 @@ def test_session_messages_stay_text_only():
     # sessions snapshot text fields only (for now): tool_calls there is refused, not dropped
     with pytest.raises(ConfigError, match="must be a string"):
         check_messages([assistant_call(("add", {}))], text_only=True)
+
+
+# ---- generation ------------------------------------------------------------------------------
+
+CONVERSATION = [{"role": "system", "content": "You are an agent."},
+                {"role": "user", "content": "Read main.py"}]
+
+
+@pytest.fixture(scope="module")
+def llms(model_dirs):
+    """family -> an LLM on a tiny random model with that family's template (built lazily)."""
+    from kvsession import LLM
+
+    built = {}
+
+    def get(fam):
+        if fam not in built:
+            built[fam] = LLM(model_dirs("llama", chat_template=fam), kv_cache_memory="32MiB",
+                             max_model_len=1024)
+        return built[fam]
+
+    yield get
+    for llm in built.values():
+        llm.close()
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_forced_calls_are_valid_whatever_the_weights(llms, fam):
+    jsonschema = pytest.importorskip("jsonschema")
+    from kvsession import SamplingParams
+
+    llm = llms(fam)
+    params = SamplingParams(n=30, seed=0, temperature=1.0, max_tokens=160)
+    for choice, names in (("required", {"read_file", "add"}),
+                          ({"type": "function", "function": {"name": "read_file"}},
+                           {"read_file"})):
+        (out,) = llm.chat(CONVERSATION, params, tools=TOOLS, tool_choice=choice,
+                          use_tqdm=False)
+        assert len(out.outputs) == 30
+        seen = set()
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and c.text == ""
+            (call,) = c.tool_calls  # exactly one call: the grammar allows one
+            jsonschema.validate(call.arguments, SCHEMAS[call.name])
+            seen.add(call.name)
+        assert seen == names  # "required" picked both tools across the seeded samples
+        assert out.tool_calls == out.outputs[0].tool_calls
+
+
+def test_auto_parses_calls_and_none_leaves_them(llms):
+    from kvsession import SamplingParams, StructuredOutput
+
+    llm = llms("hermes")
+    reply = ('Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 0.5}}\n'
+             '</tool_call>')
+    # the reply is forced with a grammar, so tool_choice alone decides what is parsed
+    forced = SamplingParams(max_tokens=80, temperature=0.0,
+                            structured=StructuredOutput(grammar=f"root ::= {json.dumps(reply)}"))
+    (auto,) = llm.chat(CONVERSATION, forced, tools=TOOLS, use_tqdm=False)
+    assert auto.text == "Let me check."
+    assert [(c.name, c.arguments) for c in auto.tool_calls] == [("add", {"a": 2, "b": 0.5})]
+    assert auto.tool_calls[0].id.startswith("call_")
+    (none,) = llm.chat(CONVERSATION, forced, tools=TOOLS, tool_choice="none", use_tqdm=False)
+    assert none.text == reply and none.tool_calls == []
+    assert none.prompt == auto.prompt  # "none" renders the tools too: same prompt, same KV
+    # random weights under "auto" write no call: the text is the output, as with "none"
+    sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=3)
+    (a,) = llm.chat(CONVERSATION, sampled, tools=TOOLS, use_tqdm=False)
+    (n,) = llm.chat(CONVERSATION, sampled, tools=TOOLS, tool_choice="none", use_tqdm=False)
+    assert a.tool_calls == [] and a.text == n.text and a.token_ids == n.token_ids
+    # without tools nothing is parsed and the template renders no tools
+    (plain,) = llm.chat(CONVERSATION, forced, use_tqdm=False)
+    assert plain.text == reply and plain.tool_calls == [] and "<tools>" not in plain.prompt
+
+
+def test_forced_call_conflicts_and_bad_template_kwargs(llms):
+    from kvsession import SamplingParams, StructuredOutput
+
+    llm = llms("hermes")
+    fmt = SamplingParams(structured=StructuredOutput(json_object=True))
+    with pytest.raises(ConfigError, match="structured must be None with tool_choice='required'"):
+        llm.chat(CONVERSATION, fmt, tools=TOOLS, tool_choice="required")
+    llm.chat(CONVERSATION, SamplingParams(max_tokens=2, structured=fmt.structured),
+             tools=TOOLS, use_tqdm=False)  # "auto" leaves the format to the caller
+    with pytest.raises(ConfigError, match="chat_template_kwargs"):
+        llm.chat(CONVERSATION, chat_template_kwargs=["enable_thinking"])
+    with pytest.raises(ConfigError, match="may not set"):
+        llm.chat(CONVERSATION, chat_template_kwargs={"tools": TOOLS})
+    with pytest.raises(ConfigError, match="tools needs a conversation"):
+        llm.stream("hi", tools=TOOLS)
+    with pytest.raises(ConfigError, match="tool_choice needs a conversation"):
+        llm.stream("hi", tool_choice="required")
+    with pytest.raises(ConfigError, match="did you mean 'tool_choice'"):
+        llm.chat(CONVERSATION, tool_choise="auto")
+    (out,) = llm.chat(CONVERSATION, SamplingParams(max_tokens=2),
+                      chat_template_kwargs={"enable_thinking": False}, use_tqdm=False)
+    assert len(out.token_ids) == 2
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_openai_message_shapes_render(llms, fam):
+    from kvsession import SamplingParams
+
+    llm = llms(fam)
+    conversation = [*CONVERSATION, assistant_call(("read_file", '{"path": "main.py"}')),
+                    {"role": "tool", "tool_call_id": "call00000", "content": "print(1)"}]
+    (out,) = llm.chat(conversation, SamplingParams(max_tokens=160, temperature=0.0),
+                      tools=TOOLS, tool_choice="required", use_tqdm=False)
+    assert '"arguments": {"path": "main.py"}' in out.prompt or \
+        '"parameters": {"path": "main.py"}' in out.prompt
+    assert "print(1)" in out.prompt and len(out.tool_calls) == 1
+
+
+def test_streaming_with_tools_ends_with_the_same_output(llms):
+    import asyncio
+
+    from kvsession import SamplingParams
+
+    llm = llms("mistral")
+    params = SamplingParams(max_tokens=160, temperature=1.0, seed=11)
+    kwargs = {"tools": TOOLS, "tool_choice": "required"}
+    (ref,) = llm.chat(CONVERSATION, params, use_tqdm=False, **kwargs)
+    stream = llm.stream(messages=CONVERSATION, sampling_params=params, **kwargs)
+    raw = "".join(stream)
+    assert raw.startswith("[TOOL_CALLS][") and raw == llm.tokenizer.decode(ref.token_ids)
+    out = stream.output
+    assert out.text == ref.text == "" and out.token_ids == ref.token_ids
+    assert [(c.name, c.arguments) for c in out.tool_calls] == \
+        [(c.name, c.arguments) for c in ref.tool_calls]
+
+    async def both():
+        s = llm.astream(messages=CONVERSATION, sampling_params=params, **kwargs)
+        deltas = [d async for d in s]
+        (a,) = await llm.achat(CONVERSATION, params, **kwargs)
+        return "".join(deltas), s.output, a
+
+    araw, aout, achat = asyncio.run(both())
+    assert araw == raw
+    for o in (aout, achat):
+        assert o.token_ids == ref.token_ids and o.text == ""
+        assert [(c.name, c.arguments) for c in o.tool_calls] == \
+            [(c.name, c.arguments) for c in ref.tool_calls]
