@@ -66,12 +66,14 @@ class ToolFormat(enum.Enum):
     LLAMA3_JSON = "llama3_json"  # Llama 3.x: {"name": ..., "parameters": {...}}
     MISTRAL = "mistral"          # Mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}]
 
-    def affixes(self, name: str) -> tuple[str, str]:
+    def affixes(self, name: str, bare: bool = False) -> tuple[str, str]:
+        """`bare`: without the Mistral marker (a special token for this tokenizer)."""
         if self is ToolFormat.HERMES:
             return f'<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"
         if self is ToolFormat.LLAMA3_JSON:
             return f'{{"name": "{name}", "parameters": ', "}"
-        return f'[TOOL_CALLS][{{"name": "{name}", "arguments": ', "}]"
+        marker = "" if bare else "[TOOL_CALLS]"
+        return f'{marker}[{{"name": "{name}", "arguments": ', "}]"
 
 
 class ToolChoice(enum.Enum):
@@ -330,10 +332,18 @@ def parse_tool_calls(text: str, fmt: ToolFormat,
 
 # ---- constraint ----------------------------------------------------------------------------
 
+def marker_is_special(tokenizer, marker: str) -> bool:
+    """Whether `marker` is one special token of this tokenizer (decoding drops it)."""
+    ids = tokenizer.encode(marker, add_special_tokens=False)
+    return len(ids) == 1 and tokenizer.decode(ids) == ""
+
+
 @functools.lru_cache(maxsize=64)
-def call_grammar(fmt: ToolFormat, tools: tuple[tuple[int, str, str], ...]) -> str:
+def call_grammar(fmt: ToolFormat, tools: tuple[tuple[int, str, str], ...],
+                 bare: bool = False) -> str:
     """EBNF text of exactly one call of one of `tools` ((index in the request's tools, name,
-    parameters schema as JSON text) each) in `fmt`: the family's literal prefix, the
+    parameters schema as JSON text) each) in `fmt` (`bare`: see ToolFormat.affixes): the
+    family's literal prefix, the
     arguments as xgrammar's grammar of the schema (written with the templates' separators,
     no free whitespace, so a random model cannot pad the call until max_tokens), the literal
     suffix. Cached: a session's turns reuse the same tools."""
@@ -351,7 +361,7 @@ def call_grammar(fmt: ToolFormat, tools: tuple[tuple[int, str, str], ...]) -> st
             msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"tools[{index}].function.parameters is not a JSON schema "
                               f"xgrammar can compile: {msg}") from None
-        prefix, suffix = fmt.affixes(name)
+        prefix, suffix = fmt.affixes(name, bare)
         alternatives.append(xgr.Grammar.concat(
             xgr.Grammar.from_ebnf(f"root ::= {json.dumps(prefix)}"), args,
             xgr.Grammar.from_ebnf(f"root ::= {json.dumps(suffix)}")))
@@ -367,6 +377,10 @@ class ToolSpec:
     format: ToolFormat
     choice: ToolChoice
     forced_name: str | None = None
+    # Mistral's [TOOL_CALLS] is a control token in real checkpoints: xgrammar matches text,
+    # not special tokens, so a forced call is the bare JSON list (which the parser takes, as
+    # decoding drops the marker anyway); the tiny test tokenizer has it as plain text
+    bare: bool = False
 
     @classmethod
     def from_args(cls, tools, tool_choice, tokenizer) -> ToolSpec | None:
@@ -380,7 +394,8 @@ class ToolSpec:
             raise ConfigError("tools were given but this checkpoint's chat template never "
                               "renders `tools` in a known tool-call format (Hermes/Qwen "
                               "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS])")
-        return cls(tools, fmt, choice, name)
+        bare = fmt is ToolFormat.MISTRAL and marker_is_special(tokenizer, "[TOOL_CALLS]")
+        return cls(tools, fmt, choice, name, bare)
 
     @property
     def names(self) -> list[str]:
@@ -399,15 +414,15 @@ class ToolSpec:
                                                             "properties": {}}))
             for i, t in enumerate(self.template_tools)
             if self.choice is ToolChoice.REQUIRED or t["function"]["name"] == self.forced_name)
-        return call_grammar(self.format, picked)
+        return call_grammar(self.format, picked, self.bare)
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         if not self.forced:
             return params
         if params.structured is not None:
             raise ConfigError(f"sampling_params.structured must be None with tool_choice="
-                              f"{self.forced_name or self.choice.value!r}: the forced tool call "
-                              f"is the output's format")
+                              f"{self.forced_name or self.choice.value!r} (no response_format "
+                              f"either): the forced tool call is the output's format")
         return params.with_overrides(structured=StructuredOutput(grammar=self.grammar()))
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:

@@ -348,3 +348,27 @@ def test_streaming_with_tools_ends_with_the_same_output(llms):
         assert o.token_ids == ref.token_ids and o.text == ""
         assert [(c.name, c.arguments) for c in o.tool_calls] == \
             [(c.name, c.arguments) for c in ref.tool_calls]
+
+
+def test_mistral_control_token_marker_is_left_out_of_forced_calls(model_dirs, tmp_path):
+    """A real Mistral tokenizer has [TOOL_CALLS] as a special token (dropped by decoding,
+    never matched by the grammar as text): the forced call is then the bare JSON list,
+    which the parser takes."""
+    import shutil
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    src = model_dirs("llama", chat_template="mistral")
+    plain = ToolSpec.from_args(TOOLS, "required", Tokenizer(src))
+    assert not plain.bare and plain.grammar().count('"[TOOL_CALLS][{') == 2
+    shutil.copytree(src, tmp_path / "m")
+    hf = HFTokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
+    hf.add_special_tokens(["[TOOL_CALLS]"])
+    hf.save(str(tmp_path / "m" / "tokenizer.json"))
+    tok = Tokenizer(tmp_path / "m")
+    spec = ToolSpec.from_args(TOOLS, "required", tok)
+    assert spec.bare and "TOOL_CALLS" not in spec.grammar()
+    assert spec.grammar().count('"[{\\"name\\": ') == 2
+    text = tok.decode(tok.encode('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]'))
+    assert text.startswith("[{")  # the marker is gone after decoding ...
+    assert [(c.name, c.arguments) for c in spec.parse(text)[1]] == [("add", {"a": 1})]
