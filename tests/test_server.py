@@ -5,12 +5,8 @@ model (port 0; the address is read from its stdout)."""
 from __future__ import annotations
 
 import json
-import queue
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,46 +18,17 @@ httpx = pytest.importorskip("httpx2")
 
 from kvsession import LLM, SamplingParams  # noqa: E402
 from kvsession.serve.flags import add_llm_flags, llm_kwargs  # noqa: E402
+from kvsession.serve.process import ServerProcess  # noqa: E402
 
 KEY = "test-key"
 MAX_CONCURRENT = 40
-ENGINE = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+ENGINE = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
           "--host-cache-memory", "0"]
 SYSTEM = "You are a helpful coding assistant."
-START_TIMEOUT_S = 120
 
 
-class ServerProcess:
-    """A `python -m kvsession serve` subprocess; `url` once it listens."""
-
-    def __init__(self, model: Path, tmp: Path, *extra: str):
-        self.stderr_path = tmp / "server.stderr"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvsession", "serve", "--model", str(model), "--port", "0",
-             *ENGINE, *extra],
-            stdout=subprocess.PIPE, stderr=open(self.stderr_path, "w"), text=True)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.url = self.wait_for(r"listening on (http://\S+)", START_TIMEOUT_S).group(1)
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                line = None
-            if line is None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"no {pattern!r} from the server; stderr:\n"
-                                     f"{self.stderr_path.read_text()[-3000:]}")
-            if m := re.search(pattern, line):
-                return m
+class Server(ServerProcess):
+    """The server subprocess with this module's clients."""
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", KEY),
@@ -70,35 +37,35 @@ class ServerProcess:
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()
 
-    def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            raise
+
+def start(model: Path, tmp: Path, *extra: str) -> Server:
+    return Server(model, *ENGINE, *extra, stderr_path=tmp / "server.stderr")
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
-    s = ServerProcess(llama_dir, tmp_path_factory.mktemp("server"), "--api-key", KEY,
-                      "--max-concurrent-requests", str(MAX_CONCURRENT))
+def hermes_dir(model_dirs):
+    """The tiny Llama with a Hermes tool-calling chat template (ChatML otherwise)."""
+    return model_dirs("llama", chat_template="hermes")
+
+
+@pytest.fixture(scope="module")
+def server(hermes_dir, tmp_path_factory):
+    s = start(hermes_dir, tmp_path_factory.mktemp("server"), "--api-key", KEY,
+              "--max-concurrent-requests", str(MAX_CONCURRENT))
     yield s
     rc = s.stop()
-    assert rc == 0, s.stderr_path.read_text()[-3000:]
+    assert rc == 0, s.stderr_tail()
 
 
 @pytest.fixture(scope="module")
-def llm(llama_dir):
+def llm(hermes_dir):
     """The same model in this process: the oracle for greedy outputs."""
-    with LLM(llama_dir, device="cpu", kv_cache_memory="64MiB", max_model_len=512) as llm:
+    with LLM(hermes_dir, device="cpu", kv_cache_memory="64MiB", max_model_len=1024) as llm:
         yield llm
 
 
-def model_name(llama_dir: Path) -> str:
-    return llama_dir.name
+def model_name(model: Path) -> str:
+    return model.name
 
 
 def wait_until(pred, timeout: float = 30.0, what: str = "condition"):
@@ -113,11 +80,11 @@ def wait_until(pred, timeout: float = 30.0, what: str = "condition"):
 # ---- chat ------------------------------------------------------------------------------
 
 
-def test_chat_greedy_equals_llm_chat(server, llm, llama_dir):
+def test_chat_greedy_equals_llm_chat(server, llm, hermes_dir):
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "List the files"}]
     want = llm.chat(msgs, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0]
     c = server.client()
-    r = c.chat.completions.create(model=model_name(llama_dir), messages=msgs, max_tokens=24,
+    r = c.chat.completions.create(model=model_name(hermes_dir), messages=msgs, max_tokens=24,
                                   temperature=0)
     assert r.choices[0].message.content == want.text
     assert r.choices[0].message.role == "assistant"
@@ -126,7 +93,7 @@ def test_chat_greedy_equals_llm_chat(server, llm, llama_dir):
     assert r.usage.completion_tokens == len(want.token_ids)
     # streamed: the deltas join to the same text; usage comes last when asked
     chunks = list(c.chat.completions.create(
-        model=model_name(llama_dir), messages=msgs, max_tokens=24, temperature=0,
+        model=model_name(hermes_dir), messages=msgs, max_tokens=24, temperature=0,
         stream=True, stream_options={"include_usage": True}))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == want.text
@@ -136,23 +103,23 @@ def test_chat_greedy_equals_llm_chat(server, llm, llama_dir):
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
 
 
-def test_text_completion_equals_generate(server, llm, llama_dir):
+def test_text_completion_equals_generate(server, llm, hermes_dir):
     want = llm.generate("the agent reads a file", SamplingParams(max_tokens=12, temperature=0),
                         use_tqdm=False)[0]
     c = server.client()
-    r = c.completions.create(model=model_name(llama_dir), prompt="the agent reads a file",
+    r = c.completions.create(model=model_name(hermes_dir), prompt="the agent reads a file",
                              max_tokens=12, temperature=0)
     assert r.choices[0].text == want.text
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
-        model=model_name(llama_dir), prompt="the agent reads a file", max_tokens=12,
+        model=model_name(hermes_dir), prompt="the agent reads a file", max_tokens=12,
         temperature=0, stream=True) if ch.choices)
     assert streamed == want.text
 
 
-def test_sampling_fields_logprobs_n_stop_seed(server, llama_dir):
+def test_sampling_fields_logprobs_n_stop_seed(server, hermes_dir):
     c = server.client()
     msgs = [{"role": "user", "content": "write the answer"}]
-    r = c.chat.completions.create(model=model_name(llama_dir), messages=msgs, max_tokens=6,
+    r = c.chat.completions.create(model=model_name(hermes_dir), messages=msgs, max_tokens=6,
                                   temperature=0, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 6
@@ -160,30 +127,30 @@ def test_sampling_fields_logprobs_n_stop_seed(server, llama_dir):
         assert t.logprob <= 0 and len(t.top_logprobs) == 3
         # greedy: the chosen token is the most likely one
         assert t.logprob == pytest.approx(max(x.logprob for x in t.top_logprobs))
-    kw = dict(model=model_name(llama_dir), messages=msgs, max_tokens=8, temperature=1.0,
+    kw = dict(model=model_name(hermes_dir), messages=msgs, max_tokens=8, temperature=1.0,
               seed=7, n=2, presence_penalty=0.5, frequency_penalty=0.5, top_p=0.9)
     a, b = c.chat.completions.create(**kw), c.chat.completions.create(**kw)
     assert [ch.message.content for ch in a.choices] == [ch.message.content for ch in b.choices]
     assert len(a.choices) == 2 and a.usage.completion_tokens <= 16
     assert {ch.finish_reason for ch in a.choices} <= {"stop", "length"}
-    full = c.chat.completions.create(model=model_name(llama_dir), messages=msgs,
+    full = c.chat.completions.create(model=model_name(hermes_dir), messages=msgs,
                                      max_completion_tokens=10, temperature=0)
     cut = full.choices[0].message.content[3:6]
     if cut:
-        stopped = c.chat.completions.create(model=model_name(llama_dir), messages=msgs,
+        stopped = c.chat.completions.create(model=model_name(hermes_dir), messages=msgs,
                                             max_tokens=10, temperature=0, stop=[cut])
         assert cut not in stopped.choices[0].message.content
         assert stopped.choices[0].finish_reason == "stop"
 
 
-def test_response_format_json_schema(server, llama_dir):
+def test_response_format_json_schema(server, hermes_dir):
     jsonschema = pytest.importorskip("jsonschema")
     schema = {"type": "object", "properties": {
         "file": {"type": "string", "maxLength": 12},
         "lines": {"type": "integer", "minimum": 0, "maximum": 999}},
         "required": ["file", "lines"], "additionalProperties": False}
     r = server.client().chat.completions.create(
-        model=model_name(llama_dir), messages=[{"role": "user", "content": "read a file"}],
+        model=model_name(hermes_dir), messages=[{"role": "user", "content": "read a file"}],
         max_tokens=60, temperature=0,
         response_format={"type": "json_schema",
                          "json_schema": {"name": "read", "schema": schema, "strict": True}})
@@ -193,13 +160,13 @@ def test_response_format_json_schema(server, llama_dir):
 # ---- reuse for stateless clients -------------------------------------------------------
 
 
-def test_resent_conversation_reuses_its_kv(server, llama_dir):
+def test_resent_conversation_reuses_its_kv(server, hermes_dir):
     c = server.client()
     msgs = [{"role": "system", "content": SYSTEM + " Turn counting."},
             {"role": "user", "content": "List the files in the project"}]
     history = 0
     for turn in range(6):
-        r = c.chat.completions.create(model=model_name(llama_dir), messages=msgs,
+        r = c.chat.completions.create(model=model_name(hermes_dir), messages=msgs,
                                       max_tokens=16, temperature=0)
         if turn:
             cached = r.usage.prompt_tokens_details.cached_tokens
@@ -212,33 +179,108 @@ def test_resent_conversation_reuses_its_kv(server, llama_dir):
     assert int(hits.group(1)) >= 5
 
 
-def test_named_session_binds_turns(server, llama_dir):
+def test_named_session_binds_turns(server, hermes_dir):
     c = server.client()
     msgs = [{"role": "user", "content": "open the json file"}]
-    r1 = c.chat.completions.create(model=model_name(llama_dir), messages=msgs, max_tokens=8,
+    r1 = c.chat.completions.create(model=model_name(hermes_dir), messages=msgs, max_tokens=8,
                                    temperature=0, extra_body={"session_id": "named-1"})
     # a stateful client sends only the new message; the header binds the session too
     r2 = c.chat.completions.create(
-        model=model_name(llama_dir), messages=[{"role": "user", "content": "and close it"}],
+        model=model_name(hermes_dir), messages=[{"role": "user", "content": "and close it"}],
         max_tokens=8, temperature=0, extra_headers={"X-Session-Id": "named-1"})
     assert r2.usage.prompt_tokens_details.cached_tokens >= 0.9 * (
         r1.usage.prompt_tokens + r1.usage.completion_tokens)
     # an edited history cannot continue the session
     with pytest.raises(openai.ConflictError):
         c.chat.completions.create(
-            model=model_name(llama_dir), max_tokens=4, extra_body={"session_id": "named-1"},
+            model=model_name(hermes_dir), max_tokens=4, extra_body={"session_id": "named-1"},
             messages=[msgs[0], {"role": "assistant", "content": "something else"},
                       {"role": "user", "content": "x"}])
+
+
+# ---- tools -------------------------------------------------------------------------------
+
+READ_FILE = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the project",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 8}},
+                   "required": ["path"], "additionalProperties": False}}}
+
+
+def test_tool_choice_required_returns_tool_calls(server, hermes_dir):
+    jsonschema = pytest.importorskip("jsonschema")
+    c = server.client()
+    msgs = [{"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "read the main file"}]
+    r = c.chat.completions.create(model=model_name(hermes_dir), messages=msgs,
+                                  tools=[READ_FILE], tool_choice="required", max_tokens=200,
+                                  temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "read_file" and call.id
+    jsonschema.validate(json.loads(call.function.arguments),
+                        READ_FILE["function"]["parameters"])
+    # the client sends the call back with its result; the conversation goes on
+    msgs += [choice.message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "print('hello')"}]
+    r2 = c.chat.completions.create(model=model_name(hermes_dir), messages=msgs,
+                                   tools=[READ_FILE], max_tokens=8, temperature=0)
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r2.usage.prompt_tokens_details.cached_tokens >= 0.5 * r.usage.prompt_tokens
+    # streamed, a named function: the call arrives whole in one delta
+    chunks = list(c.chat.completions.create(
+        model=model_name(hermes_dir), messages=msgs[:2], tools=[READ_FILE], max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": "read_file"}}, temperature=0,
+        stream=True))
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
+    assert [tc.function.name for tc in calls] == ["read_file"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_agent_framework_two_step_tool_task(server, hermes_dir):
+    """pydantic-ai drives the server: step 1 calls a tool, step 2 returns the structured
+    answer through the output tool. The random tiny model follows only what the grammar
+    forces, so each step forces its tool (the agent's own per-step tool_choice)."""
+    pytest.importorskip("pydantic_ai")
+    from pydantic import BaseModel, Field
+    from pydantic_ai import Agent, RunContext, ToolOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    class Report(BaseModel):
+        count: int = Field(ge=0, le=9)
+
+    def settings(ctx: RunContext):
+        return {"temperature": 0.0, "max_tokens": 200,
+                "tool_choice": ["list_files"] if ctx.run_step <= 1 else ["final_result"]}
+
+    model = OpenAIChatModel(model_name(hermes_dir), provider=OpenAIProvider(
+        base_url=f"{server.url}/v1", api_key=KEY))
+    agent = Agent(model, output_type=ToolOutput(Report, name="final_result"),
+                  model_settings=settings, system_prompt="You are a coding agent.")
+    listed = []
+
+    @agent.tool_plain
+    def list_files(directory: str) -> list[str]:
+        """List the files in a directory."""
+        listed.append(directory)
+        return ["a.py", "b.py"]
+
+    result = agent.run_sync("How many files are in the project?")
+    assert isinstance(result.output, Report) and 0 <= result.output.count <= 9
+    assert len(listed) == 1
+    kinds = [type(p).__name__ for m in result.all_messages() for p in m.parts]
+    assert kinds.count("ToolCallPart") == 2 and kinds.count("ToolReturnPart") == 2
 
 
 # ---- load, disconnects, errors ---------------------------------------------------------
 
 
-def test_32_concurrent_clients_all_answered(server, llama_dir):
+def test_32_concurrent_clients_all_answered(server, hermes_dir):
     def one(i: int) -> str:
         c = server.client()
         r = c.chat.completions.create(
-            model=model_name(llama_dir), max_tokens=8, temperature=0,
+            model=model_name(hermes_dir), max_tokens=8, temperature=0,
             messages=[{"role": "system", "content": SYSTEM},
                       {"role": "user", "content": f"client {i}: list the files"}])
         return r.choices[0].finish_reason
@@ -252,13 +294,13 @@ def _blocks_settled(server, baseline: int):
     return h if h["requests_in_flight"] == 0 and h["blocks_used"] <= baseline else None
 
 
-def test_disconnect_mid_stream_frees_blocks(server, llama_dir):
+def test_disconnect_mid_stream_frees_blocks(server, hermes_dir):
     c = server.client()
     wait_until(lambda: server.health()["requests_in_flight"] == 0, what="idle server")
     baseline = server.health()["blocks_used"]
     # a stateless stream (cancelled at once) and a conversation's session turn (runs out,
     # then its session is closed): both leave no block in use
-    long = dict(model=model_name(llama_dir), max_tokens=400, temperature=0, stream=True,
+    long = dict(model=model_name(hermes_dir), max_tokens=400, temperature=0, stream=True,
                 extra_body={"ignore_eos": True})
     with c.completions.create(prompt="the agent reads a file", **long) as s:
         next(iter(s))
@@ -269,18 +311,18 @@ def test_disconnect_mid_stream_frees_blocks(server, llama_dir):
     wait_until(lambda: _blocks_settled(server, baseline), what="blocks freed")
 
 
-def test_overload_is_503_with_retry_after(server, llama_dir):
+def test_overload_is_503_with_retry_after(server, hermes_dir):
     c = server.client()
     wait_until(lambda: server.health()["requests_in_flight"] == 0, what="idle server")
     streams = []
     try:
         for _ in range(MAX_CONCURRENT):  # fill the bound with cancellable streams
-            s = c.completions.create(model=model_name(llama_dir), prompt="the agent",
+            s = c.completions.create(model=model_name(hermes_dir), prompt="the agent",
                                      max_tokens=400, temperature=0, stream=True,
                                      extra_body={"ignore_eos": True})
             streams.append(s)
         with pytest.raises(openai.APIStatusError) as e:
-            c.chat.completions.create(model=model_name(llama_dir), max_tokens=4,
+            c.chat.completions.create(model=model_name(hermes_dir), max_tokens=4,
                                       messages=[{"role": "user", "content": "one more"}])
         assert e.value.status_code == 503
         assert e.value.response.headers["retry-after"] == "1"
@@ -289,14 +331,14 @@ def test_overload_is_503_with_retry_after(server, llama_dir):
         for s in streams:
             s.close()
     wait_until(lambda: server.health()["requests_in_flight"] == 0, what="streams cancelled")
-    r = c.chat.completions.create(model=model_name(llama_dir), max_tokens=4,
+    r = c.chat.completions.create(model=model_name(hermes_dir), max_tokens=4,
                                   messages=[{"role": "user", "content": "after the flood"}])
     assert r.choices[0].message.content is not None
 
 
-def test_errors_are_openai_json_and_fail_alone(server, llama_dir):
+def test_errors_are_openai_json_and_fail_alone(server, hermes_dir):
     c = server.client()
-    name = model_name(llama_dir)
+    name = model_name(hermes_dir)
     msgs = [{"role": "user", "content": "hello"}]
     with pytest.raises(openai.AuthenticationError) as e:
         server.client(api_key="wrong").chat.completions.create(model=name, messages=msgs)
@@ -313,7 +355,7 @@ def test_errors_are_openai_json_and_fail_alone(server, llama_dir):
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=name, messages=msgs, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
-    long = [{"role": "user", "content": " ".join(["the agent reads a file"] * 200)}]
+    long = [{"role": "user", "content": " ".join(["the agent reads a file"] * 300)}]
     with pytest.raises(openai.APIStatusError) as e:
         c.chat.completions.create(model=name, messages=long, max_tokens=4)
     assert e.value.status_code == 413 and e.value.body["code"] == "context_length_exceeded"
@@ -338,9 +380,9 @@ def test_errors_are_openai_json_and_fail_alone(server, llama_dir):
     assert all(r in ("stop", "length") for r in results[1::2])
 
 
-def test_models_health_metrics(server, llama_dir):
+def test_models_health_metrics(server, hermes_dir):
     models = server.client().models.list()
-    assert [m.id for m in models.data] == [model_name(llama_dir)]
+    assert [m.id for m in models.data] == [model_name(hermes_dir)]
     h = server.health()
     assert h["status"] == "ok" and h["blocks_total"] > 0
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
@@ -375,23 +417,23 @@ def test_every_llm_argument_is_a_flag():
     assert named == set(kw)
 
 
-def test_sigterm_finishes_in_flight_and_persists_named_sessions(llama_dir, tmp_path):
+def test_sigterm_finishes_in_flight_and_persists_named_sessions(hermes_dir, tmp_path):
     sessions = tmp_path / "sessions"
-    s = ServerProcess(llama_dir, tmp_path, "--session-dir", str(sessions))
+    s = start(hermes_dir, tmp_path, "--session-dir", str(sessions))
     try:
         c = s.client(api_key="unused")
-        c.chat.completions.create(model=model_name(llama_dir), max_tokens=4, temperature=0,
+        c.chat.completions.create(model=model_name(hermes_dir), max_tokens=4, temperature=0,
                                   messages=[{"role": "user", "content": "remember me"}],
                                   extra_body={"session_id": "keep-me"})
         stream = c.chat.completions.create(
-            model=model_name(llama_dir), max_tokens=200, temperature=0, stream=True,
+            model=model_name(hermes_dir), max_tokens=200, temperature=0, stream=True,
             messages=[{"role": "user", "content": "in flight"}], extra_body={"ignore_eos": True})
         it = iter(stream)
         next(it)
         s.proc.send_signal(signal.SIGTERM)
         rest = list(it)  # the request in flight finishes
         assert rest[-1].choices[0].finish_reason == "length"
-        assert s.proc.wait(timeout=60) == 0, s.stderr_path.read_text()[-3000:]
+        assert s.proc.wait(timeout=60) == 0, s.stderr_tail()
     finally:
         s.stop()
     assert (sessions / "keep-me.kvs").is_file()

@@ -176,7 +176,7 @@ class Server:
         top = req.top_logprobs if req.top_logprobs is not None else 0
         params = P.sampling_params(req, self.default_max_tokens,
                                    top if req.logprobs else None,
-                                   P.structured_output(req.response_format),
+                                   req.response_format,
                                    req.max_completion_tokens or req.max_tokens)
         tool_kwargs = {k: getattr(req, k) for k in TOOL_ARGS if getattr(req, k) is not None}
         if tool_kwargs and not set(tool_kwargs) <= CHAT_TAKES:
@@ -186,15 +186,21 @@ class Server:
         return params, tool_kwargs
 
     def _session_kwargs(self, params, tool_kwargs) -> tuple[dict, dict, bool]:
-        """(llm.session kwargs, per-turn kwargs, whether a Session can run the request)."""
-        per_session = {"sampling": params}
-        per_turn = {}
+        """(llm.session kwargs, per-turn kwargs, whether a Session can run the request):
+        tools and template kwargs belong to the session (they are rendered once, into its
+        system turn); a forced tool_choice is per turn."""
+        per_session, per_turn = {"sampling": params}, {}
         ok = params.n == 1
         for k, v in tool_kwargs.items():
-            if k in SESSION_TAKES and k != "tool_choice":
+            if k == "tool_choice":
+                if v == "auto":
+                    continue  # the default
+                if k in SEND_TAKES:
+                    per_turn[k] = v
+                else:
+                    ok = False  # the Session API cannot force a call: stateless
+            elif k in SESSION_TAKES:
                 per_session[k] = v
-            elif k in SEND_TAKES:
-                per_turn[k] = v
             else:
                 ok = False
         return per_session, per_turn, ok
@@ -203,7 +209,10 @@ class Server:
         req: P.ChatRequest = await self._body(request, P.ChatRequest)
         params, tool_kwargs = self._chat_params(req)
         session_id = req.session_id or request.headers.get("x-session-id")
-        salt = json.dumps([tool_kwargs, req.cache_salt], sort_keys=True, default=str)
+        # what shapes the rendered conversation besides its messages (not tool_choice: a
+        # conversation may force a call on one turn and not the next)
+        salt = json.dumps([req.tools, req.chat_template_kwargs, req.cache_salt],
+                          sort_keys=True, default=str)
         per_session, per_turn, can_session = self._session_kwargs(params, tool_kwargs)
         if session_id is not None and not can_session:
             raise P.APIError(400, "a named session takes one completion (n=1) and the "
@@ -217,9 +226,13 @@ class Server:
             except KVSessionError as e:
                 raise P.from_engine_error(e) from None
             rid = P.new_id("chatcmpl")
+            log.info("%s: %s, %d new messages", rid, "stateless" if plan.session is None else
+                     "session (continued)" if plan.reused or plan.named_len else "session (new)",
+                     len(plan.new))
             events = self._chat_events(plan, params, tool_kwargs, per_turn)
             if req.stream:
-                return await self._chat_stream(req, rid, plan, events, slot, bool(tool_kwargs))
+                buffered = bool(req.tools) and req.tool_choice != "none"
+                return await self._chat_stream(req, rid, plan, events, slot, buffered)
             res = await self._until_disconnect(request, plan, events, slot)
         except BaseException:
             if not slot.handed:
@@ -305,10 +318,10 @@ class Server:
                     if c.index > 0:
                         yield sse(P.chat_chunk(rid, model, created, c.index,
                                                {"role": "assistant", "content": ""}))
-                    delta = ({"tool_calls": [P.tool_call_json(t, i)
-                                             for i, t in enumerate(c.tool_calls)]}
-                             if c.tool_calls else
-                             {"content": c.text} if buffered or c.index > 0 else {})
+                    delta = {"content": c.text} if c.text and (buffered or c.index) else {}
+                    if c.tool_calls:
+                        delta["tool_calls"] = [P.tool_call_json(t, i)
+                                               for i, t in enumerate(c.tool_calls)]
                     yield sse(P.chat_chunk(rid, model, created, c.index, delta,
                                            P.finish_reason(c),
                                            lp.chat(c.token_ids, c.logprobs) if lp else None))

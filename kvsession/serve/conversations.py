@@ -97,18 +97,9 @@ def extend(h: bytes, m: dict) -> bytes:
 
 
 def session_safe(messages: list[dict]) -> bool:
-    """Messages a Session can take: its snapshots hold text fields only (no tool_calls list,
-    no null content)."""
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            return False
-        c = m.get("content")
-        if not (isinstance(c, str) or (isinstance(c, list) and all(
-                isinstance(p, dict) and p.get("type") == "text" for p in c))):
-            return False
-        if any(k != "content" and not isinstance(v, str) for k, v in m.items()):
-            return False
-    return True
+    """Messages a Session turn can take as they are (the Session validates the rest, as
+    llm.chat does)."""
+    return all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
 
 
 @dataclass
@@ -123,6 +114,7 @@ class Plan:
     auto: bool = False
     reused: bool = False
     named: _Named | None = None
+    named_len: int = 0  # the named session's messages when the turn began
 
 
 @dataclass
@@ -197,7 +189,8 @@ class Conversations:
         except BaseException:
             entry.lock.release()
             raise
-        return Plan(entry.session, new, key, named=entry)
+        return Plan(entry.session, new, key, named=entry,
+                    named_len=len(entry.session.messages))
 
     def _open_named(self, session_id: str, messages: list[dict], kwargs: dict) -> _Named:
         if session_id in self.llm.sessions():  # persisted in --session-dir: resume it
@@ -227,9 +220,6 @@ class Conversations:
         if not new:
             raise APIError(400, f"nothing new to answer: the messages are session "
                                 f"{session_id!r}'s history", param="messages")
-        if not session_safe(new):
-            raise APIError(400, "a named session takes text messages (content a string; "
-                                "other fields strings)", param="messages")
         return new
 
     # ---- after the turn --------------------------------------------------------------
@@ -249,9 +239,13 @@ class Conversations:
 
     def abandon(self, plan: Plan) -> None:
         """The turn failed or its client went away: the session holds a turn no client has
-        seen, so no conversation can continue it; close it (named: kept, its client may
-        retry; its view no longer matches, so the retry's messages must be new ones)."""
+        seen, so no conversation can continue it; close it. A named session is kept (its
+        client may go on): if the turn happened, its view becomes the session's own
+        messages, so the client's next request must extend those or hold only new ones."""
         if plan.named is not None:
+            sess = plan.named.session
+            if len(sess.messages) != plan.named_len:
+                plan.named.view = [canonical(m) for m in sess.messages]
             plan.named.lock.release()
             return
         if plan.session is not None:

@@ -10,7 +10,6 @@ onto `SamplingParams` (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ig
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -27,7 +26,6 @@ from kvsession import (
     SamplingParams,
     SessionClosedError,
     SessionLockedError,
-    StructuredOutput,
 )
 
 # ---- errors ---------------------------------------------------------------------------
@@ -73,7 +71,8 @@ def from_engine_error(e: Exception, fields: tuple[str, ...] = ()) -> APIError:
                         headers={"Retry-After": "1"})
     if isinstance(e, KVSessionError):
         return APIError(500, f"{type(e).__name__}: {msg}", type="server_error")
-    return APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+    # a bug of ours: say what it was (the traceback is in the server's log)
+    return APIError(500, f"internal error: {type(e).__name__}: {msg:.300}", type="server_error")
 
 
 # ---- request bodies -------------------------------------------------------------------
@@ -149,34 +148,8 @@ def decode_body(body: bytes, kind: type):
 SAMPLING_FIELDS = tuple(f for f in ChatRequest.__struct_fields__)
 
 
-def structured_output(rf: dict | None) -> StructuredOutput | None:
-    """OpenAI's response_format (plus kvsession's regex / grammar kinds)."""
-    if rf is None:
-        return None
-    kind = rf.get("type")
-    try:
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return StructuredOutput(json_object=True)
-        if kind == "json_schema":
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict) or "schema" not in spec:
-                raise APIError(400, "response_format.json_schema must be an object with a "
-                                    "'schema'", param="response_format")
-            return StructuredOutput(json_schema=spec["schema"])
-        if kind == "regex":
-            return StructuredOutput(regex=rf.get("pattern"))
-        if kind == "grammar":
-            return StructuredOutput(grammar=rf.get("ebnf") or rf.get("grammar"))
-    except ConfigError as e:
-        raise APIError(400, f"response_format: {e}", param="response_format") from None
-    raise APIError(400, f"response_format.type must be one of text, json_object, json_schema, "
-                        f"regex, grammar; got {kind!r}", param="response_format")
-
-
 def sampling_params(req: ChatRequest | CompletionRequest, default_max_tokens: int,
-                    logprobs: int | None, structured: StructuredOutput | None,
+                    logprobs: int | None, response_format: dict | None,
                     max_tokens: int | None) -> SamplingParams:
     """The SamplingParams of a request: OpenAI's defaults (temperature 1, no token limit
     but the context), a ConfigError as a 400 naming the field."""
@@ -193,7 +166,7 @@ def sampling_params(req: ChatRequest | CompletionRequest, default_max_tokens: in
              "ignore_eos": req.ignore_eos, "cache_salt": req.cache_salt,
              "stop": req.stop or None, "logit_bias": bias,
              "stop_token_ids": req.stop_token_ids, "logprobs": logprobs,
-             "structured": structured}
+             "response_format": response_format}
     try:
         return SamplingParams(max_tokens=max_tokens or default_max_tokens, n=req.n,
                               **{k: v for k, v in given.items() if v is not None})
@@ -246,17 +219,16 @@ def new_id(prefix: str) -> str:
 
 
 def tool_call_json(call, index: int | None = None) -> dict:
-    """A kvsession ToolCall (id, name, arguments: dict) as an OpenAI tool call."""
-    out = {"id": call.id, "type": "function",
-           "function": {"name": call.name,
-                        "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    """A kvsession ToolCall as an OpenAI tool call (with its index in a stream delta)."""
+    out = call.to_dict()
     return out if index is None else {"index": index, **out}
 
 
 def assistant_message(c: Choice) -> dict:
-    """The assistant message of a choice, as a client will send it back next turn."""
+    """The assistant message of a choice, as a client will send it back next turn: with
+    calls, `content` is the text before the first call (None when there is none)."""
     if c.tool_calls:
-        return {"role": "assistant", "content": None,
+        return {"role": "assistant", "content": c.text or None,
                 "tool_calls": [tool_call_json(t) for t in c.tool_calls]}
     return {"role": "assistant", "content": c.text}
 

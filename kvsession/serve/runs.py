@@ -29,8 +29,10 @@ SAMPLING_NAMES = tuple(
 
 
 def turn_overrides(params: SamplingParams, extra: dict | None = None) -> dict:
-    """A request's sampling as `Session.send` keyword arguments (n is always 1 there)."""
-    out = {n: getattr(params, n) for n in SAMPLING_NAMES if n != "n"}
+    """A request's sampling as `Session.send` keyword arguments (n is always 1 there).
+    Arguments the params keep in another form (response_format becomes `structured`) are
+    given in that form."""
+    out = {n: getattr(params, n) for n in SAMPLING_NAMES if n != "n" and hasattr(params, n)}
     return out | (extra or {})
 
 
