@@ -6,6 +6,8 @@ that holds their prefix. Real worker processes on loopback (NIXL), as in test_re
 from __future__ import annotations
 
 import random
+import signal
+import threading
 
 import pytest
 from test_remote import KW, Worker, wait_for
@@ -128,7 +130,7 @@ def test_a_shared_system_prompt_spreads_over_two_workers_and_follow_ups_stick(
         assert sorted((w.requests, w.routed, w.spilled) for w in first.values()) == [
             (3, 0, 3), (5, 5, 0)]
         answers_in(llm, 8)
-        hits0 = {a: w.cached_tokens for a, w in first.items()}
+        hits0 = {a: w.cached_tokens for a, w in llm.stats().remote.workers.items()}
         # follow-ups one at a time: each goes back to the worker holding its prefix (a
         # hash of the shared first block alone would send all 8 to one worker)
         rng = random.Random(4)
@@ -147,3 +149,54 @@ def test_a_shared_system_prompt_spreads_over_two_workers_and_follow_ups_stick(
         assert hits == sum((len(p) - 1) // bs * bs for p in ps)
         assert not st.fallbacks
         assert_no_leak(llm)
+
+
+def run_turns(llm, ref, turns=TURNS) -> None:
+    s, r = llm.session(system=SYSTEM, sampling=G), ref.session(system=SYSTEM, sampling=G)
+    for k, msg in enumerate(turns, start=1):
+        assert s.send(msg).token_ids == r.send(msg).token_ids, f"turn {k}"
+    s.close()
+
+
+def test_follow_ups_slower_than_the_timeout_fall_back_with_equal_tokens(llama_dir):
+    # every answer comes after the caller gave up: each turn's blocks (the session's KV
+    # included: a late write may reach its partial last block) wait in quarantine until
+    # the late answer fences them, and the turn is prefilled locally
+    slow = Worker(llama_dir, faults="delay_rate=1.0,delay_s=0.6")
+    try:
+        with LLM(llama_dir, prefill_worker=slow.address, remote_prefill="always",
+                 remote_prefill_timeout_s=0.3, **KW) as llm, LLM(llama_dir, **KW) as ref:
+            run_turns(llm, ref)
+            st = llm.stats().remote
+            assert st.fallbacks.get("timeout", 0) >= len(TURNS) and st.prefills == 0
+            wait_for(lambda: (llm._rt.call(lambda: llm._rt.engine.poll_remote(0.02)).result()
+                              or not llm._rt.scheduler.quarantine), 60, "the late answers")
+            assert_no_leak(llm, pinned_ok=True)
+    finally:
+        assert slow.stop() == 0
+
+
+def test_a_worker_killed_during_a_follow_up_keeps_the_sessions_kv(llama_dir):
+    # the kill fences the request at once: the turn keeps the session's KV it was given and
+    # computes only its new tokens locally
+    victim = Worker(llama_dir, faults="delay_rate=1.0,delay_s=1.0")
+    with LLM(llama_dir, prefill_worker=victim.address, remote_prefill="always",
+             remote_prefill_timeout_s=30.0, **KW) as llm, LLM(llama_dir, **KW) as ref:
+        s, r = llm.session(system=SYSTEM, sampling=G), ref.session(system=SYSTEM, sampling=G)
+        assert s.send(TURNS[0]).token_ids == r.send(TURNS[0]).token_ids
+        computed = llm.stats().prefill_tokens
+        box = {}
+        t = threading.Thread(target=lambda: box.update(reply=s.send(TURNS[1])))
+        t.start()
+        wait_for(lambda: llm._rt.connector.pending, 60, "turn 2 at the worker")
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(timeout=30)
+        t.join(timeout=60)
+        want = r.send(TURNS[1])
+        assert box["reply"].token_ids == want.token_ids
+        assert box["reply"].cached_tokens == want.cached_tokens
+        # only the new tokens were computed here, not the session's context again
+        assert llm.stats().prefill_tokens - computed == want.prefill_tokens
+        assert llm.stats().remote.fallbacks == {"connection lost": 1}
+        s.close()
+        assert_no_leak(llm, pinned_ok=True)
