@@ -112,8 +112,10 @@ class ChatRenderer:
         common prefix of two conversations that differ only after it (a template that
         moves the system prompt next to the last user message shares little)."""
         sys_msg = {"role": "system", "content": system}
-        a = self.encode([sys_msg, {"role": "user", "content": USER_SENTINEL + "a"}], False)
-        b = self.encode([sys_msg, {"role": "user", "content": USER_SENTINEL + "b"}], False)
+        # user messages that differ in their first character: the common prefix ends
+        # where a real first message's own tokens would start
+        a = self.encode([sys_msg, {"role": "user", "content": "A"}], False)
+        b = self.encode([sys_msg, {"role": "user", "content": "B"}], False)
         n = 0
         for x, y in zip(a, b, strict=False):
             if x != y:

@@ -225,7 +225,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] | None = None
     min_tokens: int = 0
     prompt_logprobs: int | None = None
-    # response_format (OpenAI's dict) is converted into `structured` by the constructor
+    # OpenAI's dict is converted into `structured` by the constructor and not kept (this
+    # reads None): `structured` is the one format a request has, hashable and comparable
+    response_format: dict | None = None
     structured: StructuredOutput | None = None
     # Normalised forms, filled in __init__ (not constructor arguments).
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
@@ -297,6 +299,7 @@ class SamplingParams:
                                     max_value=max_tokens),
             "prompt_logprobs": check_int("prompt_logprobs", prompt_logprobs, min_value=0,
                                          max_value=MAX_LOGPROBS, allow_none=True),
+            "response_format": None,
             "structured": structured,
             "stop_strings": (stop,) if isinstance(stop, str) else stop or (),
             "stop_ids": frozenset(ids or ()),

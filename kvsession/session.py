@@ -18,6 +18,7 @@ token prefix with the cached tokens (`Reply.diverged_at`), so it yields exactly 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import queue
@@ -40,8 +41,9 @@ from kvsession.history import (
 )
 from kvsession.metrics import RequestMetrics
 from kvsession.model.tokenizer import check_messages, message_content
-from kvsession.params import SamplingParams
+from kvsession.params import SamplingParams, StructuredOutput
 from kvsession.tiers.snapshot import messages_to_text
+from kvsession.tools import ToolSpec
 from kvsession.validation import check_bool, check_float, check_path, check_str
 
 if TYPE_CHECKING:  # the store imports this module; only the type is needed here
@@ -99,8 +101,33 @@ class TurnInfo:
     tokens: tuple[int, ...] = ()  # whose KV the session holds after the turn (its log record)
 
 
+# a session's sampling settings: its defaults and every turn's overrides (snapshots and logs
+# store them; response_format is stored as the `structured` it becomes)
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                   "stop_token_ids", "ignore_eos", "logprobs", "cache_salt")
+                   "stop_token_ids", "ignore_eos", "logprobs", "cache_salt", "min_p",
+                   "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                   "logit_bias", "response_format")
+STRUCTURED_FIELDS = ("json_schema", "regex", "grammar", "json_object", "jump_forward")
+
+
+def sampling_record(params: SamplingParams) -> dict:
+    """A session's SamplingParams as snapshots and logs store them (JSON values)."""
+    out = {k: getattr(params, k) for k in SAMPLING_FIELDS if k != "response_format"}
+    if params.logit_bias is not None:
+        out["logit_bias"] = [list(p) for p in params.logit_bias]
+    s = params.structured
+    out["structured"] = None if s is None else {k: getattr(s, k) for k in STRUCTURED_FIELDS}
+    return out
+
+
+def sampling_from_record(stored: dict) -> SamplingParams:
+    """The inverse of sampling_record (ConfigError for values SamplingParams refuses)."""
+    known = {k: v for k, v in stored.items() if k in SAMPLING_FIELDS}
+    structured = stored.get("structured")
+    if structured is not None:
+        known["structured"] = StructuredOutput(**{k: v for k, v in structured.items()
+                                                  if k in STRUCTURED_FIELDS})
+    return SamplingParams(**known)
 
 
 @dataclass(frozen=True)
@@ -126,6 +153,10 @@ def _overrides(args: dict) -> dict:
     given = {k: v for k, v in args.items()
              if k in SAMPLING_FIELDS and v is not UNSET}
     return given | args["unknown"]
+
+
+def _tool_args(args: dict) -> tuple:
+    return args["tools"], args["tool_choice"]
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -169,7 +200,7 @@ class Session:
 
     def _snapshot_meta(self) -> dict:
         return {"messages": messages_to_text(self._messages), "system": self.system,
-                "sampling": {k: getattr(self.sampling, k) for k in SAMPLING_FIELDS},
+                "sampling": sampling_record(self.sampling),
                 "history": self.history_state()}
 
     def history_state(self) -> dict:
@@ -234,9 +265,12 @@ class Session:
 
     # ---- one turn ----------------------------------------------------------------------
 
-    def _prepare(self, message, overrides: dict) -> tuple[list[dict], SamplingParams]:
+    def _prepare(self, message, overrides: dict, tools, tool_choice
+                 ) -> tuple[list[dict], SamplingParams, ToolSpec | None]:
         """Validate a turn's arguments (the caller's thread, before it takes its place in
-        the queue): a bad one fails alone and the session is unchanged."""
+        the queue): a bad one fails alone and the session is unchanged. The turn's tools are
+        the session's (rendered into its history); another list is for template history,
+        which re-renders every turn."""
         self._check_open()
         if isinstance(message, str):
             message = [{"role": "user", "content": message}]
@@ -247,16 +281,27 @@ class Session:
                               f"of them, got {message!r:.80}")
         new_msgs = check_messages(message, "message")
         params = self.sampling.with_overrides(**overrides) if overrides else self.sampling
-        return new_msgs, params
+        if tools is not UNSET and tools != self.renderer.tools and \
+                self.history is HistoryMode.APPEND:
+            raise ConfigError("tools of a session with history='append' are rendered into its "
+                              "history: give them to llm.session(tools=...), or use "
+                              "history='template' to change them per turn")
+        tools = self.renderer.tools if tools is UNSET else tools
+        spec = ToolSpec.from_args(tools, None if tool_choice is UNSET else tool_choice,
+                                  self._store.tokenizer)
+        if spec is not None:
+            params = spec.constrain(params)
+        return new_msgs, params, spec
 
-    def _start(self, new_msgs: list[dict], params: SamplingParams, on_update=None):
+    def _start(self, new_msgs: list[dict], params: SamplingParams, spec: ToolSpec | None,
+               on_update=None):
         """Render and submit. Returns (seq, turn info, future). Runs in the caller's thread,
         after the previous turn of this session finished."""
         self._check_open()
-        ids = self._store.validate_prompt(self._render_turn(new_msgs))
+        ids = self._store.validate_prompt(self._render_turn(new_msgs, spec))
         return self._store.submit_turn(self.kv, ids, params, on_update)
 
-    def _render_turn(self, new_msgs: list[dict]) -> list[int]:
+    def _render_turn(self, new_msgs: list[dict], spec: ToolSpec | None) -> list[int]:
         """The turn's prompt: append history extends the log by the template's delta for
         the messages not in it yet; template history (or a first turn, or a message shape
         the template cannot append) renders the whole conversation."""
@@ -269,18 +314,28 @@ class Session:
                 log.warning("session %s: the chat template cannot append %s after a reply "
                             "(%s); this turn re-renders the conversation", self.session_id,
                             [m["role"] for m in pending], e)
-        return self.renderer.encode(self._messages + new_msgs)
+        renderer = self.renderer
+        tools = spec.template_tools if spec is not None else None
+        if tools != renderer.tools:  # template history: this turn's own tools
+            renderer = dataclasses.replace(renderer, tools=tools)
+        return renderer.encode(self._messages + new_msgs)
 
-    def _finish(self, seq: Sequence, new_msgs: list[dict], info: TurnInfo) -> Reply:
+    def _finish(self, seq: Sequence, new_msgs: list[dict], info: TurnInfo,
+                spec: ToolSpec | None) -> Reply:
         """Record the finished turn (caller's thread; the KV went back on the engine
         thread)."""
         out = self._store.output(seq)
         reasoning, text = None, out.text
         if template_marks_reasoning(self._store.tokenizer.chat_template):
             reasoning, text = split_reasoning(out.text)
+        calls = []
+        if spec is not None:
+            text, calls = spec.parse(text)
         reply_msg = {"role": "assistant", "content": text}
         if reasoning is not None:  # what reasoning templates (Qwen3) read back
             reply_msg["reasoning_content"] = reasoning
+        if calls:  # the OpenAI shape, as a client would send it back
+            reply_msg["tool_calls"] = [c.to_dict() for c in calls]
         self._messages += new_msgs + [reply_msg]
         self._log = list(seq.token_ids)  # the prompt, and the reply as generated
         self._pending = 0
@@ -291,7 +346,7 @@ class Session:
                       # attached session KV came from its tier; prefix hits from the device
                       restored_from=(info.restored_from or "device") if cached else None,
                       diverged_at=info.diverged_at, logprobs=out.logprobs,
-                      reasoning=reasoning)
+                      reasoning=reasoning, tool_calls=calls)
         st = self.stats
         st.turns += 1
         st.prompt_tokens += seq.num_prompt_tokens
@@ -301,19 +356,23 @@ class Session:
         st.ttfts_s.append(out.metrics.ttft_s)
         return reply
 
-    def send(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET, top_k=UNSET,
-             seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET, logprobs=UNSET,
-             cache_salt=UNSET, **unknown) -> Reply:
+    def send(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET,
+             top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET,
+             logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
+             repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
+             logit_bias=UNSET, response_format=UNSET, tools=UNSET, tool_choice=UNSET,
+             **unknown) -> Reply:
         """Add `message` (a string is a user message; or a dict / list of dicts) and
         generate the assistant's reply. Blocks until done. Keyword arguments override the
         session's SamplingParams for this turn (unknown names: ConfigError)."""
-        new_msgs, params = self._prepare(message, _overrides(locals()))
+        new_msgs, params, spec = self._prepare(message, _overrides(locals()),
+                                              *_tool_args(locals()))
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
                 prev.result()
-            seq, info, fut = self._start(new_msgs, params)
-            reply = self._finish(fut.result(), new_msgs, info)
+            seq, info, fut = self._start(new_msgs, params, spec)
+            reply = self._finish(fut.result(), new_msgs, info, spec)
             self._wait_durable(self._store.commit(self, self._record_tokens(info), params))
             return reply
         finally:
@@ -346,33 +405,41 @@ class Session:
                                 f"within {DURABLE_TIMEOUT_S:.0f} s") from None
 
     async def asend(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET,
-                    top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET,
-                    ignore_eos=UNSET, logprobs=UNSET, cache_salt=UNSET, **unknown) -> Reply:
+             top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET,
+             logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
+             repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
+             logit_bias=UNSET, response_format=UNSET, tools=UNSET, tool_choice=UNSET,
+             **unknown) -> Reply:
         """`send` for asyncio: awaits the engine without blocking the event loop."""
-        new_msgs, params = self._prepare(message, _overrides(locals()))
+        new_msgs, params, spec = self._prepare(message, _overrides(locals()),
+                                              *_tool_args(locals()))
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
                 await asyncio.wrap_future(prev)
-            seq, info, fut = self._start(new_msgs, params)
-            reply = self._finish(await asyncio.wrap_future(fut), new_msgs, info)
+            seq, info, fut = self._start(new_msgs, params, spec)
+            reply = self._finish(await asyncio.wrap_future(fut), new_msgs, info, spec)
             await self._await_durable(self._store.commit(self, self._record_tokens(info), params))
             return reply
         finally:
             self._leave_turn(mine)
 
-    def stream(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET, top_k=UNSET,
-             seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET, logprobs=UNSET,
-             cache_salt=UNSET, **unknown) -> Iterator[StreamChunk]:
+    def stream(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET,
+             top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET,
+             logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
+             repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
+             logit_bias=UNSET, response_format=UNSET, tools=UNSET, tool_choice=UNSET,
+             **unknown) -> Iterator[StreamChunk]:
         """Like `send`, yielding text as it is generated; the last chunk has `.reply`."""
-        new_msgs, params = self._prepare(message, _overrides(locals()))
+        new_msgs, params, spec = self._prepare(message, _overrides(locals()),
+                                              *_tool_args(locals()))
         mine, prev = self._enqueue_turn()
         try:
             if prev is not None:
                 prev.result()
             updates: queue.SimpleQueue = queue.SimpleQueue()
             seq, info, fut = self._start(
-                new_msgs, params, on_update=lambda s: updates.put(s.num_tokens))
+                new_msgs, params, spec, on_update=lambda s: updates.put(s.num_tokens))
             fut.add_done_callback(lambda f: updates.put(None))
             decode = self._store.tokenizer.decode
             hold = max((len(s) for s in seq.params.stop_strings), default=1) - 1
@@ -386,7 +453,7 @@ class Session:
                 if len(safe) > len(sent_text) or len(ids) > sent_tokens:
                     yield StreamChunk(safe[len(sent_text):], ids[sent_tokens:])
                     sent_text, sent_tokens = safe, len(ids)
-            reply = self._finish(fut.result(), new_msgs, info)
+            reply = self._finish(fut.result(), new_msgs, info, spec)
             self._wait_durable(self._store.commit(self, self._record_tokens(info), params))
             tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
             yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)

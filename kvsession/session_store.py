@@ -52,11 +52,12 @@ from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
 from kvsession.runtime import PinHandle, Runtime
 from kvsession.session import (
-    SAMPLING_FIELDS,
     Session,
     SessionOptions,
     TurnInfo,
     common_prefix_len,
+    sampling_from_record,
+    sampling_record,
 )
 from kvsession.tiers import wal
 from kvsession.tiers.commit import Op, SessionLog
@@ -66,6 +67,7 @@ from kvsession.tiers.resume import build_plan, open_segment, open_shared
 from kvsession.tiers.snapshot import SnapshotHeader, messages_from_text, messages_to_text
 from kvsession.tiers.snapshot_read import read_header
 from kvsession.tiers.writeback import WriteOp
+from kvsession.tools import ToolSpec
 
 log = logging.getLogger("kvsession")
 # restore tokenizes a snapshot's system prompt (to share its pinned blocks); longer than this
@@ -112,7 +114,9 @@ class SessionStore:
 
     def options(self, history, tools, chat_template_kwargs) -> SessionOptions:
         """A new session's rendering and history mode (ConfigError naming a bad one)."""
-        tools, kwargs = check_template_inputs(tools, chat_template_kwargs)
+        spec = ToolSpec.from_args(tools, None, self.tokenizer)  # the template must know them
+        tools, kwargs = check_template_inputs(
+            spec.template_tools if spec is not None else None, chat_template_kwargs)
         return SessionOptions(ChatRenderer(self.tokenizer, tools, kwargs),
                               HistoryMode.parse(history))
 
@@ -244,8 +248,7 @@ class SessionStore:
                                      if pin_system else None, lock=lock, options=options)
         self._check_untrusted(path, state.tokens, state.system)
         try:  # values from the file: refused as the file's fault
-            params = SamplingParams(**{k: v for k, v in state.sampling.items()
-                                       if k in SAMPLING_FIELDS})
+            params = sampling_from_record(state.sampling)
             opts = self._stored_options(path, {
                 "mode": state.history, "log": state.tokens, "pending": state.pending,
                 "tools": state.tools, "template_kwargs": state.template_kwargs})
@@ -317,8 +320,7 @@ class SessionStore:
         if sid in self.live:
             raise ConfigError(f"session {sid!r} is live; pass restore(path, session_id=...)")
         try:  # values from the file: refused as the file's fault
-            sampling = SamplingParams(**{k: v for k, v in header.sampling.items()
-                                         if k in SAMPLING_FIELDS})
+            sampling = sampling_from_record(header.sampling)
             opts = self._stored_options(path, header.history)
             system_key = self._system_key(header.system, opts.renderer)
             messages = messages_from_text(path, header.messages)
@@ -369,8 +371,8 @@ class SessionStore:
         del history["log"]  # the record's tokens are the log in append history
         op, data = slog.record(messages_to_text(sess.messages),
                                slog.tokens if tokens is None else tokens,
-                               _sampling_fields(params), sess.system,
-                               _sampling_fields(sess.sampling), history)
+                               sampling_record(params), sess.system,
+                               sampling_record(sess.sampling), history)
         return self.rt.journal.submit(slog, op, data)
 
     def submit_turn(self, kv: SessionKV, ids: list[int], params: SamplingParams,
@@ -574,6 +576,3 @@ def _same_file(a: Path, b: Path) -> bool:
     except OSError:  # one of them does not exist (or cannot be looked at)
         return False
 
-
-def _sampling_fields(params: SamplingParams) -> dict:
-    return {k: getattr(params, k) for k in SAMPLING_FIELDS}

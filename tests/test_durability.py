@@ -571,9 +571,9 @@ def test_a_spill_between_a_turns_kv_and_its_messages_loses_nothing_at_close(
     llm = new_llm(llama_dir, sd, durability=durability)
     real_finish = Session._finish
 
-    def spill_first(self, seq, new_msgs, info):
+    def spill_first(self, seq, *args):
         on_engine(llm, lambda: llm._rt.policy.spill(self.kv, Tier.DISK))
-        return real_finish(self, seq, new_msgs, info)
+        return real_finish(self, seq, *args)
 
     with llm:
         s = llm.session(session_id="r", sampling=G)

@@ -61,7 +61,7 @@ from kvsession.tiers.snapshot import (
 # or dropped by a template: at most this many beyond one per token. It bounds the dicts a
 # header can make (a minimal message is 24 bytes of JSON but some 300 bytes of objects)
 MAX_EXTRA_MESSAGES = 4096
-MAX_SAMPLING_BYTES = 1 << 16
+MAX_SAMPLING_BYTES = 1 << 20  # a response_format's schema or grammar is in it
 MAX_GEOMETRY = 1 << 16  # layers, KV heads, head dim (far above any model)
 MAX_BLOCK_SIZE = 1024  # as EngineConfig allows
 MAX_TOKEN_ID = 1 << 31
@@ -130,6 +130,14 @@ class _Sampling(msgspec.Struct):
     ignore_eos: bool | msgspec.UnsetType = msgspec.UNSET
     logprobs: int | None | msgspec.UnsetType = msgspec.UNSET
     cache_salt: str | None | msgspec.UnsetType = msgspec.UNSET
+    min_p: float | msgspec.UnsetType = msgspec.UNSET
+    min_tokens: int | msgspec.UnsetType = msgspec.UNSET
+    repetition_penalty: float | msgspec.UnsetType = msgspec.UNSET
+    presence_penalty: float | msgspec.UnsetType = msgspec.UNSET
+    frequency_penalty: float | msgspec.UnsetType = msgspec.UNSET
+    logit_bias: list[tuple[int, float]] | None | msgspec.UnsetType = msgspec.UNSET
+    # a StructuredOutput's fields (json_schema as canonical JSON text)
+    structured: dict[str, str | bool | None] | None | msgspec.UnsetType = msgspec.UNSET
 
 
 SAMPLING_FIELD_NAMES = _Sampling.__struct_fields__
