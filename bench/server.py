@@ -1,0 +1,171 @@
+"""The agent workload (bench/agent_workload.py's conversations: a shared system prompt, each
+turn a ~128-token user or tool message and a 32-token reply) two ways, at 8 and 32
+concurrent conversations:
+
+- in process: one kvsession Session per conversation, driven from one thread each;
+- over HTTP: `python -m kvsession serve` in a subprocess, one thread per conversation
+  with the official `openai` client, stateless as every OpenAI client is (each turn re-sends
+  the whole conversation; the server maps it back onto the conversation's session).
+
+Reports the makespan ratio HTTP / in process (target: overhead <= 15%), TTFT p50 / p99
+(in process: the engine's; over HTTP: the client's, from sending the request to the first
+streamed token), and the share of prompt tokens the server reports as cached. Writes
+bench/results/server.json (+ server.png with --plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import threading
+import time
+from pathlib import Path
+
+from agent_workload import turn_messages
+from common import mid_model, pyplot, save_figure, text_of, write_result
+
+from kvsession import LLM, SamplingParams
+from kvsession.metrics import percentile
+from kvsession.serve.process import ServerProcess
+from kvsession.testing import make_tiny_model
+
+NEW_TOKENS = 32
+
+
+def engine_kwargs(args) -> dict:
+    return {"device": "cpu", "kv_cache_memory": args.kv_cache_memory,
+            "max_model_len": args.max_model_len, "max_num_seqs": 64}
+
+
+def engine_flags(kw: dict) -> list[str]:
+    return [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def run_threads(fn, n: int) -> float:
+    """fn(i) on n threads at once; the makespan."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - t0
+
+
+def in_process(model: Path, kw: dict, system: str, convs: list[list[dict]]) -> dict:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ttfts: list[float] = []
+    with LLM(model, **kw) as llm:
+        def agent(i: int) -> None:
+            with llm.session(system=system, sampling=params) as s:
+                for msg in convs[i]:
+                    ttfts.append(s.send(msg).metrics.ttft_s)
+        llm.session(system=system).close()  # warm-up: the shared system prompt's first pin
+        makespan = run_threads(agent, len(convs))
+    return {"makespan_s": makespan, "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99), "turns": len(ttfts)}
+
+
+def over_http(url: str, model_name: str, system: str, convs: list[list[dict]]) -> dict:
+    from openai import OpenAI
+
+    ttfts: list[float] = []
+    prompt, cached = [0], [0]
+    lock = threading.Lock()
+
+    def agent(i: int) -> None:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        messages = [{"role": "system", "content": system}]
+        for msg in convs[i]:
+            messages.append(msg)
+            t0, first, text = time.perf_counter(), None, []
+            for chunk in client.chat.completions.create(
+                    model=model_name, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
+                    stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True}):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first = first or time.perf_counter()
+                    text.append(chunk.choices[0].delta.content)
+                if chunk.usage is not None:
+                    with lock:
+                        prompt[0] += chunk.usage.prompt_tokens
+                        cached[0] += chunk.usage.prompt_tokens_details.cached_tokens
+            ttfts.append((first or time.perf_counter()) - t0)
+            messages.append({"role": "assistant", "content": "".join(text)})
+
+    OpenAI(base_url=f"{url}/v1", api_key="unused").chat.completions.create(
+        model=model_name, max_tokens=1, messages=[{"role": "system", "content": system},
+                                                  {"role": "user", "content": "warm up"}])
+    makespan = run_threads(agent, len(convs))
+    return {"makespan_s": makespan, "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99), "turns": len(ttfts),
+            "cached_share": cached[0] / max(prompt[0], 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", choices=["mid", "tiny"], default="mid")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system-tokens", type=int, default=1024)
+    ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--plot", action="store_true")
+    args = ap.parse_args()
+    if args.model == "mid":
+        model = mid_model()
+    else:
+        model = make_tiny_model(Path.home() / ".cache" / "kvsession" / "bench-tiny-llama")
+    kw = engine_kwargs(args)
+    with LLM(model, device="cpu", kv_cache_memory="64MiB") as probe:
+        tok = probe.tokenizer
+    system = "You are a coding agent. " + text_of(tok, random.Random(1), args.system_tokens)
+    results = {}
+    for n in args.concurrency:
+        convs = turn_messages(tok, n, args.turns)
+        local = in_process(model, kw, system, convs)
+        server = ServerProcess(model, *engine_flags(kw))
+        try:
+            http = over_http(server.url, Path(model).name, system, convs)
+        finally:
+            server.stop()
+        results[str(n)] = {"in_process": local, "http": http,
+                           "makespan_ratio": http["makespan_s"] / local["makespan_s"]}
+        print(f"{n:3d} conversations x {args.turns} turns: makespan in process "
+              f"{local['makespan_s']:.2f} s, over HTTP {http['makespan_s']:.2f} s "
+              f"(x{results[str(n)]['makespan_ratio']:.3f}); TTFT p50/p99 in process "
+              f"{local['ttft_p50_s'] * 1e3:.0f}/{local['ttft_p99_s'] * 1e3:.0f} ms, HTTP "
+              f"{http['ttft_p50_s'] * 1e3:.0f}/{http['ttft_p99_s'] * 1e3:.0f} ms; cached "
+              f"{http['cached_share']:.0%} of the prompt tokens", flush=True)
+    write_result("server", {"model": args.model, "turns": args.turns,
+                            "system_tokens": args.system_tokens, "new_tokens": NEW_TOKENS,
+                            "engine": kw, "results": results,
+                            "target_makespan_ratio": 1.15})
+    if args.plot:
+        plot(results, args)
+
+
+def plot(results: dict, args) -> None:
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
+    levels = list(results)
+    x = range(len(levels))
+    for off, (key, label) in zip((-0.2, 0.2), (("in_process", "in process (Session)"),
+                                               ("http", "HTTP (stateless OpenAI clients)")),
+                                 strict=True):
+        a.bar([i + off for i in x], [results[n][key]["makespan_s"] for n in levels], 0.4,
+              label=label)
+        b.errorbar([i + off for i in x], [results[n][key]["ttft_p50_s"] * 1e3 for n in levels],
+                   yerr=[[0] * len(levels),
+                         [(results[n][key]["ttft_p99_s"] - results[n][key]["ttft_p50_s"]) * 1e3
+                          for n in levels]], fmt="o", capsize=4, label=label)
+    for ax, title in ((a, "makespan (s)"), (b, "TTFT p50 (dot) to p99 (ms)")):
+        ax.set_xticks(list(x), [f"{n} conversations" for n in levels])
+        ax.set_title(title)
+    a.legend(fontsize=8)
+    fig.suptitle(f"agent workload, {args.turns} turns, {args.system_tokens}-token system prompt")
+    save_figure(fig, "server")
+
+
+if __name__ == "__main__":
+    main()
