@@ -16,7 +16,9 @@ bench/results/server.json (+ server.png with --plot).
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import resource
 import threading
 import time
 from pathlib import Path
@@ -41,6 +43,16 @@ def engine_flags(kw: dict) -> list[str]:
     return [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
+def process_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of this process, or of process `pid`."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_threads(fn, n: int) -> float:
     """fn(i) on n threads at once; the makespan."""
     threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
@@ -61,14 +73,18 @@ def in_process(model: Path, kw: dict, system: str, convs: list[list[dict]]) -> d
                 for msg in convs[i]:
                     ttfts.append(s.send(msg).metrics.ttft_s)
         llm.session(system=system).close()  # warm-up: the shared system prompt's first pin
+        cpu = process_cpu_s()
         makespan = run_threads(agent, len(convs))
-    return {"makespan_s": makespan, "ttft_p50_s": percentile(ttfts, 50),
+        cpu = process_cpu_s() - cpu
+    return {"makespan_s": makespan, "cpu_s": cpu, "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p99_s": percentile(ttfts, 99), "turns": len(ttfts)}
 
 
-def over_http(url: str, model_name: str, system: str, convs: list[list[dict]]) -> dict:
+def over_http(server: ServerProcess, model_name: str, system: str,
+              convs: list[list[dict]]) -> dict:
     from openai import OpenAI
 
+    url = server.url
     ttfts: list[float] = []
     prompt, cached = [0], [0]
     lock = threading.Lock()
@@ -96,8 +112,10 @@ def over_http(url: str, model_name: str, system: str, convs: list[list[dict]]) -
     OpenAI(base_url=f"{url}/v1", api_key="unused").chat.completions.create(
         model=model_name, max_tokens=1, messages=[{"role": "system", "content": system},
                                                   {"role": "user", "content": "warm up"}])
+    cpu = process_cpu_s(server.proc.pid)
     makespan = run_threads(agent, len(convs))
-    return {"makespan_s": makespan, "ttft_p50_s": percentile(ttfts, 50),
+    cpu = process_cpu_s(server.proc.pid) - cpu
+    return {"makespan_s": makespan, "cpu_s": cpu, "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p99_s": percentile(ttfts, 99), "turns": len(ttfts),
             "cached_share": cached[0] / max(prompt[0], 1)}
 
@@ -126,14 +144,15 @@ def main() -> None:
         local = in_process(model, kw, system, convs)
         server = ServerProcess(model, *engine_flags(kw))
         try:
-            http = over_http(server.url, Path(model).name, system, convs)
+            http = over_http(server, Path(model).name, system, convs)
         finally:
             server.stop()
         results[str(n)] = {"in_process": local, "http": http,
                            "makespan_ratio": http["makespan_s"] / local["makespan_s"]}
         print(f"{n:3d} conversations x {args.turns} turns: makespan in process "
               f"{local['makespan_s']:.2f} s, over HTTP {http['makespan_s']:.2f} s "
-              f"(x{results[str(n)]['makespan_ratio']:.3f}); TTFT p50/p99 in process "
+              f"(x{results[str(n)]['makespan_ratio']:.3f}); CPU in process "
+              f"{local['cpu_s']:.1f} s, server {http['cpu_s']:.1f} s; TTFT p50/p99 in process "
               f"{local['ttft_p50_s'] * 1e3:.0f}/{local['ttft_p99_s'] * 1e3:.0f} ms, HTTP "
               f"{http['ttft_p50_s'] * 1e3:.0f}/{http['ttft_p99_s'] * 1e3:.0f} ms; cached "
               f"{http['cached_share']:.0%} of the prompt tokens", flush=True)

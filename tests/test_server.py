@@ -31,8 +31,8 @@ class Server(ServerProcess):
     """The server subprocess with this module's clients."""
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", KEY),
-                             max_retries=0, timeout=60, **kw)
+        return openai.OpenAI(**{"base_url": f"{self.url}/v1", "api_key": KEY, "max_retries": 0,
+                                "timeout": 60, **kw})
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=10).json()
@@ -114,6 +114,12 @@ def test_text_completion_equals_generate(server, llm, hermes_dir):
         model=model_name(hermes_dir), prompt="the agent reads a file", max_tokens=12,
         temperature=0, stream=True) if ch.choices)
     assert streamed == want.text
+    lp = c.completions.create(model=model_name(hermes_dir), prompt="the agent reads a file",
+                              max_tokens=5, temperature=0, logprobs=2).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(x <= 0 for x in lp.token_logprobs) and all(1 <= len(t) <= 2
+                                                          for t in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)
 
 
 def test_sampling_fields_logprobs_n_stop_seed(server, hermes_dir):
@@ -300,14 +306,21 @@ def test_disconnect_mid_stream_frees_blocks(server, hermes_dir):
     baseline = server.health()["blocks_used"]
     # a stateless stream (cancelled at once) and a conversation's session turn (runs out,
     # then its session is closed): both leave no block in use
-    long = dict(model=model_name(hermes_dir), max_tokens=400, temperature=0, stream=True,
+    long = dict(model=model_name(hermes_dir), max_tokens=900, temperature=0,
                 extra_body={"ignore_eos": True})
-    with c.completions.create(prompt="the agent reads a file", **long) as s:
+    with c.completions.create(prompt="the agent reads a file", stream=True, **long) as s:
         next(iter(s))
     with c.chat.completions.create(messages=[{"role": "user", "content": "a long answer"}],
-                                   **long) as s:
+                                   stream=True, **long) as s:
         it = iter(s)
         next(it), next(it)
+    # non-streaming clients that give up (a timeout closes the connection) likewise
+    impatient = server.client(timeout=0.5)
+    for call in (lambda: impatient.completions.create(prompt="the agent reads", **long),
+                 lambda: impatient.chat.completions.create(
+                     messages=[{"role": "user", "content": "another long answer"}], **long)):
+        with pytest.raises(openai.APITimeoutError):
+            call()
     wait_until(lambda: _blocks_settled(server, baseline), what="blocks freed")
 
 

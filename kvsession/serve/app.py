@@ -229,11 +229,17 @@ class Server:
             log.info("%s: %s, %d new messages", rid, "stateless" if plan.session is None else
                      "session (continued)" if plan.reused or plan.named_len else "session (new)",
                      len(plan.new))
-            events = self._chat_events(plan, params, tool_kwargs, per_turn)
             if req.stream:
+                events = self._chat_events(plan, params, tool_kwargs, per_turn)
                 buffered = bool(req.tools) and req.tool_choice != "none"
                 return await self._chat_stream(req, rid, plan, events, slot, buffered)
-            res = await self._until_disconnect(request, plan, events, slot)
+            if plan.session is not None:  # no thread, no per-token hops: one await
+                work = self._reply(plan, turn_overrides(params, per_turn))
+                res = await self._until_disconnect(request, plan, work, slot, cancel=False)
+            else:
+                work = collect(stateless_events(self.llm, params, messages=plan.new,
+                                                tool_kwargs=tool_kwargs))
+                res = await self._until_disconnect(request, plan, work, slot)
         except BaseException:
             if not slot.handed:
                 if plan is not None:
@@ -249,16 +255,19 @@ class Server:
 
     def _chat_events(self, plan: Plan, params, tool_kwargs: dict, per_turn: dict):
         if plan.session is not None:
-            turn = SessionTurn(plan.session, plan.new, turn_overrides(params, per_turn))
-            return turn
+            return SessionTurn(plan.session, plan.new, turn_overrides(params, per_turn))
         return stateless_events(self.llm, params, messages=plan.new, tool_kwargs=tool_kwargs)
 
-    async def _until_disconnect(self, request: Request, plan: Plan, events,
-                                slot: Slot) -> P.Result:
-        """Collect the result unless the client disconnects first: then a stateless request
-        is cancelled, a session turn left to finish (its session is closed after)."""
-        source = events.events() if isinstance(events, SessionTurn) else events
-        work = asyncio.ensure_future(self._map_errors(collect(source)))
+    @staticmethod
+    async def _reply(plan: Plan, overrides: dict) -> P.Result:
+        return P.Result.of_reply(await plan.session.asend(plan.new, **overrides))
+
+    async def _until_disconnect(self, request: Request, plan: Plan, work, slot: Slot,
+                                cancel: bool = True) -> P.Result:
+        """Await `work` (a coroutine giving a Result) unless the client disconnects first:
+        then it is cancelled, or with `cancel=False` (a session turn: the Session API cannot
+        cancel one) left to finish, its session closed and its slot released after."""
+        work = asyncio.ensure_future(self._map_errors(work))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -266,11 +275,12 @@ class Server:
             gone.cancel()
         if work.done():
             return work.result()
-        if isinstance(events, SessionTurn):
-            events.discard()
-            events.settled.add_done_callback(
-                lambda _: (self.conversations.abandon(plan), slot.release()))
-            work.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if not cancel:
+            def settled(t: asyncio.Task) -> None:
+                t.cancelled() or t.exception()  # retrieved: nobody else will
+                self.conversations.abandon(plan)
+                slot.release()
+            work.add_done_callback(settled)
             slot.handed = True  # released when the turn settles (the callback above)
             raise ClientGone()
         work.cancel()
@@ -390,7 +400,8 @@ class Server:
                                       prompt=p if isinstance(p, str) else None,
                                       prompt_token_ids=None if isinstance(p, str) else p)
             plan = Plan(None, [], b"")
-            return [(p, await self._until_disconnect(request, plan, events, Slot(lambda: None)))]
+            return [(p, await self._until_disconnect(request, plan, collect(events),
+                                                     Slot(lambda: None)))]
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             outs = await self.llm.agenerate(texts, params)

@@ -19,6 +19,7 @@ import logging
 import signal
 import socket
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvicorn
@@ -80,6 +81,11 @@ def run(args, parser: argparse.ArgumentParser) -> int:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        # blocking calls (making and closing sessions, stats) run in threads: as many as
+        # requests may be in flight, so a burst of new conversations is not serialised
+        # behind asyncio's default of min(32, cores + 4)
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(
+            max_workers=args.max_concurrent_requests + 4, thread_name_prefix="kvsession-serve"))
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"{LISTENING} http://{shown}:{port}", flush=True)
