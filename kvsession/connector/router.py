@@ -86,16 +86,23 @@ class PrefixRouter:
                 del self._where[k]
 
     def matched_blocks(self, keys: Sequence[bytes]) -> dict[str, int]:
-        """Per target: how many leading keys it is believed to hold."""
+        """Per target: how many leading keys it is believed to hold (one pass over the keys,
+        stopping at the first key no target holds)."""
         depth = dict.fromkeys(self.targets, 0)
-        alive = (1 << len(self.targets)) - 1
-        for i, k in enumerate(keys):
-            alive &= self._where.get(k, 0)
-            if not alive:
-                break
-            for t, bit in self._bit.items():
-                if alive & bit:
-                    depth[t] = i + 1
+        alive, n = (1 << len(self.targets)) - 1, 0
+        for k in keys:
+            held = alive & self._where.get(k, 0)
+            if held != alive:  # some targets stop matching at key n
+                for t, bit in self._bit.items():
+                    if alive & bit and not held & bit:
+                        depth[t] = n
+                alive = held
+                if not alive:
+                    break
+            n += 1
+        for t, bit in self._bit.items():
+            if alive & bit:
+                depth[t] = n
         return depth
 
     # ---- choosing -------------------------------------------------------------------------
