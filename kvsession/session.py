@@ -343,8 +343,10 @@ class Session:
         reply = Reply(text=text, token_ids=out.token_ids, finish_reason=out.finish_reason,
                       metrics=out.metrics, prefill_tokens=seq.num_prompt_computed,
                       cached_tokens=cached,
-                      # attached session KV came from its tier; prefix hits from the device
-                      restored_from=(info.restored_from or "device") if cached else None,
+                      # attached session KV came from its tier; prefix hits from the device;
+                      # new tokens a prefill worker computed: "remote"
+                      restored_from="remote" if seq.num_remote_tokens else
+                      (info.restored_from or "device") if cached else None,
                       diverged_at=info.diverged_at, logprobs=out.logprobs,
                       reasoning=reasoning, tool_calls=calls)
         st = self.stats

@@ -141,14 +141,16 @@ def test_non_json_message_is_refused_before_it_reaches_the_engine(llama_dir, tmp
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256, host_cache_memory=0,
              session_dir=tmp_path / "sd", spill_after_s=1e-3) as llm:
         s = llm.session(sampling=SamplingParams(max_tokens=2, temperature=0.0))
-        for bad in ({"when": object()}, {"when": [1, 2.5, None]}, 5):
-            with pytest.raises(ConfigError, match=r"message\[0\]\['meta'\] must be a string"):
+        for bad in ({"when": object()}, {"when": [1, float("nan")]}, 2**70):
+            with pytest.raises(ConfigError, match=r"message\[0\]\['meta'\].* must be a JSON"):
                 s.send({"role": "user", "content": "hi", "meta": bad})
         assert s.messages == [] and s.stats.turns == 0
-        s.send({"role": "user", "content": "hi", "meta": "text is kept"})
+        # JSON data (tool calls, metadata) is kept, also through a spill to disk
+        s.send({"role": "user", "content": "hi", "meta": {"when": [1, 2.5, None]}})
         llm._rt.call(lambda: llm._rt.policy.housekeeping(s.kv.last_used + 1.0)).result()
         assert s.state == "disk"
         assert s.send("more").restored_from == "disk"
+        assert s.messages[0]["meta"] == {"when": [1, 2.5, None]}
         s.close()
 
 

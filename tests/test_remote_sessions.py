@@ -63,6 +63,7 @@ def test_follow_up_turns_move_only_their_new_tokens(llama_dir, worker):
             st0 = llm.stats().remote
             reply, want = s.send(msg), r.send(msg)
             assert reply.token_ids == want.token_ids, f"turn {k}"
+            assert reply.restored_from == "remote" and want.restored_from == "device"
             answers_in(llm, st0.prefills + 1)
             st = llm.stats().remote
             # the session's KV, attached at admission, as in the local session
