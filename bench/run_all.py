@@ -88,7 +88,8 @@ def section_agent(r) -> list[str]:
         f"- TTFT p50 / p95 (ms): kvsession {fmt(k['ttft_p50_s'] * 1e3, 0)} / "
         f"{fmt(k['ttft_p95_s'] * 1e3, 0)}, naive {fmt(n['ttft_p50_s'] * 1e3, 0)} / "
         f"{fmt(n['ttft_p95_s'] * 1e3, 0)}, best {fmt(b['ttft_p50_s'] * 1e3, 0)} / "
-        f"{fmt(b['ttft_p95_s'] * 1e3, 0)} (kvsession batches all {r['sessions']} agents' turns together)",
+        f"{fmt(b['ttft_p95_s'] * 1e3, 0)} (kvsession batches all {r['sessions']} agents' turns "
+        f"together)",
         f"- run conditions: best of {len(r['kvsession_runs'])} fresh-process kvsession runs "
         f"(append spread +-{fmt(r['kvsession_makespan_spread'] * 100, 0)}% of the median); "
         f"1-minute load average {fmt(load['start'][0], 1)} at the start, "
