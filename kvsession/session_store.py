@@ -63,7 +63,7 @@ from kvsession.tiers import wal
 from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.locks import FileLock, NoLock, lock_session
-from kvsession.tiers.resume import build_plan, open_segment, open_shared
+from kvsession.tiers.resume import build_plan, open_segment, open_shared, warm_prefix
 from kvsession.tiers.snapshot import SnapshotHeader, messages_from_text, messages_to_text
 from kvsession.tiers.snapshot_read import read_header
 from kvsession.tiers.writeback import WriteOp
@@ -257,13 +257,15 @@ class SessionStore:
         except ConfigError as e:
             raise SnapshotError(f"{path}: {e}") from None
         slog = SessionLog(path, session_id, rt.log_identity, state, scan.end)
+        shared = open_shared(disk, rt.header_fields)
+        if shared is not None and system_key is not None and system_key not in self._system_pins:
+            self._warm_system_pin(system_key, shared)  # before the pin would prefill it
         sess = self._new_session(session_id, state.system, params, system_key, messages,
                                  lock=lock, slog=slog, options=opts)
         try:
             hashes = rt.mover.block_hashes(
                 state.tokens, rt.salt_for(state.tokens, params.cache_salt))
             segment = open_segment(disk, session_id, rt.header_fields)
-            shared = open_shared(disk, rt.header_fields)
             plan = build_plan(disk, session_id, state.tokens, hashes, rt.header_fields,
                               segment, shared)
             if rt.writeback is not None:  # what is on disk is never written again
@@ -276,6 +278,18 @@ class SessionStore:
             sess.close()
             raise
         return sess
+
+    def _warm_system_pin(self, system_key: tuple[int, ...], shared) -> None:
+        """The system prompt's blocks from the directory's shared prefix store into the
+        prefix cache (tiers/resume.warm_prefix), so that pinning it reads them instead of
+        prefilling them; a damaged store only costs the prefill."""
+        rt, ids = self.rt, list(system_key)
+        hashes = rt.mover.block_hashes(ids, rt.salt_for(ids, None))
+        try:
+            rt.call(lambda: warm_prefix(rt.mover, shared, rt.disk.shared_path(), ids,
+                                        hashes)).result()
+        except SnapshotError as e:
+            log.warning("%s; the system prompt will be recomputed", e)
 
     def _stored_options(self, path: Path, history: dict | None) -> SessionOptions:
         """A snapshot's or log's history (None: written before it existed, template mode);

@@ -27,6 +27,7 @@ from kvsession.errors import SessionLockedError
 from kvsession.tiers import wal
 from kvsession.tiers.commit import GroupCommit, Op, SessionLog
 from kvsession.tiers.disk import DiskTier
+from kvsession.tiers.snapshot import messages_to_text
 from kvsession.tiers.writeback import WriteOp
 from oracle import expected_turn
 
@@ -504,8 +505,16 @@ def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path
 
         h = read_header(sd / "c.kvs")  # the blocks of the history when it was compacted
         assert snapshot_prefix(h, s.kv.tokens, 16) >= 16
-        assert len(h.token_ids) % 16 == 0 and h.messages == []  # KV only: the log has them
+        assert len(h.token_ids) % 16 == 0
+        # a whole session by itself: the conversation as the log had it when compacted
+        # (the turn whose blocks triggered it may not have been acknowledged yet)
+        text = messages_to_text(s.messages)
+        assert h.messages == text[:len(h.messages)] and len(h.messages) >= 2
+        assert h.history["mode"] == "append" and h.sampling["max_tokens"] == 4
+        assert list(s.token_ids[:len(h.history["log"])]) == h.history["log"]
+        assert h.token_ids == h.history["log"][:len(h.token_ids)]
         shutil.copytree(sd, tmp_path / "copy")
+        shutil.copy(sd / "c.kvs", tmp_path / "alone.kvs")
         held = len(s.kv.tokens) // 16 * 16
     (tmp_path / "copy" / "c.lock").unlink()
     with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
@@ -517,6 +526,12 @@ def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path
         r = s.send("and then?")
         assert r.restored_from == "disk" and r.cached_tokens == held
         assert r.token_ids == expected_turn(llm, s, before, r, G)
+    with new_llm(llama_dir, None, max_model_len=1024) as llm:  # the snapshot alone
+        s = llm.restore(tmp_path / "alone.kvs")
+        assert messages_to_text(s.messages) == h.messages
+        assert s.history_state()["mode"] == "append"
+        assert s.num_cached_tokens == len(h.token_ids)
+        assert continues_exactly(llm, s)
 
 
 def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path):
@@ -543,9 +558,14 @@ def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path
         f.unlink()
     with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024,
                  enable_prefix_caching=True) as llm:
+        llm._rt.mover.disk_read_bytes_per_s.fix(1e12)  # loading beats recomputing
         s = llm.session(session_id="p2")
         plan = llm._rt.mover.plans[s.kv]
         assert plan.from_files["shared"] == lead and plan.from_files["segment"] >= 1
+        # the system prompt was pinned again from the shared store: its pin found every
+        # full block in the prefix cache (read from .shared.seg), none prefilled
+        assert llm.stats().prefix.hit_tokens == lead * 16
+        assert llm.stats().prefix.pinned_blocks == lead
         before = s.token_ids
         r = s.send("and then?")
         assert r.restored_from == "disk"

@@ -6,8 +6,14 @@ tokens block by block, from the first block on: block i is reusable from a file 
 the file's tokens of blocks 0..i equal the log's (the KV of a position depends on every
 token before it), so the plan covers a prefix of the log's tokens and the first turn
 recomputes only the rest. Hashes are recomputed from the log's tokens by the caller, never
-read from a file. Nothing is loaded here: the tier policy decides at the first turn
-whether loading beats recomputing (costmodel.should_load), and the mover copies.
+read from a file. Nothing of the session's own KV is loaded here: the tier policy decides
+at the first turn whether loading beats recomputing (costmodel.should_load), and the mover
+copies.
+
+The one exception is a pinned system prompt (`warm_prefix`): a resumed session pins it
+again before its plan exists, and the pin would prefill it. Its blocks are loaded from the
+shared prefix store into the device's prefix cache first (when loading beats recomputing),
+so the pin finds them there and computes at most its last, partial block.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvsession.errors import SnapshotError
+from kvsession import costmodel
+from kvsession.cache.manager import Tier, Transient
+from kvsession.errors import CacheFullError, SnapshotError
 from kvsession.tiers.segments import SegmentScan, scan_segment, segment_blocks
 from kvsession.tiers.snapshot import SnapshotHeader
 from kvsession.tiers.snapshot_read import read_header
@@ -118,3 +126,43 @@ def build_plan(disk, session_id: str, tokens, hashes, header_fields: dict,
         return None
     return DiskPlan(tuple(tokens[:covered]), tuple(hashes[: covered // bs]), sources,
                     disk.log_path(session_id), kinds)
+
+
+def warm_prefix(mover, shared: SegmentScan, path: Path, tokens, hashes) -> int:
+    """Engine thread: the full blocks of `tokens` (a system prompt about to be pinned; its
+    chained `hashes`, recomputed by the caller) that the shared prefix store `shared` at
+    `path` holds, as a prefix, loaded into free device blocks and published in the prefix
+    cache, unreferenced (cached, like blocks a finished request leaves): the pin that
+    follows finds them instead of computing them. Blocks already cached are left as they
+    are; nothing is loaded when recomputing is cheaper (the cost model) or the device has
+    no free block for them. Returns the blocks read from the file. A damaged chunk is a
+    SnapshotError and leaves nothing behind (the pin then computes)."""
+    bs = mover.bs
+    tokens = list(tokens)
+    sources = segment_blocks([(shared, path)], 0, tokens, hashes, bs)
+    if not sources:
+        return 0
+    pool, manager = mover.pool, mover.manager
+    n = len(sources)
+    targets = [pool.lookup(hashes[i], tokens[i * bs:(i + 1) * bs]) for i in range(n)]
+    missing = sum(1 for t in targets if t is None)
+    if not missing:
+        return 0
+    if mover.prefill_tps is not None:
+        block_bytes = sum(t[:, :1].numel() * t.element_size()
+                          for t in mover.kv.tensors().values())
+        if not costmodel.should_load(missing * bs, block_bytes / bs,
+                                     mover.bandwidth(Tier.DISK), mover.prefill_tps.value):
+            return 0
+    staged = Transient()
+    try:
+        fresh = manager.stage(staged, targets)
+    except CacheFullError:
+        return 0
+    try:
+        wanted = [(sources[i][2], b) for i, b in enumerate(staged.blocks) if b in fresh]
+        mover.load_file_blocks(path, wanted, shared.header)
+        manager.retarget_to_indexed(staged, hashes[:n], tokens)
+    finally:
+        manager.release(staged)
+    return len(wanted)

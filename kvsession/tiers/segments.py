@@ -27,7 +27,8 @@ is cut off by the owner.
 Compaction (`compact`): when a segment fragments (blocks of histories the conversation
 left behind, or many small appends), the blocks of the session's current tokens, from its
 snapshot and its segment, are copied chunk by chunk (no decoding) into a new snapshot,
-written atomically; then the segment is removed.
+written atomically, with the session's conversation as its log says it is (the writer
+reads it: the snapshot is a whole session by itself); then the segment is removed.
 """
 
 from __future__ import annotations

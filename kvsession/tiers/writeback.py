@@ -56,6 +56,7 @@ from kvsession.tiers.segments import (
     start_bytes,
 )
 from kvsession.tiers.snapshot import MIN_LZ4_SAVING, Chunk, encode_block
+from kvsession.tiers.wal import IDENTITY_FIELDS, Identity, read_log
 
 log = logging.getLogger("kvsession")
 # how long close() waits for the writer to drain (every wait is bounded)
@@ -145,6 +146,7 @@ class WriteBehind:
         self.bs = header_fields["block_size"]
         self.locks = snapshot_locks
         self._start = start_bytes(identity_of(header_fields))
+        self._identity = Identity(**{k: header_fields[k] for k in IDENTITY_FIELDS})
         self._q: queue.Queue = queue.Queue()
         self._guard = threading.Lock()
         self._queued_bytes = 0
@@ -407,9 +409,11 @@ class WriteBehind:
                                          seg.hashes)
             n = len(sources)
             if any(p == seg.path for p, _, _ in sources):
-                fields = {**self.header_fields, "session_id": sid,
-                          "token_ids": list(seg.tokens[: n * self.bs]), "messages": [],
-                          "sampling": {}, "system": None,
+                session = self._session_fields(sid)
+                if session is None:  # no acknowledged turn yet: the segment waits
+                    return
+                fields = {**self.header_fields, **session, "session_id": sid,
+                          "token_ids": list(seg.tokens[: n * self.bs]),
                           "block_hashes": [h.hex() for h in seg.hashes[:n]]}
                 try:
                     n = compact(kvs, sources, fields)
@@ -425,6 +429,26 @@ class WriteBehind:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(seg.path)
         self._segs.pop(sid, None)
+
+    def _session_fields(self, sid: str) -> dict | None:
+        """The session as its log says it is now (messages, system prompt, sampling
+        defaults, history): what makes a compacted snapshot a whole session by itself, like
+        any other. The log is read as it stands (the commit thread only appends whole
+        records or renames a rewrite over it: a record it has not finished reads as a torn
+        tail and is left out). None when it has no acknowledged record or cannot be read."""
+        try:
+            state = read_log(self.disk.log_path(sid), expect=self._identity).state
+        except (OSError, SnapshotError) as e:
+            log.warning("compaction of session %s: its log: %s", sid, e)
+            return None
+        if state is None:
+            return None
+        append = state.history == "append"
+        return {"messages": state.messages, "system": state.system,
+                "sampling": state.sampling,
+                "history": {"mode": state.history, "log": state.tokens if append else [],
+                            "pending": state.pending, "tools": state.tools,
+                            "template_kwargs": state.template_kwargs}}
 
     def _serve(self, req: _Request) -> None:
         sid = req.session_id
