@@ -8,6 +8,13 @@
 - transformers naive: each turn re-sends the whole history to `generate`;
 - transformers best case: each conversation carries its own `past_key_values`.
 
+Replies are greedy with a logit bias on the tokenizer's 512 text ids (the same bias in
+every engine): the random model's own 32,000-id vocabulary would mostly produce ids the
+tokenizer cannot decode, replies that vanish from a re-rendered conversation. With text
+replies, re-rendering re-tokenises them differently, as with a real BPE model (template
+history diverges inside every reply; the naive peer re-sends them). `--raw-replies` runs
+the unbiased workload of results before history="append".
+
 Reports prompt tokens computed / ideal for both history modes (ideal: the tokens each turn
 adds, plus the shared system prompt once; target <= 1.01 in append mode) and vs the exact
 minimum (what any prefix cache must recompute given the prompts the mode builds), makespan
@@ -45,6 +52,15 @@ from kvsession.metrics import percentile
 from kvsession.session import common_prefix_len
 
 NEW_TOKENS = 32
+# added to the logits of the tokenizer's own text tokens: the random model's vocabulary
+# (32,000 ids) is far larger than its tokenizer's (512), and a reply of ids the tokenizer
+# cannot decode would vanish from any re-rendered conversation
+REPLY_BIAS = 100.0
+
+
+def reply_vocab(tokenizer) -> list[int]:
+    """The token ids that decode to text (the tokenizer's, less its special tokens)."""
+    return [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i])]
 
 
 def turn_messages(tokenizer, sessions: int, turns: int) -> list[list[dict]]:
@@ -60,7 +76,7 @@ def turn_messages(tokenizer, sessions: int, turns: int) -> list[list[dict]]:
     return out
 
 
-def run_kvsession(llm, system, convs, history: str):
+def run_kvsession(llm, system, convs, history: str, raw_replies: bool = False):
     """Drive one session per agent from its own thread. Accounting per turn, from the
     session's token log (`s.token_ids`: the turn's prompt then its reply):
 
@@ -77,7 +93,9 @@ def run_kvsession(llm, system, convs, history: str):
     The system prompt is computed once for every session (the pin made by the first
     session); its length counts once in the ideal, and the engine's own count of prompt
     tokens computed (`llm.stats().prefill_tokens`, which includes that pin) is the total."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    bias = None if raw_replies else dict.fromkeys(reply_vocab(llm.tokenizer), REPLY_BIAS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                            logit_bias=bias)
     turns = len(convs[0])
     ttfts = [[None] * turns for _ in convs]
     computed = [[0] * turns for _ in convs]
@@ -141,12 +159,24 @@ class FirstTokenClock:
         return scores
 
 
-def run_hf(model, tokenizer, system, convs, carry_cache: bool):
+class VocabBias:
+    """A logits processor adding REPLY_BIAS to the same ids as kvsession's logit_bias."""
+
+    def __init__(self, ids: list[int], vocab: int):
+        self.bias = torch.zeros(vocab)
+        self.bias[ids] = REPLY_BIAS
+
+    def __call__(self, input_ids, scores):
+        return scores + self.bias
+
+
+def run_hf(model, tokenizer, system, convs, carry_cache: bool, raw_replies: bool = False):
     from transformers import DynamicCache, LogitsProcessorList
 
     ttfts = [[None] * len(c) for c in convs]
     computed = 0
     state = [None] * len(convs)  # best case: (token ids so far, cache)
+    bias = VocabBias(reply_vocab(tokenizer), model.config.vocab_size)
     histories = [[{"role": "system", "content": system}] for _ in convs]
     r0, load0 = resource.getrusage(resource.RUSAGE_SELF), os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -164,12 +194,13 @@ def run_hf(model, tokenizer, system, convs, carry_cache: bool):
                     cache = DynamicCache()
             computed += len(ids) - (cache.get_seq_length() if cache is not None else 0)
             clock = FirstTokenClock()
+            procs = [clock] if raw_replies else [clock, bias]
             start = time.perf_counter()
             with torch.inference_mode():
                 out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(
                     1, len(ids), dtype=torch.long), past_key_values=cache,
                     max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-                    logits_processor=LogitsProcessorList([clock]))
+                    logits_processor=LogitsProcessorList(procs))
             ttfts[i][t] = clock.t - start
             gen = out[0, len(ids):].tolist()
             histories[i].append({"role": "assistant", "content": tokenizer.decode(gen)})
@@ -187,7 +218,7 @@ def thread_cpu_s(native_id: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def kvsession_once(sessions: int, turns: int, history: str) -> dict:
+def kvsession_once(sessions: int, turns: int, history: str, raw_replies: bool) -> dict:
     """One kvsession run in this process, with its CPU use and the machine's load."""
     path = mid_model()
     llm = LLM(path, kv_cache_memory="2GiB", max_model_len=4096, max_num_seqs=16)
@@ -198,7 +229,7 @@ def kvsession_once(sessions: int, turns: int, history: str) -> dict:
     r0, e0, s0 = resource.getrusage(resource.RUSAGE_SELF), thread_cpu_s(engine), \
         llm._rt.engine.num_steps
     load0 = os.getloadavg()[0]
-    out = run_kvsession(llm, system, convs, history)
+    out = run_kvsession(llm, system, convs, history, raw_replies)
     r1, e1 = resource.getrusage(resource.RUSAGE_SELF), thread_cpu_s(engine)
     out |= {"user_cpu_s": r1.ru_utime - r0.ru_utime, "sys_cpu_s": r1.ru_stime - r0.ru_stime,
             "engine_thread_cpu_s": e1 - e0, "steps": llm._rt.engine.num_steps - s0,
@@ -207,12 +238,14 @@ def kvsession_once(sessions: int, turns: int, history: str) -> dict:
     return out
 
 
-def kvsession_runs(sessions: int, turns: int, plan: list[str]) -> list[dict]:
+def kvsession_runs(sessions: int, turns: int, plan: list[str], raw_replies: bool
+                   ) -> list[dict]:
     """One kvsession run per entry of `plan` (a history mode), each in a fresh process."""
     out = []
     for i, history in enumerate(plan):
         proc = subprocess.run([sys.executable, __file__, "--once", "--sessions", str(sessions),
-                               "--turns", str(turns), "--history", history],
+                               "--turns", str(turns), "--history", history]
+                              + (["--raw-replies"] if raw_replies else []),
                               capture_output=True, text=True, check=True, timeout=1800)
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         r = out[-1]
@@ -251,9 +284,13 @@ def main() -> None:
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)  # one run, JSON
     ap.add_argument("--history", default="append", help=argparse.SUPPRESS)  # with --once
+    ap.add_argument("--raw-replies", action="store_true",
+                    help="no logit bias: replies of ids the tokenizer cannot decode (the "
+                         "workload before history='append'; they vanish when re-rendered)")
     args = ap.parse_args()
     if args.once:
-        print(json.dumps(kvsession_once(args.sessions, args.turns, args.history)))
+        print(json.dumps(kvsession_once(args.sessions, args.turns, args.history,
+                                        args.raw_replies)))
         return
     if args.quick:
         args.runs, args.template_runs = 1, 1
@@ -265,7 +302,7 @@ def main() -> None:
     plan = ["append"] * args.runs
     for k in range(args.template_runs):
         plan.insert(min(len(plan), 2 * k + 1), "template")
-    runs = kvsession_runs(args.sessions, args.turns, plan)
+    runs = kvsession_runs(args.sessions, args.turns, plan, args.raw_replies)
     load["after_kvsession"] = os.getloadavg()
     modes = {h: best_of([r for r in runs if r["history"] == h]) for h in ("append",
                                                                            "template")}
@@ -282,12 +319,15 @@ def main() -> None:
     convs = turn_messages(tok, args.sessions, args.turns)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
-    naive = run_hf(hf, tok, system, convs, carry_cache=False)
+    naive = run_hf(hf, tok, system, convs, carry_cache=False,
+                   raw_replies=args.raw_replies)
     load["after_hf_naive"] = os.getloadavg()
-    best = run_hf(hf, tok, system, convs, carry_cache=True)
+    best = run_hf(hf, tok, system, convs, carry_cache=True,
+                  raw_replies=args.raw_replies)
     load["after_hf_best"] = os.getloadavg()
     result = {
         "sessions": args.sessions, "turns": args.turns, "cpu_count": os.cpu_count(),
+        "replies": "any model id" if args.raw_replies else "tokenizer text ids (logit bias)",
         # 1-, 5- and 15-minute load averages: the cores are shared with other work
         "loadavg": load,
         "kvsession": ours,  # history="append" (the default)
@@ -350,6 +390,7 @@ def plot(result: dict, sessions: int, turns: int) -> None:
         per_turn = list(zip(*result[name]["ttft_s"], strict=True))
         ax.plot(range(1, turns + 1), [statistics.median(x) * 1e3 for x in per_turn],
                 marker="o", label=label)
+    ax.set_xticks(range(1, turns + 1))
     ax.set_xlabel("turn")
     ax.set_ylabel("median TTFT (ms)")
     ax.set_yscale("log")
