@@ -467,7 +467,10 @@ class SessionStore:
         it was restored from elsewhere, or another session's)."""
         self.live.pop(sess.session_id, None)
         kv = sess.kv
+        stale = None
         if not self.rt.closed:
+            if not delete:
+                stale = self._refresh_own_file(sess)
             self.rt.call(lambda: self.rt.policy.release(kv)).result()
         try:
             self._unpin_system(sess)
@@ -487,6 +490,27 @@ class SessionStore:
             lock = self._locks.pop(sess.session_id, None)
             if lock is not None:
                 lock.release()
+        if stale is not None:
+            raise stale
+
+    def _refresh_own_file(self, sess: Session) -> SnapshotError | None:
+        """durability="close": a session closed without delete that has a file in
+        session_dir (a spill wrote it, or it was resumed from it) has it rewritten with its
+        current state, so that the session `llm.sessions()` lists resumes where it was
+        closed, never at an older turn (with "turn" its log is always current). Returns the
+        error of a write that failed (raised once the session is closed)."""
+        disk = self.rt.disk
+        if disk is None or self.rt.journal is not None:
+            return None
+        own = disk.path_for(sess.session_id)
+        if not own.is_file():  # never written: nothing listed can be stale
+            return None
+        try:
+            self.rt.call(lambda: self.save(sess.kv, own)).result()
+        except SnapshotError as e:
+            return SnapshotError(f"{own} still holds an older state of session "
+                                 f"{sess.session_id!r}: {e}")
+        return None
 
     def _log_op(self, slog: SessionLog, op: Op) -> None:
         """Close or delete a log through the commit thread (after its queued records)."""

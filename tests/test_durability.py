@@ -609,3 +609,42 @@ def test_a_spill_between_a_turns_kv_and_its_messages_loses_nothing_at_close(
     with new_llm(llama_dir, sd, durability=durability) as llm:
         again = llm.session(session_id="r")
         assert again.messages == messages and continues_exactly(llm, again)
+
+
+@pytest.mark.parametrize("durability", ["turn", "close"])
+def test_a_closed_session_stays_listed_and_resumes_where_it_was_closed(llama_dir, tmp_path,
+                                                                       durability):
+    """close() frees the KV and keeps the session in session_dir at the state it was closed
+    in: with "turn" its log (always the latest acknowledged turn); with "close" the file a
+    spill wrote is rewritten first (it held an older turn: resuming it lost the turns after
+    the spill), and a session that never had a file is not written (that mode writes at
+    llm.close() and on spills). close(delete=True) removes every file of the session: log,
+    segment, snapshot, lock, and the shared prefix store once no session uses it."""
+    from kvsession.cache.manager import Tier
+
+    sd = tmp_path / "sd"
+    with new_llm(llama_dir, sd, durability=durability) as llm:
+        s = llm.session(session_id="a", system=SYSTEM, sampling=G)
+        s.send("one")
+        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.DISK))
+        s.send("two")
+        messages = s.messages
+        s.close()
+        assert llm.sessions() == ["a"]
+        t = llm.session(session_id="t", sampling=G)
+        t.send("never spilled")
+        t.close()
+        assert llm.sessions() == (["a", "t"] if durability == "turn" else ["a"])
+        again = llm.session(session_id="a")  # in the same process
+        assert again.messages == messages and continues_exactly(llm, again)
+        messages = again.messages
+        again.close()
+    with new_llm(llama_dir, sd, durability=durability) as llm:  # and in the next one
+        again = llm.session(session_id="a")
+        assert again.messages == messages and len(messages) == 7
+        assert continues_exactly(llm, again)
+        again.close(delete=True)
+        if durability == "turn":
+            llm.session(session_id="t").close(delete=True)
+        assert llm.sessions() == []
+        assert sorted(os.listdir(sd)) == []
