@@ -139,6 +139,12 @@ def test_sampling_fields_logprobs_n_stop_seed(server, hermes_dir):
     assert [ch.message.content for ch in a.choices] == [ch.message.content for ch in b.choices]
     assert len(a.choices) == 2 and a.usage.completion_tokens <= 16
     assert {ch.finish_reason for ch in a.choices} <= {"stop", "length"}
+    streamed = {}
+    for ch in c.chat.completions.create(stream=True, **kw):
+        for choice in ch.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (
+                choice.delta.content or "")
+    assert streamed == {ch.index: ch.message.content for ch in a.choices}
     full = c.chat.completions.create(model=model_name(hermes_dir), messages=msgs,
                                      max_completion_tokens=10, temperature=0)
     cut = full.choices[0].message.content[3:6]

@@ -117,7 +117,7 @@ class Server:
             code="not_found" if e.status_code == 404 else None))
 
     async def _internal_error(self, request: Request, e: Exception) -> Response:
-        log.exception("request %s failed", request.url.path)
+        # Starlette re-raises the exception after this answer: uvicorn logs its traceback
         return await self._api_error(request, P.from_engine_error(e))
 
     # ---- admission -------------------------------------------------------------------
@@ -190,6 +190,8 @@ class Server:
         tools and template kwargs belong to the session (they are rendered once, into its
         system turn); a forced tool_choice is per turn."""
         per_session, per_turn = {"sampling": params}, {}
+        if params.cache_salt is not None and "cache_salt" in SESSION_TAKES:
+            per_session["cache_salt"] = params.cache_salt  # the tenant's own blocks
         ok = params.n == 1
         for k, v in tool_kwargs.items():
             if k == "tool_choice":
@@ -307,6 +309,8 @@ class Server:
                            buffered: bool) -> Response:
         turn = events if isinstance(events, SessionTurn) else None
         source = turn.events() if turn else events
+        # choice 0's text arrives as deltas unless held back (tools) or batched (n > 1)
+        live = not buffered and (turn is not None or req.n == 1)
         first = await self._first(source)
         created, model = int(time.time()), self.model_name
         usage = req.stream_options is not None and req.stream_options.include_usage
@@ -328,7 +332,7 @@ class Server:
                     if c.index > 0:
                         yield sse(P.chat_chunk(rid, model, created, c.index,
                                                {"role": "assistant", "content": ""}))
-                    delta = {"content": c.text} if c.text and (buffered or c.index) else {}
+                    delta = {"content": c.text} if c.text and (c.index or not live) else {}
                     if c.tool_calls:
                         delta["tool_calls"] = [P.tool_call_json(t, i)
                                                for i, t in enumerate(c.tool_calls)]
