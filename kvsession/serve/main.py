@@ -74,7 +74,15 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                                                               "%(message)s")
     sock = _bind(args.host, args.port)  # before the model loads: a busy port fails fast
-    llm = LLM(args.model, **llm_kwargs(args, LLM))
+    previous = signal.signal(signal.SIGTERM, _stop)  # a SIGTERM while loading: exit 0
+    try:
+        llm = LLM(args.model, **llm_kwargs(args, LLM))
+    except _Stopped:
+        sock.close()
+        print("kvsession serve: stopped while loading", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     server = Server(llm, args.served_model_name or Path(args.model).name, args.api_key,
                     args.max_concurrent_requests, args.max_conversations,
                     args.default_max_tokens, aliases=(str(args.model),))
@@ -99,9 +107,11 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                             timeout_graceful_shutdown=int(max(1, args.shutdown_timeout_s)),
                             lifespan="on")
     uv = _Uvicorn(config, server)
-    # uvicorn re-raises the signal it shut down on once its own handlers are gone: this
-    # handler takes it, so a graceful SIGTERM exits 0 (SIGINT stays KeyboardInterrupt)
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    # until uvicorn's own handlers are in place a SIGTERM asks it to exit as soon as it
+    # runs; uvicorn re-raises the signal it shut down on once its handlers are gone, and
+    # this handler takes that too, so a graceful SIGTERM exits 0 (SIGINT stays
+    # KeyboardInterrupt)
+    previous = signal.signal(signal.SIGTERM, lambda *_: uv.handle_exit(signal.SIGTERM, None))
     try:
         uv.run(sockets=[sock])
     finally:
@@ -110,6 +120,14 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         llm.close()  # persists named sessions to --session-dir
     print("kvsession serve: stopped", flush=True)
     return 0
+
+
+class _Stopped(Exception):
+    """SIGTERM arrived before the server ran."""
+
+
+def _stop(*_) -> None:
+    raise _Stopped()
 
 
 class _Uvicorn(uvicorn.Server):
