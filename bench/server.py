@@ -247,7 +247,8 @@ def plot(results: dict, args) -> None:
                    yerr=[[0] * len(levels),
                          [(results[n][key]["ttft_p99_s"] - results[n][key]["ttft_p50_s"]) * 1e3
                           for n in levels]], fmt="o", capsize=4, label=label)
-    for ax, title in ((a, "makespan (s)"), (b, "TTFT p50 (dot) to p99 (ms)")):
+    b.set_yscale("log")
+    for ax, title in ((a, "makespan (s)"), (b, "engine TTFT p50 (dot) to p99 (ms)")):
         ax.set_xticks(list(x), [f"{n} conversations" for n in levels])
         ax.set_title(title)
     a.legend(fontsize=8)
