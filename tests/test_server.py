@@ -1,6 +1,6 @@
 """`python -m kvsession serve`, driven by clients no one here wrote: the official `openai`
 package and an agent framework (pydantic-ai), against one server subprocess on the tiny
-model (port 0; the address is read from its stdout)."""
+model (port 0; the address is read from its stdout), and a second one that is shut down."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ import json
 import re
 import signal
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+pytest.importorskip("starlette")  # the `server` extra
+pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx2")
 
 from kvsession import LLM, SamplingParams  # noqa: E402
 from kvsession.serve.flags import add_llm_flags, llm_kwargs  # noqa: E402
@@ -35,7 +38,18 @@ class Server(ServerProcess):
                                 "timeout": 60, **kw})
 
     def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=10).json()
+        return json.loads(self.http("GET", "/health")[1])
+
+    def http(self, method: str, path: str, body: bytes | None = None,
+             headers: dict | None = None) -> tuple[int, bytes]:
+        """(status, body) of a raw request (any status)."""
+        req = urllib.request.Request(f"{self.url}{path}", data=body, method=method,
+                                     headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
 
 
 def start(model: Path, tmp: Path, *extra: str) -> Server:
@@ -186,7 +200,7 @@ def test_resent_conversation_reuses_its_kv(server, hermes_dir):
         history = r.usage.prompt_tokens + r.usage.completion_tokens
         msgs += [{"role": "assistant", "content": r.choices[0].message.content},
                  {"role": "user", "content": f"now run the tests, step {turn}"}]
-    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    metrics = server.http("GET", "/metrics")[1].decode()
     hits = re.search(r"^kvsession_server_conversation_hits_total (\d+)", metrics, re.M)
     assert int(hits.group(1)) >= 5
 
@@ -381,11 +395,12 @@ def test_errors_are_openai_json_and_fail_alone(server, hermes_dir):
     with pytest.raises(openai.APIStatusError) as e:  # streamed: still an HTTP status
         list(c.chat.completions.create(model=name, messages=long, max_tokens=4, stream=True))
     assert e.value.status_code == 413
-    raw = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json",
-                     headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
-    assert raw.status_code == 400 and set(raw.json()["error"]) == {
+    status, body = server.http("POST", "/v1/chat/completions", b"{not json",
+                               {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and set(json.loads(body)["error"]) == {
         "message", "type", "param", "code"}
-    assert httpx.get(f"{server.url}/v1/nothing", timeout=10).status_code == 404
+    status, body = server.http("GET", "/v1/nothing")
+    assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
     # bad requests sent together with good ones fail alone
     def good(i):
         return c.chat.completions.create(model=name, messages=msgs, max_tokens=4,
@@ -404,7 +419,7 @@ def test_models_health_metrics(server, hermes_dir):
     assert [m.id for m in models.data] == [model_name(hermes_dir)]
     h = server.health()
     assert h["status"] == "ok" and h["blocks_total"] > 0
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = server.http("GET", "/metrics")[1].decode()
     for metric in ('kvsession_tiers_blocks_used{tier="device"}', "kvsession_prefix_hit_tokens",
                    'kvsession_spills{tier="host"}', "kvsession_latency_ttft_p99_s",
                    "kvsession_goodput_tokens_per_s", "kvsession_server_requests_in_flight",
