@@ -92,9 +92,10 @@ def in_process(model: Path, kw: dict, system: str, convs: list[list[dict]]) -> d
 def engine_ttft(url: str) -> tuple[float, float]:
     """The server's engine TTFT p50 / p99 (its /metrics: llm.stats() over its last 1,024
     requests)."""
-    import httpx2
+    import urllib.request
 
-    text = httpx2.get(f"{url}/metrics", timeout=30).text
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
     return tuple(float(re.search(rf"^kvsession_latency_ttft_{q}_s (\S+)$", text, re.M).group(1))
                  for q in ("p50", "p99"))
 
