@@ -415,6 +415,10 @@ def test_errors_are_openai_json_and_fail_alone(server, hermes_dir):
 
 
 def test_models_health_metrics(server, hermes_dir):
+    for _ in range(2):  # the second starts a new session on the pinned system prompt
+        server.client().chat.completions.create(
+            model=model_name(hermes_dir), max_tokens=2,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "m"}])
     models = server.client().models.list()
     assert [m.id for m in models.data] == [model_name(hermes_dir)]
     h = server.health()
@@ -426,6 +430,31 @@ def test_models_health_metrics(server, hermes_dir):
                    'kvsession_server_requests_total{route="/v1/chat/completions",code="200"}'):
         assert re.search(rf"^{re.escape(metric)} [0-9.e+-]+$", text, re.M), metric
     assert re.search(r"^kvsession_server_cached_tokens_total [1-9]", text, re.M)
+    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]\w*="[^"]*",?)*\})? '
+                        r'(-?[0-9.e+-]+|[+-]Inf|NaN)$')
+    for line in text.splitlines():
+        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or \
+            sample.match(line), line
+
+
+def test_conversation_key_ignores_how_a_client_sends_the_reply_back():
+    from kvsession.serve.conversations import canonical, chain
+
+    reply = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "read_file", "arguments": '{"path": "a.py", "n": 1}'}}]}
+    echoed = {"role": "assistant", "content": "", "refusal": None, "tool_calls": [
+        {"id": "other-id", "type": "function",
+         "function": {"name": "read_file", "arguments": {"n": 1, "path": "a.py"}}}]}
+    assert canonical(reply) == canonical(echoed)
+    assert canonical({"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}) == \
+        canonical({"role": "user", "content": "ab", "name": None})
+    other = {**echoed, "tool_calls": [{"function": {"name": "read_file",
+                                                    "arguments": '{"path": "b.py", "n": 1}'}}]}
+    assert canonical(reply) != canonical(other)
+    msgs = [{"role": "user", "content": "x"}, reply]
+    assert chain("", msgs)[-1] == chain("", [msgs[0], echoed])[-1] != chain("t", msgs)[-1]
 
 
 # ---- command line, shutdown --------------------------------------------------------------
@@ -456,9 +485,10 @@ def test_sigterm_finishes_in_flight_and_persists_named_sessions(hermes_dir, tmp_
     s = start(hermes_dir, tmp_path, "--session-dir", str(sessions))
     try:
         c = s.client(api_key="unused")
-        c.chat.completions.create(model=model_name(hermes_dir), max_tokens=4, temperature=0,
-                                  messages=[{"role": "user", "content": "remember me"}],
-                                  extra_body={"session_id": "keep-me"})
+        first = c.chat.completions.create(
+            model=model_name(hermes_dir), max_tokens=4, temperature=0,
+            messages=[{"role": "user", "content": "remember me"}],
+            extra_body={"session_id": "keep-me"})
         stream = c.chat.completions.create(
             model=model_name(hermes_dir), max_tokens=200, temperature=0, stream=True,
             messages=[{"role": "user", "content": "in flight"}], extra_body={"ignore_eos": True})
@@ -473,3 +503,15 @@ def test_sigterm_finishes_in_flight_and_persists_named_sessions(hermes_dir, tmp_
     assert (sessions / "keep-me.kvs").is_file()
     assert not [p for p in sessions.glob("*.kvs") if p.name != "keep-me.kvs"], \
         "conversation sessions are closed and deleted at shutdown"
+    # a new server resumes the named session from --session-dir with its KV
+    s = start(hermes_dir, tmp_path, "--session-dir", str(sessions))
+    try:
+        r = s.client(api_key="unused").chat.completions.create(
+            model=model_name(hermes_dir), max_tokens=4, temperature=0,
+            messages=[{"role": "user", "content": "still there?"}],
+            extra_body={"session_id": "keep-me"})
+        history = first.usage.prompt_tokens + first.usage.completion_tokens
+        assert r.usage.prompt_tokens > history
+        assert r.usage.prompt_tokens_details.cached_tokens >= 0.9 * history
+    finally:
+        assert s.stop() == 0, s.stderr_tail()
