@@ -383,6 +383,9 @@ def test_errors_are_openai_json_and_fail_alone(server, hermes_dir):
         c.chat.completions.create(model=name, messages=msgs, temperature=-1)
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=name, messages=msgs, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=name, messages=msgs, extra_body={"max_tokens": "x"})
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError):

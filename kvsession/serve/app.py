@@ -177,7 +177,8 @@ class Server:
         params = P.sampling_params(req, self.default_max_tokens,
                                    top if req.logprobs else None,
                                    req.response_format,
-                                   req.max_completion_tokens or req.max_tokens)
+                                   req.max_completion_tokens if req.max_completion_tokens
+                                   is not None else req.max_tokens)
         tool_kwargs = {k: getattr(req, k) for k in TOOL_ARGS if getattr(req, k) is not None}
         if tool_kwargs and not set(tool_kwargs) <= CHAT_TAKES:
             raise P.APIError(400, f"this kvsession version does not take "

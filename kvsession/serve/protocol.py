@@ -168,7 +168,8 @@ def sampling_params(req: ChatRequest | CompletionRequest, default_max_tokens: in
              "stop_token_ids": req.stop_token_ids, "logprobs": logprobs,
              "response_format": response_format}
     try:
-        return SamplingParams(max_tokens=max_tokens or default_max_tokens, n=req.n,
+        return SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                              n=req.n,
                               **{k: v for k, v in given.items() if v is not None})
     except ConfigError as e:
         raise from_engine_error(e, SAMPLING_FIELDS) from None
