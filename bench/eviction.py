@@ -32,7 +32,7 @@ from pathlib import Path
 from common import pyplot, save_figure, write_result
 
 from kvsession.cache.block_pool import BlockPool
-from kvsession.cache.eviction import EvictionPolicy
+from kvsession.cache.eviction import BOTH_ORDERS, EvictionPolicy, Order
 from kvsession.cache.hashing import CacheIdentity
 
 BS = 16
@@ -137,14 +137,17 @@ def tenants_trace(seed: int = 2, num_tenants: int = 40, num_requests: int = 1500
 
 # ---- replay through the cache layer ----------------------------------------------------------
 
-def replay(trace: Trace, capacity: int, policy: EvictionPolicy) -> float:
-    """Token hit rate of `trace` through a real BlockPool of `capacity` blocks."""
-    pool = BlockPool(capacity, BS, eviction=policy)
+def replay(trace: Trace, capacity: int, policy: EvictionPolicy,
+           orders: tuple[Order, ...] = BOTH_ORDERS) -> float:
+    """Token hit rate of `trace` through a real BlockPool of `capacity` blocks (`orders`:
+    the COST policy's orders; one order is that order alone, no shadows)."""
+    pool = BlockPool(capacity, BS, eviction=policy, orders=orders)
     hasher = CacheIdentity("bench", "float32", BS).hasher()
     hit = total = 0
     for req in trace:
         tokens = [t for block in req for t in [block] * BS]
         hashes = hasher.extend([], tokens, len(tokens), None)
+        pool.observe(hashes)  # as the scheduler does when it admits the prompt
         hits = []
         for i, h in enumerate(hashes[:capacity]):
             b = pool.lookup(h, tokens[i * BS:(i + 1) * BS])

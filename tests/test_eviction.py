@@ -64,7 +64,7 @@ def test_a_reused_block_outlives_one_off_blocks_freed_after_it():
     assert [b.block_id for b in pool.free_queue][:4] == [5, 4, 3, 2]
     held = pool.allocate(4)
     assert sorted(b.block_id for b in held) == [2, 3, 4, 5]
-    assert pool.evictions_by_reason == {"score": 4}
+    assert pool.evictions_by_reason == {"recency": 4}
     assert pool.lookup(prefix[0].block_hash, list(range(4))) is prefix[0]  # still cached
     pool.free(held)
     pool.check_integrity()

@@ -12,8 +12,9 @@ Invariants (checked by `check_integrity`):
   parent), so the eviction policy can evict leaves first.
 
 Which free block is reused next is the eviction policy's (cache/eviction.py): LRU (least
-recently freed first) or COST (the default in the engine: scan resistant and cost aware,
-leaf first). Callers free a sequence's blocks tail-first (`free(blocks)` reverses them): the
+recently freed first) or COST (the default in the engine: scan resistant, cost aware, leaf
+first, following whichever of its recency and frequency orders its shadow pools show
+hitting more). Callers free a sequence's blocks tail-first (`free(blocks)` reverses them): the
 last block of a sequence, the one least likely to be shared, goes first among equals, and a
 shared prefix survives longest.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
-from kvsession.cache.eviction import CostAwareQueue, EvictionPolicy
+from kvsession.cache.eviction import BOTH_ORDERS, DUEL_DECAY, CostAwareQueue, EvictionPolicy, Order
 from kvsession.errors import CacheFullError
 
 
@@ -34,8 +35,8 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class Block:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev", "next", "parent",
-                 "generation", "num_children", "depth", "hits", "copy_tier", "copy_cost",
-                 "heap_key", "parked_key")
+                 "generation", "num_children", "depth", "hits", "branches", "shared",
+                 "copy_tier", "copy_cost", "keys", "tick", "queue_tick")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -52,10 +53,17 @@ class Block:
         self.num_children = 0
         self.depth = 0  # position of the block in its chain (0: the first block)
         self.hits = 0  # references taken on this content since it was cached
+        # distinct continuations published under this content (a recomputed child that
+        # its ghost remembers is not a new one); `shared`: this block or a descendant has
+        # branched, i.e. it is a prefix of several different continuations
+        self.branches = 0
+        self.shared = False
         self.copy_tier: str | None = None  # the content also lives in "host" / "disk"
         self.copy_cost = 1.0  # reload cost from that copy, as a fraction of recomputing
-        self.heap_key: tuple[float, int] | None = None  # CostAwareQueue bookkeeping
-        self.parked_key: tuple[float, int] | None = None
+        # CostAwareQueue bookkeeping: priority per order, when freed, live heap entries
+        self.keys: tuple[float, ...] = ()
+        self.tick = 0
+        self.queue_tick: int | None = None
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -104,18 +112,29 @@ class FreeQueue:
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 eviction: EvictionPolicy = EvictionPolicy.LRU):
-        self.num_blocks, self.block_size = num_blocks, block_size
+                 eviction: EvictionPolicy = EvictionPolicy.LRU,
+                 orders: tuple[Order, ...] = BOTH_ORDERS, shadow: bool = False):
+        """`orders`: the COST policy's victim orders; with more than one, the pool runs a
+        metadata-only shadow pool per order and follows the better one (`observe`).
+        `shadow`: this pool is such a shadow (hashes only, no tokens, no KV)."""
+        self.num_blocks, self.block_size, self.is_shadow = num_blocks, block_size, shadow
         self.enable_caching, self.eviction = enable_caching, eviction
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: FreeQueue | CostAwareQueue = (
             FreeQueue(self.blocks) if eviction is EvictionPolicy.LRU
-            else CostAwareQueue(self.blocks, block_size, FreeQueue, num_blocks))
+            else CostAwareQueue(self.blocks, block_size, FreeQueue, num_blocks, orders))
+        # set dueling: one shadow per order replays every observed prompt; `duel_scores`
+        # are their decayed hit counts (blocks)
+        self.shadows: list[BlockPool] = []
+        if eviction is EvictionPolicy.COST and enable_caching and len(orders) > 1:
+            self.shadows = [BlockPool(num_blocks, block_size, True, eviction, (o,), True)
+                            for o in orders]
+        self.duel_scores = [0.0] * len(self.shadows)
         self.index: dict[bytes, Block] = {}
         self.num_evictions = 0
         # evicted cached content, by where a copy of it survives ("none", "host", "disk"),
-        # and by why it was the victim ("lru"; "score": the cheapest leaf; "non_leaf":
-        # only prefixes of blocks in use were free)
+        # and by why it was the victim ("lru"; "recency" / "frequency": the cheapest leaf
+        # in that order; "non_leaf": only prefixes of blocks in use were free)
         self.evictions_by_copy: Counter[str] = Counter()
         self.evictions_by_reason: Counter[str] = Counter()
         # ghosts: the hit counts of recently evicted content (hash -> hits), at most one
@@ -148,7 +167,7 @@ class BlockPool:
         if b.block_hash is not None:
             del self.index[b.block_hash]
             if self.eviction is EvictionPolicy.COST:
-                self.ghosts[b.block_hash] = b.hits
+                self.ghosts[b.block_hash] = (b.hits, b.shared)
                 if len(self.ghosts) > self.num_blocks:
                     self.ghosts.popitem(last=False)
             b.block_hash = b.token_ids = None
@@ -163,6 +182,7 @@ class BlockPool:
                         self.free_queue.leaf(parent)
         b.generation += 1
         b.parent, b.num_children, b.depth, b.hits = None, 0, 0, 0
+        b.branches, b.shared = 0, False
         b.copy_tier, b.copy_cost = None, 1.0
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -200,7 +220,8 @@ class BlockPool:
             return
         b.block_hash, b.token_ids = block_hash, tuple(token_ids)
         self.index[block_hash] = b
-        b.hits = self.ghosts.pop(block_hash, 0) + 1
+        ghost = self.ghosts.pop(block_hash, None)
+        b.hits, b.shared = (ghost[0] + 1, ghost[1]) if ghost is not None else (1, False)
         parent = self.index.get(parent_hash) if parent_hash is not None else None
         if parent is not None:
             b.parent, b.depth = (parent, parent.generation), parent.depth + 1
@@ -210,6 +231,20 @@ class BlockPool:
                 # continuations (a one-off query under a shared system prompt) does not.
                 b.hits = max(b.hits, parent.hits)
             parent.num_children += 1
+            if ghost is None:  # a new continuation, not the old one computed again
+                parent.branches += 1
+            if parent.branches >= 2 or b.shared:
+                self._mark_shared(parent)
+
+    @staticmethod
+    def _mark_shared(b: Block | None) -> None:
+        """`b` branched: it and its cached ancestors are shared prefixes. Amortised O(1):
+        each content is marked once, and the walk stops at a marked ancestor."""
+        while b is not None and not b.shared:
+            b.shared = True
+            parent = b.parent
+            b = parent[0] if parent is not None and parent[0].generation == parent[1] \
+                else None
 
     def note_copy(self, blocks: Iterable[Block], tier: str, copy_cost: float) -> None:
         """The content of `blocks` (about to be freed) now also lives in `tier`, from where
@@ -217,6 +252,40 @@ class BlockPool:
         for b in blocks:
             if b.block_hash is not None:
                 b.copy_tier, b.copy_cost = tier, min(max(copy_cost, 0.0), 1.0)
+
+    def observe(self, block_hashes: Sequence[bytes]) -> None:
+        """A prompt with these full-block hashes was admitted: replay it through each
+        shadow (as if alone: hit the cached prefix, compute and publish the rest, free it)
+        and follow the order whose shadow has hit more blocks recently. No-op without
+        shadows."""
+        if not self.shadows:
+            return
+        for i, shadow in enumerate(self.shadows):
+            self.duel_scores[i] = self.duel_scores[i] * DUEL_DECAY + shadow._replay(
+                block_hashes)
+        q = self.free_queue
+        lead = q.orders.index(q.leader)
+        best = max(range(len(self.shadows)), key=self.duel_scores.__getitem__)
+        if self.duel_scores[best] > self.duel_scores[lead]:
+            q.leader = q.orders[best]
+
+    def _replay(self, block_hashes: Sequence[bytes]) -> int:
+        """One prompt through a shadow (holds no references between prompts): the number
+        of leading blocks it hit."""
+        n = min(len(block_hashes), self.num_blocks)
+        hits = []
+        for h in block_hashes[:n]:
+            b = self.index.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.touch(hits)
+        blocks = hits + self.allocate(n - len(hits))
+        for i in range(len(hits), n):
+            self.cache_full_block(blocks[i], block_hashes[i], (),
+                                  block_hashes[i - 1] if i else None)
+        self.free(blocks)
+        return len(hits)
 
     def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> Block | None:
         """The cached block with this hash *and* these exact tokens, else None. Does not
@@ -240,7 +309,8 @@ class BlockPool:
             if b.block_hash is not None and self.index.get(b.block_hash) is not b:
                 raise AssertionError(f"hashed block missing from index: {b}")
         for h, b in self.index.items():
-            if b.block_hash != h or b.token_ids is None or len(b.token_ids) != self.block_size:
+            if b.block_hash != h or b.token_ids is None or \
+                    len(b.token_ids) != (0 if self.is_shadow else self.block_size):
                 raise AssertionError(f"index entry inconsistent: {b}")
         children = Counter(b.parent[0].block_id for b in self.blocks if b.parent is not None
                            and b.parent[0].generation == b.parent[1])
@@ -248,3 +318,8 @@ class BlockPool:
             if b.num_children != children[b.block_id]:
                 raise AssertionError(f"{b}: counts {b.num_children} cached children, "
                                      f"{children[b.block_id]} link to it")
+            if b.shared and b.parent is not None and b.parent[0].generation == \
+                    b.parent[1] and not b.parent[0].shared:
+                raise AssertionError(f"{b} is a shared prefix, its cached parent is not")
+        for shadow in self.shadows:
+            shadow.check_integrity()

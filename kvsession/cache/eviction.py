@@ -5,13 +5,25 @@ revived one, `popleft` the victim, iterate in eviction order):
 
 - LRU (`block_pool.FreeQueue`): least recently freed first. Simple, but a scan of one-off
   prompts larger than the pool flushes every reused prefix.
-- COST (`CostAwareQueue`, the engine's default): scan resistant, cost aware, leaf first.
-  A freed block gets the priority `H = clock + value`, `value = min(hits, 2) * cost`; the
-  victim is the block with the lowest H. The clock is logical time: it advances by one
-  every `2 * num_blocks` blocks freed, so a block that is not referenced again ages out
-  after about two pool turnovers (recency), a block that was reused survives one more
-  (frequency: a one-off scan leaves before a prefix that was hit, so a scan larger than
-  the pool cannot flush it), and a block that is expensive to get back survives longer.
+- COST (`CostAwareQueue`, the engine's default): scan resistant, cost aware, leaf first,
+  and adaptive between recency and frequency.
+  A freed block gets one priority per *order*, `H = clock + value`, `value = f(hits) *
+  cost`; the victim is the block with the lowest H in the leading order. The clock is
+  logical time: it advances by one every `turnovers * num_blocks` cached blocks freed.
+  Two orders, because which signal predicts reuse depends on the workload:
+  - RECENCY (2 turnovers per clock unit, hits counted up to 2): a block not referenced
+    again ages out after about two pool turnovers, a reused block survives one more (so a
+    one-off scan larger than the pool cannot flush a prefix that was hit), and a shared
+    prefix (one that has branched into different continuations: a system prompt, a tool
+    schema) counts its hits on a log scale (`log2(1 + hits)`), so it outlives a private
+    history. Right for agent sessions: bursts of turns, then never again.
+  - FREQUENCY (1 turnover per clock unit, hits uncounted: all of them): what was reused
+    often stays, however long ago; the clock only retires what stopped being used
+    (LFU with dynamic aging, GDSF). Right for independent references over a long tail
+    (Mooncake-style conversations with Zipf popularity), where recency says little.
+  The pool replays every prompt's block hashes through two metadata-only shadow pools,
+  one per order (BlockPool.observe), and follows the order whose shadow hit more blocks
+  over the recent prompts (exponentially weighted, about the last 200): set dueling.
   `cost` is the reload cost relative to recomputing a block at position 0: recomputing
   grows with the block's position (attention over the prefix; the quadratic knee of
   docs/cost-model.md), and a block whose content also lives in the host or disk tier costs
@@ -20,16 +32,15 @@ revived one, `popleft` the victim, iterate in eviction order):
   and in-use blocks are never victims.
   Leaf-first: a cached block with cached children is *parked*, not a candidate, until its
   last cached child is evicted: a prefix is never evicted while a block that depends on it
-  survives. A parked block keeps the priority it got when freed, so a dead chain drains
+  survives. A parked block keeps the priorities it got when freed, so a dead chain drains
   tail first without fresh leases. Free blocks without content are always reused first.
   Frequency of new content: a block that extends a chain end (a conversation's next turn)
   starts with its parent's hit count, a block branching off a prefix that already has
-  continuations (a one-off query under a shared system prompt) with 1
-  (BlockPool.cache_full_block).
-  The constants (2 turnovers, hits capped at 2) were chosen on bench/eviction.py's traces:
-  a stronger frequency term (no cap) gains 1-2 points on a Zipf conversation trace but
-  loses up to 3 points to LRU on agent traces with a tight pool; see docs/benchmarks.md.
-  Operations are O(log n) (a heap with lazy deletion).
+  continuations (a one-off query under a shared system prompt) with 1; content computed
+  again while its ghost remembers it keeps its count (BlockPool.cache_full_block).
+  The constants were chosen on bench/eviction.py's traces (docs/benchmarks.md).
+  Operations are O(log n) (one heap per order, lazy deletion); a shadow costs the same
+  per prompt block as the real pool.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -48,8 +60,9 @@ if TYPE_CHECKING:  # block_pool imports this module
 # attention makes recomputing a token at position p cost ~(1 + p / knee) times one at
 # position 0 (the same knee as costmodel.recompute_ms; docs/cost-model.md)
 POSITION_KNEE_TOKENS = 32768
-TURNOVERS_PER_CLOCK_UNIT = 2  # pool turnovers (blocks freed / pool size) per clock unit
-MAX_COUNTED_HITS = 2
+MAX_COUNTED_HITS = 2  # the recency order's cap on a private block's hit count
+# the shadows' hit counts decay by this factor per observed prompt (a memory of ~200)
+DUEL_DECAY = 0.995
 
 
 class EvictionPolicy(enum.Enum):
@@ -57,29 +70,55 @@ class EvictionPolicy(enum.Enum):
     COST = "cost"
 
 
+class Order(enum.Enum):
+    """A victim order of the COST policy (also the reason recorded for its evictions)."""
+
+    RECENCY = "recency"
+    FREQUENCY = "frequency"
+
+
+# pool turnovers (cached blocks freed / pool size) per clock unit
+TURNOVERS_PER_CLOCK_UNIT = {Order.RECENCY: 2, Order.FREQUENCY: 1}
+BOTH_ORDERS = (Order.RECENCY, Order.FREQUENCY)
+
+
 class CostAwareQueue:
     def __init__(self, blocks, block_size: int, free_queue_type: type[FreeQueue],
-                 num_blocks: int):
+                 num_blocks: int, orders: tuple[Order, ...] = BOTH_ORDERS):
         self.block_size = block_size
-        self._frees_per_unit = TURNOVERS_PER_CLOCK_UNIT * max(num_blocks, 1)
+        self.orders = orders
+        self.leader = orders[0]  # the order victims are taken in
+        self._frees_per_unit = [TURNOVERS_PER_CLOCK_UNIT[o] * max(num_blocks, 1)
+                                for o in orders]
         self.uncached = free_queue_type(())  # no content: reused first, FIFO
-        self._heap: list[tuple[float, int, Block]] = []  # (H, tick, block): cached leaves
+        # per order: (H, tick, block) of cached leaves; an entry is live while its block's
+        # queue_tick equals its tick (lazy deletion)
+        self._heaps: list[list[tuple[float, int, Block]]] = [[] for _ in orders]
         self._parked: dict[int, Block] = {}  # cached free blocks with cached children
         self._ticks = itertools.count()
-        self.clock = 0.0  # logical time, in units of TURNOVERS_PER_CLOCK_UNIT pool turnovers
         self._frees = 0
         self.num_blocks = 0
-        self.last_reason = "score"  # why the last victim was chosen (stats)
+        self.last_reason = orders[0].value  # why the last victim was chosen (stats)
         for b in blocks:
             self.append(b)
 
-    def value(self, b: Block) -> float:
-        """hits x reload cost: what evicting the block is expected to cost."""
-        return min(b.hits, MAX_COUNTED_HITS) * self.cost(b)
+    def value(self, b: Block, order: Order = Order.RECENCY) -> float:
+        """f(hits) x reload cost: what evicting the block is expected to cost, in clock
+        units of `order`."""
+        if order is Order.FREQUENCY:
+            counted = float(b.hits)
+        else:
+            counted = min(b.hits, MAX_COUNTED_HITS)
+            if b.shared:  # a prefix of several continuations: its hits count, damped
+                counted = max(counted, math.log2(1 + b.hits))
+        return counted * self.cost(b)
 
     def cost(self, b: Block) -> float:
         recompute = 1.0 + b.depth * self.block_size / POSITION_KNEE_TOKENS
         return recompute * (b.copy_cost if b.copy_tier is not None else 1.0)
+
+    def clock(self, order: Order) -> float:
+        return self._frees / self._frees_per_unit[self.orders.index(order)]
 
     # ---- the free-queue interface --------------------------------------------------------
 
@@ -88,22 +127,24 @@ class CostAwareQueue:
         self.num_blocks += 1
         if b.block_hash is None:
             self.uncached.append(b)
-            b.heap_key = None
+            b.queue_tick = None
+            return
+        # priced when freed; a parked block keeps that price until it becomes a leaf
+        # (re-pricing it then would give every block of a dead chain a fresh lease)
+        self._frees += 1
+        b.keys = tuple(self._frees / per + self.value(b, o)
+                       for o, per in zip(self.orders, self._frees_per_unit, strict=True))
+        b.tick = next(self._ticks)
+        if b.num_children:
+            self._parked[b.block_id] = b
+            b.queue_tick = None
         else:
-            # priced when freed; a parked block keeps that price until it becomes a leaf
-            # (re-pricing it then would give every block of a dead chain a fresh lease)
-            self._frees += 1
-            self.clock = self._frees / self._frees_per_unit
-            key = (self.clock + self.value(b), next(self._ticks))
-            if b.num_children:
-                self._parked[b.block_id] = b
-                b.heap_key, b.parked_key = None, key
-            else:
-                self._push(b, key)
+            self._push(b)
 
-    def _push(self, b: Block, key: tuple[float, int]) -> None:
-        b.heap_key = key
-        heapq.heappush(self._heap, (*key, b))
+    def _push(self, b: Block) -> None:
+        b.queue_tick = b.tick
+        for heap, key in zip(self._heaps, b.keys, strict=True):
+            heapq.heappush(heap, (key, b.tick, b))
 
     def remove(self, b: Block) -> None:
         """`b` is referenced again (a prefix hit, a fork): it leaves the queue."""
@@ -111,19 +152,20 @@ class CostAwareQueue:
         if b in self.uncached:
             self.uncached.remove(b)
         elif self._parked.pop(b.block_id, None) is None:
-            b.heap_key = None  # its heap entry is stale now; dropped when it surfaces
+            b.queue_tick = None  # its heap entries are stale now; dropped when they surface
         self._compact()
 
     def popleft(self) -> Block:
-        """The victim: a block without content, else the cheapest leaf."""
+        """The victim: a block without content, else the leading order's cheapest leaf."""
         if self.uncached.num_blocks:
             self.num_blocks -= 1
             return self.uncached.popleft()
-        while self._heap:
-            h, tick, b = heapq.heappop(self._heap)
-            if b.heap_key == (h, tick):
-                b.heap_key = None
-                self.last_reason = "score"
+        heap = self._heaps[self.orders.index(self.leader)]
+        while heap:
+            _, tick, b = heapq.heappop(heap)
+            if b.queue_tick == tick:
+                b.queue_tick = None
+                self.last_reason = self.leader.value
                 self.num_blocks -= 1
                 return b
         if self._parked:  # only non-leaves are free: their children are all in use
@@ -136,14 +178,15 @@ class CostAwareQueue:
     def leaf(self, b: Block) -> None:
         """`b`'s last cached child was evicted: a parked block becomes a candidate."""
         if self._parked.pop(b.block_id, None) is not None:
-            self._push(b, b.parked_key)
+            self._push(b)
 
     def __iter__(self) -> Iterator[Block]:
         """The eviction order if nothing else happened: blocks without content, then the
-        leaves by priority, each prefix entering when its last cached child has gone
-        (blocks whose descendants are in use last)."""
+        leaves by the leading order's priority, each prefix entering when its last cached
+        child has gone (blocks whose descendants are in use last)."""
         yield from self.uncached
-        heap = [e for e in self._heap if e[2].heap_key == (e[0], e[1])]
+        i = self.orders.index(self.leader)
+        heap = [(b.keys[i], tick, b) for _, tick, b in self._heaps[i] if b.queue_tick == tick]
         heapq.heapify(heap)
         parked = dict(self._parked)
         remaining: dict[int, int] = {}
@@ -157,14 +200,15 @@ class CostAwareQueue:
                                                                  p.num_children) - 1
                     if left == 0:
                         del parked[p.block_id]
-                        heapq.heappush(heap, (*p.parked_key, p))
+                        heapq.heappush(heap, (p.keys[i], p.tick, p))
         yield from parked.values()
 
     def __contains__(self, b: Block) -> bool:
-        return b in self.uncached or b.heap_key is not None or b.block_id in self._parked
+        return b in self.uncached or b.queue_tick is not None or b.block_id in self._parked
 
     def _compact(self) -> None:
-        """Rebuild the heap when stale entries dominate (keeps memory O(free blocks))."""
-        if len(self._heap) > 64 and len(self._heap) > 2 * self.num_blocks:
-            self._heap = [e for e in self._heap if e[2].heap_key == (e[0], e[1])]
-            heapq.heapify(self._heap)
+        """Rebuild the heaps when stale entries dominate (keeps memory O(free blocks))."""
+        for i, heap in enumerate(self._heaps):
+            if len(heap) > 64 and len(heap) > 2 * self.num_blocks:
+                self._heaps[i] = [e for e in heap if e[2].queue_tick == e[1]]
+                heapq.heapify(self._heaps[i])

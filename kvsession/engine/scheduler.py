@@ -187,6 +187,8 @@ class Scheduler:
             return None
         num_full = num_cached // self.pool.block_size
         self.prefix.mark_pending(seq.seq_id, seq.block_hashes[num_full:])
+        if not attached:  # the eviction policy's shadows replay each admitted prompt
+            self.pool.observe(seq.block_hashes[:(seq.num_tokens - 1) // self.pool.block_size])
         self.manager.attach(seq, hits)
         self.manager.allocate_slots(seq, num_new_blocks)
         seq.num_computed_tokens = num_cached
