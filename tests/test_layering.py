@@ -3,7 +3,9 @@
 model or the API; the connector package (protocol and NIXL helpers) is library code below
 the API (the prefill worker, `kvsession.worker`, is an application); the HTTP server,
 `kvsession.serve`, is an application over the public API only: it imports nothing but
-`kvsession`'s public names and itself. Read from the source
+`kvsession`'s public names, itself and `kvsession.routing` (the bounded-load affinity
+router, pure code under every layer that imports nothing of kvsession but its errors, so
+the connector and the server share it). Read from the source
 (imports inside functions and relative imports included), so a lazy or relative import
 cannot slip an upward edge past the rule."""
 
@@ -35,6 +37,7 @@ FORBIDDEN = {
     "kvsession.tiers": {"kvsession.engine", "kvsession.model", "kvsession.connector", *API},
     "kvsession.connector": {"kvsession.engine", "kvsession.model", *API},
 }
+NEUTRAL = {"kvsession.routing"}  # imports nothing of kvsession but kvsession.errors
 
 
 def modules():
@@ -50,8 +53,10 @@ def modules():
 MODULES = {m for m, _ in modules()}
 # the server sits on top: every kvsession module but the package itself (its public names)
 # and the server's own modules is off limits to it
-FORBIDDEN["kvsession.serve"] = {m for m in MODULES
-                                if m != "kvsession" and not m.startswith("kvsession.serve")}
+FORBIDDEN["kvsession.serve"] = {m for m in MODULES if m != "kvsession" and m not in NEUTRAL
+                                and not m.startswith("kvsession.serve")}
+for _m in NEUTRAL:
+    FORBIDDEN[_m] = {m for m in MODULES if m != "kvsession.errors" and m != _m} | {"kvsession"}
 
 
 def package_of(module: str, path: Path) -> str:

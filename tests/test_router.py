@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from kvsession.connector.router import PrefixRouter, Route
 from kvsession.errors import ConfigError
+from kvsession.routing import PrefixRouter, Route
 
 
 def chain(*blocks: str) -> list[bytes]:

@@ -48,9 +48,9 @@ from kvsession.connector.base import (
     decode,
     encode,
 )
-from kvsession.connector.router import PrefixRouter
 from kvsession.costmodel import RateEstimator
 from kvsession.errors import ConfigError
+from kvsession.routing import PrefixRouter
 
 log = logging.getLogger("kvsession")
 

@@ -28,7 +28,13 @@ from starlette.routing import Route
 
 from kvsession import LLM, KVSessionError
 from kvsession.serve import protocol as P
-from kvsession.serve.conversations import SEND_TAKES, SESSION_TAKES, Conversations, Plan
+from kvsession.serve.conversations import (
+    SEND_TAKES,
+    SESSION_TAKES,
+    Conversations,
+    Plan,
+    conversation_salt,
+)
 from kvsession.serve.prometheus import CONTENT_TYPE, Exposition
 from kvsession.serve.runs import SessionTurn, Slot, collect, stateless_events, turn_overrides
 
@@ -212,10 +218,7 @@ class Server:
         req: P.ChatRequest = await self._body(request, P.ChatRequest)
         params, tool_kwargs = self._chat_params(req)
         session_id = req.session_id or request.headers.get("x-session-id")
-        # what shapes the rendered conversation besides its messages (not tool_choice: a
-        # conversation may force a call on one turn and not the next)
-        salt = json.dumps([req.tools, req.chat_template_kwargs, req.cache_salt],
-                          sort_keys=True, default=str)
+        salt = conversation_salt(req.tools, req.chat_template_kwargs, req.cache_salt)
         per_session, per_turn, can_session = self._session_kwargs(params, tool_kwargs)
         if session_id is not None and not can_session:
             raise P.APIError(400, "a named session takes one completion (n=1) and the "

@@ -92,6 +92,21 @@ def chain(salt: str, messages: list[dict]) -> list[bytes]:
     return out
 
 
+def conversation_salt(tools, chat_template_kwargs, cache_salt) -> str:
+    """What shapes a rendered conversation besides its messages (not tool_choice: a
+    conversation may force a call on one turn and not the next)."""
+    return json.dumps([tools, chat_template_kwargs, cache_salt], sort_keys=True, default=str)
+
+
+def conversation_keys(messages: list[dict], tools=None, chat_template_kwargs=None,
+                      cache_salt=None) -> list[bytes]:
+    """The keys a chat request's conversation is filed and looked up under: key i names its
+    first i messages (key 0: no message, only the salt). A replica router computes them
+    from the request body to find the replica holding a conversation
+    (kvsession/serve/router.py)."""
+    return chain(conversation_salt(tools, chat_template_kwargs, cache_salt), messages)
+
+
 def extend(h: bytes, m: dict) -> bytes:
     return hashlib.sha256(h + canonical(m).encode()).digest()
 
@@ -136,6 +151,27 @@ class Conversations:
     @property
     def num_sessions(self) -> int:
         return len(self._auto) + len(self._named)
+
+    def filed_keys(self) -> list[bytes]:
+        """The conversation keys idle Sessions are filed under (a replica's summary)."""
+        return list(self._auto)
+
+    def named_ids(self) -> list[str]:
+        """The named sessions open here."""
+        return list(self._named)
+
+    async def release(self, session_id: str) -> bool:
+        """Close an open named session that has no turn running, so that another process
+        can resume it from --session-dir (its lock is released once this returns). True
+        when it is not open here (any more); False when a turn holds it."""
+        entry = self._named.get(session_id)
+        if entry is None:
+            return True
+        if entry.lock.locked():
+            return False
+        del self._named[session_id]
+        await asyncio.to_thread(entry.session.close, delete=False)
+        return True
 
     # ---- planning --------------------------------------------------------------------
 

@@ -1,9 +1,12 @@
-"""Prefix-affinity routing with bounded load: which of several targets (prefill workers;
-later engine replicas) takes a request.
+"""Prefix-affinity routing with bounded load: which of several targets (prefill workers,
+engine replicas behind `python -m kvsession serve --replicas N`) takes a request.
 
-Inputs are plain: a request's keys (the chain hashes of its full blocks, in order: key i
-identifies the whole prefix up to block i) and the targets' current loads (requests in
-flight). Nothing here knows about NIXL, sockets or the engine.
+Inputs are plain: a request's keys (chain hashes, in order: key i identifies the whole
+prefix up to piece i; the pieces are KV blocks for prefill workers, messages for
+conversations) and the targets' current loads (requests in flight). Nothing here knows
+about NIXL, sockets, HTTP or the engine, and the module imports nothing of kvsession but
+its errors: the connector (library code) and the server (an application over the public
+API) both use it, so it sits below both (tests/test_layering.py).
 
 Affinity: the router remembers which target was sent which keys (a bounded LRU of key ->
 set of targets). A target that was sent the first d keys of a request probably still has
@@ -107,14 +110,29 @@ class PrefixRouter:
 
     # ---- choosing -------------------------------------------------------------------------
 
-    def ranked(self, keys: Sequence[bytes], eligible: Collection[str] | None = None
-               ) -> list[tuple[str, int]]:
+    def discard(self, target: str, keys: Collection[bytes]) -> None:
+        """`target` no longer holds these keys (it reported them evicted)."""
+        keep = ~self._bit[target]
+        for k in keys:
+            m = self._where.get(k)
+            if m is None:
+                continue
+            if m & keep:
+                self._where[k] = m & keep
+            else:
+                del self._where[k]
+
+    def ranked(self, keys: Sequence[bytes], eligible: Collection[str] | None = None,
+               depth: Mapping[str, int] | None = None) -> list[tuple[str, int]]:
         """(target, matched blocks), most preferred first: deepest match, then rendezvous
-        order on the first key (the target name alone when there are no keys)."""
-        depth = self.matched_blocks(keys)
+        order on the first key (the target name alone when there are no keys). `depth`:
+        the caller's own per-target match (what the targets reported holding), used
+        instead of `matched_blocks` when given."""
+        if depth is None:
+            depth = self.matched_blocks(keys)
         first = keys[0] if keys else b""
         names = self.targets if eligible is None else [t for t in self.targets if t in eligible]
-        return sorted(((t, depth[t]) for t in names),
+        return sorted(((t, depth.get(t, 0)) for t in names),
                       key=lambda td: (td[1], _score(first, td[0])), reverse=True)
 
     def cap(self, total_load: int, num_eligible: int) -> int:
@@ -122,11 +140,12 @@ class PrefixRouter:
         return max(1, math.ceil(self.load_bound * (total_load + 1) / num_eligible))
 
     def choose(self, keys: Sequence[bytes], loads: Mapping[str, int],
-               eligible: Collection[str] | None = None) -> Route | None:
+               eligible: Collection[str] | None = None,
+               depth: Mapping[str, int] | None = None) -> Route | None:
         """The target for a request with these keys; None when no target is eligible.
-        `loads`: requests in flight per target (missing: 0). Records nothing: call `record`
-        once the request is really sent."""
-        order = self.ranked(keys, eligible)
+        `loads`: requests in flight per target (missing: 0); `depth`: as for `ranked`.
+        Records nothing: call `record` once the request is really sent."""
+        order = self.ranked(keys, eligible, depth)
         if not order:
             return None
         total = sum(loads.get(t, 0) for t, _ in order)
