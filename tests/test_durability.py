@@ -481,6 +481,35 @@ def test_blocks_are_written_behind_once_and_reused_after_a_restart(llama_dir, tm
         assert wb.blocks_written == len(s.kv.tokens) // 16 - held // 16
 
 
+def test_segments_are_synced_in_bulk_and_when_idle_not_after_every_turn(llama_dir, tmp_path,
+                                                                       monkeypatch):
+    """An fdatasync commits the file system's journal, which the logs' fdatasyncs (what a
+    turn waits for) queue behind: the writer syncs a segment after SYNC_BYTES, when idle,
+    and on request (flush, close), never per turn."""
+    import time
+
+    from kvsession.tiers.writeback import WriteBehind
+
+    monkeypatch.setattr(WriteBehind, "IDLE_SYNC_S", 3600.0)
+    with new_llm(llama_dir, tmp_path / "a") as llm:
+        sessions = [llm.session(session_id=f"s{i}", sampling=G) for i in range(3)]
+        for t in range(2):
+            for s in sessions:
+                s.send(f"turn {t}: " + "read the file and run the tests " * 3)
+        wb = llm._rt.writeback
+        wb.request(WriteOp.CLOSE, "s0").result(timeout=60)  # s0's segment: synced, closed
+        assert wb.blocks_written >= 6 and wb.syncs == 1
+        wb.request(WriteOp.FLUSH, None).result(timeout=60)
+        assert wb.syncs == 3
+    monkeypatch.setattr(WriteBehind, "IDLE_SYNC_S", 0.05)
+    with new_llm(llama_dir, tmp_path / "b") as llm:
+        llm.session(session_id="s", sampling=G).send("read the file and run the tests " * 3)
+        wb, deadline = llm._rt.writeback, time.monotonic() + 30
+        while wb.syncs == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling an observable counter, bounded by the deadline
+        assert wb.syncs == 1
+
+
 def _scan(llm, path):
     from kvsession.tiers.segments import scan_segment
 
@@ -532,6 +561,39 @@ def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path
         assert s.history_state()["mode"] == "append"
         assert s.num_cached_tokens == len(h.token_ids)
         assert continues_exactly(llm, s)
+
+
+def test_a_resumed_session_with_a_shared_prefix_is_compacted_without_losing_its_kv(
+        llama_dir, tmp_path, monkeypatch):
+    """A process that resumed a session has never written the shared prefix store: its
+    compaction must still copy the session's leading blocks from it (it found no block 0,
+    wrote nothing and removed the segment: every block of the session was lost)."""
+    from kvsession.tiers.resume import snapshot_prefix
+    from kvsession.tiers.snapshot_read import read_header
+    from kvsession.tiers.writeback import WriteBehind
+
+    system = SYSTEM + " Always explain the plan first, then act, then check the result."
+    sd = tmp_path / "sd"
+    llm = new_llm(llama_dir, sd, max_model_len=1024)
+    try:
+        s = llm.session(session_id="c", system=system, sampling=G)
+        s.send("read the file and run the tests " * 3)
+        llm._rt.writeback.request(WriteOp.FLUSH, None).result(timeout=60)
+        lead = on_engine(llm, lambda: llm._rt.policy.num_lead(s.kv))
+        shutil.copytree(sd, tmp_path / "copy")  # the process "dies" here
+    finally:
+        llm.close()
+    (tmp_path / "copy" / "c.lock").unlink()
+    monkeypatch.setattr(WriteBehind, "COMPACT_RECORDS", 4)
+    with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
+        s = llm.session(session_id="c")
+        for t in range(2):
+            s.send(f"turn {t}: " + "read the file and run the tests " * 4)
+        wb = llm._rt.writeback
+        wb.request(WriteOp.FLUSH, None).result(timeout=60)
+        assert wb.compactions >= 1 and lead >= 2
+        h = read_header(tmp_path / "copy" / "c.kvs")
+        assert snapshot_prefix(h, s.kv.tokens, 16) >= (lead + 4) * 16
 
 
 def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path):

@@ -6,9 +6,16 @@ one gather per KV tensor into CPU memory (the blocks stay the session's; the cop
 is written), counted against a byte bound. Past the bound nothing more is queued (counted
 in `dropped`): the blocks are offered again after the session's next turn, and a crash
 meanwhile only costs their recompute. A writer thread appends them to the session's segment
-(tiers/segments.py), fdatasyncs every SYNC_BYTES and whenever its queue runs empty, and
-compacts a segment that fragments. Nothing here is ever waited for by a decode step; the
-session log (tiers/commit.py), not this, is what makes a turn durable.
+(tiers/segments.py) and compacts a segment that fragments. Nothing here is ever waited for
+by a decode step; the session log (tiers/commit.py), not this, is what makes a turn
+durable.
+
+Syncing: a segment is fdatasynced once SYNC_BYTES are written to it since its last sync,
+once the writer has had nothing to do for IDLE_SYNC_S, and when a request asks (flush,
+close, compaction). Not after every job: on ext4 each fdatasync commits the journal, and
+the session logs' fdatasyncs (which a turn waits for) queue behind those commits. Blocks
+not yet synced survive a process crash (they are in the page cache); after a power loss
+they are a torn or missing tail, cut off at resume and recomputed.
 
 A block is identified by (position, chained hash): one already on disk (queued, in the
 segment, or in the session's snapshot) is never written again. A session's leading pinned
@@ -33,13 +40,17 @@ import os
 import queue
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import lz4.frame
 import torch
+
+try:  # ISA-L's crc32 where installed: the same checksum as zlib's, ~5x faster
+    from isal.isal_zlib import crc32
+except ImportError:
+    from zlib import crc32
 
 from kvsession.cache.manager import SessionKV
 from kvsession.errors import SnapshotError
@@ -132,7 +143,8 @@ class _Segment:
 
 class WriteBehind:
     MAX_QUEUED_BYTES = 256 << 20
-    SYNC_BYTES = 8 << 20
+    SYNC_BYTES = 64 << 20
+    IDLE_SYNC_S = 1.0
     # compaction: a segment with at least this many stale records, and more stale than
     # live ones, or with more than COMPACT_RECORDS records
     COMPACT_STALE = 32
@@ -157,7 +169,9 @@ class WriteBehind:
         self.shared_blocks_written = 0
         # counters (stats, benchmark)
         self.blocks_written = self.bytes_written = self.dropped = self.compactions = 0
+        self.syncs = 0  # fdatasyncs of segments
         self.busy_s = 0.0
+        self.cpu_s = 0.0  # the writer thread's CPU time (busy_s also counts waits on I/O)
         self.gather_s = 0.0  # on the engine thread: the only part of write-behind there
         self._thread = threading.Thread(target=self._run, name="kvsession-writeback",
                                         daemon=True)
@@ -231,7 +245,15 @@ class WriteBehind:
     # ---- the writer thread ---------------------------------------------------------------
 
     def _run(self) -> None:
-        while (job := self._q.get()) is not None:
+        while True:
+            try:
+                job = self._q.get(timeout=self.IDLE_SYNC_S)
+            except queue.Empty:  # idle: make what was written durable
+                self._sync_all()
+                continue
+            if job is None:
+                return
+            cpu = time.thread_time()
             try:
                 if isinstance(job, _Blocks):
                     self._write(job)
@@ -241,8 +263,7 @@ class WriteBehind:
                 log.exception("write-behind: %s", e)
                 if isinstance(job, _Request) and not job.future.done():
                     job.future.set_exception(e)
-            if self._q.empty():
-                self._sync_all()
+            self.cpu_s += time.thread_time() - cpu
 
     def _seg(self, sid: str) -> _Segment:
         seg = self._segs.get(sid)
@@ -324,6 +345,25 @@ class WriteBehind:
         except SnapshotError as e:  # not ours to fix (another engine's store): skip it
             log.warning("shared prefix store: %s", e)
 
+    def _read_shared(self) -> SegmentScan | None:
+        """The shared prefix store as it is now (read again when it grew): a compaction
+        copies the session's leading blocks from it. A process that resumed its sessions
+        has never written to it, and without it a compaction found no block 0 and dropped
+        the whole segment. Read without the directory lock: a record another process has
+        not finished reads as a torn tail and is not used."""
+        path = self.disk.shared_path()
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return None
+        if self.shared is None or self.shared.size != size:
+            try:
+                self.shared = scan_segment(path, self.header_fields, "shared")
+            except SnapshotError as e:
+                log.warning("shared prefix store: %s", e)
+                return None
+        return self.shared
+
     def _room_for(self, job: _Blocks) -> bool:
         try:
             st = os.statvfs(self.disk.root)
@@ -369,7 +409,7 @@ class WriteBehind:
                 seg.codec = "none"
         length, crc = sum(len(d) for d in data), 0
         for d in data:
-            crc = zlib.crc32(d, crc)
+            crc = crc32(d, crc)
         meta = BlockMeta(index=i, hash=job.hashes[i],
                          tokens=list(job.tokens[i * self.bs:(i + 1) * self.bs]),
                          length=length, raw_length=raw_len, crc32=crc, codec=codec)
@@ -380,6 +420,7 @@ class WriteBehind:
         if seg.fd is not None and seg.unsynced:
             os.fdatasync(seg.fd)
             seg.unsynced = 0
+            self.syncs += 1
 
     def _sync_all(self) -> None:
         t0 = time.perf_counter()
@@ -397,17 +438,26 @@ class WriteBehind:
                 self._drop_segment(sid)
 
     def _compact(self, sid: str, seg: _Segment) -> None:
-        """The session's current blocks (snapshot + segment) into one snapshot, then the
-        segment goes. Skipped when the snapshot already holds them all (a spill wrote it)."""
+        """The session's current blocks (snapshot + segment + shared prefix store) into one
+        snapshot, then the segment goes. No snapshot is written when the existing one
+        already holds them all (a spill wrote it); nothing happens while a current block
+        of the segment follows one that is on disk nowhere."""
         kvs = self.disk.path_for(sid)
         self._sync(seg)
         with self.locks.get(sid):
             stores = [(seg.scan(self.header_fields, sid), seg.path)]
-            if self.shared is not None:
-                stores.append((self.shared, self.disk.shared_path()))
+            shared = self._read_shared()
+            if shared is not None:
+                stores.append((shared, self.disk.shared_path()))
             sources = compaction_sources(kvs, stores, self.header_fields, seg.tokens,
                                          seg.hashes)
             n = len(sources)
+            if any(m.index >= n and m.index < len(seg.hashes) and seg.hashes[m.index] == m.hash
+                   for m in seg.metas):
+                # a block before some of the segment's current blocks is on disk nowhere
+                # (not written yet): compacting now would lose those; the next turn offers
+                # the missing block again
+                return
             if any(p == seg.path for p, _, _ in sources):
                 session = self._session_fields(sid)
                 if session is None:  # no acknowledged turn yet: the segment waits
@@ -420,8 +470,8 @@ class WriteBehind:
                 except SnapshotError as e:
                     log.warning("compaction of session %s failed: %s", sid, e)
                     return
-        # on disk now: exactly the snapshot's blocks (segment blocks past a gap are gone
-        # with it and are offered again after the next turn)
+        # on disk now: exactly the snapshot's blocks (every current block of the segment
+        # is among them)
         with self._guard:
             self._known[sid] = {(i, seg.hashes[i]) for i in range(n)}
         self.compactions += 1
