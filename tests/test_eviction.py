@@ -1,4 +1,5 @@
-"""The cost-aware eviction policy on small pools: exact victims and why, and properties
+"""The cost-aware eviction policy on small pools: exact victims and why in each order
+(recency, frequency), which order the pool follows (its shadows' hits), and properties
 (referenced blocks are never victims, a prefix never goes before its cached descendants,
 the pool stays consistent). The engine-level regression: a reused prefix survives rounds
 of one-off prompts larger than the pool."""
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvsession import LLM, SamplingParams
 from kvsession.cache.block_pool import BlockPool
-from kvsession.cache.eviction import POSITION_KNEE_TOKENS, EvictionPolicy
+from kvsession.cache.eviction import POSITION_KNEE_TOKENS, EvictionPolicy, Order
 from kvsession.cache.hashing import BlockHasher
 
 BS = 4
@@ -67,6 +68,118 @@ def test_a_reused_block_outlives_one_off_blocks_freed_after_it():
     assert pool.evictions_by_reason == {"recency": 4}
     assert pool.lookup(prefix[0].block_hash, list(range(4))) is prefix[0]  # still cached
     pool.free(held)
+    pool.check_integrity()
+
+
+def test_a_shared_prefix_outlives_a_private_history_freed_after_it():
+    """Recency order: a prefix with two different continuations (a system prompt) counts its
+    7 hits as log2(8) = 3; a private chain hit 3 times counts 2 (the cap), so although it
+    was freed later it goes first. Without the shared-prefix rule the prefix (priced
+    `clock + 2` when it was freed, earlier) would go before the private chain."""
+    pool = BlockPool(8, BS, eviction=EvictionPolicy.COST, orders=(Order.RECENCY,))
+    sys_prompt, _ = chain(pool, 0, 1)  # block 0
+    pool.free(sys_prompt)
+    first, _ = chain(pool, 10, 1, sys_prompt)  # block 1 extends the chain end: inherits 2
+    pool.free(first)
+    assert not sys_prompt[0].shared
+    other, _ = chain(pool, 20, 1, sys_prompt)  # block 2: a second continuation, hits 1
+    pool.free(other)
+    assert sys_prompt[0].shared and sys_prompt[0].branches == 2
+    for _ in range(4):
+        again, _ = chain(pool, 0, 0, sys_prompt)
+        pool.free(again)
+    private, _ = chain(pool, 100, 2)  # blocks 3, 4
+    pool.free(private)
+    for _ in range(2):
+        again, _ = chain(pool, 100, 0, private)
+        pool.free(again)
+    assert [b.hits for b in pool.blocks[:5]] == [7, 2, 1, 3, 3]
+    q = pool.free_queue
+    assert q.value(sys_prompt[0]) == pytest.approx(3.0) and q.value(private[1]) > 2.0
+    rest = pool.allocate(3)  # blocks 5..7 have no content
+    # the branch (1 hit), the inherited continuation (2, freed early), the private chain
+    # tail first, and the shared prefix, parked until its children went, last
+    assert victims(pool, 5) == [2, 1, 4, 3, 0]
+    assert pool.evictions_by_reason == {"recency": 5}
+    pool.free(rest)
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("order, expected", [(Order.RECENCY, ["often", "twice"]),
+                                             (Order.FREQUENCY, ["twice", "often"])])
+def test_recency_forgets_old_hits_frequency_keeps_them(order, expected):
+    """Recency caps both hit counts at 2: the content freed earlier goes first. Frequency
+    counts all 5 (and ages by one unit per pool turnover, far from here): the content hit
+    twice goes first."""
+    pool = BlockPool(3, BS, eviction=EvictionPolicy.COST, orders=(order,))
+    assert not pool.shadows  # one order: nothing to choose
+    assert often_then_twice(pool) == expected
+    assert pool.evictions_by_reason == {order.value: 2}
+    pool.check_integrity()
+
+
+NAMES: dict[str, int] = {}
+
+
+def block_hashes(names: list[str]) -> list[bytes]:
+    """A prompt as a chain of named blocks (equal prefixes, equal hashes)."""
+    tokens = [NAMES.setdefault(name, 1000 + len(NAMES)) for name in names for _ in range(BS)]
+    return HASHER.extend([], tokens, len(tokens), None)
+
+
+def often_then_twice(pool: BlockPool) -> list[int]:
+    """Block content hit 5 times, then other content hit twice (freed after it); the rest
+    of the pool held without content. The next two victims."""
+    often, _ = chain(pool, 0, 1)
+    pool.free(often)
+    for _ in range(4):
+        again, _ = chain(pool, 0, 0, often)
+        pool.free(again)
+    twice, _ = chain(pool, 10, 1)
+    pool.free(twice)
+    again, _ = chain(pool, 10, 0, twice)
+    pool.free(again)
+    assert (often[0].hits, twice[0].hits) == (5, 2)
+    rest = pool.allocate(pool.num_blocks - 2)
+    out = [{often[0].block_id: "often", twice[0].block_id: "twice"}[i]
+           for i in victims(pool, 2)]
+    pool.free(rest)
+    return out
+
+
+def test_the_pool_follows_the_order_whose_shadow_hits_more():
+    """A 3-block prompt A comes back every 4th prompt; between, three 2-block prompts from
+    a set of four that are reused too (hits 2 each, like A's under the cap). In the recency
+    order everything counts 2 and A, least recently freed, loses its tail to them; the
+    frequency order keeps A (its hits keep growing). Its shadow hits more, the pool follows
+    it. An agent-like stream (sessions of four turns on one system prompt, one-off scans
+    between) keeps the recency order."""
+    pool = cost_pool(8)
+    assert pool.free_queue.leader is Order.RECENCY and len(pool.shadows) == 2
+    hot = block_hashes(["A0", "A1", "A2"])
+    for i in range(30):
+        pool.observe(hot)
+        for k in range(3 * i, 3 * i + 3):
+            pool.observe(block_hashes([f"c{k % 4}x", f"c{k % 4}y"]))
+    recency, frequency = pool.shadows
+    assert all(h in frequency.index for h in hot)
+    assert hot[2] not in recency.index
+    assert pool.duel_scores[1] > pool.duel_scores[0]
+    assert pool.free_queue.leader is Order.FREQUENCY
+    assert often_then_twice(pool) == ["twice", "often"]  # the real pool follows it
+    assert pool.evictions_by_reason == {"frequency": 2}
+    pool.check_integrity()
+
+    pool = cost_pool(12)
+    for s in range(10):
+        history = ["sys0", "sys1"]
+        for t in range(4):
+            history = history + [f"s{s}t{t}"]
+            pool.observe(block_hashes(history))
+            if t % 2:
+                pool.observe(block_hashes([f"scan{s}.{t}.{j}" for j in range(6)]))
+    assert pool.duel_scores[0] > pool.duel_scores[1]
+    assert pool.free_queue.leader is Order.RECENCY
     pool.check_integrity()
 
 
@@ -154,14 +267,17 @@ def test_a_referenced_block_is_never_a_victim_and_all_or_nothing():
     pool.check_integrity()
 
 
+@pytest.mark.parametrize("leader", list(Order))
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck),
           derandomize=True)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(1, 4)),
                 min_size=1, max_size=40))
-def test_properties_hold_under_random_workloads(ops):
-    """Random requests on a 10-block pool: victims are free, leaves unless only prefixes
-    of blocks in use are free, and the pool stays consistent."""
+def test_properties_hold_under_random_workloads(leader, ops):
+    """Random requests on a 10-block pool, starting in either order (the shadows replay
+    every request and may switch it): victims are free, leaves unless only prefixes of
+    blocks in use are free, and the pool and its shadows stay consistent."""
     pool = cost_pool(10)
+    pool.free_queue.leader = leader
     live: list[list] = []
     roots: dict[int, list] = {}
     for kind, key, n in ops:
@@ -179,11 +295,19 @@ def test_properties_hold_under_random_workloads(ops):
                 continue
             before = {b.block_id: (b.ref_cnt, b.num_children, b.block_hash)
                       for b in pool.blocks}
-            blocks, _ = chain(pool, 1000 * key + 100 * len(prefix), n, prefix)
-            for b in blocks[len(prefix):]:
+            parent_of = {b.block_id: b.parent[0].block_id for b in pool.blocks
+                         if b.parent is not None and b.parent[0].generation == b.parent[1]}
+            blocks, hashes = chain(pool, 1000 * key + 100 * len(prefix), n, prefix)
+            pool.observe(hashes)
+            fresh = [b.block_id for b in blocks[len(prefix):]]
+            for i, b in enumerate(blocks[len(prefix):]):
                 ref, children, h = before[b.block_id]
                 assert ref == 0  # never a referenced block
-                assert h is None or children == 0 or pool.free_queue.last_reason == "non_leaf"
+                # a prefix goes only after every cached child of it (earlier victims of
+                # this allocation), unless only prefixes of blocks in use were free
+                kids = [c for c, p in parent_of.items() if p == b.block_id]
+                assert h is None or set(kids) <= set(fresh[:i]) or \
+                    pool.free_queue.last_reason == "non_leaf"
             roots[key] = blocks
             live.append(blocks)
         pool.check_integrity()
