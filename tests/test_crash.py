@@ -167,15 +167,22 @@ def reference(llama_dir):
     return ids, texts
 
 
-def run_child(llama_dir, sd, site, nth, kill_after_s):
-    """One child; returns (its output lines, killed?)."""
+def run_child(llama_dir, sd, site, nth, kill_after_s=None, kill_after_acks=None):
+    """One child; returns (its output lines, killed?, killed by us rather than at its site?).
+
+    It is SIGKILLed `kill_after_s` after it reported its state (a kill at a random moment),
+    or once it has acknowledged `kill_after_acks` turns: a backstop for a child whose write
+    site is not reached, which would otherwise finish the chain. The backstop counts
+    progress, not time: after a time, a loaded machine would have written less (and the
+    sites would rarely be reached), so what is tested would depend on the machine."""
     messages = [[message(i, t) for t in range(TURNS)] for i in range(SESSIONS)]
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(llama_dir), str(sd), site, str(nth), str(SESSIONS),
          str(TURNS), SYSTEM, json.dumps(LLM_ARGS), json.dumps(messages)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[dict] = []
-    started = threading.Event()
+    started, progress = threading.Event(), threading.Event()
+    acks = [0]
 
     def read():
         for line in proc.stdout:
@@ -183,22 +190,33 @@ def run_child(llama_dir, sd, site, nth, kill_after_s):
             lines.append(obj)
             if "state" in obj:
                 started.set()
+            if "ack" in obj:
+                acks[0] += 1
+                if acks[0] == kill_after_acks:
+                    progress.set()
+        progress.set()  # its output ended: the child finished or died at its site
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    by_us = False
     try:
         if kill_after_s is not None and started.wait(120):
             # not synchronisation: a kill at a seeded random moment is what is tested (the
             # invariants hold wherever it lands); exact points are the in-child sites
             time.sleep(kill_after_s)
             proc.send_signal(signal.SIGKILL)
+            by_us = True
+        elif kill_after_acks is not None and progress.wait(300) \
+                and acks[0] >= kill_after_acks and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            by_us = True
         rc = proc.wait(120)
     finally:
         proc.kill()
     reader.join(30)
     err = proc.stderr.read()
     assert rc in (0, -signal.SIGKILL), err
-    return lines, rc == -signal.SIGKILL
+    return lines, rc == -signal.SIGKILL, by_us and rc == -signal.SIGKILL
 
 
 def check_recovered(lines, acked, reference, chain):
@@ -226,8 +244,9 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_turn(llama_dir, tmp_pat
     ids, _ = reference
     rng = random.Random(20240611)
     sites = ["time", "log", "segment", "compaction", "compacted"]
-    kills, reused, first_turns = 0, 0, 0
+    kills, reused, first_turns, on_disk = 0, 0, 0, 0
     by_site: dict[str, int] = {}
+    at_site: dict[str, int] = {}  # kills by the child itself at its write site
     t_start = time.monotonic()
     for chain in range(MAX_CHAINS):
         if kills >= MIN_KILLS:
@@ -238,11 +257,13 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_turn(llama_dir, tmp_pat
             last = attempt == KILLS_PER_CHAIN
             site = "none" if last else sites[(chain + attempt) % len(sites)]
             nth = rng.randint(1, 2 if site.startswith("compact") else 8)
-            # a kill at a random time: the site itself, or a backstop for the others (a
-            # child whose write site is not reached would otherwise finish the chain)
-            delay = rng.uniform(0.0, 0.4) if site == "time" else \
-                None if site == "none" else rng.uniform(0.2, 0.8)
-            lines, killed = run_child(llama_dir, sd, site, nth, delay)
+            # a kill at a random time (the "time" site), or at the site, with a backstop
+            # after some acknowledged turns (a session's segment is compacted past 6
+            # blocks: a few turns of each session come first)
+            delay = rng.uniform(0.0, 0.4) if site == "time" else None
+            backstop = None if site in ("time", "none") else \
+                rng.randint(12, 30) if site.startswith("compact") else nth + rng.randint(2, 10)
+            lines, killed, by_us = run_child(llama_dir, sd, site, nth, delay, backstop)
             if attempt:
                 check_recovered(lines, acked, reference, chain)
             resumed = set()
@@ -260,18 +281,24 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_turn(llama_dir, tmp_pat
                         # what reached the disk is reused (up to where the re-rendered
                         # history differs from the tokens it was computed for)
                         if attached.get(str(i), 0):
+                            on_disk += 1
                             assert source == "disk" and cached > 0, (
                                 chain, i, t, source, cached, attached[str(i)])
             if killed:
                 kills += 1
                 by_site[site] = by_site.get(site, 0) + 1
+                at_site[site] = at_site.get(site, 0) + (not by_us)
             else:
                 done = next(x["done"] for x in lines if "done" in x)
                 assert sorted(done) == [f"s{i}.kvs" for i in range(SESSIONS)], done
                 assert all(acked.get(i) == TURNS for i in range(SESSIONS)), acked
                 break
     elapsed = time.monotonic() - t_start
-    print(f"\n{kills} kills ({by_site}) in {elapsed:.0f} s; first turns after a resume "
-          f"reusing disk KV: {reused}/{first_turns}")
+    print(f"\n{kills} kills ({by_site}; at the write site: {at_site}) in {elapsed:.0f} s; "
+          f"first turns after a resume reusing disk KV: {reused}/{first_turns} (KV found "
+          f"on disk at start-up: {on_disk})")
     assert kills >= MIN_KILLS
-    assert reused >= first_turns // 2 > 0
+    # how much KV is on disk at a kill depends on how far write-behind got (less on a
+    # loaded machine), so no share is asserted: every resumed session that found its KV
+    # on disk reused it (above), and some did
+    assert reused >= on_disk > 0
