@@ -25,6 +25,7 @@ from pathlib import Path
 import uvicorn
 
 from kvsession.serve.flags import add_llm_flags, llm_kwargs
+from kvsession.serve.ray_main import add_replica_arguments, run_replicated, wants_replicas
 
 LISTENING = "kvsession serve listening on"
 
@@ -50,6 +51,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, llm_cls) -> None:
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_llm_flags(p, llm_cls)
+    add_replica_arguments(p)
 
 
 def _check(p: argparse.ArgumentParser, args) -> None:
@@ -73,6 +75,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
     _check(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: "
                                                               "%(message)s")
+    if wants_replicas(args):  # N engines on Ray behind this process (docs/scale-out.md)
+        return run_replicated(args, parser, LLM)
     sock = _bind(args.host, args.port)  # before the model loads: a busy port fails fast
     previous = signal.signal(signal.SIGTERM, _stop)  # a SIGTERM while loading: exit 0
     try:
