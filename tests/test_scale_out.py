@@ -5,6 +5,19 @@ under a skewed workload, a replica killed mid-workload, a replica drained."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 
 from kvsession import ConfigError
@@ -157,3 +170,220 @@ def test_no_ready_replica_and_bad_arguments():
         ReplicaRouter([])
     with pytest.raises(ConfigError, match="load_bound"):
         ReplicaRouter(["a"], load_bound=0.5)
+
+
+# ---- two replicas on a local Ray cluster ---------------------------------------------------
+
+ENGINE = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+          "--host-cache-memory", "0"]
+PROMPT = "You are a coding agent working in a small repository. " * 2
+
+
+def _needs_ray():
+    for module, extra in (("ray", "ray"), ("httpx", "ray"), ("starlette", "server"),
+                          ("uvicorn", "server")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed (pip install 'kvsession[{extra}]')")
+
+
+class Cluster:
+    """The ingress subprocess (`serve --replicas 2 --ray-address local`) and raw HTTP."""
+
+    def __init__(self, model: Path, tmp: Path):
+        from kvsession.serve.process import ServerProcess
+        self.proc = ServerProcess(
+            model, *ENGINE, "--replicas", "2", "--ray-address", "local", "--ray-num-cpus", "2",
+            "--session-dir", str(tmp / "sessions"), "--summary-interval-s", "0.2",
+            stderr_path=tmp / "ingress.stderr", start_timeout_s=120)
+        self.url = self.proc.url
+        self.model = model.name
+
+    def request(self, method: str, path: str, body: dict | None = None,
+                timeout: float = 60) -> tuple[int, dict, dict]:
+        req = urllib.request.Request(f"{self.url}{path}", method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, dict(r.headers), json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), json.loads(e.read() or b"{}")
+
+    def chat(self, messages: list[dict], session_id: str | None = None, **kw) -> tuple[str, dict]:
+        """(replica, response) of a greedy chat request; fails on any status but 200."""
+        body = {"model": self.model, "messages": messages, "max_tokens": 8, "temperature": 0,
+                **kw}
+        if session_id is not None:
+            body["session_id"] = session_id
+        status, headers, r = self.request("POST", "/v1/chat/completions", body)
+        assert status == 200, (status, r, self.proc.stderr_tail())
+        return headers["x-kvsession-replica"], r
+
+    def health(self) -> dict:
+        return self.request("GET", "/health")[2]
+
+    def metric(self, name: str, **labels) -> float:
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=10).read().decode()
+        lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        m = re.search(rf"^{name}{'{' + lab + '}' if lab else ''} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def wait_ready(self, n: int = 2, timeout: float = 90.0) -> dict:
+        """Both replicas ready (a test may leave one restarting)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            h = self.health()
+            if h.get("ready") == n:
+                return h
+            time.sleep(0.1)
+        raise AssertionError(f"replicas not ready in {timeout} s: {self.health()}")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs, tmp_path_factory):
+    _needs_ray()
+    c = Cluster(model_dirs("llama"), tmp_path_factory.mktemp("scale-out"))
+    yield c
+    assert c.proc.stop(timeout=90) == 0, c.proc.stderr_tail()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    """The same model in this process: the oracle for every session's replies."""
+    _needs_ray()
+    from kvsession import LLM
+    with LLM(model_dirs("llama"), device="cpu", kv_cache_memory="64MiB", max_model_len=1024,
+             host_cache_memory=0) as llm:
+        yield llm
+
+
+def reference_replies(llm, users: list[str], max_tokens: int = 8) -> list[str]:
+    from kvsession import SamplingParams
+    s = llm.session(system=PROMPT, sampling=SamplingParams(max_tokens=max_tokens,
+                                                           temperature=0.0))
+    try:
+        return [s.send(u).text for u in users]
+    finally:
+        s.close()
+
+
+def user(sid: str, turn: int) -> str:
+    return f"{sid}: step {turn}, open the next file"
+
+
+def run_turns(cluster, sid: str, history: list[dict], turns: range) -> list[tuple[str, dict]]:
+    out = []
+    for t in turns:
+        history.append({"role": "user", "content": user(sid, t)})
+        replica, r = cluster.chat(history, session_id=sid)
+        history.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+        out.append((replica, r))
+    return out
+
+
+def test_sticky_sessions_report_cached_tokens(cluster):
+    cluster.wait_ready()
+    for sid in ("sticky-a", "sticky-b", "sticky-c"):
+        history = [{"role": "system", "content": PROMPT}]
+        served = run_turns(cluster, sid, history, range(4))
+        assert len({replica for replica, _ in served}) == 1, served
+        for (_, prev), (_, r) in zip(served, served[1:], strict=False):
+            before = prev["usage"]["prompt_tokens"] + prev["usage"]["completion_tokens"]
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * before
+    assert cluster.metric("kvsession_router_decisions_total", kind="session_sticky") >= 9
+
+
+def test_resent_conversations_return_to_the_replica_holding_them(cluster):
+    openai = pytest.importorskip("openai")
+    cluster.wait_ready()
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    msgs = [{"role": "system", "content": PROMPT + " Stateless client."},
+            {"role": "user", "content": "list the files"}]
+    replicas, history = [], 0
+    for turn in range(4):
+        raw = client.chat.completions.with_raw_response.create(
+            model=cluster.model, messages=msgs, max_tokens=8, temperature=0)
+        r = raw.parse()
+        replicas.append(raw.headers["x-kvsession-replica"])
+        if turn:  # the replica's conversation table continued the Session: all reused
+            assert r.usage.prompt_tokens_details.cached_tokens >= 0.9 * history
+        history = r.usage.prompt_tokens + r.usage.completion_tokens
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": f"now run step {turn}"}]
+    assert len(set(replicas)) == 1, replicas
+    assert cluster.metric("kvsession_router_decisions_total", kind="conversation_affine") >= 3
+
+
+def test_a_skewed_workload_spreads_within_the_load_bound(cluster):
+    cluster.wait_ready()
+    system = {"role": "system", "content": PROMPT + " Shared by eight."}
+    start = threading.Barrier(8, timeout=60)
+
+    def first_turn(i: int):
+        msgs = [system, {"role": "user", "content": f"conversation {i}: read the file"}]
+        start.wait()
+        # long enough that all eight are in flight together (the bound is about those)
+        replica, r = cluster.chat(msgs, max_tokens=48, ignore_eos=True)
+        return replica, msgs + [r["choices"][0]["message"]]
+
+    with ThreadPoolExecutor(8) as pool:
+        firsts = list(pool.map(first_turn, range(8)))
+    counts = Counter(replica for replica, _ in firsts)
+    # 8 in flight over 2 replicas: at most ceil(1.25 * 8 / 2) = 5 on one, not 8 / 0
+    assert len(counts) == 2 and max(counts.values()) <= 5, counts
+    # each conversation's next turn goes back to the replica that holds it
+    for replica, msgs in firsts:
+        again, _ = cluster.chat(msgs + [{"role": "user", "content": "and then?"}])
+        assert again == replica
+
+
+def test_a_killed_replica_s_sessions_continue_on_the_other(cluster, reference):
+    cluster.wait_ready()
+    sids = [f"kill-{i}" for i in range(6)]
+    histories = {sid: [{"role": "system", "content": PROMPT}] for sid in sids}
+    holder = {sid: run_turns(cluster, sid, histories[sid], range(2))[-1][0] for sid in sids}
+    assert set(holder.values()) == {"replica-0", "replica-1"}, holder  # ids spread by hash
+    victim = holder[sids[0]]
+    pid = next(r["pid"] for r in cluster.health()["replicas"] if r["name"] == victim)
+    os.kill(pid, signal.SIGKILL)
+    # every session goes on at once (concurrently): the dead replica's from --session-dir
+    with ThreadPoolExecutor(len(sids)) as pool:
+        later = dict(zip(sids, pool.map(
+            lambda sid: run_turns(cluster, sid, histories[sid], range(2, 4)), sids),
+            strict=True))
+    for sid in sids:
+        got = [m["content"] for m in histories[sid] if m["role"] == "assistant"]
+        # no acknowledged turn lost, identical tokens: the in-process reference agrees
+        assert got == reference_replies(reference, [user(sid, t) for t in range(4)]), sid
+        if holder[sid] == victim:
+            assert {replica for replica, _ in later[sid]} == {
+                next(n for n in ("replica-0", "replica-1") if n != victim)}
+    moved = sum(1 for sid in sids if holder[sid] == victim)
+    assert cluster.metric("kvsession_router_migrations_total", reason="dead") >= moved
+    h = cluster.wait_ready()  # Ray restarted it: a new process
+    assert next(r["pid"] for r in h["replicas"] if r["name"] == victim) != pid
+    assert cluster.metric("kvsession_router_restarts_total", replica=victim) >= 1
+
+
+def test_draining_a_replica_moves_its_sessions(cluster, reference):
+    cluster.wait_ready()
+    sids = [f"drain-{i}" for i in range(6)]
+    histories = {sid: [{"role": "system", "content": PROMPT}] for sid in sids}
+    holder = {sid: run_turns(cluster, sid, histories[sid], range(2))[-1][0] for sid in sids}
+    victim = holder[sids[0]]
+    before = cluster.metric("kvsession_router_migrations_total", reason="drained")
+    status, _, body = cluster.request("POST", f"/admin/drain/{victim}", timeout=120)
+    assert status == 200 and body["stopped_cleanly"], body
+    assert body["sessions_moved"] == sum(1 for s in sids if holder[s] == victim)
+    for sid in sids:
+        served = run_turns(cluster, sid, histories[sid], range(2, 3))
+        if holder[sid] == victim:
+            assert served[0][0] != victim
+        got = [m["content"] for m in histories[sid] if m["role"] == "assistant"]
+        assert got == reference_replies(reference, [user(sid, t) for t in range(3)]), sid
+    assert cluster.metric("kvsession_router_migrations_total", reason="drained") - before == \
+        body["sessions_moved"]
+    status, _, body = cluster.request("POST", "/admin/drain/replica-9")
+    assert status == 404
+    cluster.wait_ready()  # a fresh replica took the drained one's place

@@ -65,8 +65,11 @@ class Ingress:
         self._stopped = {n: asyncio.Event() for n in replicas.names}
         self._recovering: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
+        # idle connections expire before uvicorn closes them (its keep-alive is 5 s), so a
+        # read error on a pooled connection means the replica's process went away
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=5.0),
-                                        limits=httpx.Limits(max_connections=None))
+                                        limits=httpx.Limits(max_connections=None,
+                                                            keepalive_expiry=2.0))
         self.accepting = True
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -126,17 +129,24 @@ class Ingress:
         finally:
             self._recovering.pop(name, None)
 
-    async def _probe(self, name: str) -> None:
-        """After a transport error: is the replica still listening?"""
+    async def _probe(self, name: str) -> bool:
+        """After a transport error: is the replica still serving? (On a connection of its
+        own: a pooled one to a dead process fails with a read error, not a refusal.) A
+        replica that does not answer, but not for slowness, is lost; False then."""
         url = self.urls[name]
         if url is None:
-            return
+            return False
         try:
-            await self.client.get(f"{url}/health", timeout=5.0)
-        except httpx.ConnectError:
+            async with httpx.AsyncClient(timeout=5.0) as probe:
+                await probe.get(f"{url}/health")
+        except httpx.TimeoutException:
+            return True  # slow, not dead
+        except httpx.TransportError:
+            # refused, or reset by a process on its way out (its listening socket lives a
+            # moment longer than the connections it had)
             self._lost(name)
-        except httpx.HTTPError:
-            pass  # slow, not dead
+            return False
+        return True
 
     async def _poll_summaries(self) -> None:
         while True:
@@ -258,12 +268,15 @@ class Ingress:
             except httpx.ConnectError:
                 self._lost(d.replica)  # nothing reached it: send the request elsewhere
             except httpx.TransportError as e:
-                self._spawn(self._probe(d.replica))
-                if session_id is not None:
-                    raise P.APIError(502, f"the replica serving session {session_id!r} was "
-                                          f"lost during the turn ({type(e).__name__}); it "
-                                          f"was not acknowledged", type="server_error",
-                                     code="replica_lost") from None
+                # the replica's process is gone (this request went out on a pooled
+                # connection to it, or it died during the turn): the turn was not
+                # acknowledged, so it is sent again elsewhere; a named session resumes
+                # there from its log (a turn logged but never answered makes that 409)
+                if not await self._probe(d.replica):
+                    continue
+                raise P.APIError(502, f"{d.replica} failed during the request "
+                                      f"({type(e).__name__}: {e})", type="server_error",
+                                 code="replica_error") from None
             finally:
                 if not handed:
                     self.router.finished(d, session_id)
@@ -312,7 +325,7 @@ class Ingress:
                 async for chunk in upstream.aiter_raw():
                     yield chunk
             except httpx.TransportError as e:  # the replica died mid-stream
-                self._spawn(self._probe(d.replica))
+                await self._probe(d.replica)
                 err = P.APIError(502, f"the replica was lost mid-stream ({type(e).__name__})",
                                  type="server_error", code="replica_lost")
                 yield f"data: {json.dumps(err.body())}\n\ndata: [DONE]\n\n".encode()

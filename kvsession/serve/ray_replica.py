@@ -80,6 +80,9 @@ class Replica:
         app.router.routes[0:0] = [Route(SUMMARY_PATH, self.summary, methods=["GET"]),
                                   Route(RELEASE_PATH, self.release, methods=["POST"])]
         self._sock = _bind(_node_ip() if host == "node" else host, 0)
+        # not inherited by processes the engine starts: when this one dies, its port must
+        # refuse connections (that is how the ingress tells a dead replica)
+        self._sock.set_inheritable(False)
         ready = threading.Event()
         max_workers = server_kwargs.get("max_concurrent", 256) + 4
 
