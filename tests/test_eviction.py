@@ -183,6 +183,17 @@ def test_the_pool_follows_the_order_whose_shadow_hits_more():
     pool.check_integrity()
 
 
+def test_stale_entries_stay_bounded_without_prefix_hits():
+    """Victims leave only the leading order's heap; the other order's entries go stale and
+    must be dropped even when nothing is ever revived (no prefix hits, only scans)."""
+    pool = cost_pool(16)
+    for i in range(200):
+        blocks, _ = chain(pool, 100 * i, 4)
+        pool.free(blocks)
+    assert pool.free_queue.num_entries <= 2 * (2 * 16 + 64)
+    pool.check_integrity()
+
+
 def test_lru_evicts_the_reused_prefix_first():
     pool = BlockPool(6, BS, eviction=EvictionPolicy.LRU)
     prefix, _ = chain(pool, 0, 2)

@@ -140,6 +140,7 @@ class CostAwareQueue:
             b.queue_tick = None
         else:
             self._push(b)
+        self._compact()  # victims leave only the leader's heap: the others' entries go stale
 
     def _push(self, b: Block) -> None:
         b.queue_tick = b.tick
@@ -206,8 +207,14 @@ class CostAwareQueue:
     def __contains__(self, b: Block) -> bool:
         return b in self.uncached or b.queue_tick is not None or b.block_id in self._parked
 
+    @property
+    def num_entries(self) -> int:
+        """Heap entries, live and stale (bounded by ~2 per free block and order)."""
+        return sum(len(heap) for heap in self._heaps)
+
     def _compact(self) -> None:
-        """Rebuild the heaps when stale entries dominate (keeps memory O(free blocks))."""
+        """Rebuild a heap when stale entries dominate (keeps memory O(free blocks); each
+        rebuild follows at least as many insertions as it keeps, so O(1) amortised)."""
         for i, heap in enumerate(self._heaps):
             if len(heap) > 64 and len(heap) > 2 * self.num_blocks:
                 self._heaps[i] = [e for e in heap if e[2].queue_tick == e[1]]
