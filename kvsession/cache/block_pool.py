@@ -137,10 +137,11 @@ class BlockPool:
         # in that order; "non_leaf": only prefixes of blocks in use were free)
         self.evictions_by_copy: Counter[str] = Counter()
         self.evictions_by_reason: Counter[str] = Counter()
-        # ghosts: the hit counts of recently evicted content (hash -> hits), at most one
-        # pool's worth. Content computed again while its ghost remembers it is a re-use,
-        # not a one-off: it keeps its frequency (the ghost queue of S3-FIFO / ARC)
-        self.ghosts: OrderedDict[bytes, int] = OrderedDict()
+        # ghosts: what recently evicted content had earned (hash -> (hits, shared)), at
+        # most one pool's worth. Content computed again while its ghost remembers it is a
+        # re-use, not a one-off: it keeps its frequency and its shared mark (the ghost queue
+        # of S3-FIFO / ARC), and it is not a new continuation of its parent
+        self.ghosts: OrderedDict[bytes, tuple[int, bool]] = OrderedDict()
 
     @property
     def num_free(self) -> int:
@@ -261,7 +262,7 @@ class BlockPool:
         if not self.shadows:
             return
         for i, shadow in enumerate(self.shadows):
-            self.duel_scores[i] = self.duel_scores[i] * DUEL_DECAY + shadow._replay(
+            self.duel_scores[i] = self.duel_scores[i] * DUEL_DECAY + shadow.replay(
                 block_hashes)
         q = self.free_queue
         lead = q.orders.index(q.leader)
@@ -269,9 +270,9 @@ class BlockPool:
         if self.duel_scores[best] > self.duel_scores[lead]:
             q.leader = q.orders[best]
 
-    def _replay(self, block_hashes: Sequence[bytes]) -> int:
-        """One prompt through a shadow (holds no references between prompts): the number
-        of leading blocks it hit."""
+    def replay(self, block_hashes: Sequence[bytes]) -> int:
+        """A shadow's step: one prompt as if it ran alone (the shadow holds no references
+        between prompts). Returns the number of leading blocks it hit."""
         n = min(len(block_hashes), self.num_blocks)
         hits = []
         for h in block_hashes[:n]:
