@@ -117,9 +117,6 @@ class CostAwareQueue:
         recompute = 1.0 + b.depth * self.block_size / POSITION_KNEE_TOKENS
         return recompute * (b.copy_cost if b.copy_tier is not None else 1.0)
 
-    def clock(self, order: Order) -> float:
-        return self._frees / self._frees_per_unit[self.orders.index(order)]
-
     # ---- the free-queue interface --------------------------------------------------------
 
     def append(self, b: Block) -> None:
