@@ -318,17 +318,27 @@ def main() -> None:
     write_result("eviction", res)
     if args.plot:
         plt = pyplot()
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+        fig, ax = plt.subplots(figsize=(8, 3.8))
         names = ["agents", "agents_tight_pool", "mooncake", "tenants"]
-        for i, key in enumerate(("lru", "cost", "belady")):
-            ax.bar([j + (i - 1) * 0.27 for j in range(len(names))],
-                   [res["cache_layer"][n][key] for n in names], 0.27, label=key)
+        cl = res["cache_layer"]
+        bars = [("LRU", lambda x: x["lru"]),
+                ("recency order alone", lambda x: x["order_alone"]["recency"]),
+                ("frequency order alone", lambda x: x["order_alone"]["frequency"]),
+                ("cost-aware (follows the better)", lambda x: x["cost"]),
+                ("Belady", lambda x: x["belady"])]
+        width = 0.8 / len(bars)
+        for i, (label, get) in enumerate(bars):
+            ax.bar([j + (i - (len(bars) - 1) / 2) * width for j in range(len(names))],
+                   [get(cl[n]) for n in names], width, label=label)
+        m = names.index("mooncake")
+        ax.hlines(cl["mooncake"]["popularity_oracle"], m - 0.4, m + 0.4, colors="k",
+                  linestyles="dashed", label="popularity oracle (mooncake)")
         ax.set_xticks(range(len(names)), names)
         ax.set_ylabel("token hit rate")
-        ax.set_title("Eviction: LRU vs cost-aware vs Belady (cache layer replay)")
-        ax.legend()
+        ax.set_title("Eviction: cache-layer replay")
+        ax.set_ylim(0, 0.85)
+        ax.legend(fontsize=7, ncol=3, loc="upper center")
         save_figure(fig, "eviction")
-
 
 if __name__ == "__main__":
     main()
