@@ -455,6 +455,7 @@ class Runtime:
         """Compute `ids` into the cache if absent and pin its full blocks (CacheFullError,
         nothing already pinned affected, past the pin budget). A salted pin is its tenant's
         own (hashed with the salt after any public pinned prefix it starts with)."""
+        ids = self.validate_prompt(ids)  # every caller's pin fits the engine, or ConfigError
         num_blocks = len(ids) // self.config.block_size
         pins = self.prefix.pins
         salt = self.salt_for(ids, cache_salt)

@@ -41,6 +41,7 @@ from kvsession.history import (
 )
 from kvsession.metrics import RequestMetrics
 from kvsession.model.tokenizer import check_messages, message_content
+from kvsession.outputs import DeltaText
 from kvsession.params import SamplingParams, StructuredOutput
 from kvsession.tiers.snapshot import messages_to_text
 from kvsession.tools import ToolSpec
@@ -443,20 +444,17 @@ class Session:
             seq, info, fut = self._start(
                 new_msgs, params, spec, on_update=lambda s: updates.put(s.num_tokens))
             fut.add_done_callback(lambda f: updates.put(None))
-            decode = self._store.tokenizer.decode
-            hold = max((len(s) for s in seq.params.stop_strings), default=1) - 1
-            sent_text, sent_tokens = "", 0
+            delta = DeltaText(self._store.tokenizer.decode, seq.params.stop_strings)
+            sent_tokens = 0
             while (n := updates.get()) is not None:
                 ids = seq.token_ids[seq.num_prompt_tokens:n]
-                text = decode(ids)
-                safe = text[: len(text) - hold] if hold else text
-                if safe.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
-                    continue
-                if len(safe) > len(sent_text) or len(ids) > sent_tokens:
-                    yield StreamChunk(safe[len(sent_text):], ids[sent_tokens:])
-                    sent_text, sent_tokens = safe, len(ids)
+                text = delta.update(ids)
+                if text or len(ids) > sent_tokens:
+                    yield StreamChunk(text, ids[sent_tokens:])
+                    sent_tokens = len(ids)
             reply = self._finish(fut.result(), new_msgs, info, spec)
             self._wait_durable(self._store.commit(self, self._record_tokens(info), params))
+            sent_text = delta.sent
             tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
             yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)
         finally:

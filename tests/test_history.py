@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from kvsession import LLM, SamplingParams
+from kvsession import LLM, ConfigError, SamplingParams
 from kvsession.testing import CHATML_TEMPLATE
 from oracle import expected_turn
 
@@ -240,3 +240,15 @@ def test_reasoning_is_split_from_the_answer_and_kept_in_the_log(llama_dir, tmp_p
         assert llm.tokenizer.decode(before).count(r.reasoning) == 1
         assert s.token_ids[: len(before)] == before
         assert r2.prefill_tokens == len(s.token_ids) - len(r2.token_ids) - len(before) + 1
+
+
+def test_a_system_prompt_longer_than_the_model_is_refused_alone(llama_dir):
+    with new_llm(llama_dir, max_model_len=256) as llm:
+        with pytest.raises(ConfigError, match="max_model_len"):
+            llm.session(system="read the file " * 300)
+        with pytest.raises(ConfigError, match="max_model_len"):
+            llm.pin(system="read the file " * 300)
+        s = llm.session(system=SYSTEM, sampling=G)  # the engine is unaffected
+        chunks = list(s.stream("hello"))
+        assert "".join(c.text for c in chunks) == chunks[-1].reply.text
+        assert len(chunks) > 2  # text arrives as it is generated, not at the end
