@@ -78,8 +78,9 @@ class Faults:
     drop_rate=0.1,seed=0"` (every key optional; unset or empty: no faults).
 
     delay_rate: the probability that a prefill request first sleeps `delay_s` seconds
-    (slower than the caller's timeout); drop_rate: the probability that a prefill's answer is
-    never sent (the NIXL writes still happen); seed: the random generator's seed."""
+    (slower than the caller's timeout; SIGUSR1 ends such sleeps from then on); drop_rate:
+    the probability that a prefill's answer is never sent (the NIXL writes still happen);
+    seed: the random generator's seed."""
 
     delay_rate: float = 0.0
     delay_s: float = 0.0
@@ -319,19 +320,20 @@ class _Counters:
     busy: bool = False
 
 
-def serve(args, faults: Faults, keys: AuthKeys | None, stop: threading.Event) -> int:
+def serve(args, faults: Faults, keys: AuthKeys | None, stop: threading.Event,
+          release: threading.Event | None = None) -> int:
     rt = Runtime(EngineConfig.from_args(
         args.model, device=args.device, kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
         block_size=args.block_size))
     try:
-        return _serve(rt, args, faults, keys, stop)
+        return _serve(rt, args, faults, keys, stop, release or stop)
     finally:
         rt.close()  # with integrity checking on, raises if a block reference leaked
 
 
 def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
-           stop: threading.Event) -> int:
+           stop: threading.Event, release: threading.Event) -> int:
     import zmq
     from zmq.auth.thread import ThreadAuthenticator
 
@@ -348,7 +350,7 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
             service.disconnect(caller)
             return None
         if faults.delay_s and rng.random() < faults.delay_rate:
-            stop.wait(faults.delay_s)  # injected fault: slower than the timeout
+            release.wait(faults.delay_s)  # injected fault: slower than the timeout
         if stop.is_set():
             return PrefillFailed(msg.req_id, "the worker is shutting down")
         reply = service.prefill(caller, msg)
@@ -593,10 +595,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvsession worker: injecting faults ({FAULTS_ENV}): {faults}", file=sys.stderr,
               flush=True)
     stop = threading.Event()  # before the model loads: SIGTERM is always a clean exit
+    release = threading.Event()  # ends injected delays: stopping, or SIGUSR1 (a test's cue)
     for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda *_: stop.set())
+        signal.signal(s, lambda *_: (stop.set(), release.set()))
+    if faults.active:
+        signal.signal(signal.SIGUSR1, lambda *_: release.set())
     try:
-        return serve(args, faults, keys, stop)
+        return serve(args, faults, keys, stop, release)
     except KVSessionError as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

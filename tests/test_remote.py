@@ -177,7 +177,7 @@ def test_transfers_are_measured_even_when_notifications_finish_first(llama_dir, 
             llm._rt.call(lambda: llm._rt.engine.poll_remote(0.02)).result()
             return llm.stats().remote.bandwidth_gbps > 0
 
-        wait_for(measured, 30, "the workers' answers to be measured")
+        wait_for(measured, 60, "the workers' answers to be measured")
         assert llm._rt.connector.transfer_rate.num_samples >= 1
 
 
@@ -213,7 +213,10 @@ def test_random_faults_never_change_outputs_or_leak(llama_dir):
                 flaky.proc.send_signal(signal.SIGKILL)
         assert got == want
         st = llm.stats().remote
-        assert st.prefills > 0 and st.fallbacks.get("timeout", 0) > 0
+        # a delayed request always times out (0.6 s > 0.3 s); whether any other one beats
+        # the 0.3 s on time depends on the machine's load (not asserted), but the worker
+        # answered some, on time or late (a late answer fences its quarantined blocks)
+        assert st.fallbacks.get("timeout", 0) > 0 and st.workers[flaky.address].bytes > 0
         assert_no_leak(llm)
     flaky.proc.wait()
 
@@ -347,7 +350,7 @@ def test_an_idle_gap_longer_than_the_heartbeat_timeout_keeps_the_worker(llama_di
         before = worker_stats(llm, worker.address).heartbeats
         # idle (nothing in flight) for several dead_after_s: heartbeats keep being answered
         wait_for(lambda: worker_stats(llm, worker.address).heartbeats >= before + 10
-                 and time.monotonic() - idle_from > 3 * conn.dead_after_s, 20,
+                 and time.monotonic() - idle_from > 3 * conn.dead_after_s, 60,
                  "heartbeats while idle")
         assert generate(llm, ps[1:]) == want[1:]
         st = llm.stats().remote
@@ -397,12 +400,12 @@ def test_a_restarted_worker_on_the_same_address_is_used_again(llama_dir):
             assert llm.stats().remote.prefills == 3
             first.proc.kill()
             first.proc.wait()
-            wait_for(lambda: worker_stats(llm, addr).state != "ready", 15, "the death")
+            wait_for(lambda: worker_stats(llm, addr).state != "ready", 60, "the death")
             got += generate(llm, ps[3:5])  # prefilled locally meanwhile, and counted
             st = llm.stats().remote
             assert st.prefills == 3 and st.fallbacks.get("no healthy worker", 0) >= 1
             second = Worker(llama_dir, address=addr)
-            wait_for(lambda: worker_stats(llm, addr).state == "ready", 30, "the reconnect")
+            wait_for(lambda: worker_stats(llm, addr).state == "ready", 60, "the reconnect")
             got += generate(llm, ps[5:])
             assert got == want
             st = llm.stats().remote
@@ -419,7 +422,9 @@ def test_a_restarted_worker_on_the_same_address_is_used_again(llama_dir):
 
 
 def test_notifications_from_another_agent_do_not_complete_a_request(llama_dir):
-    slow = Worker(llama_dir, faults="delay_rate=1,delay_s=1.5")  # answers after 1.5 s
+    # the worker holds the prefill until SIGUSR1 (a 120 s bound): the real answer cannot
+    # arrive before the check that the forged notifications did not complete the request
+    slow = Worker(llama_dir, faults="delay_rate=1,delay_s=120")
     ps = prompts(10, 1)
     want = local(llama_dir, ps)
     rogue = make_agent("rogue")
@@ -437,9 +442,10 @@ def test_notifications_from_another_agent_do_not_complete_a_request(llama_dir):
                 rogue.send_notif(caller, f"{req_id}:{layer}".encode())
             # (the rogue agent's progress is driven by polling it, like the caller's)
             wait_for(lambda: rogue.get_new_notifs() is not None and
-                     llm.stats().remote.foreign_notifications >= conn.num_layers, 10,
+                     llm.stats().remote.foreign_notifications >= conn.num_layers, 25,
                      "the forged notifications")
             assert req_id in conn.pending  # still waiting for the real worker
+            slow.proc.send_signal(signal.SIGUSR1)  # now let it answer
             t.join(timeout=60)
             assert out == [want]
             assert llm.stats().remote.prefills == 1
