@@ -6,7 +6,6 @@ Run: python examples/remote_prefill.py
 Exits non-zero if remote prefill changed the tokens, or the worker did not stop cleanly.
 """
 
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,22 +14,19 @@ from kvsession import LLM, SamplingParams
 from kvsession.testing import make_tiny_model
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     model = str(make_tiny_model(tempfile.mkdtemp()))
-    address = f"tcp://127.0.0.1:{free_port()}"
+    # port 0: the worker binds a free port and prints the endpoint it listens on
     worker = subprocess.Popen([sys.executable, "-m", "kvsession.worker", "--model", model,
-                               "--listen", address, "--kv-cache-memory", "32MiB",
+                               "--listen", "tcp://127.0.0.1:0", "--kv-cache-memory", "32MiB",
                                "--max-model-len", "1024"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = "x"
-    while line and "listening" not in line:  # wait until the worker is up
+    while line and "listening on " not in line:  # wait until the worker is up
         line = worker.stdout.readline()
+    if "listening on " not in line:
+        raise SystemExit("the worker did not start")
+    address = line.split("listening on ", 1)[1].strip()
     prompts = [f"Task {i}: " + "read the file and run the tests. " * 20 for i in range(4)]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     try:
