@@ -323,6 +323,10 @@ if mode == "hold":
     for t in range(3):
         r = s.send(f"turn {t}")
         print(json.dumps({"ack": t, "ids": r.token_ids}), flush=True)
+    # the blocks queued behind the turns are on disk before the parent kills this process
+    # (how far write-behind got by then would otherwise depend on the machine's load)
+    from kvsession.tiers.writeback import WriteOp
+    llm._rt.writeback.request(WriteOp.FLUSH, None).result(60)
     print("ready", flush=True)
     sys.stdin.readline()
     os.kill(os.getpid(), 9)
