@@ -132,7 +132,7 @@ class LLM:
         rt = self._rt
         seqs = [rt.new_sequence(i, p) for i, p in zip(ids, params, strict=True)]
         rt.check_open()
-        return [rt.submit(s) for s in seqs]
+        return rt.submit_all(seqs)
 
     def _run_batch(self, prompts: list[str | None], ids: list[list[int]],
                    params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

@@ -319,6 +319,10 @@ class Runtime:
                prepare: Callable[[], None] | None = None) -> Future:
         return self.check_open().submit(seq, on_update=on_update, prepare=prepare)
 
+    def submit_all(self, seqs: list[Sequence]) -> list[Future]:
+        """A batch, added to the engine between the same two steps."""
+        return self.check_open().submit_all(seqs)
+
     def cancel(self, seq: Sequence) -> None:
         """Stop a request whose caller went away (a stream closed early); its Future fails
         with CancelledError. Fire and forget: a closed LLM has nothing left to cancel."""

@@ -362,6 +362,21 @@ class EngineLoop:
         self._post(add, fut)
         return fut
 
+    def submit_all(self, seqs: list[Sequence]) -> list[Future]:
+        """`submit` for a batch, queued in one go: the engine adds all of it before its
+        next step, so a batch is scheduled together whatever the threads' timing."""
+        futs: list[Future] = [Future() for _ in seqs]
+        items = [(lambda s=s, f=f: self.engine.add(s, f, None), f)
+                 for s, f in zip(seqs, futs, strict=True)]
+        with self._cv:
+            if self._closed:
+                for f in futs:
+                    settle(f, exc=self._closed_error("before this call"))
+                return futs
+            self._inbox.extend(items)
+            self._cv.notify()
+        return futs
+
     def call(self, fn: Callable[[], object]) -> Future:
         """Run `fn` on the engine thread between steps (for anything that touches engine
         state: pins, session bookkeeping, stats snapshots); its result or exception lands
