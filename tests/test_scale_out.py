@@ -22,7 +22,14 @@ import pytest
 
 from kvsession import ConfigError
 from kvsession.serve.conversations import conversation_keys
-from kvsession.serve.router import Decision, Kind, Reason, ReplicaRouter, ReplicaState
+from kvsession.serve.router import (
+    Decision,
+    Kind,
+    Reason,
+    ReplicaRouter,
+    ReplicaState,
+    Routing,
+)
 
 SYSTEM = {"role": "system", "content": "You are a careful agent. " * 8}
 
@@ -97,6 +104,35 @@ def test_eight_concurrent_conversations_sharing_a_system_prompt_split_within_the
         placed.append(d)
     assert r.load == {"replica-0": 5, "replica-1": 3}  # 1.25x the fair share of 4
     assert {d.kind for d in placed} == {Kind.CONVERSATION_AFFINE, Kind.CONVERSATION_SPILLED}
+
+
+def test_a_continued_conversation_stays_unless_its_replica_is_full_while_another_idles():
+    r = ready_router()
+    r.served("replica-0", keys_of(convo(1)))
+    follow_up = keys_of(convo(1, turns=2))
+    r.load.update({"replica-0": 4, "replica-1": 1})  # over the cap (3), nobody idle
+    assert r.route_conversation(follow_up) == Decision(
+        "replica-0", Kind.CONVERSATION_AFFINE, len(keys_of(convo(1))))
+    r.load["replica-1"] = 0  # now one idles: the bound wins
+    assert r.route_conversation(follow_up).kind is Kind.CONVERSATION_SPILLED
+    # a new conversation sharing only the system prompt spills at the cap already
+    r.load["replica-1"] = 1
+    assert r.route_conversation(keys_of(convo(2))).replica == "replica-1"
+
+
+def test_random_routing_is_the_seeded_baseline():
+    r = ReplicaRouter(["replica-0", "replica-1"], routing=Routing.RANDOM, seed=3)
+    for name in r.names:
+        r.set_state(name, ReplicaState.READY)
+    r.served("replica-0", keys_of(convo(0)))
+    got = [r.route_conversation(keys_of(convo(0, turns=2))) for _ in range(20)]
+    assert {d.kind for d in got} == {Kind.RANDOM}
+    assert {d.replica for d in got} == {"replica-0", "replica-1"}
+    d = r.route_session("s")  # sessions stay sticky
+    r.started(d, "s")
+    assert {r.route_session("s").replica for _ in range(5)} == {d.replica}
+    with pytest.raises(ConfigError, match="routing"):
+        ReplicaRouter(["a"], routing="random")
 
 
 def test_sessions_are_sticky_and_move_when_their_replica_is_lost():

@@ -35,7 +35,7 @@ from kvsession.serve.conversations import conversation_keys
 from kvsession.serve.prometheus import CONTENT_TYPE, Exposition
 from kvsession.serve.ray_replica import RELEASE_PATH, SUMMARY_PATH, check_bearer
 from kvsession.serve.ray_replicas import ReplicaGone
-from kvsession.serve.router import Decision, Reason, ReplicaRouter, ReplicaState
+from kvsession.serve.router import Decision, Reason, ReplicaRouter, ReplicaState, Routing
 
 log = logging.getLogger("kvsession.serve")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per proxied request
@@ -52,10 +52,10 @@ class Ingress:
 
     def __init__(self, replicas, api_key: str | None = None, load_bound: float = 1.25,
                  summary_interval_s: float = 1.0, request_timeout_s: float = 600.0,
-                 drain_timeout_s: float = 60.0):
+                 drain_timeout_s: float = 60.0, routing: Routing = Routing.AFFINITY):
         self.replicas = replicas
         self.api_key = api_key
-        self.router = ReplicaRouter(replicas.names, load_bound)
+        self.router = ReplicaRouter(replicas.names, load_bound, routing=routing)
         self.urls: dict[str, str | None] = dict.fromkeys(replicas.names)
         self.pids: dict[str, int | None] = dict.fromkeys(replicas.names)
         self.summaries: dict[str, dict] = {}
@@ -424,8 +424,9 @@ class Ingress:
             s = self.summaries.get(n)
             if s:
                 for field in ("prefix_hit_rate", "prefix_hit_tokens", "prefix_queried_tokens",
-                              "prompt_tokens", "cached_tokens", "conversation_hits",
-                              "conversation_misses", "blocks_used", "blocks_total"):
+                              "prefill_tokens", "prompt_tokens", "cached_tokens",
+                              "conversation_hits", "conversation_misses", "blocks_used",
+                              "blocks_total"):
                     ex.add(f"kvsession_replica_{field}", s.get(field, 0), lab,
                            help=f"the replica's {field.replace('_', ' ')} (last summary)")
         for kind, count in sorted(r.decisions.items(), key=lambda kv: kv[0].value):

@@ -20,6 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from kvsession.serve.flags import llm_kwargs
+from kvsession.serve.router import Routing
 
 
 def add_replica_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +42,9 @@ def add_replica_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-bound", type=float, default=1.25,
                    help="no replica takes a request above this multiple of its fair share "
                         "of the requests in flight")
+    g.add_argument("--routing", choices=[r.value for r in Routing], default="affinity",
+                   help="placement of stateless requests; 'random' is the baseline the "
+                        "benchmark measures affinity against (named sessions stay sticky)")
     g.add_argument("--summary-interval-s", type=float, default=1.0,
                    help="how often the ingress asks each replica what it holds")
     g.add_argument("--drain-timeout-s", type=float, default=60.0,
@@ -116,7 +120,8 @@ def run_replicated(args, parser: argparse.ArgumentParser, llm_cls) -> int:
 def _serve(args, sock, replicas, ingress_cls, gone_error, log) -> int:
     from kvsession.serve.main import LISTENING
     ingress = ingress_cls(replicas, args.api_key, args.load_bound, args.summary_interval_s,
-                          drain_timeout_s=args.drain_timeout_s)
+                          drain_timeout_s=args.drain_timeout_s,
+                          routing=Routing(args.routing))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -143,6 +143,7 @@ class Replica:
             "completion_tokens": srv.tokens["completion"],
             "prefix_queried_tokens": st.prefix.queried_tokens,
             "prefix_hit_tokens": st.prefix.hit_tokens, "prefix_hit_rate": st.prefix.hit_rate,
+            "prefill_tokens": st.prefill_tokens,
             "blocks_used": dev.blocks_used, "blocks_total": dev.blocks_total,
             "restores": dict(st.restores), "recomputes": st.recomputes})
 

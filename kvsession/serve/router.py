@@ -15,7 +15,10 @@ and calls this from its one event loop; not thread-safe). Three kinds of request
   messages when it answered a request with those messages (all their prefixes are in its
   cache) or when its last summary listed a filed Session under key d. The deepest match
   wins, under the bounded-load rule of `kvsession.routing.PrefixRouter`: no replica takes a
-  request that puts it above ceil(1.25 * (in flight + 1) / ready replicas).
+  request that puts it above ceil(1.25 * (in flight + 1) / ready replicas). A conversation
+  that continues its own history on a replica (a match past the system message) is treated
+  like a session: moving it would recompute that history, so it leaves only when its
+  replica is at the cap while another is idle.
 - anything else (completions, models): the same rule on its own keys.
 
 Replicas that restart come back with an empty cache: a new epoch, whose keys start over.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import random
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -51,7 +55,15 @@ class Kind(enum.Enum):
     CONVERSATION_AFFINE = "conversation_affine"  # the replica holding its deepest prefix
     CONVERSATION_NEW = "conversation_new"  # nobody holds any of it: its rendezvous replica
     CONVERSATION_SPILLED = "conversation_spilled"  # not its first choice: the load bound
+    RANDOM = "random"  # Routing.RANDOM
     OTHER = "other"
+
+
+class Routing(enum.Enum):
+    """How stateless requests are placed (named sessions are sticky either way)."""
+
+    AFFINITY = "affinity"  # the replica holding the deepest prefix, under the load bound
+    RANDOM = "random"  # uniformly at random (seeded): the baseline affinity is measured by
 
 
 class Reason(enum.Enum):
@@ -71,6 +83,11 @@ class Decision:
     reason: Reason | None = None  # why it moved
 
 
+# a match this deep (keys: the system message, then the first user message...) is a
+# conversation's own history, not only a shared system prompt
+CONTINUED = 2
+
+
 def session_key(session_id: str) -> bytes:
     """The rendezvous key of a named session (its first placement)."""
     return hashlib.sha256(b"kvsession-session\0" + session_id.encode()).digest()
@@ -85,8 +102,13 @@ class _Session:
 
 class ReplicaRouter:
     def __init__(self, names: Sequence[str], load_bound: float = DEFAULT_LOAD_BOUND,
-                 max_keys: int = DEFAULT_MAX_KEYS):
+                 max_keys: int = DEFAULT_MAX_KEYS, routing: Routing = Routing.AFFINITY,
+                 seed: int = 0):
         self.prefix = PrefixRouter(names, load_bound, max_keys)  # validates all three
+        if not isinstance(routing, Routing):
+            raise ConfigError(f"routing must be a Routing, got {routing!r}")
+        self.routing = routing
+        self._rng = random.Random(seed)
         self.names = list(names)
         self.state = dict.fromkeys(self.names, ReplicaState.STARTING)
         self.epoch = dict.fromkeys(self.names, 0)
@@ -172,8 +194,20 @@ class ReplicaRouter:
     def route_conversation(self, keys: Sequence[bytes]) -> Decision | None:
         """Where a stateless conversation with these message keys goes (None: no replica
         ready)."""
+        if self.routing is Routing.RANDOM:
+            return self._random()
         depth = self.depths(keys)
-        route = self.prefix.choose(keys, self.load, self.ready(), depth)
+        ready = self.ready()
+        order = self.prefix.ranked(keys, ready, depth)
+        if order and order[0][1] >= CONTINUED:
+            # it continues a conversation that replica holds: moving it recomputes its
+            # history, so (as a session) it stays unless the replica is at its cap while
+            # another is idle
+            best, d = order[0]
+            if self.load[best] < self.cap() or not any(
+                    self.load[n] == 0 for n in ready if n != best):
+                return self._count(Decision(best, Kind.CONVERSATION_AFFINE, d))
+        route = self.prefix.choose(keys, self.load, ready, depth)
         if route is None:
             return None
         kind = (Kind.CONVERSATION_SPILLED if not route.preferred else
@@ -181,9 +215,15 @@ class ReplicaRouter:
         return self._count(Decision(route.target, kind, route.matched_blocks))
 
     def route_other(self, keys: Sequence[bytes]) -> Decision | None:
+        if self.routing is Routing.RANDOM:
+            return self._random()
         route = self.prefix.choose(keys, self.load, self.ready())
         return None if route is None else self._count(
             Decision(route.target, Kind.OTHER, route.matched_blocks))
+
+    def _random(self) -> Decision | None:
+        ready = self.ready()
+        return self._count(Decision(self._rng.choice(ready), Kind.RANDOM)) if ready else None
 
     def depths(self, keys: Sequence[bytes]) -> dict[str, int]:
         """Per replica: how many leading keys it holds, from what it answered (all the
