@@ -119,7 +119,8 @@ def agent_run(model: Path, sd: Path, durability: str, sessions: int, turns: int)
         for t in threads:
             t.join()
         makespan = time.perf_counter() - t0
-        out = {"makespan_s": makespan}
+        # the machine's load while it ran (others' processes share the 2 cores)
+        out = {"makespan_s": makespan, "loadavg_1min": os.getloadavg()[0]}
         j, wb = llm._rt.journal, llm._rt.writeback
         if j is not None:
             out |= {"log_records": j.records, "fsync_batches": j.batches,
