@@ -29,6 +29,7 @@ BENCHES = {
     "eviction": ("eviction.py", ["--plot"]),
     "structured": ("structured.py", []),
     "durability": ("durability.py", ["--plot"]),
+    "scale_out": ("scale_out.py", ["--plot"]),
     "gpu_kernels": ("gpu_kernels.py", []),
 }
 
@@ -251,6 +252,25 @@ def section_durability(r) -> list[str]:
     return out
 
 
+def section_scale_out(r) -> list[str]:
+    ro, m, c = r["routing"], r["migration"]["median_s"], r["config"]
+    out = [f"- agent workload over HTTP ({c['sessions']} stateless agents x {c['turns']} "
+           f"turns, {c['system_tokens']}-token shared system prompt, {c['model']} model): "
+           f"prompt tokens the engines computed, one engine "
+           f"{ro['single']['engine_prefill_tokens']}, two replicas with affinity routing "
+           f"{ro['affinity']['engine_prefill_tokens']} "
+           f"(**{fmt(ro['affinity']['engine_prefill_tokens_vs_single'])}x**, target <= 1.1x), "
+           f"random routing {ro['random']['engine_prefill_tokens']} "
+           f"(**{fmt(ro['random']['engine_prefill_tokens_vs_single'])}x**, target >= 1.8x); "
+           f"prefix hit rate {ro['affinity']['prefix_hit_rate'] * 100:.0f}% vs "
+           f"{ro['random']['prefix_hit_rate'] * 100:.0f}%"]
+    kinds = [k for k in ("sticky", "drained", "killed", "re_prefill") if m.get(k)]
+    out.append(f"- next turn of a {r['migration']['history_tokens']}-token session "
+               f"(median ms): " + ", ".join(f"{k.replace('_', '-')} {m[k] * 1e3:.0f}"
+                                            for k in kinds))
+    return out
+
+
 SECTIONS = [
     ("decode_vs_hf", "Decode and prefill vs transformers",
      "Same random mid-size Llama (hidden 512, 8 layers, vocab 32000), same process, float32 "
@@ -281,6 +301,10 @@ SECTIONS = [
     ("eviction", "Eviction: LRU vs cost-aware vs Belady",
      "Token hit rate of seeded traces replayed through the cache layer (the real BlockPool), "
      "and prompt tokens computed through the engine.", section_eviction, "eviction.png"),
+    ("scale_out", "Scale-out: replicas on Ray",
+     "`serve --replicas 2 --ray-address local` (each replica one CPU of this machine): "
+     "affinity vs random routing, and moving a session (docs/scale-out.md).",
+     section_scale_out, "scale_out.png"),
 ]
 
 

@@ -293,6 +293,7 @@ def plot(result: dict) -> None:
         a.text(i, r[n]["engine_prefill_tokens"],
                f"{ratio:.2f}x\nhit {r[n]['prefix_hit_rate']:.0%}", ha="center",
                va="bottom", fontsize=9)
+    a.set_ylim(top=1.2 * max(r[n]["engine_prefill_tokens"] for n in names))
     a.set_ylabel("prompt tokens computed by the engines")
     a.set_title(f"agent workload, {result['config']['sessions']} agents x "
                 f"{result['config']['turns']} turns, 2 replicas")
