@@ -351,6 +351,28 @@ def test_resent_conversations_return_to_the_replica_holding_them(cluster):
     assert cluster.metric("kvsession_router_decisions_total", kind="conversation_affine") >= 3
 
 
+def test_streams_models_and_errors_pass_through(cluster):
+    openai = pytest.importorskip("openai")
+    cluster.wait_ready()
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    msgs = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "stream it"}]
+    whole = client.chat.completions.create(model=cluster.model, messages=msgs, max_tokens=12,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=cluster.model, messages=msgs, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [m.id for m in client.models.list().data] == [cluster.model]
+    with pytest.raises(openai.NotFoundError):  # the replica's own error JSON, relayed
+        client.chat.completions.create(model="no-such-model", messages=msgs, max_tokens=2)
+    text = client.completions.create(model=cluster.model, prompt="the agent reads",
+                                     max_tokens=4, temperature=0).choices[0].text
+    assert isinstance(text, str)
+
+
 def test_a_skewed_workload_spreads_within_the_load_bound(cluster):
     cluster.wait_ready()
     system = {"role": "system", "content": PROMPT + " Shared by eight."}
