@@ -424,6 +424,21 @@ def test_a_killed_replica_s_sessions_continue_on_the_other(cluster, reference):
     assert cluster.metric("kvsession_router_restarts_total", replica=victim) >= 1
 
 
+def test_a_released_session_resumes_with_its_turns(cluster, reference):
+    # what an overload move does first: the holder lets the idle session go (persisted,
+    # lock released); whoever takes it next resumes every turn from --session-dir
+    cluster.wait_ready()
+    sid, history = "released-1", [{"role": "system", "content": PROMPT}]
+    holder = run_turns(cluster, sid, history, range(2))[-1][0]
+    url = next(r["url"] for r in cluster.health()["replicas"] if r["name"] == holder)
+    req = urllib.request.Request(f"{url}/v1/kvsession/release", method="POST",
+                                 data=json.dumps({"session_id": sid}).encode())
+    assert json.loads(urllib.request.urlopen(req, timeout=60).read())["released"] is True
+    run_turns(cluster, sid, history, range(2, 4))
+    got = [m["content"] for m in history if m["role"] == "assistant"]
+    assert got == reference_replies(reference, [user(sid, t) for t in range(4)])
+
+
 def test_draining_a_replica_moves_its_sessions(cluster, reference):
     cluster.wait_ready()
     sids = [f"drain-{i}" for i in range(6)]
