@@ -376,26 +376,32 @@ def paired(sessions: int, turns: int, raw_replies: bool, timeout_s: float) -> di
              "hf_best": HFPeer(hf, tok, system, convs, True, raw_replies)}
     names = [*children, *peers]
     spans, cpu = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+    turn_s: dict[str, list[float]] = {n: [] for n in names}  # each turn's wall time
+    turn_load = []  # the 1-minute load average after each turn
     for t in range(turns):
         k = t % len(names)
         for name in names[k:] + names[:k]:
             if name in children:
                 r = children[name].ask(t)
-                spans[name] += r["elapsed_s"]
+                turn_s[name].append(r["elapsed_s"])
                 cpu[name] += r["user_cpu_s"]
             else:
                 r0 = resource.getrusage(resource.RUSAGE_SELF)
-                spans[name] += peers[name].round(t)
+                turn_s[name].append(peers[name].round(t))
                 cpu[name] += resource.getrusage(resource.RUSAGE_SELF).ru_utime - r0.ru_utime
+            spans[name] += turn_s[name][-1]
+        turn_load.append(os.getloadavg()[0])
         print(f"turn {t + 1}/{turns}: " + ", ".join(f"{n} {spans[n]:.1f} s" for n in names)
               + f" (so far); load {os.getloadavg()[0]:.1f}", flush=True)
     out = {}
     for name in names:
         acc = children[name].ask(None) if name in children else peers[name].accounting()
-        out[name] = {"makespan_s": spans[name], "user_cpu_s": cpu[name], **acc}
+        out[name] = {"makespan_s": spans[name], "turn_s": turn_s[name],
+                     "user_cpu_s": cpu[name], **acc}
         out[name] |= summary(out[name])
     for child in children.values():
         child.close()
+    out["turn_loadavg_1m"] = turn_load
     return out
 
 
