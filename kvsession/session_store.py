@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
@@ -84,6 +85,7 @@ class SessionStore:
         self.tokenizer: Tokenizer = runtime.tokenizer
         self.live: dict[str, Session] = {}
         self._system_pins: dict[tuple[int, ...], list] = {}  # ids -> [PinHandle, users]
+        self._pins_lock = threading.Lock()  # guards _system_pins (callers' threads)
         self._locks: dict[str, FileLock] = {}  # live sessions' ownership of their files
         self._logs: dict[str, SessionLog] = {}  # durability="turn": live sessions' logs
 
@@ -210,16 +212,19 @@ class SessionStore:
         sess = Session(self, session_id, system, sampling, messages, options.history,
                        options.renderer, options.log, options.pending)
         if system_key is not None:
-            entry = self._system_pins.get(system_key)
-            if entry is None:
-                try:
-                    entry = self._system_pins[system_key] = [
-                        self.rt.pin(list(system_key), None), 0]
-                except CacheFullError as e:
-                    log.warning("system prompt not pinned: %s", e)
-            if entry is not None:
-                entry[1] += 1
-                sess.system_key = system_key
+            # sessions opened concurrently with one system prompt share one pin: the lock
+            # makes "look up, else pin" atomic (a second pin would be overwritten, leaked)
+            with self._pins_lock:
+                entry = self._system_pins.get(system_key)
+                if entry is None:
+                    try:
+                        entry = self._system_pins[system_key] = [
+                            self.rt.pin(list(system_key), None), 0]
+                    except CacheFullError as e:
+                        log.warning("system prompt not pinned: %s", e)
+                if entry is not None:
+                    entry[1] += 1
+                    sess.system_key = system_key
         try:
             self.rt.call(lambda: self.rt.policy.register(sess.kv)).result()
         except BaseException:
@@ -532,13 +537,16 @@ class SessionStore:
                                 f"within {LOG_OP_TIMEOUT_S:.0f} s") from None
 
     def _unpin_system(self, sess: Session) -> None:
-        entry = self._system_pins.get(sess.system_key)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._system_pins[sess.system_key]
-                pin: PinHandle = entry[0]
-                self.rt.unpin(pin)
+        with self._pins_lock:
+            entry = self._system_pins.get(sess.system_key)
+            pin: PinHandle | None = None
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._system_pins[sess.system_key]
+                    pin = entry[0]
+        if pin is not None:
+            self.rt.unpin(pin)
         sess.system_key = None  # released once
 
     # ---- shutdown --------------------------------------------------------------------------

@@ -252,3 +252,27 @@ def test_a_system_prompt_longer_than_the_model_is_refused_alone(llama_dir):
         chunks = list(s.stream("hello"))
         assert "".join(c.text for c in chunks) == chunks[-1].reply.text
         assert len(chunks) > 2  # text arrives as it is generated, not at the end
+
+
+def test_sessions_opened_concurrently_share_one_system_pin(llama_dir):
+    import threading
+
+    with new_llm(llama_dir) as llm:
+        sessions, go = [], threading.Barrier(4)
+
+        def open_one():
+            go.wait(timeout=60)
+            sessions.append(llm.session(system=SYSTEM, sampling=G))
+
+        threads = [threading.Thread(target=open_one) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(sessions) == 4
+        pinned = llm.stats().tiers["device"].blocks_pinned
+        assert {s.system_key for s in sessions} == {sessions[0].system_key}
+        assert pinned == len(sessions[0].system_key) // 16
+        for s in sessions:
+            s.close()
+        assert llm.stats().tiers["device"].blocks_pinned == 0
