@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # the API and application layer: the facade, sessions, the runtime that wires the engine
 # (kvsession.worker, the prefill worker, and kvsession.numerics build a Runtime)
 API = {"kvsession.llm", "kvsession.session", "kvsession.session_store", "kvsession.cli",
-       "kvsession.demo", "kvsession.testing", "kvsession.worker", "kvsession.runtime",
+       "kvsession.demo", "kvsession.testing", "kvsession.worker", "kvsession.worker_faults",
+       "kvsession.runtime",
        "kvsession.numerics", "kvsession.requests", "kvsession.handles", "kvsession",
        "kvsession.serve"}
 # module prefix -> the kvsession modules (by prefix) it must not import

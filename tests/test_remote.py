@@ -24,7 +24,7 @@ from kvsession import LLM, SamplingParams
 from kvsession.connector.base import StatsQuery, WorkerStatus, compat_hash, decode, encode
 from kvsession.connector.nixl import NixlPrefillClient, make_agent
 from kvsession.errors import ConfigError
-from kvsession.worker import FAULTS_ENV, Faults
+from kvsession.worker_faults import FAULTS_ENV, Faults
 
 G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 KW = dict(kv_cache_memory="8MiB", max_model_len=512)
