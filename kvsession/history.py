@@ -26,12 +26,12 @@ common token prefix (exact `llm.chat` equivalence; `Reply.diverged_at`).
 from __future__ import annotations
 
 import enum
-import json
 import logging
 from dataclasses import dataclass
 
 from kvsession.errors import ConfigError
 from kvsession.model.tokenizer import Tokenizer
+from kvsession.tools import json_copy
 
 log = logging.getLogger("kvsession")
 
@@ -57,31 +57,16 @@ class HistoryMode(enum.StrEnum):
         raise ConfigError(f"history must be one of {[m.value for m in cls]}, got {value!r:.80}")
 
 
-def _json_value(name: str, value):
-    """A copy of `value` that survives a JSON round trip (it is stored in snapshots and
-    logs), or ConfigError naming `name`."""
-    try:
-        return json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError, RecursionError) as e:
-        raise ConfigError(f"{name} must be JSON data (dicts with str keys, lists, str, "
-                          f"numbers, bools, None): {e}") from None
-
-
-def check_template_inputs(tools, chat_template_kwargs) -> tuple[list | None, dict | None]:
-    """Validated copies of what a conversation's template renders with: `tools` (None or a
-    list of tool dicts, OpenAI shape) and `chat_template_kwargs` (None or a dict of extra
-    template variables)."""
-    if tools is not None:
-        if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
-            raise ConfigError(f"tools must be None or a list of tool dicts, got {tools!r:.80}")
-        tools = _json_value("tools", list(tools)) or None
-    if chat_template_kwargs is not None:
-        if not isinstance(chat_template_kwargs, dict) or not all(
-                isinstance(k, str) for k in chat_template_kwargs):
-            raise ConfigError(f"chat_template_kwargs must be None or a dict with str keys, "
-                              f"got {chat_template_kwargs!r:.80}")
-        chat_template_kwargs = _json_value("chat_template_kwargs", chat_template_kwargs) or None
-    return tools, chat_template_kwargs
+def check_template_kwargs(chat_template_kwargs) -> dict | None:
+    """A validated copy of `chat_template_kwargs` (None or a dict of extra template
+    variables holding JSON values: it is stored in snapshots and logs)."""
+    if chat_template_kwargs is None:
+        return None
+    if not isinstance(chat_template_kwargs, dict) or not all(
+            isinstance(k, str) for k in chat_template_kwargs):
+        raise ConfigError(f"chat_template_kwargs must be None or a dict with str keys, "
+                          f"got {chat_template_kwargs!r:.80}")
+    return json_copy(chat_template_kwargs, "chat_template_kwargs") or None
 
 
 class NotAppendStable(Exception):

@@ -283,7 +283,7 @@ class LLM:
         if (prefix is None) == (system is None):
             raise ConfigError("pass exactly one of prefix or system")
         if system is not None:
-            prefix = self._store.system_prefix(check_str("system", system))
+            prefix = self._store.pins.prefix(check_str("system", system))
         if isinstance(prefix, str):
             ids = self.tokenizer.encode(prefix)
         elif isinstance(prefix, (list, tuple)):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError
-from kvsession.history import check_template_inputs
+from kvsession.history import check_template_kwargs
 from kvsession.model.tokenizer import check_messages
 from kvsession.outputs import RequestOutput
 from kvsession.params import SAMPLING_ARG_NAMES, SamplingParams
@@ -96,7 +96,7 @@ class RequestBuilder:
                     chat_template_kwargs=None) -> ChatInputs:
         check_bool("add_generation_prompt", add_generation_prompt)
         spec = ToolSpec.from_args(tools, tool_choice, self.tokenizer)
-        _, kwargs = check_template_inputs(None, chat_template_kwargs)
+        kwargs = check_template_kwargs(chat_template_kwargs)
         if not isinstance(messages, (list, tuple)):
             raise ConfigError(f"messages must be a list of message dicts (one conversation) "
                               f"or a list of such lists, got {messages!r:.80}")

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
@@ -41,17 +40,16 @@ from kvsession.cache.manager import SessionKV, Tier
 from kvsession.engine.loop import OnUpdate
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import (
-    CacheFullError,
     ConfigError,
     EngineClosedError,
     SessionClosedError,
     SnapshotError,
 )
-from kvsession.history import ChatRenderer, HistoryMode, check_template_inputs
+from kvsession.history import ChatRenderer, HistoryMode, check_template_kwargs
 from kvsession.model.tokenizer import Tokenizer
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
-from kvsession.runtime import PinHandle, Runtime
+from kvsession.runtime import Runtime
 from kvsession.session import (
     Session,
     SessionOptions,
@@ -60,11 +58,12 @@ from kvsession.session import (
     sampling_from_record,
     sampling_record,
 )
+from kvsession.system_pins import SystemPins
 from kvsession.tiers import wal
 from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.locks import FileLock, NoLock, lock_session
-from kvsession.tiers.resume import build_plan, open_segment, open_shared, warm_prefix
+from kvsession.tiers.resume import build_plan, open_segment, open_shared
 from kvsession.tiers.snapshot import SnapshotHeader, messages_from_text, messages_to_text
 from kvsession.tiers.snapshot_read import read_header
 from kvsession.tiers.writeback import WriteOp
@@ -84,8 +83,7 @@ class SessionStore:
         self.rt = runtime
         self.tokenizer: Tokenizer = runtime.tokenizer
         self.live: dict[str, Session] = {}
-        self._system_pins: dict[tuple[int, ...], list] = {}  # ids -> [PinHandle, users]
-        self._pins_lock = threading.Lock()  # guards _system_pins (callers' threads)
+        self.pins = SystemPins(runtime)  # the shared system prompts
         self._locks: dict[str, FileLock] = {}  # live sessions' ownership of their files
         self._logs: dict[str, SessionLog] = {}  # durability="turn": live sessions' logs
 
@@ -98,7 +96,7 @@ class SessionStore:
             if session_id is not None:
                 check_session_id(session_id)
             return self._new_session(session_id, system, sampling,
-                                     self._system_key(system, options.renderer)
+                                     self.pins.key(system, options.renderer)
                                      if pin_system else None, options=options)
         check_session_id(session_id)
         lock = self._lock(session_id)  # first: the files are only ours to read once held
@@ -108,7 +106,7 @@ class SessionStore:
             if disk.path_for(session_id).is_file():
                 return self.restore(disk.path_for(session_id), session_id, lock)
             return self._new_session(session_id, system, sampling,
-                                     self._system_key(system, options.renderer)
+                                     self.pins.key(system, options.renderer)
                                      if pin_system else None, lock=lock, options=options)
         finally:
             if self._locks.get(session_id) is not lock:  # not handed to a live session
@@ -116,11 +114,14 @@ class SessionStore:
 
     def options(self, history, tools, chat_template_kwargs) -> SessionOptions:
         """A new session's rendering and history mode (ConfigError naming a bad one)."""
-        spec = ToolSpec.from_args(tools, None, self.tokenizer)  # the template must know them
-        tools, kwargs = check_template_inputs(
-            spec.template_tools if spec is not None else None, chat_template_kwargs)
-        return SessionOptions(ChatRenderer(self.tokenizer, tools, kwargs),
+        return SessionOptions(self._renderer(tools, chat_template_kwargs),
                               HistoryMode.parse(history))
+
+    def _renderer(self, tools, chat_template_kwargs) -> ChatRenderer:
+        """Validated tools (the template must know them) and template variables."""
+        spec = ToolSpec.from_args(tools, None, self.tokenizer)
+        return ChatRenderer(self.tokenizer, spec.template_tools if spec is not None else None,
+                            check_template_kwargs(chat_template_kwargs))
 
     def _lock(self, session_id: str) -> FileLock | NoLock:
         """The session's ownership: its lock file with durability="turn"; nothing with
@@ -131,24 +132,6 @@ class SessionStore:
 
     def sessions(self) -> list[str]:
         return sorted(self.rt.disk.scan()) if self.rt.disk is not None else []
-
-    def _system_key(self, system: str | None, renderer: ChatRenderer
-                    ) -> tuple[int, ...] | None:
-        """The tokens of the system message as the template renders it before any
-        conversation (with the session's tools): pinned once for every session that has
-        it, and by `llm.pin(system=...)` for `llm.chat`."""
-        if system is None or not self.rt.config.enable_prefix_caching:
-            return None
-        try:
-            ids = renderer.system_prefix(system)
-        except ConfigError:  # a template that refuses a system message alone: no pin
-            return None
-        return tuple(ids) if len(ids) >= self.rt.config.block_size else None
-
-    def system_prefix(self, system: str) -> list[int]:
-        """llm.pin(system=...): the system message's tokens (ConfigError if the template
-        refuses it)."""
-        return ChatRenderer(self.tokenizer).system_prefix(system)
 
     def _new_session(self, session_id: str | None, system: str | None,
                      sampling: SamplingParams | None, system_key,
@@ -211,20 +194,8 @@ class SessionStore:
                       messages: list[dict] | None, options: SessionOptions) -> Session:
         sess = Session(self, session_id, system, sampling, messages, options.history,
                        options.renderer, options.log, options.pending)
-        if system_key is not None:
-            # sessions opened concurrently with one system prompt share one pin: the lock
-            # makes "look up, else pin" atomic (a second pin would be overwritten, leaked)
-            with self._pins_lock:
-                entry = self._system_pins.get(system_key)
-                if entry is None:
-                    try:
-                        entry = self._system_pins[system_key] = [
-                            self.rt.pin(list(system_key), None), 0]
-                    except CacheFullError as e:
-                        log.warning("system prompt not pinned: %s", e)
-                if entry is not None:
-                    entry[1] += 1
-                    sess.system_key = system_key
+        if system_key is not None and self.pins.acquire(system_key):
+            sess.system_key = system_key
         try:
             self.rt.call(lambda: self.rt.policy.register(sess.kv)).result()
         except BaseException:
@@ -249,7 +220,7 @@ class SessionStore:
             if disk.path_for(session_id).is_file():
                 return self.restore(disk.path_for(session_id), session_id, lock)
             return self._new_session(session_id, system, sampling,
-                                     self._system_key(system, options.renderer)
+                                     self.pins.key(system, options.renderer)
                                      if pin_system else None, lock=lock, options=options)
         self._check_untrusted(path, state.tokens, state.system)
         try:  # values from the file: refused as the file's fault
@@ -257,14 +228,15 @@ class SessionStore:
             opts = self._stored_options(path, {
                 "mode": state.history, "log": state.tokens, "pending": state.pending,
                 "tools": state.tools, "template_kwargs": state.template_kwargs})
-            system_key = self._system_key(state.system, opts.renderer)
+            system_key = self.pins.key(state.system, opts.renderer)
             messages = messages_from_text(path, state.messages)
         except ConfigError as e:
             raise SnapshotError(f"{path}: {e}") from None
         slog = SessionLog(path, session_id, rt.log_identity, state, scan.end)
         shared = open_shared(disk, rt.header_fields)
-        if shared is not None and system_key is not None and system_key not in self._system_pins:
-            self._warm_system_pin(system_key, shared)  # before the pin would prefill it
+        if shared is not None and system_key is not None and \
+                not self.pins.is_pinned(system_key):
+            self.pins.warm(system_key, shared)  # before the pin would prefill it
         sess = self._new_session(session_id, state.system, params, system_key, messages,
                                  lock=lock, slog=slog, options=opts)
         try:
@@ -284,18 +256,6 @@ class SessionStore:
             raise
         return sess
 
-    def _warm_system_pin(self, system_key: tuple[int, ...], shared) -> None:
-        """The system prompt's blocks from the directory's shared prefix store into the
-        prefix cache (tiers/resume.warm_prefix), so that pinning it reads them instead of
-        prefilling them; a damaged store only costs the prefill."""
-        rt, ids = self.rt, list(system_key)
-        hashes = rt.mover.block_hashes(ids, rt.salt_for(ids, None))
-        try:
-            rt.call(lambda: warm_prefix(rt.mover, shared, rt.disk.shared_path(), ids,
-                                        hashes)).result()
-        except SnapshotError as e:
-            log.warning("%s; the system prompt will be recomputed", e)
-
     def _stored_options(self, path: Path, history: dict | None) -> SessionOptions:
         """A snapshot's or log's history (None: written before it existed, template mode);
         ConfigError for values this engine refuses (the caller makes it the file's
@@ -308,12 +268,10 @@ class SessionStore:
                 else None
         except ValueError as e:
             raise ConfigError(f"malformed tools or chat_template_kwargs: {e}") from None
-        tools, kwargs = check_template_inputs(tools, kwargs)
         mode = HistoryMode.parse(history["mode"])
         log = tuple(history["log"]) if mode is HistoryMode.APPEND else ()
         self._check_untrusted(path, log, None)
-        return SessionOptions(ChatRenderer(self.tokenizer, tools, kwargs), mode, log,
-                              history["pending"])
+        return SessionOptions(self._renderer(tools, kwargs), mode, log, history["pending"])
 
     def _check_untrusted(self, path: Path, token_ids, system: str | None) -> None:
         vocab, max_len = self.rt.info.spec.vocab_size, self.rt.info.max_model_len
@@ -341,7 +299,7 @@ class SessionStore:
         try:  # values from the file: refused as the file's fault
             sampling = sampling_from_record(header.sampling)
             opts = self._stored_options(path, header.history)
-            system_key = self._system_key(header.system, opts.renderer)
+            system_key = self.pins.key(header.system, opts.renderer)
             messages = messages_from_text(path, header.messages)
         except ConfigError as e:
             raise SnapshotError(f"{path}: {e}") from None
@@ -537,16 +495,7 @@ class SessionStore:
                                 f"within {LOG_OP_TIMEOUT_S:.0f} s") from None
 
     def _unpin_system(self, sess: Session) -> None:
-        with self._pins_lock:
-            entry = self._system_pins.get(sess.system_key)
-            pin: PinHandle | None = None
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self._system_pins[sess.system_key]
-                    pin = entry[0]
-        if pin is not None:
-            self.rt.unpin(pin)
+        self.pins.release(sess.system_key)
         sess.system_key = None  # released once
 
     # ---- shutdown --------------------------------------------------------------------------

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (kvsession.worker, the prefill worker, and kvsession.numerics build a Runtime)
 API = {"kvsession.llm", "kvsession.session", "kvsession.session_store", "kvsession.cli",
        "kvsession.demo", "kvsession.testing", "kvsession.worker", "kvsession.worker_faults",
-       "kvsession.runtime",
+       "kvsession.runtime", "kvsession.system_pins",
        "kvsession.numerics", "kvsession.requests", "kvsession.handles", "kvsession",
        "kvsession.serve"}
 # module prefix -> the kvsession modules (by prefix) it must not import
