@@ -25,6 +25,16 @@ def mid_model(root: Path | None = None) -> Path:
     return path
 
 
+def model_path(name: str) -> Path:
+    """A benchmark's model by name: "mid" (mid_model) or the tiny one (both built once)."""
+    if name == "mid":
+        return mid_model()
+    path = Path.home() / ".cache" / "kvsession" / "bench-tiny-llama"
+    if not (path / "config.json").is_file():
+        make_tiny_model(path)
+    return path
+
+
 def compare(fns, repeat: int = 3, between=None) -> list[float]:
     """Best wall time of each function over `repeat` rounds, run interleaved (one warm-up
     each) so that machine noise hits all of them alike. `between`, if given, runs untimed

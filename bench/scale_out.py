@@ -39,19 +39,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common import mid_model, pyplot, save_figure, text_of, write_result
+from common import model_path, pyplot, save_figure, text_of, write_result
 
 from kvsession.serve.process import ServerProcess
-from kvsession.testing import make_tiny_model
-
-
-def model_path(name: str) -> Path:
-    if name == "mid":
-        return mid_model()
-    path = Path.home() / ".cache" / "kvsession" / "bench-tiny-llama"
-    if not (path / "config.json").is_file():
-        make_tiny_model(path)
-    return path
 
 
 def engine_flags(args) -> list[str]:

@@ -33,12 +33,11 @@ import time
 from pathlib import Path
 
 from agent_workload import turn_messages
-from common import mid_model, pyplot, save_figure, text_of, write_result
+from common import model_path, pyplot, save_figure, text_of, write_result
 
 from kvsession import LLM, SamplingParams
 from kvsession.metrics import percentile
 from kvsession.serve.process import ServerProcess
-from kvsession.testing import make_tiny_model
 
 NEW_TOKENS = 32
 
@@ -149,16 +148,6 @@ def _over_http(server: ServerProcess, model_name: str, system: str,
             "client_first_text_p50_s": percentile(ttfts, 50),
             "client_first_text_p99_s": percentile(ttfts, 99), "turns": len(ttfts),
             "cached_share": cached[0] / max(prompt[0], 1)}
-
-
-def model_path(name: str) -> Path:
-    """The benchmark's model: the common mid-size one, or the tiny one (both built once)."""
-    if name == "mid":
-        return mid_model()
-    path = Path.home() / ".cache" / "kvsession" / "bench-tiny-llama"
-    if not (path / "config.json").is_file():
-        make_tiny_model(path)
-    return path
 
 
 def workload(args, n: int, run: int) -> tuple[str, list[list[dict]]]:
