@@ -50,8 +50,9 @@ from common import mid_model, pyplot, save_figure, text_of, write_result
 
 from kvsession import LLM, SamplingParams
 from kvsession.testing import make_tiny_model
+from kvsession.tiers.checksum import crc32
 from kvsession.tiers.disk import DiskTier
-from kvsession.tiers.writeback import SnapshotLocks, WriteBehind, WriteOp, crc32
+from kvsession.tiers.writeback import SnapshotLocks, WriteBehind, WriteOp
 
 NEW_TOKENS = 32
 CHILD = r"""

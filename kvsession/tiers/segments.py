@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -43,6 +42,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvsession.errors import SnapshotError
+from kvsession.tiers.checksum import crc32
 from kvsession.tiers.snapshot import (
     Chunk,
     SnapshotHeader,
@@ -114,12 +114,12 @@ def pseudo_header(ident: SegmentIdentity, session_id: str, chunks: list[Chunk]
 
 def encode_record(meta: BlockMeta, data: list) -> list:
     raw = msgspec.msgpack.encode(meta)
-    return [FRAME.pack(len(raw), zlib.crc32(raw)), raw, *data]
+    return [FRAME.pack(len(raw), crc32(raw)), raw, *data]
 
 
 def start_bytes(ident: SegmentIdentity) -> bytes:
     raw = msgspec.msgpack.encode(ident)
-    return SEG_PREFIX + FRAME.pack(len(raw), zlib.crc32(raw)) + raw
+    return SEG_PREFIX + FRAME.pack(len(raw), crc32(raw)) + raw
 
 
 @dataclass
@@ -157,7 +157,7 @@ def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentSca
             if n > MAX_META_BYTES:
                 raise SnapshotError(f"{path}: identity of {n} bytes (corrupted or crafted)")
             raw = os.pread(fd, n, len(head))
-            if len(raw) != n or zlib.crc32(raw) != crc:
+            if len(raw) != n or crc32(raw) != crc:
                 raise SnapshotError(f"{path}: identity checksum mismatch (torn or corrupted)")
             try:
                 ident = msgspec.msgpack.decode(raw, type=SegmentIdentity)
@@ -178,7 +178,7 @@ def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentSca
                 if n > MAX_META_BYTES or pos + FRAME.size + n > size:
                     break
                 raw = os.pread(fd, n, pos + FRAME.size)
-                if len(raw) != n or zlib.crc32(raw) != crc:
+                if len(raw) != n or crc32(raw) != crc:
                     break
                 try:
                     meta = msgspec.msgpack.decode(raw, type=BlockMeta)
@@ -234,7 +234,7 @@ def compact(out: Path, sources: list[tuple[Path, SnapshotHeader, int]], fields: 
             if f is None:
                 f = files[path] = open_regular(path)
             data = os.pread(f.fileno(), c.length, c.offset)
-            if len(data) != c.length or zlib.crc32(data) != c.crc32:
+            if len(data) != c.length or crc32(data) != c.crc32:
                 return
             yield data, c.raw_length, c.crc32, c.codec
 

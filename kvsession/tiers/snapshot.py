@@ -42,7 +42,6 @@ import struct
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Literal
@@ -52,6 +51,7 @@ import msgspec
 import torch
 
 from kvsession.errors import SnapshotError
+from kvsession.tiers.checksum import crc32
 
 try:  # POSIX: a writer locks its temporary file, so a scan never removes a live one
     import fcntl
@@ -251,7 +251,7 @@ def write_snapshot(path: Path, fields: dict, blocks: Iterable[dict[str, torch.Te
                         codec = "none"  # incompressible KV: store the rest as is
                 length, crc = sum(len(d) for d in data), 0
                 for d in data:
-                    crc = zlib.crc32(d, crc)
+                    crc = crc32(d, crc)
                 writer.put(data)
                 chunks.append(Chunk(offset, length, raw_len, crc, this))
                 offset += length
@@ -264,7 +264,7 @@ def write_snapshot(path: Path, fields: dict, blocks: Iterable[dict[str, torch.Te
             raise SnapshotError(f"{path}: the session's header would be {len(header)} "
                                 f"bytes, over the {MAX_HEADER_BYTES}-byte limit")
         f.write(header)
-        f.write(_FOOTER.pack(len(header), zlib.crc32(header)) + END_MAGIC)
+        f.write(_FOOTER.pack(len(header), crc32(header)) + END_MAGIC)
 
     return _atomic_write(path, fill)
 
@@ -294,7 +294,7 @@ def write_snapshot_chunks(path: Path, fields: dict, chunks: Iterable[tuple], tok
             raise SnapshotError(f"{path}: the session's header would be {len(header)} "
                                 f"bytes, over the {MAX_HEADER_BYTES}-byte limit")
         f.write(header)
-        f.write(_FOOTER.pack(len(header), zlib.crc32(header)) + END_MAGIC)
+        f.write(_FOOTER.pack(len(header), crc32(header)) + END_MAGIC)
         written[0] = len(table)
 
     _atomic_write(path, fill)

@@ -44,7 +44,6 @@ import hashlib
 import os
 import struct
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -52,6 +51,7 @@ from typing import Annotated
 import msgspec
 
 from kvsession.errors import SnapshotError
+from kvsession.tiers.checksum import crc32
 from kvsession.tiers.snapshot import SESSION_ID_PATTERN, open_regular
 from kvsession.tiers.snapshot_read import (
     MAX_EXTRA_MESSAGES,
@@ -175,7 +175,7 @@ def frame(payload: bytes) -> bytes:
     if len(payload) > MAX_RECORD_BYTES:
         raise SnapshotError(f"a log record of {len(payload)} bytes is over the "
                             f"{MAX_RECORD_BYTES}-byte limit")
-    return FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+    return FRAME.pack(len(payload), crc32(payload)) + payload
 
 
 def encode(record: BaseRecord | TurnRecord) -> bytes:
@@ -267,7 +267,7 @@ def read_log(path: Path, expect: Identity | None = None) -> LogScan:
                 payload = _read_exact(fd, length, pos + FRAME.size)
             except OSError as e:
                 raise SnapshotError(f"{path}: cannot read: {e}") from None
-            if len(payload) != length or zlib.crc32(payload) != crc:
+            if len(payload) != length or crc32(payload) != crc:
                 break  # torn
             try:
                 rec = _DECODER.decode(payload)

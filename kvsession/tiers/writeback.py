@@ -47,13 +47,9 @@ from pathlib import Path
 import lz4.frame
 import torch
 
-try:  # ISA-L's crc32 where installed: the same checksum as zlib's, ~5x faster
-    from isal.isal_zlib import crc32
-except ImportError:
-    from zlib import crc32
-
 from kvsession.cache.manager import SessionKV
 from kvsession.errors import SnapshotError
+from kvsession.tiers.checksum import crc32
 from kvsession.tiers.locks import directory_lock
 from kvsession.tiers.segments import (
     BlockMeta,
