@@ -114,6 +114,8 @@ class Stats(msgspec.Struct):
     # prompt tokens computed locally (not served by the prefix cache, a session's KV, a
     # fork of n > 1 completions or a remote worker)
     prefill_tokens: int = 0
+    # tokens sampled (every completion's, cancelled and failed requests' included)
+    generated_tokens: int = 0
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -529,7 +529,8 @@ class Runtime:
             goodput_tokens_per_s=goodput, slo_attainment=attainment,
             num_requests=self.latency.num_requests,
             num_preemptions=self.scheduler.num_preemptions,
-            prefill_tokens=self.engine.prefill_tokens)
+            prefill_tokens=self.engine.prefill_tokens,
+            generated_tokens=self.engine.generated_tokens)
 
     def _remote_stats(self) -> RemoteStats:
         conn = self.connector

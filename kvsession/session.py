@@ -417,15 +417,23 @@ class Session:
         new_msgs, params, spec = self._prepare(message, _overrides(locals()),
                                               *_tool_args(locals()))
         mine, prev = self._enqueue_turn()
+        abandoned = False
         try:
             if prev is not None:
                 await asyncio.wrap_future(prev)
             seq, info, fut = self._start(new_msgs, params, spec)
-            reply = self._finish(await asyncio.wrap_future(fut), new_msgs, info, spec)
+            try:
+                done = await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:  # the caller's task was cancelled: so is the turn
+                abandoned = True
+                self._abandon(seq, fut, mine)
+                raise
+            reply = self._finish(done, new_msgs, info, spec)
             await self._await_durable(self._store.commit(self, self._record_tokens(info), params))
             return reply
         finally:
-            self._leave_turn(mine)
+            if not abandoned:
+                self._leave_turn(mine)
 
     def stream(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET,
              top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET,
@@ -437,6 +445,7 @@ class Session:
         new_msgs, params, spec = self._prepare(message, _overrides(locals()),
                                               *_tool_args(locals()))
         mine, prev = self._enqueue_turn()
+        abandoned = False
         try:
             if prev is not None:
                 prev.result()
@@ -446,19 +455,35 @@ class Session:
             fut.add_done_callback(lambda f: updates.put(None))
             delta = DeltaText(self._store.tokenizer.decode, seq.params.stop_strings)
             sent_tokens = 0
-            while (n := updates.get()) is not None:
-                ids = seq.token_ids[seq.num_prompt_tokens:n]
-                text = delta.update(ids)
-                if text or len(ids) > sent_tokens:
-                    yield StreamChunk(text, ids[sent_tokens:])
-                    sent_tokens = len(ids)
+            try:
+                while (n := updates.get()) is not None:
+                    ids = seq.token_ids[seq.num_prompt_tokens:n]
+                    text = delta.update(ids)
+                    if text or len(ids) > sent_tokens:
+                        yield StreamChunk(text, ids[sent_tokens:])
+                        sent_tokens = len(ids)
+            except GeneratorExit:  # the caller closed the stream before the reply: cancelled
+                abandoned = True
+                self._abandon(seq, fut, mine)
+                raise
             reply = self._finish(fut.result(), new_msgs, info, spec)
             self._wait_durable(self._store.commit(self, self._record_tokens(info), params))
             sent_text = delta.sent
             tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
             yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)
         finally:
-            self._leave_turn(mine)
+            if not abandoned:
+                self._leave_turn(mine)
+
+    def _abandon(self, seq: Sequence, fut: Future, mine: Future) -> None:
+        """The caller gave up on a running turn (a stream closed before its reply, an
+        `asend` task cancelled): the engine ends the request and frees its new blocks, and
+        the turn never happened (messages and token log as before it; a reply that was
+        complete anyway is dropped too, and the log being the truth, its KV is not used).
+        The session's next turn starts once the engine has settled this one and the
+        session holds its KV again; nothing here waits for it."""
+        self._store.cancel(seq)
+        fut.add_done_callback(lambda _: self._leave_turn(mine))
 
     def add(self, role: str, content: str, **fields) -> None:
         """Append a message (e.g. a tool result: `add("tool", text, tool_call_id=...)`)

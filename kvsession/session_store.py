@@ -384,6 +384,11 @@ class SessionStore:
 
         return seq, info, rt.submit(seq, on_update=on_update, prepare=prepare)
 
+    def cancel(self, seq: Sequence) -> None:
+        """End a turn whose caller gave up; the turn's `finished` gives the session its KV
+        back on the engine thread, and its Future fails with CancelledError."""
+        self.rt.cancel(seq)
+
     def fork(self, parent: Session, session_id: str | None) -> Session:
         if session_id is not None:
             check_session_id(session_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -320,28 +321,57 @@ def _blocks_settled(server, baseline: int):
     return h if h["requests_in_flight"] == 0 and h["blocks_used"] <= baseline else None
 
 
-def test_disconnect_mid_stream_frees_blocks(server, hermes_dir):
+def _give_up(server, path: str, body: dict) -> None:
+    """POST `body` on a raw connection and close it once the server has admitted it."""
+    host, port = server.url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}"
+                     f"\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+                     f"\r\n\r\n".encode() + data)
+        deadline = time.monotonic() + 30  # polled without a pause: 900 tokens are quick
+        while server.health()["requests_in_flight"] == 0:
+            assert time.monotonic() < deadline, "the request was never admitted"
+
+
+def _metric(server, name: str) -> float:
+    text = server.http("GET", "/metrics")[1].decode()
+    return float(re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M).group(1))
+
+
+def test_disconnect_cancels_and_frees_blocks(server, hermes_dir):
     c = server.client()
     wait_until(lambda: server.health()["requests_in_flight"] == 0, what="idle server")
     baseline = server.health()["blocks_used"]
-    # a stateless stream (cancelled at once) and a conversation's session turn (runs out,
-    # then its session is closed): both leave no block in use
+    generated = _metric(server, "kvsession_generated_tokens")
+    # a stateless stream and a conversation's session turn, both cancelled when their
+    # client goes away (the turn at its next token): no block in use, nowhere near
+    # max_tokens generated
     long = dict(model=model_name(hermes_dir), max_tokens=900, temperature=0,
                 extra_body={"ignore_eos": True})
     with c.completions.create(prompt="the agent reads a file", stream=True, **long) as s:
         next(iter(s))
-    with c.chat.completions.create(messages=[{"role": "user", "content": "a long answer"}],
-                                   stream=True, **long) as s:
+    first = [{"role": "user", "content": "a short answer"}]
+    r = c.chat.completions.create(model=model_name(hermes_dir), messages=first, max_tokens=4,
+                                  temperature=0)
+    convo = first + [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "now a long answer"}]
+    with c.chat.completions.create(messages=convo, stream=True, **long) as s:
         it = iter(s)
         next(it), next(it)
-    # non-streaming clients that give up (a timeout closes the connection) likewise
-    impatient = server.client(timeout=0.5)
-    for call in (lambda: impatient.completions.create(prompt="the agent reads", **long),
-                 lambda: impatient.chat.completions.create(
-                     messages=[{"role": "user", "content": "another long answer"}], **long)):
-        with pytest.raises(openai.APITimeoutError):
-            call()
+    # non-streaming clients that give up (close the connection once admitted) likewise
+    body = dict(long, ignore_eos=True)
+    del body["extra_body"]
+    _give_up(server, "/v1/completions", dict(body, prompt="the agent reads"))
+    _give_up(server, "/v1/chat/completions", dict(body, messages=convo))
     wait_until(lambda: _blocks_settled(server, baseline), what="blocks freed")
+    assert _metric(server, "kvsession_generated_tokens") - generated < 900 + 4
+    # the cancelled turn never happened: its conversation, re-sent, continues the session
+    hits = _metric(server, "kvsession_server_conversation_hits_total")
+    r = c.chat.completions.create(model=model_name(hermes_dir), messages=convo, max_tokens=4,
+                                  temperature=0)
+    assert _metric(server, "kvsession_server_conversation_hits_total") == hits + 1
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_overload_is_503_with_retry_after(server, hermes_dir):

@@ -5,6 +5,7 @@ engine loop, closing a stream cancels its request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
@@ -163,6 +164,51 @@ def test_closing_a_stream_cancels_its_request(llm):
     asyncio.run(early())
     assert not llm._rt.call(llm._rt.scheduler.has_work).result()
     assert llm.generate("after", SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids
+
+
+def _idle(llm) -> bool:
+    return not llm._rt.call(llm._rt.scheduler.has_work).result()
+
+
+def test_cancelled_session_turn_never_happened(llm):
+    """Closing a session's stream early, or cancelling the task awaiting asend, cancels the
+    turn: the engine stops generating, and the session is exactly as before it (messages,
+    token log); its next turn is what it would have been without the cancelled one."""
+    long = dict(max_tokens=400, ignore_eos=True)
+    s = llm.session(system="you are terse", sampling=SamplingParams(max_tokens=6, seed=3))
+    s.send("first question")
+    messages, log = s.messages, s.token_ids
+    generated = llm.stats().generated_tokens
+    with contextlib.closing(s.stream("ramble on", **long)) as chunks:
+        next(chunks), next(chunks)
+    # closing posted the cancel before the session's next turn can start: FIFO
+    s.send("ping", max_tokens=1)  # waits for the cancelled turn to settle
+    assert llm.stats().generated_tokens - generated < long["max_tokens"]
+    assert s.messages[:len(messages)] == messages and s.messages[len(messages)]["content"] \
+        == "ping"
+    assert s.token_ids[:len(log)] == log
+
+    async def cancel_asend():
+        task = asyncio.create_task(s.asend("ramble again", **long))
+        await asyncio.sleep(0)  # the task runs up to awaiting its submitted request
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    messages, log = s.messages, s.token_ids
+    generated = llm.stats().generated_tokens
+    asyncio.run(cancel_asend())
+    # the next turn equals the oracle built from the log as it was before the cancel
+    r = s.send("second question")
+    assert llm.stats().generated_tokens - generated < long["max_tokens"]
+    assert s.messages[:len(messages)] == messages
+    want = llm.generate(prompt_token_ids=[s.token_ids[:len(s.token_ids) - len(r.token_ids)]],
+                        sampling_params=SamplingParams(max_tokens=6, seed=3),
+                        use_tqdm=False)[0]
+    assert s.token_ids[:len(log)] == log and r.token_ids == want.token_ids
+    assert r.prefill_tokens < len(s.token_ids) - len(log)  # the history was not recomputed
+    s.close()
+    assert _idle(llm)
+    llm.check_integrity()
 
 
 @pytest.mark.parametrize("call, match", [

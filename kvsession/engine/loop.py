@@ -83,6 +83,7 @@ class Engine:
         self.futures: dict[int, tuple[Future, OnUpdate | None]] = {}
         self.num_steps = 0
         self.prefill_tokens = 0  # prompt tokens computed here (stats().prefill_tokens)
+        self.generated_tokens = 0  # tokens sampled (stats().generated_tokens)
         # Called on the engine thread after every step (debug checks, tests, tracing).
         self.step_observers: list[Callable[[], None]] = []
 
@@ -238,6 +239,7 @@ class Engine:
 
     def _advance(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         seq.append_token(token, logprobs)
+        self.generated_tokens += 1
         done = seq.check_finished(self.decode)
         if not done and seq.grammar is not None and seq.params.structured.jump_forward:
             done = self._jump_forward(seq)

@@ -3,9 +3,10 @@
 Admission: at most `max_concurrent` generation requests are in flight (queued in the engine
 or running); one more is answered 503 with Retry-After at once, so a flood never grows an
 unbounded queue. Every failure of one request is answered as OpenAI error JSON for that
-request alone (the engine fails bad requests alone too). A client that goes away cancels a
-stateless request at once; a session turn runs to its end and its session is closed (see
-kvsession/serve/runs.py). docs/server.md describes the design.
+request alone (the engine fails bad requests alone too). A client that goes away cancels
+its request: a stateless one at once, a session turn at its next token, the session left
+as it was before the turn (see kvsession/serve/runs.py). docs/server.md describes the
+design.
 """
 
 from __future__ import annotations
@@ -241,16 +242,15 @@ class Server:
                 return await self._chat_stream(req, rid, plan, events, slot, buffered)
             if plan.session is not None:  # no thread, no per-token hops: one await
                 work = self._reply(plan, turn_overrides(params, per_turn))
-                res = await self._until_disconnect(request, plan, work, slot, cancel=False)
+                res = await self._until_disconnect(request, plan, work, slot)
             else:
                 work = collect(stateless_events(self.llm, params, messages=plan.new,
                                                 tool_kwargs=tool_kwargs))
                 res = await self._until_disconnect(request, plan, work, slot)
         except BaseException:
-            if not slot.handed:
-                if plan is not None:
-                    self.conversations.abandon(plan)
-                slot.release()
+            if plan is not None:
+                self.conversations.abandon(plan)
+            slot.release()
             raise
         self.conversations.finish(plan, P.assistant_message(res.choices[0]))
         slot.release()
@@ -268,11 +268,11 @@ class Server:
     async def _reply(plan: Plan, overrides: dict) -> P.Result:
         return P.Result.of_reply(await plan.session.asend(plan.new, **overrides))
 
-    async def _until_disconnect(self, request: Request, plan: Plan, work, slot: Slot,
-                                cancel: bool = True) -> P.Result:
+    async def _until_disconnect(self, request: Request, plan: Plan, work, slot: Slot
+                                ) -> P.Result:
         """Await `work` (a coroutine giving a Result) unless the client disconnects first:
-        then it is cancelled, or with `cancel=False` (a session turn: the Session API cannot
-        cancel one) left to finish, its session closed and its slot released after."""
+        then it is cancelled (a session turn too: `Session.asend` cancels its turn, and
+        the session is left as it was before the turn)."""
         work = asyncio.ensure_future(self._map_errors(work))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -281,14 +281,6 @@ class Server:
             gone.cancel()
         if work.done():
             return work.result()
-        if not cancel:
-            def settled(t: asyncio.Task) -> None:
-                t.cancelled() or t.exception()  # retrieved: nobody else will
-                self.conversations.abandon(plan)
-                slot.release()
-            work.add_done_callback(settled)
-            slot.handed = True  # released when the turn settles (the callback above)
-            raise ClientGone()
         work.cancel()
         with _suppress_all():
             await work
@@ -358,7 +350,7 @@ class Server:
             if state["done"]:
                 slot.release()
             elif turn is not None and not turn.settled.done():
-                turn.discard()  # runs to its end; then its session is closed
+                turn.cancel()  # ends at its next token, its session as before the turn
                 turn.settled.add_done_callback(
                     lambda _: (self.conversations.abandon(plan), slot.release()))
             else:

@@ -121,7 +121,9 @@ def session_safe(messages: list[dict]) -> bool:
 class Plan:
     """How one request runs: on `session` (sending it `new`), or stateless (session None).
     `key`: the hash of the request's messages, to file the session under once the reply
-    is known; `named`: the named-session entry it holds (released when the turn ends)."""
+    is known; `named`: the named-session entry it holds (released when the turn ends);
+    `prior_key`: the key a reused auto session was filed under (it goes back there when
+    its turn is cancelled or fails: the conversation it holds is unchanged)."""
 
     session: Session | None
     new: list[dict]
@@ -130,6 +132,8 @@ class Plan:
     reused: bool = False
     named: _Named | None = None
     named_len: int = 0  # the named session's messages when the turn began
+    prior_key: bytes | None = None
+    prior_len: int = 0  # the reused auto session's messages when the turn began
 
 
 @dataclass
@@ -190,7 +194,9 @@ class Conversations:
             if not new or not session_safe(new) or new[-1].get("role") == "assistant":
                 break
             self.hits += 1
-            return Plan(self._auto.pop(hashes[i]), new, hashes[-1], auto=True, reused=True)
+            sess = self._auto.pop(hashes[i])
+            return Plan(sess, new, hashes[-1], auto=True, reused=True, prior_key=hashes[i],
+                        prior_len=len(sess.messages))
         self.misses += 1
         system = None
         rest = messages
@@ -274,18 +280,27 @@ class Conversations:
         self._bound()
 
     def abandon(self, plan: Plan) -> None:
-        """The turn failed or its client went away: the session holds a turn no client has
-        seen, so no conversation can continue it; close it. A named session is kept (its
-        client may go on): if the turn happened, its view becomes the session's own
-        messages, so the client's next request must extend those or hold only new ones."""
+        """The turn failed or its client went away (which cancels the turn). A reused auto
+        session whose turn did not happen holds the conversation it held before: it is
+        filed back under that conversation's key. One that holds a turn no client has seen
+        (the reply was complete before the client left), or a new one, can be continued by
+        no conversation: it is closed. A named session is kept (its client may go on): if
+        the turn happened, its view becomes the session's own messages, so the client's
+        next request must extend those or hold only new ones."""
         if plan.named is not None:
             sess = plan.named.session
             if len(sess.messages) != plan.named_len:
                 plan.named.view = [canonical(m) for m in sess.messages]
             plan.named.lock.release()
             return
-        if plan.session is not None:
-            self._close_later(plan.session)
+        if plan.session is None:
+            return
+        if plan.prior_key is not None and len(plan.session.messages) == plan.prior_len \
+                and plan.session.state != "closed":
+            self._auto[plan.prior_key] = plan.session
+            self._bound()
+            return
+        self._close_later(plan.session)
 
     def _bound(self) -> None:
         while len(self._auto) + len(self._named) > self.capacity:

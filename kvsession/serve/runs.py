@@ -3,9 +3,9 @@
 
 Three ways, by the request's plan:
 - a Session turn (`Session.stream`, a blocking iterator, pumped by a thread into the event
-  loop). The Session API has no way to cancel a running turn, so a turn whose client went
-  away runs to its end (bounded by max_tokens) with its output discarded; `on_settled`
-  then tells the caller (which closes the session and frees its blocks);
+  loop). A turn whose client went away is cancelled: the pump closes the stream at the
+  turn's next token, which ends the request, frees its new blocks and leaves the session
+  as it was before the turn; `settled` then tells the caller;
 - a stateless stream (`LLM.astream`): closing it cancels the request at once and frees its
   blocks;
 - a stateless batch (`LLM.achat` / `LLM.agenerate`, n > 1 or several prompts): one "done".
@@ -37,12 +37,10 @@ def turn_overrides(params: SamplingParams, extra: dict | None = None) -> dict:
 
 
 class Slot:
-    """One admitted request's place in the server's bound; released exactly once.
-    `handed`: a session turn left running (its client went away) releases it when it
-    settles, not the request's handler."""
+    """One admitted request's place in the server's bound; released exactly once."""
 
     def __init__(self, release: Callable[[], None]):
-        self._release, self.released, self.handed = release, False, False
+        self._release, self.released = release, False
 
     def release(self) -> None:
         if not self.released:
@@ -57,7 +55,7 @@ class SessionTurn:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self.settled: asyncio.Future = self._loop.create_future()
-        self._discard = False
+        self._cancelled = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(session, messages, overrides), daemon=True,
             name="kvsession-serve-turn")
@@ -78,11 +76,14 @@ class SessionTurn:
         error = None
         try:
             reply = None
-            for chunk in session.stream(messages, **overrides):
-                if chunk.reply is not None:
-                    reply = chunk.reply
-                if chunk.text and not self._discard:
-                    self._post(("delta", chunk.text))
+            with contextlib.closing(session.stream(messages, **overrides)) as chunks:
+                for chunk in chunks:
+                    if self._cancelled.is_set():
+                        return  # closing the stream cancels the turn
+                    if chunk.reply is not None:
+                        reply = chunk.reply
+                    if chunk.text:
+                        self._post(("delta", chunk.text))
             self._post(("done", Result.of_reply(reply)))
         except BaseException as e:  # handed to the event loop, raised there
             error = e
@@ -99,10 +100,10 @@ class SessionTurn:
             if kind == "done":
                 return
 
-    def discard(self) -> None:
-        """The client went away: the turn runs on (no cancel in the Session API); its
-        text is dropped."""
-        self._discard = True
+    def cancel(self) -> None:
+        """The client went away: the turn is cancelled at its next token (the session is
+        left as it was before it); `settled` resolves once it is."""
+        self._cancelled.set()
 
 
 async def stateless_events(llm: LLM, params: SamplingParams, *, messages=None, prompt=None,
