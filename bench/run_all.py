@@ -28,6 +28,7 @@ BENCHES = {
     "remote_prefill": ("remote_prefill.py", []),
     "eviction": ("eviction.py", ["--plot"]),
     "structured": ("structured.py", []),
+    "server": ("server.py", ["--plot"]),
     "durability": ("durability.py", ["--plot"]),
     "scale_out": ("scale_out.py", ["--plot"]),
     "gpu_kernels": ("gpu_kernels.py", []),
@@ -238,6 +239,28 @@ def section_structured(r) -> list[str]:
     return out
 
 
+def section_server(r) -> list[str]:
+    out = []
+    for n, x in r["results"].items():
+        loc, http = x["in_process"], x["http"]
+        line = (f"- {n} conversations x {r['turns']} turns: makespan in process "
+                f"{fmt(loc['makespan_s'])} s, over HTTP {fmt(http['makespan_s'])} s: "
+                f"**{fmt(x['makespan_ratio'], 3)}x** (target <= 1.15x); engine TTFT p50 / p99 "
+                f"in process {fmt(loc['ttft_p50_s'] * 1e3, 0)} / "
+                f"{fmt(loc['ttft_p99_s'] * 1e3, 0)} ms, over HTTP "
+                f"{fmt(http['ttft_p50_s'] * 1e3, 0)} / {fmt(http['ttft_p99_s'] * 1e3, 0)} ms; "
+                f"{http['cached_share'] * 100:.0f}% of the prompt tokens reported cached")
+        if "transformers" in x:
+            t = x["transformers"]
+            line += (f"; transformers (same conversations, in process) naive "
+                     f"{fmt(t['hf_naive']['makespan_s'])} s, past_key_values "
+                     f"{fmt(t['hf_best']['makespan_s'])} s: kvsession over HTTP is "
+                     f"**{fmt(x['http_speedup_vs_hf_naive'], 1)}x** / "
+                     f"**{fmt(x['http_speedup_vs_hf_best'])}x** faster")
+        out.append(line)
+    return out
+
+
 def section_durability(r) -> list[str]:
     a, rec = r["agent"], r["recovery"]
     overhead = f"**{a['makespan_overhead'] * 100:+.1f}%**"
@@ -324,6 +347,11 @@ SECTIONS = [
     ("structured", "Structured output, n > 1",
      "Mid-size model; JSON-schema formats through xgrammar vs none, matched token counts.",
      section_structured, None),
+    ("server", "OpenAI-compatible server",
+     "The agent workload (shared system prompt, ~128-token messages, 32 generated tokens a "
+     "turn) driven by stateless `openai` clients over HTTP (each turn re-sends the whole "
+     "conversation) vs in-process Sessions; best of the interleaved runs of each.",
+     section_server, "server.png"),
     ("durability", "Durable sessions",
      "durability='turn' (write-ahead log, group commit, KV written behind) vs 'close'; "
      "recovery after SIGKILL.", section_durability, "durability.png"),

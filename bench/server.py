@@ -9,13 +9,17 @@ concurrent conversations:
   the whole conversation; the server maps it back onto the conversation's session).
 
 Each side runs `--repeat` times, interleaved, on conversations of their own (HTTP: a fresh
-server each time); the best runs are compared. Reports the makespan ratio HTTP / in
-process (target: overhead <= 15%), the engine's TTFT p50 / p99 on both sides (over HTTP
-from the server's /metrics), the client's time to the first streamed text (a random model
-often writes bytes that are not yet valid UTF-8, which a stream holds back: an upper bound
-on the HTTP TTFT), CPU seconds of the serving process, and the share of prompt tokens the
-server reports as cached. Writes
-bench/results/server.json (+ server.png with --plot).
+server each time); the best runs are compared. At the concurrency levels in --peers-at
+(default 8), the same conversations also run once through the transformers peers of
+bench/agent_workload.py, in this process: `generate` re-sending the whole history each turn
+(naive, what a transformers-based OpenAI server does) and carrying `past_key_values` (its
+best case); the ratios of their makespans to kvsession's over HTTP are reported. Reports the
+makespan ratio HTTP / in process (target: overhead <= 15%), the engine's TTFT p50 / p99 on
+both sides (over HTTP from the server's /metrics), the client's time to the first streamed
+text (a random model often writes bytes that are not yet valid UTF-8, which a stream holds
+back: an upper bound on the HTTP TTFT), CPU seconds of the serving process, and the share of
+prompt tokens the server reports as cached. Writes bench/results/server.json (+ server.png
+with --plot).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import threading
 import time
 from pathlib import Path
 
-from agent_workload import turn_messages
+from agent_workload import HFPeer, turn_messages
 from common import model_path, pyplot, save_figure, text_of, write_result
 
 from kvsession import LLM, SamplingParams
@@ -150,6 +154,31 @@ def _over_http(server: ServerProcess, model_name: str, system: str,
             "cached_share": cached[0] / max(prompt[0], 1)}
 
 
+def transformers_peers(args, n: int) -> dict:
+    """The run-0 conversations of `n` agents through transformers (one conversation after
+    another each round, as bench/agent_workload.py runs them): makespan and TTFTs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvsession.model.tokenizer import Tokenizer
+
+    path = model_path(args.model)
+    tok = Tokenizer(path)
+    system, convs = workload(args, n, 0)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    out = {}
+    for name, carry in (("hf_naive", False), ("hf_best", True)):
+        peer = HFPeer(hf, tok, system, convs, carry, raw_replies=True)
+        makespan = sum(peer.round(t) for t in range(args.turns))
+        ttfts = [x for row in peer.accounting()["ttft_s"] for x in row]
+        out[name] = {"makespan_s": makespan, "ttft_p50_s": percentile(ttfts, 50),
+                     "ttft_p99_s": percentile(ttfts, 99),
+                     "prefill_tokens": peer.accounting()["prefill_tokens"]}
+        print(f"{n:3d} conversations: transformers {name} {makespan:.1f} s", flush=True)
+    return out
+
+
 def workload(args, n: int, run: int) -> tuple[str, list[list[dict]]]:
     """(system prompt, n conversations) of one run: the same in the parent and the child;
     each run's conversations are its own (no run reuses another's cache)."""
@@ -182,6 +211,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3, help="interleaved runs of each side")
+    ap.add_argument("--peers-at", type=int, nargs="*", default=[8],
+                    help="concurrency levels also run through the transformers peers")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--once", type=int, nargs=2, help=argparse.SUPPRESS)  # child: n, run
     args = ap.parse_args()
@@ -214,6 +245,18 @@ def main() -> None:
               f"first text {http['client_first_text_p50_s'] * 1e3:.0f}/"
               f"{http['client_first_text_p99_s'] * 1e3:.0f} ms); cached "
               f"{http['cached_share']:.0%} of the prompt tokens", flush=True)
+    for n in args.peers_at:  # after every kvsession run: transformers stays in this process
+        if str(n) not in results:
+            continue
+        res = results[str(n)]
+        res["transformers"] = transformers_peers(args, n)
+        for name in ("hf_naive", "hf_best"):
+            res[f"http_speedup_vs_{name}"] = (res["transformers"][name]["makespan_s"]
+                                              / res["http"]["makespan_s"])
+        print(f"{n:3d} conversations: kvsession over HTTP is "
+              f"{res['http_speedup_vs_hf_naive']:.1f}x transformers naive, "
+              f"{res['http_speedup_vs_hf_best']:.2f}x transformers with past_key_values "
+              f"(makespan)", flush=True)
     write_result("server", {"model": args.model, "turns": args.turns,
                             "system_tokens": args.system_tokens, "new_tokens": NEW_TOKENS,
                             "repeat": args.repeat,
@@ -228,15 +271,22 @@ def plot(results: dict, args) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
     levels = list(results)
     x = range(len(levels))
-    for off, (key, label) in zip((-0.2, 0.2), (("in_process", "in process (Session)"),
+    for off, (key, label) in zip((-0.3, -0.1), (("in_process", "in process (Session)"),
                                                ("http", "HTTP (stateless OpenAI clients)")),
                                  strict=True):
-        a.bar([i + off for i in x], [results[n][key]["makespan_s"] for n in levels], 0.4,
+        a.bar([i + off for i in x], [results[n][key]["makespan_s"] for n in levels], 0.2,
               label=label)
         b.errorbar([i + off for i in x], [results[n][key]["ttft_p50_s"] * 1e3 for n in levels],
                    yerr=[[0] * len(levels),
                          [(results[n][key]["ttft_p99_s"] - results[n][key]["ttft_p50_s"]) * 1e3
                           for n in levels]], fmt="o", capsize=4, label=label)
+    peers = [i for i, n in enumerate(levels) if "transformers" in results[n]]
+    for off, (key, label) in zip((0.1, 0.3), (("hf_naive", "transformers naive"),
+                                              ("hf_best", "transformers past_key_values")),
+                                 strict=True):
+        a.bar([i + off for i in peers],
+              [results[levels[i]]["transformers"][key]["makespan_s"] for i in peers], 0.2,
+              label=label)
     b.set_yscale("log")
     for ax, title in ((a, "makespan (s)"), (b, "engine TTFT p50 (dot) to p99 (ms)")):
         ax.set_xticks(list(x), [f"{n} conversations" for n in levels])

@@ -217,6 +217,30 @@ def test_named_session_binds_turns(server, hermes_dir):
         max_tokens=8, temperature=0, extra_headers={"X-Session-Id": "named-1"})
     assert r2.usage.prompt_tokens_details.cached_tokens >= 0.9 * (
         r1.usage.prompt_tokens + r1.usage.completion_tokens)
+    # a retry of the last turn (its reply lost on the way) is answered with the stored
+    # reply: nothing is generated and the history is not forked
+    history = msgs + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "and close it"}]
+    generated = _metric(server, "kvsession_generated_tokens")
+    raw = c.chat.completions.with_raw_response.create(
+        model=model_name(hermes_dir), messages=history, max_tokens=8, temperature=0,
+        extra_body={"session_id": "named-1"})
+    again = raw.parse()
+    assert raw.headers["x-kvsession-replayed"] == "true"
+    assert again.choices[0].message.content == r2.choices[0].message.content
+    assert _metric(server, "kvsession_generated_tokens") == generated
+    chunks = list(c.chat.completions.create(
+        model=model_name(hermes_dir), messages=history, max_tokens=8, temperature=0,
+        stream=True, extra_body={"session_id": "named-1"}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+        r2.choices[0].message.content
+    # the session goes on from the stored reply
+    r3 = c.chat.completions.create(
+        model=model_name(hermes_dir), max_tokens=4, temperature=0,
+        messages=history + [again.choices[0].message.model_dump(exclude_none=True),
+                            {"role": "user", "content": "done?"}],
+        extra_body={"session_id": "named-1"})
+    assert r3.usage.prompt_tokens_details.cached_tokens >= r2.usage.prompt_tokens
     # an edited history cannot continue the session
     with pytest.raises(openai.ConflictError):
         c.chat.completions.create(
@@ -539,6 +563,13 @@ def test_sigterm_finishes_in_flight_and_persists_named_sessions(hermes_dir, tmp_
     # a new server resumes the named session from --session-dir with its KV
     s = start(hermes_dir, tmp_path, "--session-dir", str(sessions))
     try:
+        # a request re-sent to it (the first server went away before its client saw the
+        # reply) is answered from the session's log
+        retry = s.client(api_key="unused").chat.completions.create(
+            model=model_name(hermes_dir), max_tokens=4, temperature=0,
+            messages=[{"role": "user", "content": "remember me"}],
+            extra_body={"session_id": "keep-me"})
+        assert retry.choices[0].message.content == first.choices[0].message.content
         r = s.client(api_key="unused").chat.completions.create(
             model=model_name(hermes_dir), max_tokens=4, temperature=0,
             messages=[{"role": "user", "content": "still there?"}],

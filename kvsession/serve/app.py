@@ -50,6 +50,10 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
+# on a response that repeats a named session's stored reply (a retried request)
+REPLAYED = {"X-KVSession-Replayed": "true"}
+
+
 class SSEResponse(StreamingResponse):
     """Server-sent events. However the response ends (a disconnect included), its body
     iterator is closed and `on_close` runs at once, so the request behind it is cancelled
@@ -57,9 +61,9 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content, on_close):
+    def __init__(self, content, on_close, headers: dict[str, str] | None = None):
         super().__init__(content, headers={"Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
+                                           "X-Accel-Buffering": "no", **(headers or {})})
         self._on_close = on_close
 
     async def stream_response(self, send) -> None:
@@ -236,11 +240,19 @@ class Server:
             log.info("%s: %s, %d new messages", rid, "stateless" if plan.session is None else
                      "session (continued)" if plan.reused or plan.named_len else "session (new)",
                      len(plan.new))
-            if req.stream:
+            if plan.replay is not None:  # a retried turn: its stored reply, nothing runs
+                # (streamed as one event: buffered, like a tool-call answer)
+                log.info("%s: the last turn of session %s answered this request already: "
+                         "its reply is sent again", rid, session_id)
+                res = self._stored_reply(plan)
+                if req.stream:
+                    return await self._chat_stream(req, rid, plan, _events_of(res), slot,
+                                                   buffered=True, replayed=True)
+            elif req.stream:
                 events = self._chat_events(plan, params, tool_kwargs, per_turn)
                 buffered = bool(req.tools) and req.tool_choice != "none"
                 return await self._chat_stream(req, rid, plan, events, slot, buffered)
-            if plan.session is not None:  # no thread, no per-token hops: one await
+            elif plan.session is not None:  # no thread, no per-token hops: one await
                 work = self._reply(plan, turn_overrides(params, per_turn))
                 res = await self._until_disconnect(request, plan, work, slot)
             else:
@@ -257,7 +269,14 @@ class Server:
         self._count(res)
         self.requests[(request.url.path, 200)] += 1
         lp = P.Logprobs(self.decode, params.logprobs) if req.logprobs else None
-        return JSONResponse(P.chat_response(rid, self.model_name, res, lp))
+        return JSONResponse(P.chat_response(rid, self.model_name, res, lp),
+                            headers=REPLAYED if plan.replay is not None else None)
+
+    def _stored_reply(self, plan: Plan) -> P.Result:
+        text = plan.replay.get("content") or ""
+        ids = self.llm.tokenizer.encode(text, add_special_tokens=False) if text else []
+        prompt = max(len(plan.session.token_ids) - len(ids), 0)
+        return P.Result.of_stored(plan.replay, ids, prompt)
 
     def _chat_events(self, plan: Plan, params, tool_kwargs: dict, per_turn: dict):
         if plan.session is not None:
@@ -302,7 +321,7 @@ class Server:
             raise P.from_engine_error(e, P.SAMPLING_FIELDS) from None
 
     async def _chat_stream(self, req: P.ChatRequest, rid: str, plan: Plan, events, slot: Slot,
-                           buffered: bool) -> Response:
+                           buffered: bool, replayed: bool = False) -> Response:
         turn = events if isinstance(events, SessionTurn) else None
         source = turn.events() if turn else events
         # choice 0's text arrives as deltas unless held back (tools) or batched (n > 1)
@@ -358,7 +377,7 @@ class Server:
                 self.conversations.abandon(plan)
                 slot.release()
 
-        return SSEResponse(body(), on_close)
+        return SSEResponse(body(), on_close, REPLAYED if replayed else None)
 
     # ---- /v1/completions -------------------------------------------------------------
 
@@ -510,6 +529,11 @@ def _prompts(prompt) -> list:
         raise P.APIError(400, "prompt must be a string, a list of strings, a list of token "
                               "ids or a list of such lists (non-empty)", param="prompt")
     return list(prompt)
+
+
+async def _events_of(res: P.Result) -> AsyncIterator[tuple[str, object]]:
+    """A finished Result as the event stream a streamed chat answer reads."""
+    yield "done", res
 
 
 async def _replay(body: dict) -> AsyncIterator[str]:

@@ -134,6 +134,9 @@ class Plan:
     named_len: int = 0  # the named session's messages when the turn began
     prior_key: bytes | None = None
     prior_len: int = 0  # the reused auto session's messages when the turn began
+    # a named session's last turn answered exactly this request (a retry): its stored
+    # reply (the assistant message) is sent again and nothing runs
+    replay: dict | None = None
 
 
 @dataclass
@@ -227,12 +230,13 @@ class Conversations:
         self._named.move_to_end(session_id)
         await entry.lock.acquire()  # released by finish() / abandon()
         try:
-            new = self._new_messages(entry, messages, session_id)
+            replay = self._retried(entry, messages)
+            new = [] if replay else self._new_messages(entry, messages, session_id)
         except BaseException:
             entry.lock.release()
             raise
         return Plan(entry.session, new, key, named=entry,
-                    named_len=len(entry.session.messages))
+                    named_len=len(entry.session.messages), replay=replay)
 
     def _open_named(self, session_id: str, messages: list[dict], kwargs: dict) -> _Named:
         if session_id in self.llm.sessions():  # persisted in --session-dir: resume it
@@ -243,6 +247,22 @@ class Conversations:
                       if first.get("role") == "system" and session_safe([first]) else None)
             sess = self._new_session(system, session_id, kwargs)
         return _Named(sess, [canonical(m) for m in sess.messages])
+
+    @staticmethod
+    def _retried(entry: _Named, messages: list[dict]) -> dict | None:
+        """The session's last reply when `messages` is its history up to that reply: the
+        request was answered already, its reply lost on the way (a client's retry after a
+        timeout; the ingress re-sending a request whose replica died after the turn's log
+        record was written). Answering it again would fork the history."""
+        view = entry.view
+        if len(messages) != len(view) - 1 or not view:
+            return None
+        last = entry.session.messages[-1]
+        if last.get("role") != "assistant" or canonical(last) != view[-1]:
+            return None
+        if any(canonical(m) != v for m, v in zip(messages, view[:-1], strict=True)):
+            return None
+        return last
 
     @staticmethod
     def _new_messages(entry: _Named, messages: list[dict], session_id: str) -> list[dict]:
@@ -270,7 +290,8 @@ class Conversations:
         """The turn answered `reply` (the assistant message sent to the client): file the
         session under the conversation the client will send back."""
         if plan.named is not None:
-            plan.named.view += [canonical(m) for m in plan.new] + [canonical(reply)]
+            if plan.replay is None:
+                plan.named.view += [canonical(m) for m in plan.new] + [canonical(reply)]
             plan.named.lock.release()
             self._bound()
             return

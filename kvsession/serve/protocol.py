@@ -10,6 +10,7 @@ onto `SamplingParams` (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ig
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -26,6 +27,7 @@ from kvsession import (
     SamplingParams,
     SessionClosedError,
     SessionLockedError,
+    ToolCall,
 )
 
 # ---- errors ---------------------------------------------------------------------------
@@ -208,11 +210,31 @@ class Result:
                            list(getattr(r, "tool_calls", None) or ()))],
                    r.prefill_tokens + r.cached_tokens, max(r.cached_tokens, 0))
 
+    @classmethod
+    def of_stored(cls, message: dict, token_ids: list[int], prompt_tokens: int) -> Result:
+        """A reply already given (a named session's last assistant message), sent again:
+        nothing was computed, so the whole prompt counts as cached. The finish reason is
+        "tool_calls" or "stop" (a reply cut at max_tokens is not told apart)."""
+        calls = [ToolCall(c.get("id") or "", (c.get("function") or {}).get("name") or "",
+                          _arguments_of(c)) for c in message.get("tool_calls") or ()]
+        return cls([Choice(0, message.get("content") or "", list(token_ids), "stop", None,
+                           calls)], prompt_tokens, prompt_tokens)
+
     def usage(self) -> dict:
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def _arguments_of(call: dict) -> dict:
+    args = (call.get("function") or {}).get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return {}
+    return args if isinstance(args, dict) else {}
 
 
 def new_id(prefix: str) -> str:

@@ -271,7 +271,8 @@ class Ingress:
                 # the replica's process is gone (this request went out on a pooled
                 # connection to it, or it died during the turn): the turn was not
                 # acknowledged, so it is sent again elsewhere; a named session resumes
-                # there from its log (a turn logged but never answered makes that 409)
+                # there from its log (a turn logged but never answered is answered with
+                # the reply the log stored: the replica replays a retried last turn)
                 if not await self._probe(d.replica):
                     continue
                 raise P.APIError(502, f"{d.replica} failed during the request "
