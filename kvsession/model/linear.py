@@ -56,7 +56,14 @@ class Linear:
         if self.fmt in ("onednn", "both"):
             # packed for batches up to 64 rows (the hint only tunes the blocking)
             src = self.weight_t.t() if self.weight_t is not None else w
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(src, PACKED_MAX_ROWS)
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(src, PACKED_MAX_ROWS)
+            except RuntimeError:
+                # oneDNN packs some dtypes only on some CPUs (float16 needs avx512_fp16):
+                # elsewhere the plain layout serves every batch
+                self.fmt = "float"
+                if self.weight_t is None:
+                    self.weight_t = w.t().contiguous()
         if self.fmt == "int8":  # symmetric, per output channel: w ~ q * scale
             scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
             q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)

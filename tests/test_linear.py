@@ -1,0 +1,21 @@
+"""The CPU projection formats give the plain product, and a format oneDNN cannot pack on this
+CPU (float16 needs avx512_fp16) falls back to the plain layout instead of failing the load."""
+
+import pytest
+import torch
+
+from kvsession.model.linear import Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["float", "onednn", "both"])
+@pytest.mark.parametrize("rows", [1, 3, 80])
+def test_formats_match_the_plain_product(dtype, fmt, rows):
+    g = torch.Generator().manual_seed(rows)
+    parts = [torch.randn(48, 32, generator=g).to(dtype) for _ in range(2)]
+    x = torch.randn(rows, 32, generator=g).to(dtype)
+    y = Linear(parts, None, fmt)(x)
+    want = x.float() @ torch.cat(parts).float().t()
+    assert y.shape == (rows, 96) and y.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 0.2
+    assert (y.float() - want).abs().max().item() < tol
