@@ -9,13 +9,15 @@ bandwidth of the same run):
   bench model's projections in 0.83x the time their bytes take at the DRAM read bandwidth
   (part of them stays in this machine's large L3), where `F.linear` on the checkpoint's
   `[out, in]` takes 0.94x and the padded `(W @ x.T).T` used before ~3x. But MKL repacks the
-  weight on every call for 2-64 rows (2.0x the bound at 8 rows). Prefill is compute-bound
-  and runs as fast as in any other layout. One copy of every weight.
+  weight on every call for 2-64 rows (2.0x the bound at 8 rows), and on this AMD EPYC its
+  float32 GEMM reaches only ~160-180 GFLOP/s at prefill sizes. One copy of every weight.
 - "onednn": oneDNN's prepacked blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
-  what inductor's freezing uses): 1.40x the bound at 8 rows, but 1.24x at one row; prefill
-  alike. One copy, opaque (a tied embedding keeps its own).
-- "both": "float" for one row and prefill, "onednn" for 2-64 rows: the best of the two at
-  twice the weight memory (the model's default on CPU).
+  what inductor's freezing uses): 1.40x the bound at 8 rows, but 1.24x at one row; and the
+  compute-bound prefill products at ~300-430 GFLOP/s in float32 (1.8-2.5x MKL's on the same
+  machine; bfloat16 alike, ~850). One copy, opaque (a tied embedding keeps its own).
+- "both": "float" for one row, "onednn" for every batch of two rows or more (decode
+  batches and prefill): the best of the two at twice the weight memory (the model's
+  default on CPU).
 - "int8": int8 weights with a float scale per output channel, through ATen's weight-only
   int8 kernel (`_weight_int8pack_mm`, gpt-fast's): a quarter of the bytes. Its CPU kernel is
   fast with bfloat16 activations only (with float32 ones it is 2x slower than float32
@@ -29,7 +31,7 @@ from __future__ import annotations
 import torch
 
 FORMATS = ("float", "onednn", "both", "int8")
-PACKED_MAX_ROWS = 64  # above this a batch is prefill-like (compute-bound)
+PACKED_MAX_ROWS = 64  # oneDNN's blocking hint (decode batches); larger batches run packed too
 
 
 class Linear:
@@ -54,7 +56,7 @@ class Linear:
                 else parts[0].t()
         w = torch.cat(parts) if self.fmt in ("onednn", "int8") and len(parts) > 1 else parts[0]
         if self.fmt in ("onednn", "both"):
-            # packed for batches up to 64 rows (the hint only tunes the blocking)
+            # packed for every batch (the hint only tunes the blocking)
             src = self.weight_t.t() if self.weight_t is not None else w
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(src, PACKED_MAX_ROWS)
@@ -81,8 +83,7 @@ class Linear:
         if self.int8 is not None:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), *self.int8).float()
             return y if self.bias is None else y + self.bias
-        if self.packed is not None and (self.weight_t is None or 1 < x.shape[0]
-                                        <= PACKED_MAX_ROWS):
+        if self.packed is not None and (self.weight_t is None or x.shape[0] > 1):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
             return torch.mm(x, self.weight_t)
