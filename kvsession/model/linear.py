@@ -5,19 +5,22 @@ projections read their weights. Formats (`Linear(..., fmt=)`), measured on the b
 model's projections (bench/decode_vs_hf.py --kernels prints the table, against the DRAM
 bandwidth of the same run):
 
-- "float": `[in, out]` contiguous, x @ W^T by MKL. The fastest at one row: it reads the
-  bench model's projections in 0.83x the time their bytes take at the DRAM read bandwidth
-  (part of them stays in this machine's large L3), where `F.linear` on the checkpoint's
-  `[out, in]` takes 0.94x and the padded `(W @ x.T).T` used before ~3x. But MKL repacks the
-  weight on every call for 2-64 rows (2.0x the bound at 8 rows), and on this AMD EPYC its
-  float32 GEMM reaches only ~160-180 GFLOP/s at prefill sizes. One copy of every weight.
+- "float": `[in, out]` contiguous, x @ W^T by MKL. On an Intel machine the fastest at one
+  row: it read the bench model's projections in 0.83x the time their bytes take at the
+  DRAM read bandwidth (part of them stays in the large L3), where `F.linear` on the
+  checkpoint's `[out, in]` took 0.94x and the padded `(W @ x.T).T` used before ~3x. But MKL
+  repacks the weight on every call for 2-64 rows (2.0x the bound at 8 rows), and on an AMD
+  EPYC it runs its generic code path (`mkl_blas_def_xsgemv`: ~22 GB/s through the output
+  head where oneDNN streams ~39 GB/s; ~160-180 GFLOP/s at prefill sizes). One copy.
 - "onednn": oneDNN's prepacked blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
-  what inductor's freezing uses): 1.40x the bound at 8 rows, but 1.24x at one row; and the
-  compute-bound prefill products at ~300-430 GFLOP/s in float32 (1.8-2.5x MKL's on the same
-  machine; bfloat16 alike, ~850). One copy, opaque (a tied embedding keeps its own).
-- "both": "float" for one row, "onednn" for every batch of two rows or more (decode
-  batches and prefill): the best of the two at twice the weight memory (the model's
-  default on CPU).
+  what inductor's freezing uses): 1.40x the bound at 8 rows; at one row 1.24x on the Intel
+  machine, the fastest on the AMD one; the compute-bound prefill products at ~300-430
+  GFLOP/s in float32 on the AMD machine (1.8-2.5x MKL's; bfloat16 alike, ~850). One copy,
+  opaque (a tied embedding keeps its own).
+- "both": "onednn" for every batch of two rows or more (decode batches and prefill), and
+  for one row whichever of the two `measure_one_row` found faster on this machine when the
+  model was built: the best of the two at twice the weight memory (the model's default on
+  CPU).
 - "int8": int8 weights with a float scale per output channel, through ATen's weight-only
   int8 kernel (`_weight_int8pack_mm`, gpt-fast's): a quarter of the bytes. Its CPU kernel is
   fast with bfloat16 activations only (with float32 ones it is 2x slower than float32
@@ -27,6 +30,8 @@ bandwidth of the same run):
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -50,6 +55,8 @@ class Linear:
         self.fmt = fmt if cpu else "float"
         self.bias = bias
         self.weight_t = self.packed = self.int8 = None
+        # "both": one row through the packed weight too (set by measure_one_row)
+        self.one_row_packed = False
         if self.fmt in ("float", "both"):
             # [in, out] contiguous, built in one copy
             self.weight_t = torch.cat([w.t() for w in parts], dim=1) if cpu or len(parts) > 1 \
@@ -83,8 +90,40 @@ class Linear:
         if self.int8 is not None:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), *self.int8).float()
             return y if self.bias is None else y + self.bias
-        if self.packed is not None and (self.weight_t is None or x.shape[0] > 1):
+        if self.packed is not None and (self.weight_t is None or x.shape[0] > 1
+                                        or self.one_row_packed):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
+
+
+def measure_one_row(linears: list[Linear], rounds: int = 3) -> bool:
+    """Which kernel a one-row product (a batch-1 decode step) should use in "both"
+    projections, measured on this machine: every projection of `linears` with one row, MKL
+    on the plain layout against oneDNN on the packed one, interleaved `rounds` times (the
+    best round of each counts, so a burst of other work does not decide). Sets
+    `one_row_packed` on each and returns it. Why measure: the faster one depends on the
+    CPU (MKL wins on Intel, oneDNN on AMD, by 1.5x either way), not on the model."""
+    both = [lin for lin in linears if lin.weight_t is not None and lin.packed is not None]
+    if not both:
+        return False
+    xs = [torch.zeros(1, lin.weight_t.shape[0], dtype=lin.weight_t.dtype) for lin in both]
+
+    def one_pass(packed: bool) -> float:
+        for lin in both:
+            lin.one_row_packed = packed
+        t = time.perf_counter()
+        for lin, x in zip(both, xs, strict=True):
+            lin(x)
+        return time.perf_counter() - t
+
+    one_pass(False), one_pass(True)  # warm-up: first touches, oneDNN's primitive cache
+    best = {packed: float("inf") for packed in (False, True)}
+    for _ in range(rounds):
+        for packed in (False, True):
+            best[packed] = min(best[packed], one_pass(packed))
+    choice = best[True] < best[False]
+    for lin in both:
+        lin.one_row_packed = choice
+    return choice

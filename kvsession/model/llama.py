@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kvsession.attention import AttentionMetadata, attention
 from kvsession.cache.kv_pool import KVPool
 from kvsession.model.config import ModelSpec, RopeSpec
-from kvsession.model.linear import Linear
+from kvsession.model.linear import Linear, measure_one_row
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,6 +79,10 @@ class LlamaModel:
         self.embed = self.lm_head.weight if spec.tie_word_embeddings \
             and self.lm_head.weight_t is not None else embed
         weights.clear()  # the fused copies above replace them; free the originals
+        # a batch-1 decode step's kernel, by measurement on this CPU (model/linear.py)
+        self.one_row_packed = measure_one_row(
+            [self.lm_head] + [lin for lw in self.layers
+                              for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)])
         positions = torch.arange(max_model_len, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(spec.rope, spec.head_dim))
         dev = self.norm.device
