@@ -194,6 +194,14 @@ class SessionStore:
                       messages: list[dict] | None, options: SessionOptions) -> Session:
         sess = Session(self, session_id, system, sampling, messages, options.history,
                        options.renderer, options.log, options.pending)
+        if system_key is not None and self.rt.disk is not None \
+                and not self.pins.is_pinned(system_key):
+            # another session of this directory (another process, a replica sharing the
+            # session_dir) may have stored this system prompt's KV: read it, before the pin
+            # would prefill it
+            shared = open_shared(self.rt.disk, self.rt.header_fields)
+            if shared is not None:
+                self.pins.warm(system_key, shared)
         if system_key is not None and self.pins.acquire(system_key):
             sess.system_key = system_key
         try:
@@ -234,9 +242,6 @@ class SessionStore:
             raise SnapshotError(f"{path}: {e}") from None
         slog = SessionLog(path, session_id, rt.log_identity, state, scan.end)
         shared = open_shared(disk, rt.header_fields)
-        if shared is not None and system_key is not None and \
-                not self.pins.is_pinned(system_key):
-            self.pins.warm(system_key, shared)  # before the pin would prefill it
         sess = self._new_session(session_id, state.system, params, system_key, messages,
                                  lock=lock, slog=slog, options=opts)
         try:

@@ -638,6 +638,41 @@ def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path
         assert r.token_ids == expected_turn(llm, s, before, r, G)
 
 
+def test_a_new_session_pins_its_system_prompt_from_the_directorys_shared_store(
+        llama_dir, tmp_path):
+    """A replica sharing the session_dir (here: a copy of it, as another process sees it)
+    opening a *new* session with a system prompt another one stored reads the pin's blocks
+    from .shared.seg instead of prefilling them; the turn is the same either way."""
+    system = SYSTEM + " Always explain the plan first, then act, then check the result."
+    sd = tmp_path / "sd"
+    llm = new_llm(llama_dir, sd, max_model_len=1024)
+    try:
+        s = llm.session(session_id="a", system=system, sampling=G)
+        s.send("read the file and run the tests " * 3)
+        llm._rt.writeback.request(WriteOp.FLUSH, None).result(timeout=60)
+        lead = on_engine(llm, lambda: llm._rt.policy.num_lead(s.kv))
+        assert lead >= 2
+        shutil.copytree(sd, tmp_path / "copy")  # what another process sees meanwhile
+    finally:
+        llm.close()
+    for f in (tmp_path / "copy").glob("*.lock"):
+        f.unlink()
+    with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
+        llm._rt.mover.disk_read_bytes_per_s.fix(1e12)  # loading beats recomputing
+        before = llm.stats().prefill_tokens
+        b = llm.session(session_id="b", system=system, sampling=G)
+        assert llm.stats().prefix.pinned_blocks == lead
+        assert llm.stats().prefix.hit_tokens == lead * 16  # every pinned block read
+        assert llm.stats().prefill_tokens - before < 16  # at most the partial last block
+        log_before = b.token_ids
+        r = b.send("and then?")
+        assert r.token_ids == expected_turn(llm, b, log_before, r, G)
+    with new_llm(llama_dir, tmp_path / "plain", max_model_len=1024) as llm:  # no store
+        before = llm.stats().prefill_tokens
+        llm.session(session_id="b", system=system, sampling=G)
+        assert llm.stats().prefill_tokens - before >= lead * 16
+
+
 def on_engine(llm, fn):
     return llm._rt.call(fn).result()
 
