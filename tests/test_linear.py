@@ -4,6 +4,7 @@ CPU (float16 needs avx512_fp16) falls back to the plain layout instead of failin
 import pytest
 import torch
 
+from kvsession.model import linear
 from kvsession.model.linear import Linear, measure_one_row
 
 
@@ -21,10 +22,13 @@ def test_formats_match_the_plain_product(dtype, fmt, rows):
     assert (y.float() - want).abs().max().item() < tol
 
 
-def test_measured_one_row_kernel_is_set_on_every_both_projection_and_exact_either_way():
+def test_measured_one_row_kernel_is_set_on_every_both_projection_and_exact_either_way(
+        monkeypatch):
     g = torch.Generator().manual_seed(0)
     both = [Linear(torch.randn(64, 32, generator=g), None, "both") for _ in range(3)]
     plain = Linear(torch.randn(64, 32, generator=g), None, "float")
+    assert measure_one_row(both + [plain]) is False  # cache-sized weights: MKL, no timing
+    monkeypatch.setattr(linear, "MEASURE_MIN_BYTES", 0)
     choice = measure_one_row(both + [plain])
     assert all(lin.one_row_packed is choice for lin in both)
     assert plain.one_row_packed is False  # a single layout has nothing to choose

@@ -37,6 +37,10 @@ import torch
 
 FORMATS = ("float", "onednn", "both", "int8")
 PACKED_MAX_ROWS = 64  # oneDNN's blocking hint (decode batches); larger batches run packed too
+# below this many weight bytes measure_one_row keeps MKL: weights that fit the CPU caches run
+# about as fast either way, and a choice made by noise could differ between two processes
+# (float rounding, so a near-tie of greedy logits, would then differ with it)
+MEASURE_MIN_BYTES = 32 << 20
 
 
 class Linear:
@@ -103,10 +107,12 @@ def measure_one_row(linears: list[Linear], rounds: int = 3) -> bool:
     projections, measured on this machine: every projection of `linears` with one row, MKL
     on the plain layout against oneDNN on the packed one, interleaved `rounds` times (the
     best round of each counts, so a burst of other work does not decide). Sets
-    `one_row_packed` on each and returns it. Why measure: the faster one depends on the
-    CPU (MKL wins on Intel, oneDNN on AMD, by 1.5x either way), not on the model."""
+    `one_row_packed` on each and returns it; models under MEASURE_MIN_BYTES keep MKL. Why
+    measure: the faster one depends on the CPU (MKL wins on Intel, oneDNN on AMD, by 1.5x
+    either way), not on the model."""
     both = [lin for lin in linears if lin.weight_t is not None and lin.packed is not None]
-    if not both:
+    if sum(lin.weight_t.numel() * lin.weight_t.element_size() for lin in both) \
+            < MEASURE_MIN_BYTES:
         return False
     xs = [torch.zeros(1, lin.weight_t.shape[0], dtype=lin.weight_t.dtype) for lin in both]
 
