@@ -194,14 +194,8 @@ class SessionStore:
                       messages: list[dict] | None, options: SessionOptions) -> Session:
         sess = Session(self, session_id, system, sampling, messages, options.history,
                        options.renderer, options.log, options.pending)
-        if system_key is not None and self.rt.disk is not None \
-                and not self.pins.is_pinned(system_key):
-            # another session of this directory (another process, a replica sharing the
-            # session_dir) may have stored this system prompt's KV: read it, before the pin
-            # would prefill it
-            shared = open_shared(self.rt.disk, self.rt.header_fields)
-            if shared is not None:
-                self.pins.warm(system_key, shared)
+        if system_key is not None:  # stored by another process of this directory? read it
+            self.pins.warm_from_directory(system_key)
         if system_key is not None and self.pins.acquire(system_key):
             sess.system_key = system_key
         try:

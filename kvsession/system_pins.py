@@ -12,7 +12,7 @@ import threading
 from kvsession.errors import CacheFullError, ConfigError, SnapshotError
 from kvsession.history import ChatRenderer
 from kvsession.runtime import PinHandle, Runtime
-from kvsession.tiers.resume import warm_prefix
+from kvsession.tiers.resume import open_shared, warm_prefix
 
 log = logging.getLogger("kvsession")
 
@@ -73,14 +73,22 @@ class SystemPins:
         if pin is not None:
             self.rt.unpin(pin)
 
-    def warm(self, key: SystemKey, shared) -> None:
-        """The system prompt's blocks from the directory's shared prefix store into the
+    def warm_from_directory(self, key: SystemKey) -> None:
+        """Before `key` is pinned here: its blocks from the session_dir's shared prefix store
+        (another process, or a replica sharing the directory, wrote them behind) into the
         prefix cache (tiers/resume.warm_prefix), so that pinning it reads them instead of
-        prefilling them; a damaged store only costs the prefill."""
-        rt, ids = self.rt, list(key)
-        hashes = rt.mover.block_hashes(ids, rt.salt_for(ids, None))
+        prefilling them. Nothing when it is pinned already or there is no store; a damaged
+        store, or one its last user removed meanwhile, only costs the prefill."""
+        rt = self.rt
+        if rt.disk is None or self.is_pinned(key):
+            return
+        ids = list(key)
         try:
+            shared = open_shared(rt.disk, rt.header_fields)
+            if shared is None:
+                return
+            hashes = rt.mover.block_hashes(ids, rt.salt_for(ids, None))
             rt.call(lambda: warm_prefix(rt.mover, shared, rt.disk.shared_path(), ids,
                                         hashes)).result()
-        except SnapshotError as e:
+        except (SnapshotError, OSError) as e:
             log.warning("%s; the system prompt will be recomputed", e)
