@@ -33,6 +33,7 @@ from oracle import expected_turn
 
 G = SamplingParams(max_tokens=4, temperature=0.0)
 SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."
+LONG_SYSTEM = SYSTEM + " Always explain the plan first, then act, then check the result."
 IDENTITY = wal.Identity(model_fingerprint="m" * 64, tokenizer_digest="t", template_digest="c",
                         kv_dtype="float32", block_size=16)
 
@@ -576,18 +577,7 @@ def test_a_resumed_session_with_a_shared_prefix_is_compacted_without_losing_its_
     from kvsession.tiers.snapshot_read import read_header
     from kvsession.tiers.writeback import WriteBehind
 
-    system = SYSTEM + " Always explain the plan first, then act, then check the result."
-    sd = tmp_path / "sd"
-    llm = new_llm(llama_dir, sd, max_model_len=1024)
-    try:
-        s = llm.session(session_id="c", system=system, sampling=G)
-        s.send("read the file and run the tests " * 3)
-        llm._rt.writeback.request(WriteOp.FLUSH, None).result(timeout=60)
-        lead = on_engine(llm, lambda: llm._rt.policy.num_lead(s.kv))
-        shutil.copytree(sd, tmp_path / "copy")  # the process "dies" here
-    finally:
-        llm.close()
-    (tmp_path / "copy" / "c.lock").unlink()
+    lead = one_turn_copied(llama_dir, tmp_path, "c")  # the process "dies" after the copy
     monkeypatch.setattr(WriteBehind, "COMPACT_RECORDS", 4)
     with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
         s = llm.session(session_id="c")
@@ -601,7 +591,7 @@ def test_a_resumed_session_with_a_shared_prefix_is_compacted_without_losing_its_
 
 
 def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path):
-    system = SYSTEM + " Always explain the plan first, then act, then check the result."
+    system = LONG_SYSTEM
     sd = tmp_path / "sd"
     llm = new_llm(llama_dir, sd, max_model_len=1024)
     try:
@@ -643,24 +633,12 @@ def test_a_new_session_pins_its_system_prompt_from_the_directorys_shared_store(
     """A replica sharing the session_dir (here: a copy of it, as another process sees it)
     opening a *new* session with a system prompt another one stored reads the pin's blocks
     from .shared.seg instead of prefilling them; the turn is the same either way."""
-    system = SYSTEM + " Always explain the plan first, then act, then check the result."
-    sd = tmp_path / "sd"
-    llm = new_llm(llama_dir, sd, max_model_len=1024)
-    try:
-        s = llm.session(session_id="a", system=system, sampling=G)
-        s.send("read the file and run the tests " * 3)
-        llm._rt.writeback.request(WriteOp.FLUSH, None).result(timeout=60)
-        lead = on_engine(llm, lambda: llm._rt.policy.num_lead(s.kv))
-        assert lead >= 2
-        shutil.copytree(sd, tmp_path / "copy")  # what another process sees meanwhile
-    finally:
-        llm.close()
-    for f in (tmp_path / "copy").glob("*.lock"):
-        f.unlink()
+    lead = one_turn_copied(llama_dir, tmp_path, "a")  # what another process sees meanwhile
+    assert lead >= 2
     with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
         llm._rt.mover.disk_read_bytes_per_s.fix(1e12)  # loading beats recomputing
         before = llm.stats().prefill_tokens
-        b = llm.session(session_id="b", system=system, sampling=G)
+        b = llm.session(session_id="b", system=LONG_SYSTEM, sampling=G)
         assert llm.stats().prefix.pinned_blocks == lead
         assert llm.stats().prefix.hit_tokens == lead * 16  # every pinned block read
         assert llm.stats().prefill_tokens - before < 16  # at most the partial last block
@@ -669,8 +647,27 @@ def test_a_new_session_pins_its_system_prompt_from_the_directorys_shared_store(
         assert r.token_ids == expected_turn(llm, b, log_before, r, G)
     with new_llm(llama_dir, tmp_path / "plain", max_model_len=1024) as llm:  # no store
         before = llm.stats().prefill_tokens
-        llm.session(session_id="b", system=system, sampling=G)
+        llm.session(session_id="b", system=LONG_SYSTEM, sampling=G)
         assert llm.stats().prefill_tokens - before >= lead * 16
+
+
+def one_turn_copied(model_dir, tmp_path: Path, session_id: str) -> int:
+    """One turn of a session with LONG_SYSTEM in tmp_path/"sd", its KV written behind, the
+    directory copied to tmp_path/"copy" while it is open (what a crash, or another process,
+    leaves), the copy's locks removed; returns the session's pinned lead blocks."""
+    sd = tmp_path / "sd"
+    llm = new_llm(model_dir, sd, max_model_len=1024)
+    try:
+        s = llm.session(session_id=session_id, system=LONG_SYSTEM, sampling=G)
+        s.send("read the file and run the tests " * 3)
+        llm._rt.writeback.request(WriteOp.FLUSH, None).result(timeout=60)
+        lead = on_engine(llm, lambda: llm._rt.policy.num_lead(s.kv))
+        shutil.copytree(sd, tmp_path / "copy")
+    finally:
+        llm.close()
+    for f in (tmp_path / "copy").glob("*.lock"):
+        f.unlink()
+    return lead
 
 
 def on_engine(llm, fn):
