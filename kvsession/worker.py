@@ -121,9 +121,11 @@ class NixlPrefillService(PrefillService):
         self.callers[caller] = (name, hello.tensors)
         return HelloOk(self.agent.name, self.max_tokens, self.max_bytes)
 
-    def prefill(self, caller: str, req: PrefillRequest) -> PrefillDone | PrefillFailed | None:
+    def prefill(self, caller: str, req: PrefillRequest, abandoned=lambda: False
+                ) -> PrefillDone | PrefillFailed | None:
         """None: a write could not be cancelled, so no answer may release the caller's
-        blocks (it keeps them in quarantine until it drops this worker)."""
+        blocks (it keeps them in quarantine until it drops this worker). abandoned(): the
+        caller has vanished (silent past --caller-timeout-s): the job ends as a failure."""
         from kvsession.engine.sequence import Sequence
         from kvsession.params import SamplingParams
 
@@ -165,6 +167,8 @@ class NixlPrefillService(PrefillService):
                 raise RuntimeError("the worker is shutting down")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not done within {self.request_timeout_s} s")
+            if abandoned():
+                raise RuntimeError("the caller has vanished")
 
         def reap() -> None:
             nonlocal busy_s
@@ -287,7 +291,8 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
     counters = _Counters()
     rng = random.Random(faults.seed)
 
-    def run_job(caller: str, msg):
+    def run_job(ident: bytes, msg):
+        caller = ident.hex()
         if isinstance(msg, Hello):
             return service.handshake(caller, msg)
         if isinstance(msg, Bye):
@@ -297,7 +302,10 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
             release.wait(faults.delay_s)  # injected fault: slower than the timeout
         if stop.is_set():
             return PrefillFailed(msg.req_id, "the worker is shutting down")
-        reply = service.prefill(caller, msg)
+        if ident in gone:  # queued before its caller vanished: nobody to compute it for
+            counters.failed += 1
+            return None
+        reply = service.prefill(caller, msg, lambda: ident in gone)
         if isinstance(reply, PrefillDone):
             counters.served += 1
         else:
@@ -315,7 +323,7 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
                     continue
                 counters.busy = True
                 try:
-                    reply = run_job(ident.hex(), msg)
+                    reply = run_job(ident, msg)
                 except Exception as e:  # one job's failure never stops the thread
                     log.exception("worker job failed")
                     reply = (PrefillFailed(msg.req_id, f"internal error: {e}")
@@ -338,11 +346,16 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
     # callers that sent a Hello: when each last said anything. One silent for
     # caller_timeout_s (a live caller heartbeats) has vanished: its registration is dropped
     seen: dict[bytes, float] = {}
+    # callers found silent: their queued and running prefills end at once (a transfer to a
+    # dead process may only fail at the request timeout, and the drop of the registration
+    # waits behind them in the job queue); any message brings a caller back
+    gone: set[bytes] = set()
     last_sweep = time.monotonic()
 
     def sweep(now: float) -> None:
         for ident, t in list(seen.items()):
             if now - t > args.caller_timeout_s:
+                gone.add(ident)
                 try:
                     jobs.put_nowait((ident, Bye()))
                 except queue.Full:
@@ -443,6 +456,7 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
                     if got is None:
                         break
                     ident, data, error = got
+                    gone.discard(ident)  # it speaks: not vanished (again)
                     if ident in seen:
                         seen[ident] = time.monotonic()
                     try:
