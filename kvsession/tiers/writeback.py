@@ -455,9 +455,21 @@ class WriteBehind:
                 # the missing block again
                 return
             if any(p == seg.path for p, _, _ in sources):
-                session = self._session_fields(sid)
-                if session is None:  # no acknowledged turn yet: the segment waits
+                got = self._session_fields(sid)
+                if got is None:  # no acknowledged turn yet: the segment waits
                     return
+                session, acked = got
+                # blocks of a turn whose log record is not written yet (its KV comes
+                # behind at the turn's end, before the record): not in this snapshot,
+                # which must be a whole session as its log says; the segment keeps them
+                ahead = n
+                mine = seg.tokens[: n * self.bs]
+                same = next((i for i, (a, b) in enumerate(zip(mine, acked, strict=False))
+                             if a != b), min(len(mine), len(acked)))
+                n = min(n, same // self.bs)
+                if n == 0:
+                    return
+                sources = sources[:n]
                 fields = {**self.header_fields, **session, "session_id": sid,
                           "token_ids": list(seg.tokens[: n * self.bs]),
                           "block_hashes": [h.hex() for h in seg.hashes[:n]]}
@@ -465,6 +477,9 @@ class WriteBehind:
                     n = compact(kvs, sources, fields)
                 except SnapshotError as e:
                     log.warning("compaction of session %s failed: %s", sid, e)
+                    return
+                if n < ahead:  # the segment still holds blocks nothing else does
+                    self.compactions += 1
                     return
         # on disk now: exactly the snapshot's blocks (every current block of the segment
         # is among them)
@@ -476,12 +491,13 @@ class WriteBehind:
             os.unlink(seg.path)
         self._segs.pop(sid, None)
 
-    def _session_fields(self, sid: str) -> dict | None:
+    def _session_fields(self, sid: str) -> tuple[dict, list[int]] | None:
         """The session as its log says it is now (messages, system prompt, sampling
         defaults, history): what makes a compacted snapshot a whole session by itself, like
         any other. The log is read as it stands (the commit thread only appends whole
         records or renames a rewrite over it: a record it has not finished reads as a torn
-        tail and is left out). None when it has no acknowledged record or cannot be read."""
+        tail and is left out), and the tokens it acknowledges. None when it has no
+        acknowledged record or cannot be read."""
         try:
             state = read_log(self.disk.log_path(sid), expect=self._identity).state
         except (OSError, SnapshotError) as e:
@@ -494,7 +510,7 @@ class WriteBehind:
                 "sampling": state.sampling,
                 "history": {"mode": state.history, "log": state.tokens if append else [],
                             "pending": state.pending, "tools": state.tools,
-                            "template_kwargs": state.template_kwargs}}
+                            "template_kwargs": state.template_kwargs}}, state.tokens
 
     def _serve(self, req: _Request) -> None:
         sid = req.session_id
