@@ -52,9 +52,9 @@ import torch
 from common import mid_model, pyplot, save_figure, text_of, write_result
 
 from kvsession import LLM, SamplingParams
+from kvsession.cache.prefix import common_prefix_len
 from kvsession.history import ChatRenderer
 from kvsession.metrics import percentile
-from kvsession.session import common_prefix_len
 
 NEW_TOKENS = 32
 # added to the logits of the tokenizer's own text tokens: the random model's vocabulary

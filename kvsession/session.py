@@ -160,14 +160,6 @@ def _tool_args(args: dict) -> tuple:
     return args["tools"], args["tool_choice"]
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class Session:
     """A conversation handle. Thread-safe; sends to one session run in call order."""
 

@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from kvsession.cache.manager import SessionKV, Tier
+from kvsession.cache.prefix import common_prefix_len
 from kvsession.engine.loop import OnUpdate
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import (
@@ -54,7 +55,6 @@ from kvsession.session import (
     Session,
     SessionOptions,
     TurnInfo,
-    common_prefix_len,
     sampling_from_record,
     sampling_record,
 )

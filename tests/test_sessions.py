@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from kvsession import LLM, ConfigError, SamplingParams, SessionClosedError
-from kvsession.session import common_prefix_len
+from kvsession.cache.prefix import common_prefix_len
 from oracle import expected_turn
 
 SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."

@@ -16,6 +16,15 @@ from kvsession.cache.manager import Holder, HolderKind, KVCacheManager
 from kvsession.errors import CacheFullError
 
 
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 class PrefixCache:
     """Lookup, pins and the in-flight map. Mutated only on the engine thread.
 

@@ -80,7 +80,7 @@ class LlamaModel:
             and self.lm_head.weight_t is not None else embed
         weights.clear()  # the fused copies above replace them; free the originals
         # a batch-1 decode step's kernel, by measurement on this CPU (model/linear.py)
-        self.one_row_packed = measure_one_row(
+        measure_one_row(
             [self.lm_head] + [lin for lw in self.layers
                               for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)])
         positions = torch.arange(max_model_len, dtype=torch.float32)

@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvsession.cache.prefix import common_prefix_len
 from kvsession.errors import SnapshotError
 from kvsession.tiers.snapshot import check_text_messages, fcntl, fsync_dir
 from kvsession.tiers.wal import (
@@ -96,7 +97,7 @@ class SessionLog:
             op = Op.REWRITE
             self.records, self.size, self.needs_base = 1, len(data), False
         else:
-            keep = _common_prefix(self.tokens, tokens)
+            keep = common_prefix_len(self.tokens, tokens)
             data = encode(turn_record(self.seq, self.identity, messages[self.num_messages:],
                                       keep, tokens[keep:],
                                       sampling_struct(self.path, sampling), hist.pending))
@@ -105,14 +106,6 @@ class SessionLog:
             self.size += len(data)
         self.tokens, self.num_messages = tuple(tokens), len(messages)
         return op, data
-
-
-def _common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 @dataclass

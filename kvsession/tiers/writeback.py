@@ -48,6 +48,7 @@ import lz4.frame
 import torch
 
 from kvsession.cache.manager import SessionKV
+from kvsession.cache.prefix import common_prefix_len
 from kvsession.errors import SnapshotError
 from kvsession.tiers.checksum import crc32
 from kvsession.tiers.locks import directory_lock
@@ -462,11 +463,8 @@ class WriteBehind:
                 # blocks of a turn whose log record is not written yet (its KV comes
                 # behind at the turn's end, before the record): not in this snapshot,
                 # which must be a whole session as its log says; the segment keeps them
-                ahead = n
-                mine = seg.tokens[: n * self.bs]
-                same = next((i for i, (a, b) in enumerate(zip(mine, acked, strict=False))
-                             if a != b), min(len(mine), len(acked)))
-                n = min(n, same // self.bs)
+                on_disk = n  # the session's current blocks, in the snapshot or the stores
+                n = common_prefix_len(seg.tokens[: n * self.bs], acked) // self.bs
                 if n == 0:
                     return
                 sources = sources[:n]
@@ -478,7 +476,7 @@ class WriteBehind:
                 except SnapshotError as e:
                     log.warning("compaction of session %s failed: %s", sid, e)
                     return
-                if n < ahead:  # the segment still holds blocks nothing else does
+                if n < on_disk:  # the segment still holds blocks nothing else does
                     self.compactions += 1
                     return
         # on disk now: exactly the snapshot's blocks (every current block of the segment
