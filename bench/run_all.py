@@ -305,17 +305,25 @@ def section_durability(r) -> list[str]:
 
 
 def section_scale_out(r) -> list[str]:
-    ro, m, c = r["routing"], r["migration"]["median_s"], r["config"]
-    out = [f"- agent workload over HTTP ({c['sessions']} stateless agents x {c['turns']} "
-           f"turns, {c['system_tokens']}-token shared system prompt, {c['model']} model): "
-           f"prompt tokens the engines computed, one engine "
-           f"{ro['single']['engine_prefill_tokens']}, two replicas with affinity routing "
-           f"{ro['affinity']['engine_prefill_tokens']} "
-           f"(**{fmt(ro['affinity']['engine_prefill_tokens_vs_single'])}x**, target <= 1.1x), "
-           f"random routing {ro['random']['engine_prefill_tokens']} "
-           f"(**{fmt(ro['random']['engine_prefill_tokens_vs_single'])}x**, target >= 1.8x); "
-           f"prefix hit rate {ro['affinity']['prefix_hit_rate'] * 100:.0f}% vs "
-           f"{ro['random']['prefix_hit_rate'] * 100:.0f}%"]
+    m, c = r["migration"]["median_s"], r["config"]
+    out = [f"- agent workload over HTTP ({c['sessions']} stateless agents, "
+           f"{c['system_tokens']}-token shared system prompt, {c['model']} model): prompt "
+           f"tokens the engines computed (pins included) against one engine, the minimum; "
+           f"random routing's model: `random_routing_model` in the script", "",
+           "| turns per agent | one engine | 2 replicas, affinity (target <= 1.1x) | "
+           "2 replicas, random (target >= 1.8x) | random, model | prefix hit rate "
+           "affinity / random |", "|---|---|---|---|---|---|"]
+    for ro in (r["routing"], r.get("routing_long")):
+        if not ro:
+            continue
+        a, rnd = ro["affinity"], ro["random"]
+        out.append(f"| {ro.get('turns', c['turns'])} | {ro['single']['engine_prefill_tokens']} | "
+                   f"{a['engine_prefill_tokens']} (**{fmt(a['engine_prefill_tokens_vs_single'])}"
+                   f"x**) | {rnd['engine_prefill_tokens']} "
+                   f"(**{fmt(rnd['engine_prefill_tokens_vs_single'])}x**) | "
+                   f"{fmt(rnd['model_vs_single']) + 'x' if 'model_vs_single' in rnd else '-'} | "
+                   f"{a['prefix_hit_rate'] * 100:.0f}% / {rnd['prefix_hit_rate'] * 100:.0f}% |")
+    out.append("")
     kinds = [k for k in ("sticky", "drained", "killed", "re_prefill") if m.get(k)]
     out.append(f"- next turn of a {r['migration']['history_tokens']}-token session "
                f"(median ms): " + ", ".join(f"{k.replace('_', '-')} {m[k] * 1e3:.0f}"

@@ -9,6 +9,9 @@ its own thread. The same workload runs against
   compute, since one cache sees everything;
 - two replicas with affinity routing (the default), target <= 1.1x that minimum;
 - two replicas with random routing (`--routing random`), the baseline: >= 1.8x.
+Then again with `--long-turns` (16) turns per conversation: random routing's cost grows with
+a conversation's length (`random_routing_model`: at 6 turns and 2 replicas it cannot exceed
+1.67x), affinity's does not. Agent loops run far more than 6 tool turns.
 Prompt tokens computed: what the engines report (`llm.stats().prefill_tokens`, summed over
 the replicas; it includes the system prompt's pin, once per replica that pinned it), and
 the sum over requests of usage.prompt_tokens - cached_tokens (which counts a pinned system
@@ -133,10 +136,24 @@ def warm_up(url: str, model: str) -> None:
                    "max_tokens": 2, "temperature": 0})
 
 
+def random_routing_model(turns: int, replicas: int, system_tokens: int,
+                         conversation_tokens: int) -> float:
+    """Expected prompt tokens computed under uniform random routing, over the one-engine
+    minimum. A turn's new tokens (message and reply) are computed where that turn runs and
+    again on every other replica that serves a later turn of the conversation (it prefills
+    everything since the last turn it saw): replica r sees some of the k = T - t later turns
+    with probability 1 - (1 - 1/N)^k. The system prompt is computed once per replica. So
+    with 2 replicas and 6 turns the ratio is at most 1 + mean_t(1 - 2^-(6-t)) = 1.67 however
+    small the system prompt: random routing's cost grows with the conversation's length."""
+    extra = sum(1 - (1 - 1 / replicas) ** (turns - t) for t in range(1, turns + 1)) / turns
+    return (replicas * system_tokens + conversation_tokens * (1 + (replicas - 1) * extra)) / (
+        system_tokens + conversation_tokens)
+
+
 def routing_part(args, tmp: Path) -> dict:
     model = model_path(args.model)
     system, convs = workload(args)
-    out = {}
+    out = {"turns": args.turns}
     for name, extra in (("single", []), ("affinity", replica_flags(args, "affinity")),
                         ("random", replica_flags(args, "random"))):
         server = ServerProcess(model, *engine_flags(args), *extra,
@@ -159,6 +176,15 @@ def routing_part(args, tmp: Path) -> dict:
     for name in ("affinity", "random"):
         for what in ("computed_tokens", "engine_prefill_tokens"):
             out[name][f"{what}_vs_single"] = out[name][what] / max(1, out["single"][what])
+    # the system prompt's share of the minimum: what the second replica's pin added
+    pin = max(0, out["affinity"]["engine_prefill_tokens"]
+              - out["single"]["engine_prefill_tokens"])
+    out["random"]["model_vs_single"] = random_routing_model(
+        args.turns, 2, pin, out["single"]["engine_prefill_tokens"] - pin)
+    rnd, aff = out["random"], out["affinity"]
+    print(f"{args.turns} turns: random routing {rnd['engine_prefill_tokens_vs_single']:.2f}x "
+          f"the minimum (model {rnd['model_vs_single']:.2f}x), affinity "
+          f"{aff['engine_prefill_tokens_vs_single']:.2f}x", flush=True)
     return out
 
 
@@ -239,6 +265,8 @@ def main() -> None:
     ap.add_argument("--model", choices=["mid", "tiny"], default="mid")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--long-turns", type=int, default=16,
+                    help="the routing part again with conversations this long (0: not)")
     ap.add_argument("--system-tokens", type=int, default=512)
     ap.add_argument("--turn-tokens", type=int, default=96)
     ap.add_argument("--new-tokens", type=int, default=16)
@@ -255,14 +283,22 @@ def main() -> None:
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvsession-scale-out-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
     routing = routing_part(args, tmp)
+    long = routing_part(argparse.Namespace(**(vars(args) | {"turns": args.long_turns})),
+                        tmp) if args.long_turns else None
     migration = migration_part(args, tmp)
     result = {"config": {k: v for k, v in vars(args).items() if k != "plot"},
-              "routing": routing, "migration": migration,
+              "routing": routing, "routing_long": long, "migration": migration,
               "checks": {
                   "affinity_vs_single": routing["affinity"]["engine_prefill_tokens_vs_single"],
                   "affinity_target_max": 1.1,
                   "random_vs_single": routing["random"]["engine_prefill_tokens_vs_single"],
                   "random_target_min": 1.8,
+                  "random_model_vs_single": routing["random"]["model_vs_single"],
+                  **({f"{k}_{args.long_turns}_turns": v for k, v in (
+                      ("affinity_vs_single", long["affinity"]["engine_prefill_tokens_vs_single"]),
+                      ("random_vs_single", long["random"]["engine_prefill_tokens_vs_single"]),
+                      ("random_model_vs_single", long["random"]["model_vs_single"]))}
+                     if long else {}),
                   "affinity_usage_vs_single": routing["affinity"]["computed_tokens_vs_single"],
                   "random_usage_vs_single": routing["random"]["computed_tokens_vs_single"]}}
     write_result("scale_out", result)
@@ -274,19 +310,24 @@ def main() -> None:
 def plot(result: dict) -> None:
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    r = result["routing"]
-    names = ["single", "affinity", "random"]
-    a.bar(names, [r[n]["engine_prefill_tokens"] for n in names],
-          color=["#888", "#2a7", "#c44"])
-    for i, n in enumerate(names):
-        ratio = r[n]["engine_prefill_tokens"] / r["single"]["engine_prefill_tokens"]
-        a.text(i, r[n]["engine_prefill_tokens"],
-               f"{ratio:.2f}x\nhit {r[n]['prefix_hit_rate']:.0%}", ha="center",
-               va="bottom", fontsize=9)
-    a.set_ylim(top=1.2 * max(r[n]["engine_prefill_tokens"] for n in names))
-    a.set_ylabel("prompt tokens computed by the engines")
-    a.set_title(f"agent workload, {result['config']['sessions']} agents x "
-                f"{result['config']['turns']} turns, 2 replicas")
+    names, colors = ["single", "affinity", "random"], ["#888", "#2a7", "#c44"]
+    sets = [r for r in (result["routing"], result.get("routing_long")) if r]
+    width = 0.8 / len(names)
+    for j, r in enumerate(sets):
+        for i, n in enumerate(names):
+            ratio = r[n]["engine_prefill_tokens"] / r["single"]["engine_prefill_tokens"]
+            x = j + (i - 1) * width
+            a.bar(x, ratio, width, color=colors[i], label=n if j == 0 else None)
+            a.text(x, ratio, f"{ratio:.2f}x", ha="center", va="bottom", fontsize=8)
+    a.axhline(1.1, color="#2a7", ls=":", lw=1)
+    a.axhline(1.8, color="#c44", ls=":", lw=1)
+    a.set_xticks(range(len(sets)), [f"{r.get('turns', result['config']['turns'])} turns"
+                                    for r in sets])
+    a.set_ylim(0, 2.3)
+    a.set_ylabel("prompt tokens computed / one engine's")
+    a.legend(fontsize=8, loc="upper left")
+    a.set_title(f"agent workload, {result['config']['sessions']} agents, 2 replicas "
+                f"(dotted: targets)")
     med = result["migration"]["median_s"]
     kinds = [k for k in ("sticky", "drained", "killed", "re_prefill") if med.get(k)]
     b.bar(kinds, [med[k] * 1000 for k in kinds], color="#47a")

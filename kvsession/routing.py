@@ -135,21 +135,25 @@ class PrefixRouter:
         return sorted(((t, depth.get(t, 0)) for t in names),
                       key=lambda td: (td[1], _score(first, td[0])), reverse=True)
 
-    def cap(self, total_load: int, num_eligible: int) -> int:
+    def cap(self, total_load: int, num_eligible: int, load_bound: float | None = None
+            ) -> int:
         """The most requests one target may hold after taking the next one."""
-        return max(1, math.ceil(self.load_bound * (total_load + 1) / num_eligible))
+        bound = self.load_bound if load_bound is None else load_bound
+        return max(1, math.ceil(bound * (total_load + 1) / num_eligible))
 
     def choose(self, keys: Sequence[bytes], loads: Mapping[str, int],
                eligible: Collection[str] | None = None,
-               depth: Mapping[str, int] | None = None) -> Route | None:
+               depth: Mapping[str, int] | None = None,
+               load_bound: float | None = None) -> Route | None:
         """The target for a request with these keys; None when no target is eligible.
-        `loads`: requests in flight per target (missing: 0); `depth`: as for `ranked`.
+        `loads`: requests in flight per target (missing: 0); `depth`: as for `ranked`;
+        `load_bound`: this request's bound instead of the router's (1.0: the fair share).
         Records nothing: call `record` once the request is really sent."""
         order = self.ranked(keys, eligible, depth)
         if not order:
             return None
         total = sum(loads.get(t, 0) for t, _ in order)
-        cap = self.cap(total, len(order))
+        cap = self.cap(total, len(order), load_bound)
         for i, (t, d) in enumerate(order):
             if loads.get(t, 0) < cap:
                 return Route(t, d, i == 0)

@@ -92,7 +92,7 @@ def test_a_summary_teaches_a_filed_conversation_deeper_than_any_answered_prefix(
     assert r.depths(follow_up)["replica-1"] == 0
 
 
-def test_eight_concurrent_conversations_sharing_a_system_prompt_split_within_the_bound():
+def test_eight_new_conversations_sharing_a_system_prompt_split_at_the_fair_share():
     r = ready_router()
     r.served("replica-0", keys_of(convo(99)))  # the system prompt's affinity: replica-0
     placed = []
@@ -102,8 +102,26 @@ def test_eight_concurrent_conversations_sharing_a_system_prompt_split_within_the
         assert r.load[d.replica] < cap  # taking it keeps the replica within its cap
         r.started(d)
         placed.append(d)
-    assert r.load == {"replica-0": 5, "replica-1": 3}  # 1.25x the fair share of 4
+    # not 5/3 (the 1.25x bound): each conversation's history will live where it starts
+    assert r.load == {"replica-0": 4, "replica-1": 4}
+    assert [d.replica for d in placed] == ["replica-0", "replica-1"] * 4
     assert {d.kind for d in placed} == {Kind.CONVERSATION_AFFINE, Kind.CONVERSATION_SPILLED}
+    # a follow-up (a continued history) stays put under the 1.25x bound: with 5 + 4 in
+    # flight a new conversation no longer fits replica-0 (fair cap 5), this one does (7)
+    r.served("replica-0", keys_of(convo(0)))
+    r.load["replica-0"] += 1
+    assert r.route_conversation(keys_of(convo(8))).replica == "replica-1"
+    follow = r.route_conversation(keys_of(convo(0, turns=2)))
+    assert follow.kind is Kind.CONVERSATION_AFFINE and follow.replica == "replica-0"
+
+
+def test_eight_new_sessions_split_at_the_fair_share():
+    r = ready_router()
+    for i in range(8):
+        d = r.route_session(f"s{i}")
+        assert d.kind is Kind.SESSION_NEW
+        r.started(d, f"s{i}")
+    assert r.load == {"replica-0": 4, "replica-1": 4}
 
 
 def test_a_continued_conversation_stays_unless_its_replica_is_full_while_another_idles():

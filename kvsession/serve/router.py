@@ -18,7 +18,9 @@ and calls this from its one event loop; not thread-safe). Three kinds of request
   request that puts it above ceil(1.25 * (in flight + 1) / ready replicas). A conversation
   that continues its own history on a replica (a match past the system message) is treated
   like a session: moving it would recompute that history, so it leaves only when its
-  replica is at the cap while another is idle.
+  replica is at the cap while another is idle. A new conversation (or session) is placed
+  under the fair share instead (bound 1.0: 8 starting together split 4/4, not 5/3): its
+  whole history will live where it lands, and the uneven split would later cost a move.
 - anything else (completions, models): the same rule on its own keys.
 
 Replicas that restart come back with an empty cache: a new epoch, whose keys start over.
@@ -86,6 +88,7 @@ class Decision:
 # a match this deep (keys: the system message, then the first user message...) is a
 # conversation's own history, not only a shared system prompt
 CONTINUED = 2
+FAIR_SHARE = 1.0  # the load bound a new conversation is placed under
 
 
 def session_key(session_id: str) -> bytes:
@@ -166,7 +169,9 @@ class ReplicaRouter:
             route = self.prefix.choose([session_key(session_id)], self.load, idle)
             return self._count(Decision(route.target, Kind.SESSION_MIGRATED,
                                         moved_from=s.replica, reason=Reason.OVERLOADED))
-        route = self.prefix.choose([session_key(session_id)], self.load, ready)
+        # a new session is placed at the fair share, as a new conversation is (below)
+        route = self.prefix.choose([session_key(session_id)], self.load, ready,
+                                   load_bound=FAIR_SHARE if s is None else None)
         if route is None:
             return None
         if s is None:
@@ -207,7 +212,14 @@ class ReplicaRouter:
             if self.load[best] < self.cap() or not any(
                     self.load[n] == 0 for n in ready if n != best):
                 return self._count(Decision(best, Kind.CONVERSATION_AFFINE, d))
-        route = self.prefix.choose(keys, self.load, ready, depth)
+        # a new conversation (nothing past the system message matched) is placed at the
+        # fair share, not within the 1.25x bound: its whole history will be computed where
+        # it lands, and an uneven split costs either the busier replica's queue for the
+        # conversation's whole life or, once the other idles, a move that recomputes that
+        # history; the prefix it shares (a system prompt) costs once per replica
+        fresh = not order or order[0][1] < CONTINUED
+        route = self.prefix.choose(keys, self.load, ready, depth,
+                                   FAIR_SHARE if fresh else None)
         if route is None:
             return None
         kind = (Kind.CONVERSATION_SPILLED if not route.preferred else
