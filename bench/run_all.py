@@ -209,6 +209,14 @@ def section_eviction(r) -> list[str]:
             f"{fmt(max(s['cost_vs_oracle'] for s in seeds), 3)} of the oracle): "
             "so 0.9 of Belady is about the ceiling of a policy that does not know the future on "
             "this trace",
+            *([f"- conversations (think times: a conversation returns soon or never, which "
+               f"only Belady knows) over seeds 1-{len(r['cache_layer']['conversations_seeds'])}: "
+               f"cost-aware {fmt(min(x['cost_vs_belady'] for x in cs), 3)}-"
+               f"{fmt(max(x['cost_vs_belady'] for x in cs), 3)} of Belady, "
+               + ", ".join(f"{x['cost_minus_lru_points']:+.1f}" for x in cs)
+               + " points vs LRU (below LRU on some seeds, probably because the recency order's hit-count "
+               "lease keeps finished conversations' histories a few pool turnovers longer)"]
+              if (cs := r["cache_layer"].get("conversations_seeds")) else []),
             f"- engine (tiny model, agent trace under memory pressure): prompt tokens computed "
             f"LRU {e['lru']['computed_tokens']}, cost-aware {e['cost']['computed_tokens']}: "
             f"**{fmt(e['computed_ratio_cost_vs_lru'], 3)}x** (target < 1)",
