@@ -244,8 +244,8 @@ def cache_layer(capacity_fraction: float = 0.15) -> dict:
               "conversations": (conversations_trace(), None)}
     out = {}
     for name, (trace, capacity) in traces.items():
-        distinct = len({tuple(r[:i + 1]) for r in trace for i in range(len(r))})
-        capacity = capacity or max(64, int(distinct * capacity_fraction))
+        distinct = distinct_blocks(trace)
+        capacity = capacity or pool_blocks(trace, capacity_fraction)
         lru = replay(trace, capacity, EvictionPolicy.LRU)
         followed: list[str] = []
         cost = replay(trace, capacity, EvictionPolicy.COST, followed=followed)
@@ -281,18 +281,31 @@ def conversations_seeds(capacity_fraction: float, seeds=range(1, 6)) -> list[dic
     rows = []
     for seed in seeds:
         trace = conversations_trace(seed)
-        distinct = len({tuple(r[:i + 1]) for r in trace for i in range(len(r))})
-        capacity = max(64, int(distinct * capacity_fraction))
-        lru = replay(trace, capacity, EvictionPolicy.LRU)
-        cost = replay(trace, capacity, EvictionPolicy.COST)
-        opt = belady(trace, capacity)
-        rows.append({"seed": seed, "capacity_blocks": capacity, "lru": lru, "cost": cost,
-                     "belady": opt, "cost_vs_belady": cost / opt,
-                     "cost_minus_lru_points": 100 * (cost - lru)})
-        print(f"conversations seed {seed}: LRU {lru:.3f}, cost-aware {cost:.3f}, Belady "
-              f"{opt:.3f}: {cost / opt:.3f} of Belady, {100 * (cost - lru):+.1f} points vs LRU",
-              flush=True)
+        row = {"seed": seed} | versus(trace, pool_blocks(trace, capacity_fraction))
+        rows.append(row)
+        print(f"conversations seed {seed}: LRU {row['lru']:.3f}, cost-aware {row['cost']:.3f}, "
+              f"Belady {row['belady']:.3f}: {row['cost_vs_belady']:.3f} of Belady, "
+              f"{row['cost_minus_lru_points']:+.1f} points vs LRU", flush=True)
     return rows
+
+
+def distinct_blocks(trace: Trace) -> int:
+    """Distinct blocks of a trace (a block is its chain: the ids up to it)."""
+    return len({tuple(r[:i + 1]) for r in trace for i in range(len(r))})
+
+
+def pool_blocks(trace: Trace, capacity_fraction: float) -> int:
+    """The pool a trace is replayed through: a fraction of its distinct blocks."""
+    return max(64, int(distinct_blocks(trace) * capacity_fraction))
+
+
+def versus(trace: Trace, capacity: int) -> dict:
+    """LRU, the cost-aware policy and Belady on one trace and pool."""
+    lru = replay(trace, capacity, EvictionPolicy.LRU)
+    cost = replay(trace, capacity, EvictionPolicy.COST)
+    opt = belady(trace, capacity)
+    return {"capacity_blocks": capacity, "lru": lru, "cost": cost, "belady": opt,
+            "cost_vs_belady": cost / opt, "cost_minus_lru_points": 100 * (cost - lru)}
 
 
 def mooncake_ceiling(capacity_fraction: float, seeds=range(1, 6)) -> list[dict]:
@@ -304,16 +317,12 @@ def mooncake_ceiling(capacity_fraction: float, seeds=range(1, 6)) -> list[dict]:
     for seed in seeds:
         reqs, which, weights = _mooncake(seed)
         trace = [r["hash_ids"] for r in reqs]
-        distinct = len({tuple(r[:i + 1]) for r in trace for i in range(len(r))})
-        capacity = max(64, int(distinct * capacity_fraction))
-        opt = belady(trace, capacity)
+        capacity = pool_blocks(trace, capacity_fraction)
+        row = versus(trace, capacity)
+        lru, cost, opt = row["lru"], row["cost"], row["belady"]
         oracle = popularity_oracle(trace, [weights[c] for c in which], capacity)
-        cost = replay(trace, capacity, EvictionPolicy.COST)
-        lru = replay(trace, capacity, EvictionPolicy.LRU)
-        rows.append({"seed": seed, "capacity_blocks": capacity, "lru": lru, "cost": cost,
-                     "popularity_oracle": oracle, "belady": opt,
-                     "oracle_vs_belady": oracle / opt, "cost_vs_belady": cost / opt,
-                     "cost_vs_oracle": cost / oracle})
+        rows.append({"seed": seed, **row, "popularity_oracle": oracle,
+                     "oracle_vs_belady": oracle / opt, "cost_vs_oracle": cost / oracle})
         print(f"mooncake seed {seed}: LRU {lru:.3f}, cost-aware {cost:.3f}, popularity oracle "
               f"{oracle:.3f}, Belady {opt:.3f}: oracle {oracle / opt:.3f} of Belady, "
               f"cost-aware {cost / opt:.3f} of Belady, {cost / oracle:.3f} of the oracle",

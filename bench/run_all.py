@@ -188,6 +188,7 @@ def section_eviction(r) -> list[str]:
                    f"**{fmt(x['cost_vs_belady'], 3)}** | {x['cost_minus_lru_points']:+.1f} pt |")
     m = r["cache_layer"]["mooncake"]
     seeds = r["cache_layer"]["mooncake_seeds"]
+    cs = r["cache_layer"]["conversations_seeds"]
     e = r["engine"]
     lo = min(s["oracle_vs_belady"] for s in seeds)
     hi = max(s["oracle_vs_belady"] for s in seeds)
@@ -209,14 +210,14 @@ def section_eviction(r) -> list[str]:
             f"{fmt(max(s['cost_vs_oracle'] for s in seeds), 3)} of the oracle): "
             "so 0.9 of Belady is about the ceiling of a policy that does not know the future on "
             "this trace",
-            *([f"- conversations (think times: a conversation returns soon or never, which "
-               f"only Belady knows) over seeds 1-{len(r['cache_layer']['conversations_seeds'])}: "
-               f"cost-aware {fmt(min(x['cost_vs_belady'] for x in cs), 3)}-"
-               f"{fmt(max(x['cost_vs_belady'] for x in cs), 3)} of Belady, "
-               + ", ".join(f"{x['cost_minus_lru_points']:+.1f}" for x in cs)
-               + " points vs LRU (below LRU on some seeds, probably because the recency order's hit-count "
-               "lease keeps finished conversations' histories a few pool turnovers longer)"]
-              if (cs := r["cache_layer"].get("conversations_seeds")) else []),
+            f"- conversations (think times: a conversation returns soon or never, which only "
+            f"Belady knows) over seeds 1-{len(cs)}: cost-aware "
+            f"{fmt(min(x['cost_vs_belady'] for x in cs), 3)}-"
+            f"{fmt(max(x['cost_vs_belady'] for x in cs), 3)} of Belady, "
+            + ", ".join(f"{x['cost_minus_lru_points']:+.1f}" for x in cs)
+            + " points vs LRU (below LRU on some seeds, probably because the recency order's "
+            "hit-count lease keeps finished conversations' histories a few pool turnovers "
+            "longer)",
             f"- engine (tiny model, agent trace under memory pressure): prompt tokens computed "
             f"LRU {e['lru']['computed_tokens']}, cost-aware {e['cost']['computed_tokens']}: "
             f"**{fmt(e['computed_ratio_cost_vs_lru'], 3)}x** (target < 1)",
@@ -325,11 +326,11 @@ def section_scale_out(r) -> list[str]:
         if not ro:
             continue
         a, rnd = ro["affinity"], ro["random"]
-        out.append(f"| {ro.get('turns', c['turns'])} | {ro['single']['engine_prefill_tokens']} | "
+        out.append(f"| {ro['turns']} | {ro['single']['engine_prefill_tokens']} | "
                    f"{a['engine_prefill_tokens']} (**{fmt(a['engine_prefill_tokens_vs_single'])}"
                    f"x**) | {rnd['engine_prefill_tokens']} "
                    f"(**{fmt(rnd['engine_prefill_tokens_vs_single'])}x**) | "
-                   f"{fmt(rnd['model_vs_single']) + 'x' if 'model_vs_single' in rnd else '-'} | "
+                   f"{fmt(rnd['model_vs_single'])}x | "
                    f"{a['prefix_hit_rate'] * 100:.0f}% / {rnd['prefix_hit_rate'] * 100:.0f}% |")
     out.append("")
     kinds = [k for k in ("sticky", "drained", "killed", "re_prefill") if m.get(k)]
