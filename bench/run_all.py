@@ -302,14 +302,16 @@ def section_durability(r) -> list[str]:
             f"; best of {len(rounds)} rounds each, per round "
             + ", ".join(f"{x['drain']['bytes_per_s'] / x['seq_write_bytes_per_s']:.2f}"
                         for x in rounds))
+        modes = rounds[0].get("seq_write", {}) if rounds else {}
+        if "direct" in modes:
+            detail += ("; the limit is the faster of page-cache and O_DIRECT writes, per "
+                       "round " + ", ".join(
+                           f"{x['seq_write']['buffered'] / 1e9:.2f} / "
+                           f"{x['seq_write']['direct'] / 1e9:.2f} GB/s" for x in rounds))
         out.append(f"- write-behind bandwidth: **{fmt(r['writeback_fraction_of_seq_write'])}** "
                    f"of the disk's sequential write limit measured in the run "
                    f"({fmt(r['disk_seq_write_bytes_per_s'] / 1e9)} GB/s{detail}; "
-                   f"target >= 0.7)"
-                   + ("; the disk was slow during this run, so the drain was bound by it; "
-                      "at disk speeds above 1 GB/s the engine thread's gather and the "
-                      "page-cache copy on the shared cores bind it first"
-                      if r["disk_seq_write_bytes_per_s"] < 0.5e9 else ""))
+                   f"target >= 0.7)")
     return out
 
 

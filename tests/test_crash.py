@@ -49,6 +49,7 @@ CHILD = r"""
 import json, os, signal, sys, threading
 from kvsession import LLM, SamplingParams
 import kvsession.tiers.commit as commit
+import kvsession.tiers.direct_io as direct_io
 import kvsession.tiers.segments as segments
 import kvsession.tiers.writeback as writeback
 
@@ -86,13 +87,13 @@ if site == "log":  # half a record reaches the file, then the process dies
     orig_log = commit._write_all
     commit._write_all = on_nth(orig_log, lambda fd, data, off: (
         orig_log(fd, data[: len(data) // 2], off), die()))
-elif site == "segment":
-    orig_seg = writeback._pwrite_all
+elif site == "segment":  # the first half of an append's blocks reach the file
+    orig_seg = direct_io.pwrite_all
     def half_seg(fd, bufs, off):
-        data = b"".join(bytes(memoryview(b).cast("B")) for b in bufs)
-        orig_seg(fd, [data[: len(data) // 2]], off)
+        view = memoryview(bufs[0]).cast("B")  # the aligned staging buffer (O_DIRECT)
+        orig_seg(fd, [view[: len(view) // 2 // 4096 * 4096]], off)
         die()
-    writeback._pwrite_all = on_nth(orig_seg, half_seg)
+    direct_io.pwrite_all = on_nth(orig_seg, half_seg)
 elif site == "compaction":  # in the middle of the compacted snapshot
     orig_chunks = segments.write_snapshot_chunks
     def dying_chunks(path, fields, chunks, tokens_for):

@@ -15,6 +15,13 @@ Layout (little endian):
         KV geometry, as a snapshot header records them)
     block records, back to back: u32 meta length | u32 crc32(meta) | msgpack BlockMeta |
         the chunk (BlockMeta.length bytes; its crc32 is in the meta)
+    after the identity and after each append's records, zero bytes up to the next multiple
+        of ALIGN_BYTES (version 2): a frame of length 0 and crc32 0 is padding, and the
+        next record starts at the first multiple of ALIGN_BYTES past that frame
+
+Version 2 pads so that every append starts and ends on a 4 KiB boundary: the writer appends
+with O_DIRECT (tiers/writeback.py), which takes only aligned offsets and lengths. Version 1
+(no padding) is read the same way (its metas are never empty).
 
 Like every file in session_dir a segment is untrusted: the identity must equal this
 engine's, a meta is at most MAX_META_BYTES and typed, a chunk declares exactly one block's
@@ -60,10 +67,27 @@ from kvsession.tiers.snapshot_read import (
 )
 
 SEG_MAGIC = b"KVSSEG\x00\x01"
-SEG_VERSION = 1
+SEG_VERSION = 2  # 2: appends padded to ALIGN_BYTES; 1 (unpadded) is still read
+READ_VERSIONS = (1, 2)
 SEG_PREFIX = SEG_MAGIC + struct.pack("<I", SEG_VERSION)
 FRAME = struct.Struct("<II")
 MAX_META_BYTES = 1 << 16
+# appends start and end on multiples of this (O_DIRECT: the logical block size of every
+# common device, 512 or 4096, divides it; so does the page size)
+ALIGN_BYTES = 4096
+
+
+def padding_after(end: int) -> int:
+    """Zero bytes written after records ending at `end`: up to the next multiple of
+    ALIGN_BYTES, one more ALIGN_BYTES when the gap is too short for the padding frame (the
+    scanner reads a whole frame)."""
+    gap = -end % ALIGN_BYTES
+    return gap if gap == 0 or gap >= FRAME.size else gap + ALIGN_BYTES
+
+
+def _after_padding(pos: int) -> int:
+    """Where the next record starts after a padding frame at `pos`."""
+    return -(-(pos + FRAME.size) // ALIGN_BYTES) * ALIGN_BYTES
 
 _Geometry = Annotated[int, msgspec.Meta(ge=1, le=MAX_GEOMETRY)]
 _Digest = Annotated[str, msgspec.Meta(max_length=256)]
@@ -151,7 +175,9 @@ def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentSca
         try:
             size = os.fstat(fd).st_size
             head = os.pread(fd, len(SEG_PREFIX) + FRAME.size, 0)
-            if len(head) < len(SEG_PREFIX) + FRAME.size or head[:len(SEG_PREFIX)] != SEG_PREFIX:
+            if len(head) < len(SEG_PREFIX) + FRAME.size or \
+                    head[:len(SEG_MAGIC)] != SEG_MAGIC or struct.unpack_from(
+                        "<I", head, len(SEG_MAGIC))[0] not in READ_VERSIONS:
                 raise SnapshotError(f"{path}: not a kvsession segment (bad magic or version)")
             n, crc = FRAME.unpack(head[len(SEG_PREFIX):])
             if n > MAX_META_BYTES:
@@ -175,6 +201,11 @@ def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentSca
             pos = len(head) + n
             while pos + FRAME.size <= size:
                 n, crc = FRAME.unpack(os.pread(fd, FRAME.size, pos))
+                if n == 0 and crc == 0:  # padding (a meta is never empty)
+                    if _after_padding(pos) > size:
+                        break  # cut short: the records end before it
+                    pos = _after_padding(pos)
+                    continue
                 if n > MAX_META_BYTES or pos + FRAME.size + n > size:
                     break
                 raw = os.pread(fd, n, pos + FRAME.size)

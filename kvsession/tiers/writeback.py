@@ -32,7 +32,6 @@ per-session lock (`SnapshotLocks`) orders the two.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import enum
 import logging
@@ -51,6 +50,7 @@ from kvsession.cache.manager import SessionKV
 from kvsession.cache.prefix import common_prefix_len
 from kvsession.errors import SnapshotError
 from kvsession.tiers.checksum import crc32
+from kvsession.tiers.direct_io import AlignedAppender, open_for_append
 from kvsession.tiers.locks import directory_lock
 from kvsession.tiers.segments import (
     BlockMeta,
@@ -64,12 +64,12 @@ from kvsession.tiers.segments import (
     start_bytes,
 )
 from kvsession.tiers.snapshot import MIN_LZ4_SAVING, Chunk, encode_block
+from kvsession.tiers.staging import StagingBuffers
 from kvsession.tiers.wal import IDENTITY_FIELDS, Identity, read_log
 
 log = logging.getLogger("kvsession")
 # how long close() waits for the writer to drain (every wait is bounded)
 CLOSE_TIMEOUT_S = 120.0
-IOV_BATCH = 512  # buffers per pwritev (IOV_MAX is 1024 on Linux)
 
 
 class SnapshotLocks:
@@ -94,6 +94,7 @@ class _Blocks:
     hashes: tuple[bytes, ...]
     data: dict[str, torch.Tensor]  # name -> [blocks, num_layers, ...] on the CPU
     nbytes: int
+    buffers: list[torch.Tensor] = field(default_factory=list)  # behind data (staging)
 
 
 class WriteOp(enum.Enum):
@@ -156,9 +157,11 @@ class WriteBehind:
         self.locks = snapshot_locks
         self._start = start_bytes(identity_of(header_fields))
         self._identity = Identity(**{k: header_fields[k] for k in IDENTITY_FIELDS})
+        self._io = AlignedAppender()  # the writer thread's (segments go out with O_DIRECT)
         self._q: queue.Queue = queue.Queue()
         self._guard = threading.Lock()
         self._queued_bytes = 0
+        self.staging = StagingBuffers(self.MAX_QUEUED_BYTES)
         self._known: dict[str, set[tuple[int, bytes]]] = {}
         self._segs: dict[str, _Segment] = {}  # writer thread only
         self._shared_known: set[tuple[int, bytes]] = set()
@@ -195,21 +198,26 @@ class WriteBehind:
             self._queued_bytes += nbytes
             known.update((i, s.hashes[i]) for i in new)
             self._shared_known.update((i, s.hashes[i]) for i in lead)
-        data = {}
+        data, buffers = {}, []
         t0 = time.perf_counter()
         if lead or new:
             ids = [s.blocks[i].block_id for i in lead + new]
             for name, t in tensors.items():
                 # [n, num_layers, ...]: each block one contiguous tensor, gathered in one
-                # pass (index_select over the block dimension of a transposed view)
+                # pass (index_select over the block dimension of a transposed view) into a
+                # reused CPU buffer (staging.py)
                 raw = (t.view(torch.uint8) if t.element_size() == 1 else t).transpose(0, 1)
-                out = torch.empty((len(ids), *raw.shape[1:]), dtype=raw.dtype,
-                                  device=raw.device)
-                torch.index_select(raw, 0, torch.tensor(ids, device=raw.device), out=out)
-                data[name] = out.to("cpu").view(t.dtype)
+                out, buf = self.staging.take((len(ids), *raw.shape[1:]), raw.dtype)
+                index = torch.tensor(ids, device=raw.device)
+                if raw.device.type == "cpu":
+                    torch.index_select(raw, 0, index, out=out)
+                else:  # gathered on the device, then one copy to the host
+                    out.copy_(raw.index_select(0, index))
+                data[name] = out.view(t.dtype)
+                buffers.append(buf)
         self.gather_s += time.perf_counter() - t0
         self._q.put(_Blocks(s.session_id, new, lead, s.tokens, s.hashes[:n_full], data,
-                            nbytes))
+                            nbytes, buffers))
 
     # ---- any thread --------------------------------------------------------------------
 
@@ -238,6 +246,8 @@ class WriteBehind:
             fut.result(timeout=CLOSE_TIMEOUT_S)
         self._q.put(None)
         self._thread.join(CLOSE_TIMEOUT_S)
+        if not self._thread.is_alive():  # else it may still append: its pool stays
+            self._io.close()
 
     # ---- the writer thread ---------------------------------------------------------------
 
@@ -270,14 +280,17 @@ class WriteBehind:
 
     def _open(self, seg: _Segment) -> _Segment:
         if seg.fd is None:
-            fd = os.open(seg.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-            if not seg.end:  # a new segment (an old one of this name is replaced)
-                os.ftruncate(fd, 0)
-                _pwrite_all(fd, [self._start], 0)
-                seg.end = len(self._start)
-                seg.chunks, seg.metas = [], []
-            else:  # cut anything past what is known intact (a torn append)
-                os.ftruncate(fd, seg.end)
+            fd = open_for_append(seg.path)
+            try:
+                if not seg.end:  # a new segment (an old one of this name is replaced)
+                    os.ftruncate(fd, 0)
+                    seg.end = self._io.append(fd, [self._start], 0)
+                    seg.chunks, seg.metas = [], []
+                else:  # cut anything past what is known intact (a torn append)
+                    os.ftruncate(fd, seg.end)
+            except OSError:
+                os.close(fd)
+                raise
             seg.fd = fd
         return seg
 
@@ -313,6 +326,9 @@ class WriteBehind:
         finally:
             with self._guard:
                 self._queued_bytes -= job.nbytes
+            job.data = {}  # written (or given up): its buffers serve the next gathers
+            for buf in job.buffers:
+                self.staging.give_back(buf)
 
     def _write_shared(self, job: _Blocks) -> None:
         """Append the job's shared prefix blocks to the directory's store, under the
@@ -369,8 +385,8 @@ class WriteBehind:
         return st.f_bavail * st.f_frsize >= self.RESERVE_BYTES + 2 * job.nbytes
 
     def _append(self, seg: _Segment, blocks: list[tuple[int, int]], job: _Blocks) -> None:
-        """Append blocks (index in the session, position in job.data) with one vectored
-        write (large I/O, one system call per job)."""
+        """Append blocks (index in the session, position in job.data): large aligned
+        writes, 8 MiB at a time (direct_io.py)."""
         bufs, staged = [], []
         at = seg.end
         for i, j in blocks:
@@ -381,12 +397,12 @@ class WriteBehind:
             at += head + meta.length
         if not bufs:
             return
-        _pwrite_all(seg.fd, bufs, seg.end)
+        end = self._io.append(seg.fd, bufs, seg.end)  # `at`, then the padding
         for meta, chunk in staged:
             seg.chunks.append(chunk)
             seg.metas.append(meta)
-        size = at - seg.end
-        seg.end = at
+        size = end - seg.end
+        seg.end = end
         seg.unsynced += size
         self.blocks_written += len(staged)
         self.bytes_written += size
@@ -551,22 +567,4 @@ class WriteBehind:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def _pwrite_all(fd: int, buffers: list, offset: int) -> None:
-    """Write the buffers back to back at `offset`: vectored, IOV_BATCH at a time, a short
-    write continued where it stopped."""
-    views = collections.deque(memoryview(b).cast("B") for b in buffers)
-    while views:
-        batch = [views[k] for k in range(min(IOV_BATCH, len(views)))]
-        n = os.pwritev(fd, batch, offset) if hasattr(os, "pwritev") else \
-            os.pwrite(fd, batch[0], offset)
-        if n <= 0:
-            raise OSError("short write")
-        offset += n
-        while n:
-            if n >= len(views[0]):
-                n -= len(views.popleft())
-            else:
-                views[0], n = views[0][n:], 0
 

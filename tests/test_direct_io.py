@@ -1,0 +1,190 @@
+"""Aligned O_DIRECT appends (kvsession/tiers/direct_io.py) and the padded segment format
+(version 2, kvsession/tiers/segments.py): real files, the bytes compared exactly.
+
+- Random appends (1 byte to past the 8 MiB staging buffer, some starting mid-block as an
+  unpadded version-1 segment ends) leave exactly the data then zero padding, every append
+  starting and ending on a 4 KiB boundary.
+- A file system that refuses O_DIRECT (at open, or at the first write) gets the same bytes.
+- Power loss inside an append: a segment cut at every byte of its last append (and
+  extended with zeros, as a torn direct write can leave it) scans as exactly the earlier
+  appends' records; a version-1 segment (no padding) scans as before.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+import struct
+
+import pytest
+import torch
+
+from kvsession.tiers import direct_io
+from kvsession.tiers.checksum import crc32
+from kvsession.tiers.direct_io import AlignedAppender, open_for_append
+from kvsession.tiers.segments import (
+    ALIGN_BYTES,
+    SEG_MAGIC,
+    BlockMeta,
+    encode_record,
+    identity_of,
+    padding_after,
+    scan_segment,
+    start_bytes,
+)
+from kvsession.tiers.snapshot import encode_block
+
+FIELDS = {"model_fingerprint": "test", "tokenizer_digest": "t", "template_digest": "t",
+          "kv_dtype": "float32", "block_size": 4, "num_layers": 2, "num_kv_heads": 1,
+          "head_dim": 8, "tensor_names": ["k", "v"]}
+
+
+def _appends(path, sizes_per_append, seed=0, cut_every=0):
+    """Append random buffers; returns (the bytes the file must hold, the ends)."""
+    rng = random.Random(seed)
+    fd = open_for_append(path)
+    io = AlignedAppender()
+    expect, end, ends = bytearray(), 0, []
+    try:
+        for k, sizes in enumerate(sizes_per_append):
+            if cut_every and k % cut_every == cut_every - 1 and end > ALIGN_BYTES:
+                end -= rng.randrange(1, 200)  # an unpadded (version-1) end: mid-block
+                os.ftruncate(fd, end)
+                del expect[end:]
+            bufs = [rng.randbytes(n) for n in sizes]
+            new = io.append(fd, bufs, end)
+            data = b"".join(bufs)
+            expect += data + bytes(padding_after(end + len(data)))
+            assert new == len(expect) and new % ALIGN_BYTES == 0
+            end = new
+            ends.append(end)
+    finally:
+        os.close(fd)
+    return bytes(expect), ends
+
+
+def test_random_appends_are_the_data_then_padding_on_aligned_boundaries(tmp_path):
+    rng = random.Random(1)
+    sizes = [[rng.choice([1, 7, 8, 100, 4088, 4096, 5000, 1 << 20, (8 << 20) + 3])
+              for _ in range(rng.randrange(1, 4))] for _ in range(24)]
+    expect, _ = _appends(tmp_path / "a.bin", sizes, cut_every=5)
+    assert (tmp_path / "a.bin").read_bytes() == expect
+
+
+def test_padding_leaves_room_for_its_frame():
+    assert [padding_after(ALIGN_BYTES * 3 - g) for g in (0, 1, 7, 8, 9, 4095)] == [
+        0, 1 + ALIGN_BYTES, 7 + ALIGN_BYTES, 8, 9, 4095]
+
+
+def test_o_direct_refused_at_open_gives_the_same_bytes(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, mode=0o777):
+        if flags & direct_io.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT not supported")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(direct_io.os, "open", no_direct)
+    fd = open_for_append(tmp_path / "b.bin")
+    assert not fcntl.fcntl(fd, fcntl.F_GETFL) & direct_io.O_DIRECT
+    os.close(fd)
+    expect, _ = _appends(tmp_path / "c.bin", [[10, 5000], [3]])
+    assert (tmp_path / "c.bin").read_bytes() == expect
+
+
+@pytest.mark.skipif(not direct_io.O_DIRECT, reason="no O_DIRECT on this platform")
+def test_o_direct_refused_at_the_first_write_is_retried_buffered(tmp_path, monkeypatch):
+    fd = open_for_append(tmp_path / "d.bin")
+    if not fcntl.fcntl(fd, fcntl.F_GETFL) & direct_io.O_DIRECT:
+        os.close(fd)
+        pytest.skip("this file system refused O_DIRECT at open")
+    real = os.pwritev
+    refused = []
+
+    def pwritev(f, bufs, off):
+        if fcntl.fcntl(f, fcntl.F_GETFL) & direct_io.O_DIRECT:
+            refused.append(off)
+            raise OSError(errno.EINVAL, "refused")
+        return real(f, bufs, off)
+
+    monkeypatch.setattr(direct_io.os, "pwritev", pwritev)
+    try:
+        end = AlignedAppender().append(fd, [b"x" * 5000], 0)
+    finally:
+        os.close(fd)
+    assert refused == [0] and end == 2 * ALIGN_BYTES
+    assert (tmp_path / "d.bin").read_bytes() == b"x" * 5000 + bytes(end - 5000)
+
+
+def _records(first: int, n: int) -> list[tuple[BlockMeta, list]]:
+    out = []
+    for i in range(first, first + n):
+        g = torch.Generator().manual_seed(i)
+        t = {name: torch.randn(2, 4, 1, 8, generator=g) for name in ("k", "v")}
+        raw = b"".join(bytes(p) for p in encode_block(t))
+        meta = BlockMeta(index=i, hash=bytes([i]) * 32, tokens=[i] * 4, length=len(raw),
+                         raw_length=len(raw), crc32=crc32(raw), codec="none")
+        out.append((meta, encode_record(meta, [raw])))
+    return out
+
+
+def test_a_segment_cut_at_every_byte_of_its_last_append_keeps_whole_records(tmp_path):
+    path = tmp_path / "s.seg"
+    batches = [_records(0, 3), _records(3, 2)]
+    fd = open_for_append(path)
+    io = AlignedAppender()
+    ends = [io.append(fd, [start_bytes(identity_of(FIELDS))], 0)]
+    for batch in batches:
+        ends.append(io.append(fd, [b for _, rec in batch for b in rec], ends[-1]))
+    os.close(fd)
+    whole = path.read_bytes()
+    full = scan_segment(path, FIELDS, "s")
+    assert [m.index for m in full.metas] == [0, 1, 2, 3, 4] and full.end == ends[-1]
+    # where each record of the last append ends
+    record_ends, at = [], ends[1]
+    for _, rec in batches[1]:
+        at += sum(len(b) for b in rec)
+        record_ends.append(at)
+    for cut in range(ends[1], ends[2] + 1):
+        path.write_bytes(whole[:cut])
+        scan = scan_segment(path, FIELDS, "s")
+        whole_records = [e for e in record_ends if e <= cut]
+        assert [m.index for m in scan.metas] == [0, 1, 2, 3, 4][: 3 + len(whole_records)]
+        # the valid prefix ends after the last whole record, or after its padding
+        assert scan.end == (ends[2] if cut == ends[2] else max([ends[1], *whole_records]))
+    # a torn direct write can leave the file extended with zeros: padding, not records
+    path.write_bytes(whole[: ends[1]] + bytes(3 * ALIGN_BYTES))
+    scan = scan_segment(path, FIELDS, "s")
+    assert [m.index for m in scan.metas] == [0, 1, 2] and scan.end == ends[1] + 3 * ALIGN_BYTES
+
+
+def test_a_version_1_segment_without_padding_still_scans(tmp_path):
+    path = tmp_path / "v1.seg"
+    start = start_bytes(identity_of(FIELDS))
+    v1 = SEG_MAGIC + struct.pack("<I", 1) + start[len(SEG_MAGIC) + 4:]
+    path.write_bytes(v1 + b"".join(b for _, rec in _records(0, 3) for b in rec))
+    scan = scan_segment(path, FIELDS, "v1")
+    assert [m.index for m in scan.metas] == [0, 1, 2] and scan.end == path.stat().st_size
+
+
+def test_staging_buffers_are_reused_within_their_bound():
+    """The write-behind's gather buffers (tiers/staging.py): a returned buffer serves the
+    next gather that fits (no fresh memory, so no page faults), sized in powers of two rows;
+    past the bound a returned buffer is freed."""
+    from kvsession.tiers.staging import StagingBuffers
+
+    st = StagingBuffers(max_bytes=64 * 1024)
+    out, buf = st.take((3, 2, 16), torch.float32)  # 384 B, rows rounded up to 4: 512 B
+    assert out.shape == (3, 2, 16) and buf.numel() == 512
+    st.give_back(buf)
+    again, buf2 = st.take((4, 2, 16), torch.float32)  # fits the kept 512 B
+    assert buf2.data_ptr() == buf.data_ptr() and again.data_ptr() == buf.data_ptr()
+    assert (st.reused, st.allocated, st.kept_bytes) == (1, 1, 0)
+    _, big = st.take((128, 2, 64), torch.float32)  # 64 KiB: kept, up to the bound
+    st.give_back(big)
+    st.give_back(buf2)  # would pass the bound: freed, not kept
+    assert st.kept_bytes == 64 * 1024
+    _, b = st.take((1, 8), torch.uint8)  # the smallest kept buffer that fits
+    assert b.data_ptr() == big.data_ptr() and st.kept_bytes == 0
