@@ -374,6 +374,7 @@ def main() -> None:
         for p in range(args.repeat):  # pairs: machine noise hits both of a pair alike
             pair = {}
             for mode in ("close", "turn") if p % 2 == 0 else ("turn", "close"):
+                os.sync()  # the run before's files are on the disk, not written back now
                 pair[mode] = agent_run(model, root / f"agent-{mode}", mode, args.sessions,
                                        args.turns)
                 runs[mode].append(pair[mode])
