@@ -22,11 +22,11 @@ from __future__ import annotations
 import collections
 import errno
 import fcntl
-import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvsession.tiers.segments import ALIGN_BYTES, padding_after
+from kvsession.tiers.staging import fresh_memory
 
 IOV_BATCH = 512  # buffers per pwritev (IOV_MAX is 1024 on Linux)
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every append is buffered
@@ -64,7 +64,7 @@ class AlignedAppender:
 
     def __init__(self):
         # page-aligned, as O_DIRECT needs
-        self._stages = [mmap.mmap(-1, self.STAGE_BYTES) for _ in range(2)]
+        self._stages = [fresh_memory(self.STAGE_BYTES) for _ in range(2)]
         self._views = [memoryview(m) for m in self._stages]
         self._pending: list[Future | None] = [None, None]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvsession-direct-io")
