@@ -46,7 +46,7 @@ def message(i: int, t: int) -> str:
 
 
 CHILD = r"""
-import json, os, signal, sys, threading
+import json, mmap, os, signal, sys, threading
 from kvsession import LLM, SamplingParams
 import kvsession.tiers.commit as commit
 import kvsession.tiers.direct_io as direct_io
@@ -90,8 +90,13 @@ if site == "log":  # half a record reaches the file, then the process dies
 elif site == "segment":  # the first half of an append's blocks reach the file
     orig_seg = direct_io.pwrite_all
     def half_seg(fd, bufs, off):
-        view = memoryview(bufs[0]).cast("B")  # the aligned staging buffer (O_DIRECT)
-        orig_seg(fd, [view[: len(view) // 2 // 4096 * 4096]], off)
+        # the write's pieces (staged bytes, blocks written in place) joined, in aligned
+        # memory as O_DIRECT needs; whole 4 KiB sectors of its first half reach the file
+        data = b"".join(memoryview(b).cast("B") for b in bufs)
+        n = len(data) // 2 // 4096 * 4096 or 4096
+        sector = mmap.mmap(-1, n)
+        sector.write(data[:n])
+        orig_seg(fd, [sector], off)
         die()
     direct_io.pwrite_all = on_nth(orig_seg, half_seg)
 elif site == "compaction":  # in the middle of the compacted snapshot

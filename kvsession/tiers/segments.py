@@ -14,14 +14,20 @@ Layout (little endian):
     identity frame: u32 length | u32 crc32 | msgpack SegmentIdentity (engine identity and
         KV geometry, as a snapshot header records them)
     block records, back to back: u32 meta length | u32 crc32(meta) | msgpack BlockMeta |
-        the chunk (BlockMeta.length bytes; its crc32 is in the meta)
+        BlockMeta.gap zero bytes (version 3) | the chunk (BlockMeta.length bytes; its
+        crc32 is in the meta)
     after the identity and after each append's records, zero bytes up to the next multiple
         of ALIGN_BYTES (version 2): a frame of length 0 and crc32 0 is padding, and the
         next record starts at the first multiple of ALIGN_BYTES past that frame
 
 Version 2 pads so that every append starts and ends on a 4 KiB boundary: the writer appends
-with O_DIRECT (tiers/writeback.py), which takes only aligned offsets and lengths. Version 1
-(no padding) is read the same way (its metas are never empty).
+with O_DIRECT (tiers/writeback.py), which takes only aligned offsets and lengths. Version 3
+adds the gap: the writer sizes it so that a stored chunk's tensor data (after its
+safetensors prefix) starts on an ALIGN_BYTES boundary, and then writes that data straight
+from the gathered blocks (no copy into a staging buffer: tiers/direct_io.py). A meta
+without a gap (version 1 and 2 records, and blocks whose data is not a whole number of
+aligned pages) encodes as before. Versions 1 (no padding) and 2 are read the same way
+(their metas are never empty and have no gap).
 
 Like every file in session_dir a segment is untrusted: the identity must equal this
 engine's, a meta is at most MAX_META_BYTES and typed, a chunk declares exactly one block's
@@ -67,8 +73,9 @@ from kvsession.tiers.snapshot_read import (
 )
 
 SEG_MAGIC = b"KVSSEG\x00\x01"
-SEG_VERSION = 2  # 2: appends padded to ALIGN_BYTES; 1 (unpadded) is still read
-READ_VERSIONS = (1, 2)
+# 3: a gap before a chunk aligns its data; 2: appends padded to ALIGN_BYTES; 1: unpadded
+SEG_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 SEG_PREFIX = SEG_MAGIC + struct.pack("<I", SEG_VERSION)
 FRAME = struct.Struct("<II")
 MAX_META_BYTES = 1 << 16
@@ -106,7 +113,7 @@ class SegmentIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                             msgspec.Meta(max_length=4)]
 
 
-class BlockMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class BlockMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     index: Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
     hash: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
     tokens: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN_ID)]],
@@ -115,6 +122,7 @@ class BlockMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     raw_length: Annotated[int, msgspec.Meta(ge=1)]
     crc32: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
     codec: Literal["lz4", "none"]
+    gap: Annotated[int, msgspec.Meta(ge=0, lt=ALIGN_BYTES)] = 0  # zero bytes before the chunk
 
 
 def identity_of(header_fields: dict) -> SegmentIdentity:
@@ -138,7 +146,30 @@ def pseudo_header(ident: SegmentIdentity, session_id: str, chunks: list[Chunk]
 
 def encode_record(meta: BlockMeta, data: list) -> list:
     raw = msgspec.msgpack.encode(meta)
-    return [FRAME.pack(len(raw), crc32(raw)), raw, *data]
+    return [FRAME.pack(len(raw), crc32(raw)), raw, *([bytes(meta.gap)] if meta.gap else []),
+            *data]
+
+
+def record_head(meta: BlockMeta) -> int:
+    """Bytes of a record before its chunk (frame, meta, gap)."""
+    return FRAME.size + len(msgspec.msgpack.encode(meta)) + meta.gap
+
+
+def aligning_gap(meta: BlockMeta, at: int, lead: int) -> BlockMeta:
+    """`meta` with the gap that puts the chunk's byte `lead` (where its tensor data starts)
+    of a record written at file offset `at` on an ALIGN_BYTES boundary. The gap's own
+    encoding lengthens the meta by a byte or two: iterated to the fixed point."""
+    gap = 0
+    for _ in range(4):
+        want = -(at + record_head(msgspec.structs.replace(meta, gap=gap)) - gap + lead) \
+            % ALIGN_BYTES
+        if want == gap:
+            break
+        gap = want
+    out = msgspec.structs.replace(meta, gap=gap)
+    if (at + record_head(out) + lead) % ALIGN_BYTES:  # pragma: no cover - a width cycle
+        return meta
+    return out
 
 
 def start_bytes(ident: SegmentIdentity) -> bytes:
@@ -216,7 +247,7 @@ def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentSca
                 except msgspec.MsgspecError as e:
                     raise SnapshotError(f"{path}: malformed block record at {pos}: {e}") \
                         from None
-                data_at = pos + FRAME.size + n
+                data_at = pos + FRAME.size + n + meta.gap
                 if meta.raw_length != block_len or meta.length > block_len or (
                         meta.codec == "none" and meta.length != block_len) or \
                         len(meta.tokens) != ident.block_size:

@@ -50,16 +50,19 @@ from kvsession.cache.manager import SessionKV
 from kvsession.cache.prefix import common_prefix_len
 from kvsession.errors import SnapshotError
 from kvsession.tiers.checksum import crc32
-from kvsession.tiers.direct_io import AlignedAppender, open_for_append
+from kvsession.tiers.direct_io import Aligned, AlignedAppender, open_for_append
 from kvsession.tiers.locks import directory_lock
 from kvsession.tiers.segments import (
+    ALIGN_BYTES,
     BlockMeta,
     SegmentScan,
+    aligning_gap,
     compact,
     compaction_sources,
     encode_record,
     identity_of,
     pseudo_header,
+    record_head,
     scan_segment,
     start_bytes,
 )
@@ -386,18 +389,21 @@ class WriteBehind:
 
     def _append(self, seg: _Segment, blocks: list[tuple[int, int]], job: _Blocks) -> None:
         """Append blocks (index in the session, position in job.data): large aligned
-        writes, 8 MiB at a time (direct_io.py)."""
-        bufs, staged = [], []
-        at = seg.end
-        for i, j in blocks:
-            meta, record, head = self._encode(seg, i, job, j)
-            staged.append((meta, Chunk(at + head, meta.length, meta.raw_length, meta.crc32,
-                                       meta.codec)))
-            bufs += record
-            at += head + meta.length
-        if not bufs:
+        writes (direct_io.py), each block encoded while the ones before it are written."""
+        if not blocks:
             return
-        end = self._io.append(seg.fd, bufs, seg.end)  # `at`, then the padding
+        staged = []
+
+        def records():
+            at = seg.end
+            for i, j in blocks:
+                meta, record, head = self._encode(seg, i, job, j, at)
+                staged.append((meta, Chunk(at + head, meta.length, meta.raw_length,
+                                           meta.crc32, meta.codec)))
+                yield from record
+                at += head + meta.length
+
+        end = self._io.append(seg.fd, records(), seg.end)  # the records, then the padding
         for meta, chunk in staged:
             seg.chunks.append(chunk)
             seg.metas.append(meta)
@@ -409,9 +415,12 @@ class WriteBehind:
         if seg.unsynced >= self.SYNC_BYTES:
             self._sync(seg)
 
-    def _encode(self, seg: _Segment, i: int, job: _Blocks, j: int):
-        """Block i's record: (meta, buffers, bytes before the chunk)."""
-        pieces = encode_block({n: x[j] for n, x in job.data.items()})
+    def _encode(self, seg: _Segment, i: int, job: _Blocks, j: int, at: int):
+        """Block i's record, written at file offset `at`: (meta, buffers, bytes before the
+        chunk). Stored data of whole aligned pages (gathered into page-aligned staging) is
+        placed on an aligned offset by the record's gap and written in place."""
+        tensors = {n: x[j] for n, x in job.data.items()}
+        pieces = encode_block(tensors)
         raw_len = sum(len(p) for p in pieces)
         data, codec = pieces, "none"
         if seg.codec == "lz4":  # as the snapshot writer decides: incompressible KV is stored
@@ -426,8 +435,11 @@ class WriteBehind:
         meta = BlockMeta(index=i, hash=job.hashes[i],
                          tokens=list(job.tokens[i * self.bs:(i + 1) * self.bs]),
                          length=length, raw_length=raw_len, crc32=crc, codec=codec)
-        bufs = encode_record(meta, data)
-        return meta, bufs, sum(len(b) for b in bufs[:2])
+        if codec == "none" and all(t.data_ptr() % ALIGN_BYTES == 0
+                                   and t.nbytes % ALIGN_BYTES == 0 for t in tensors.values()):
+            meta = aligning_gap(meta, at, len(pieces[0]))
+            data = [pieces[0], *(Aligned(p) for p in pieces[1:])]
+        return meta, encode_record(meta, data), record_head(meta)
 
     def _sync(self, seg: _Segment) -> None:
         if seg.fd is not None and seg.unsynced:
