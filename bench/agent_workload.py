@@ -38,18 +38,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import random
 import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 import torch
-from common import mid_model, pyplot, save_figure, text_of, write_result
+from common import RoundsProcess, mid_model, pyplot, save_figure, text_of, write_result
 
 from kvsession import LLM, SamplingParams
 from kvsession.cache.prefix import common_prefix_len
@@ -312,47 +310,6 @@ def serve_rounds(sessions: int, turns: int, history: str, raw_replies: bool) -> 
     llm.close()
 
 
-class RoundsProcess:
-    """The parent's handle on a serve_rounds child: every answer awaited with a timeout."""
-
-    def __init__(self, argv: list[str], timeout_s: float):
-        self.timeout_s = timeout_s
-        self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, __file__, *argv], text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.lines.put(line)
-        self.lines.put(None)  # end of output: the child exited
-
-    def read(self) -> dict:
-        try:
-            line = self.lines.get(timeout=self.timeout_s)
-        except queue.Empty:
-            self.proc.kill()
-            raise TimeoutError(f"no answer from the kvsession child in {self.timeout_s} s")\
-                from None
-        if line is None:
-            self.err.seek(0)
-            raise RuntimeError("the kvsession child exited:\n" + self.err.read()[-3000:])
-        return json.loads(line)
-
-    def ask(self, t: int | None) -> dict:
-        self.proc.stdin.write(json.dumps({"round": t}) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=self.timeout_s)
-        self.err.close()
-
-
 def paired(sessions: int, turns: int, raw_replies: bool, timeout_s: float) -> dict:
     """All four systems turn by turn, interleaved (every agent's turn t in one system, then
     in the next, the order rotating each turn): a change in the load of shared cores hits
@@ -363,7 +320,8 @@ def paired(sessions: int, turns: int, raw_replies: bool, timeout_s: float) -> di
 
     extra = ["--sessions", str(sessions), "--turns", str(turns)] + (
         ["--raw-replies"] if raw_replies else [])
-    children = {name: RoundsProcess(["--serve-rounds", "--history", h, *extra], timeout_s)
+    children = {name: RoundsProcess(__file__, ["--serve-rounds", "--history", h, *extra],
+                                     timeout_s)
                 for name, h in (("kvsession", "append"), ("kvsession_template", "template"))}
     for child in children.values():
         child.read()  # ready

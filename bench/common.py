@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 import platform
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -110,3 +115,47 @@ def save_figure(fig, name: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=120)
+
+
+class RoundsProcess:
+    """The parent's handle on a child process that runs a workload round by round when
+    asked (`script` with `argv`): one JSON line per request on its stdin ({"round": t};
+    {"round": null} ends it), one JSON line back; every answer awaited with a timeout, the
+    child's stderr kept for the error when it exits."""
+
+    def __init__(self, script: str, argv: list[str], timeout_s: float):
+        self.timeout_s = timeout_s
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, script, *argv], text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.lines.put(line)
+        self.lines.put(None)  # end of output: the child exited
+
+    def read(self) -> dict:
+        try:
+            line = self.lines.get(timeout=self.timeout_s)
+        except queue.Empty:
+            self.proc.kill()
+            raise TimeoutError(f"no answer from the kvsession child in {self.timeout_s} s")\
+                from None
+        if line is None:
+            self.err.seek(0)
+            raise RuntimeError("the kvsession child exited:\n" + self.err.read()[-3000:])
+        return json.loads(line)
+
+    def ask(self, t: int | None) -> dict:
+        self.proc.stdin.write(json.dumps({"round": t}) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=self.timeout_s)
+        self.err.close()

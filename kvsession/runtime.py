@@ -373,13 +373,17 @@ class Runtime:
     def validate_prompt(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ConfigError("a prompt must have at least one token")
-        # bool is an int to Python but never a token id; numpy ints are fine
-        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        # bool is an int to Python but never a token id; numpy ints are fine. Plain ints
+        # are checked by type first: a session validates its whole history every turn, and
+        # the ABC check alone took ~1.5 ms per 1,000 ids
+        bad = [t for t in ids if type(t) is not int and (
+            not isinstance(t, numbers.Integral) or isinstance(t, bool))]
         if bad:
             raise ConfigError(f"prompt token ids must be ints, got {bad[:5]!r:.80}")
         ids = [int(t) for t in ids]
         vocab = self.info.spec.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [] if 0 <= min(ids) and max(ids) < vocab else [
+            t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if len(ids) >= self.info.max_model_len:

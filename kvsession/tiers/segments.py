@@ -79,6 +79,7 @@ READ_VERSIONS = (1, 2, 3)
 SEG_PREFIX = SEG_MAGIC + struct.pack("<I", SEG_VERSION)
 FRAME = struct.Struct("<II")
 MAX_META_BYTES = 1 << 16
+META_READ_BYTES = 504  # a block's meta is ~150-300 bytes (its tokens)
 # appends start and end on multiples of this (O_DIRECT: the logical block size of every
 # common device, 512 or 4096, divides it; so does the page size)
 ALIGN_BYTES = 4096
@@ -231,7 +232,11 @@ def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentSca
             metas: list[BlockMeta] = []
             pos = len(head) + n
             while pos + FRAME.size <= size:
-                n, crc = FRAME.unpack(os.pread(fd, FRAME.size, pos))
+                # the frame and (usually all of) the meta in one read
+                window = os.pread(fd, FRAME.size + META_READ_BYTES, pos)
+                if len(window) < FRAME.size:
+                    break
+                n, crc = FRAME.unpack_from(window)
                 if n == 0 and crc == 0:  # padding (a meta is never empty)
                     if _after_padding(pos) > size:
                         break  # cut short: the records end before it
@@ -239,7 +244,8 @@ def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentSca
                     continue
                 if n > MAX_META_BYTES or pos + FRAME.size + n > size:
                     break
-                raw = os.pread(fd, n, pos + FRAME.size)
+                raw = window[FRAME.size: FRAME.size + n] if n <= META_READ_BYTES else \
+                    os.pread(fd, n, pos + FRAME.size)
                 if len(raw) != n or crc32(raw) != crc:
                     break
                 try:
