@@ -104,28 +104,38 @@ def turn_messages(tokenizer, sessions: int, turns: int) -> list[list[dict]]:
              for t in range(turns)] for i in range(sessions)]
 
 
-def agent_run(model: Path, sd: Path, durability: str, sessions: int, turns: int) -> dict:
-    shutil.rmtree(sd, ignore_errors=True)
+def open_agents(model: Path, sd: Path, durability: str, sessions: int, turns: int):
+    """(the engine, its agents' sessions, their messages: [agent][turn])."""
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     llm = LLM(model, session_dir=sd, durability=durability, kv_cache_memory="2GiB")
-    try:
-        rng = random.Random(7)
-        system = "You are a coding agent. " + text_of(llm.tokenizer, rng, 1000)
-        convs = turn_messages(llm.tokenizer, sessions, turns)
-        opened = [llm.session(session_id=f"a{i}", system=system, sampling=params)
-                  for i in range(sessions)]
+    rng = random.Random(7)
+    system = "You are a coding agent. " + text_of(llm.tokenizer, rng, 1000)
+    convs = turn_messages(llm.tokenizer, sessions, turns)
+    opened = [llm.session(session_id=f"a{i}", system=system, sampling=params)
+              for i in range(sessions)]
+    return llm, opened, convs
 
+
+def in_threads(fn, n: int) -> float:
+    """fn(0), ..., fn(n - 1), each in a thread of its own: seconds until all are done."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def agent_run(model: Path, sd: Path, durability: str, sessions: int, turns: int) -> dict:
+    shutil.rmtree(sd, ignore_errors=True)
+    llm, opened, convs = open_agents(model, sd, durability, sessions, turns)
+    try:
         def agent(i):
             for msg in convs[i]:
                 opened[i].send(msg)
 
-        threads = [threading.Thread(target=agent, args=(i,)) for i in range(sessions)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        makespan = time.perf_counter() - t0
+        makespan = in_threads(agent, sessions)
         # the machine's load while it ran (others' processes share the 2 cores)
         out = {"makespan_s": makespan, "loadavg_1min": os.getloadavg()[0]}
         j, wb = llm._rt.journal, llm._rt.writeback
@@ -150,27 +160,14 @@ def serve_rounds(model: Path, sd: Path, durability: str, sessions: int, turns: i
     of agent_run, one round (every agent's turn t, the agents in threads) per request."""
     import resource
 
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    llm = LLM(model, session_dir=sd, durability=durability, kv_cache_memory="2GiB")
-    rng = random.Random(7)
-    system = "You are a coding agent. " + text_of(llm.tokenizer, rng, 1000)
-    convs = turn_messages(llm.tokenizer, sessions, turns)
-    opened = [llm.session(session_id=f"a{i}", system=system, sampling=params)
-              for i in range(sessions)]
+    llm, opened, convs = open_agents(model, sd, durability, sessions, turns)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         t = json.loads(line)["round"]
         if t is None:
             break
-        threads = [threading.Thread(target=opened[i].send, args=(convs[i][t],))
-                   for i in range(sessions)]
         r0 = resource.getrusage(resource.RUSAGE_SELF)
-        t0 = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        elapsed = time.perf_counter() - t0
+        elapsed = in_threads(lambda i: opened[i].send(convs[i][t]), sessions)  # noqa: B023
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         print(json.dumps({"elapsed_s": elapsed, "user_cpu_s": r1.ru_utime - r0.ru_utime}),
               flush=True)
@@ -300,6 +297,15 @@ def writeback_drain(root: Path, mib: int = 512, sessions: int = 8) -> dict:
             "writer_cpu_s": wb.cpu_s, "bytes_per_s": wb.bytes_written / wall}
 
 
+def quiesce(llm) -> None:
+    """Wait until the engine's write-behind has written what it was given (a closed
+    session's last turn, say), so that the next timed probe does not share the cores or the
+    disk with it."""
+    wb = llm._rt.writeback
+    if wb is not None:
+        wb.request(WriteOp.FLUSH, None).result(timeout=300)
+
+
 def drop_from_page_cache(sd: Path, sid: str) -> None:
     for suffix in (".log", ".seg", ".kvs"):
         p = sd / f"{sid}{suffix}"
@@ -351,33 +357,36 @@ def recovery(model: Path, root: Path, n: int, hist: int, probes: int) -> dict:
         assert llm.sessions() == listed
         rng = random.Random(3)
         resumed_ttft, cold_ttft, reprefill_ttft, reuse = [], [], [], []
-        for k, sid in enumerate(listed):
-            if k < 2 * probes and k % 2 == 0:  # resumed: replay, attach, load from disk
-                cold = k % 4 == 2
-                if cold:
-                    drop_from_page_cache(sd, sid)
-                msg = "next step: " + text_of(llm.tokenizer, rng, 32)
-                t0 = time.perf_counter()
-                s = llm.session(session_id=sid)
-                attach_s = time.perf_counter() - t0
-                reuse.append((s.num_cached_tokens, sid))
-                r = s.send(msg, max_tokens=1)
-                assert r.restored_from == "disk", r.restored_from
-                (cold_ttft if cold else resumed_ttft).append(attach_s + r.metrics.ttft_s)
-                s.close()
-            elif k < 2 * probes:  # the same kind of history, recomputed from its text
+        resumed, reprefilled = listed[0:2 * probes:2], listed[1:2 * probes:2]
+        histories = {}
+        for sid in listed:  # the KV each resume attaches; the re-prefilled histories' text
+            if sid not in resumed:
                 s = llm.session(session_id=sid)
                 reuse.append((s.num_cached_tokens, sid))
-                history = s.messages
+                histories[sid] = s.messages
                 s.close()
-                msg = "next step: " + text_of(llm.tokenizer, rng, 32)
-                out = llm.chat(history + [{"role": "user", "content": msg}],
-                               SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-                reprefill_ttft.append(out[0].metrics.ttft_s)
-            else:
-                s = llm.session(session_id=sid)
-                reuse.append((s.num_cached_tokens, sid))
-                s.close()
+        quiesce(llm)
+        for k, (sid, other) in enumerate(zip(resumed, reprefilled, strict=True)):
+            # resumed: log replay, KV attached, loaded from disk, the rest prefilled
+            cold = k % 2 == 1
+            if cold:
+                drop_from_page_cache(sd, sid)
+            msg = "next step: " + text_of(llm.tokenizer, rng, 32)
+            t0 = time.perf_counter()
+            s = llm.session(session_id=sid)
+            attach_s = time.perf_counter() - t0
+            reuse.append((s.num_cached_tokens, sid))
+            r = s.send(msg, max_tokens=1)
+            assert r.restored_from == "disk", r.restored_from
+            (cold_ttft if cold else resumed_ttft).append(attach_s + r.metrics.ttft_s)
+            s.close()
+            quiesce(llm)
+            # the same kind of history, recomputed from its text
+            msg = "next step: " + text_of(llm.tokenizer, rng, 32)
+            out = llm.chat(histories[other] + [{"role": "user", "content": msg}],
+                           SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+            reprefill_ttft.append(out[0].metrics.ttft_s)
+            quiesce(llm)
     finally:
         llm.close()
     r1 = wb.get(2) or wb.get(1)
