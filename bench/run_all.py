@@ -307,9 +307,10 @@ def section_durability(r) -> list[str]:
     if "writeback_fraction_of_seq_write" in r:
         rounds = r.get("drain_rounds")
         detail = "" if not rounds else (
-            f"; best of {len(rounds)} rounds each, per round "
-            + ", ".join(f"{x['drain']['bytes_per_s'] / x['seq_write_bytes_per_s']:.2f}"
-                        for x in rounds))
+            f"; median of {len(rounds)} rounds, each a limit measured right before its "
+            f"drain: " + ", ".join(f"{x['ratio']:.2f}" for x in rounds)
+            + f"; best drain over best limit "
+            f"{r.get('writeback_fraction_best_vs_best', float('nan')):.2f}")
         modes = rounds[0].get("seq_write", {}) if rounds else {}
         if "direct" in modes:
             detail += ("; the limit is the faster of page-cache and O_DIRECT writes, per "
@@ -318,7 +319,7 @@ def section_durability(r) -> list[str]:
                            f"{x['seq_write']['direct'] / 1e9:.2f} GB/s" for x in rounds))
         out.append(f"- write-behind bandwidth: **{fmt(r['writeback_fraction_of_seq_write'])}** "
                    f"of the disk's sequential write limit measured in the run "
-                   f"({fmt(r['disk_seq_write_bytes_per_s'] / 1e9)} GB/s{detail}; "
+                   f"(best {fmt(r['disk_seq_write_bytes_per_s'] / 1e9)} GB/s{detail}; "
                    f"target >= 0.7)")
     return out
 
