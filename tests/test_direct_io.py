@@ -141,11 +141,21 @@ def test_the_writer_places_block_data_on_aligned_offsets(tmp_path):
             at += record_head(meta) + len(raw)
         end = io.append(fd, bufs, end)
     os.close(fd)
-    scan = scan_segment(path, fields, "v3")
+    hinted = []
+    real = getattr(os, "posix_fadvise", None)
+    with pytest.MonkeyPatch.context() as mp:
+        if real is not None:
+            mp.setattr(os, "posix_fadvise", lambda fd, off, n, advice: (
+                hinted.append(off), real(fd, off, n, advice)))
+        scan = scan_segment(path, fields, "v3")
     assert [m.index for m in scan.metas] == list(range(6)) and scan.end == end
     assert [c.offset for c in scan.header.chunks] == chunks
     data = path.read_bytes()
     assert all(data[c: c + len(raw)] == raw for c in chunks)
+    # the scan asked for the records after the first where they are (one stride apart:
+    # no padding between appends that end aligned), read ahead all at once
+    starts = [c - record_head(m) for c, m in zip(chunks, scan.metas, strict=True)]
+    assert hinted == (starts[1:] if real is not None else [])
 
 
 def test_padding_leaves_room_for_its_frame():

@@ -263,11 +263,27 @@ def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentSca
                     break  # its chunk was cut short
                 header.chunks.append(Chunk(data_at, meta.length, meta.raw_length, meta.crc32,
                                            meta.codec))
+                if not metas:
+                    _read_ahead_records(fd, pos, data_at + meta.length - pos, size)
                 metas.append(meta)
                 pos = data_at + meta.length
         except OSError as e:
             raise SnapshotError(f"{path}: cannot read: {e}") from None
     return SegmentScan(header, metas, pos, size)
+
+
+def _read_ahead_records(fd: int, first: int, stride: int, size: int) -> None:
+    """Ask the kernel to read, all at once, the pages where the records after the first
+    would start if every one took `stride` bytes, as stored blocks of one geometry do when
+    their data is aligned (version 3: a 4 KiB head page, then the data). The scan reads
+    one record's meta after another, each read waiting for the one before: on a segment
+    written with O_DIRECT (not in the page cache) 130 records took ~12 ms of disk
+    latency, most of a resumed session's attach. A hint only: where a record is not where
+    it is predicted, the scan reads it as before."""
+    if stride % ALIGN_BYTES or not hasattr(os, "posix_fadvise"):
+        return  # no constant stride to predict (lz4 chunks, unaligned records)
+    for at in range(first + stride, size, stride):
+        os.posix_fadvise(fd, at, FRAME.size + META_READ_BYTES, os.POSIX_FADV_WILLNEED)
 
 
 def segment_blocks(stores: list[tuple[SegmentScan, Path]], start: int, tokens, hashes,
