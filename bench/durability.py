@@ -445,7 +445,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--paired-runs", type=int, default=3,
+    ap.add_argument("--paired-runs", type=int, default=5,
                     help="paired measurements (the two modes interleaved turn by turn)")
     ap.add_argument("--repeat", type=int, default=4,
                     help="pairs of free-running agent runs, back to back")

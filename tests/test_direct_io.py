@@ -277,14 +277,14 @@ def test_staging_buffers_are_reused_within_their_bound():
 
 def test_fresh_staging_memory_is_zeroed_aligned_and_freed_with_its_tensor():
     """Fresh gather buffers (staging.fresh_memory): private mappings, page aligned (the
-    O_DIRECT stages use them too), zeroed, in huge pages where the kernel gives them; the
+    O_DIRECT stages use them too, and blocks are written from them in place), zeroed; the
     tensor keeps its mapping alive and unmaps it when it goes."""
     import gc
     import weakref
 
-    from kvsession.tiers.staging import HUGE_PAGE_BYTES, StagingBuffers, fresh_memory
+    from kvsession.tiers.staging import StagingBuffers, fresh_memory
 
-    for nbytes in (1, 4096 + 7, HUGE_PAGE_BYTES, 3 * HUGE_PAGE_BYTES + 4096):
+    for nbytes in (1, 4096 + 7, (2 << 20), 3 * (2 << 20) + 4096):
         mem = fresh_memory(nbytes)
         t = torch.frombuffer(mem, dtype=torch.uint8)
         assert t.numel() == nbytes and t.data_ptr() % 4096 == 0
@@ -292,7 +292,7 @@ def test_fresh_staging_memory_is_zeroed_aligned_and_freed_with_its_tensor():
         t.fill_(7)  # writable
         assert mem[nbytes - 1] == 7
     st = StagingBuffers(max_bytes=0)
-    out, buf = st.take((2, HUGE_PAGE_BYTES // 4), torch.float32)
+    out, buf = st.take((2, (2 << 20) // 4), torch.float32)
     out.normal_()
     ref = weakref.ref(buf.untyped_storage())
     assert buf.data_ptr() % 4096 == 0
