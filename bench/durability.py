@@ -398,7 +398,7 @@ def recovery(model: Path, root: Path, n: int, hist: int, probes: int) -> dict:
     earlier = [min(1.0, c / held1[sid]) for c, sid in reuse]
     at_kill = [c / held2[sid] for c, sid in reuse if sid in held2]
     return {
-        "sessions": n, "history_tokens": hist, "child_run_s": child_s,
+        "sessions": n, "history_tokens": hist, "child_run_s": child_s, "probes": 2 * probes,
         "recover_s": recover_s, "list_s": list_s, "llm_start_s": start_s,
         "kv_reused_fraction_mean": statistics.mean(earlier),
         "kv_reused_fraction_min": min(earlier),
@@ -421,9 +421,10 @@ def plot(result: dict) -> None:
     for k, mode in enumerate(("close", "turn")):
         ax1.bar([i + 0.4 * k for i in x], [p["makespan_s"][mode] for p in a["paired"]],
                 width=0.4, label=f'durability="{mode}"')
-    ax1.set_xticks([i + 0.2 for i in x], [f"paired run {i + 1}\n{p['overhead']:+.1%}"
+    ax1.set_xticks([i + 0.2 for i in x], [f"run {i + 1}\n{p['overhead']:+.1%}"
                                           for i, p in enumerate(a["paired"])])
     ax1.set_ylabel("agent workload makespan (s)")
+    ax1.set_xlabel("paired runs (turn by turn interleaved)", fontsize=8)
     ax1.set_title(f"overhead {a['makespan_overhead']:+.1%} (median, turn by turn "
                   f"interleaved)", fontsize=9)
     ax1.legend(fontsize=8)
