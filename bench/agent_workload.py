@@ -47,7 +47,15 @@ import threading
 import time
 
 import torch
-from common import RoundsProcess, mid_model, pyplot, save_figure, text_of, write_result
+from common import (
+    RoundsProcess,
+    answer_rounds,
+    mid_model,
+    pyplot,
+    save_figure,
+    text_of,
+    write_result,
+)
 
 from kvsession import LLM, SamplingParams
 from kvsession.cache.prefix import common_prefix_len
@@ -295,16 +303,7 @@ def serve_rounds(sessions: int, turns: int, history: str, raw_replies: bool) -> 
     ({"round": t} runs every agent's turn t; {"round": null} closes and reports)."""
     llm = make_llm()
     agents = Agents(llm, *workload(llm.tokenizer, sessions, turns), history, raw_replies)
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        t = json.loads(line)["round"]
-        if t is None:
-            break
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
-        elapsed = agents.round(t)
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
-        print(json.dumps({"elapsed_s": elapsed, "user_cpu_s": r1.ru_utime - r0.ru_utime}),
-              flush=True)
+    answer_rounds(agents.round)
     agents.close()
     print(json.dumps(agents.accounting()), flush=True)
     llm.close()

@@ -159,3 +159,21 @@ class RoundsProcess:
         self.proc.stdin.close()
         self.proc.wait(timeout=self.timeout_s)
         self.err.close()
+
+
+def answer_rounds(run_round) -> None:
+    """The child side of RoundsProcess: says it is ready, then answers each {"round": t}
+    read on stdin with run_round(t)'s seconds and the user CPU it took; returns at
+    {"round": null} (the caller then reports and closes)."""
+    import resource
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        t = json.loads(line)["round"]
+        if t is None:
+            return
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        elapsed = run_round(t)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        print(json.dumps({"elapsed_s": elapsed, "user_cpu_s": r1.ru_utime - r0.ru_utime}),
+              flush=True)

@@ -55,7 +55,15 @@ import threading
 import time
 from pathlib import Path
 
-from common import RoundsProcess, mid_model, pyplot, save_figure, text_of, write_result
+from common import (
+    RoundsProcess,
+    answer_rounds,
+    mid_model,
+    pyplot,
+    save_figure,
+    text_of,
+    write_result,
+)
 
 from kvsession import LLM, SamplingParams
 from kvsession.testing import make_tiny_model
@@ -161,19 +169,12 @@ def agent_run(model: Path, sd: Path, durability: str, sessions: int, turns: int)
 def serve_rounds(model: Path, sd: Path, durability: str, sessions: int, turns: int) -> None:
     """Child process of the paired measurement (common.RoundsProcess): the agent workload
     of agent_run, one round (every agent's turn t, the agents in threads) per request."""
-    import resource
-
     llm, opened, convs = open_agents(model, sd, durability, sessions, turns)
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        t = json.loads(line)["round"]
-        if t is None:
-            break
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
-        elapsed = in_threads(lambda i: opened[i].send(convs[i][t]), sessions)  # noqa: B023
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
-        print(json.dumps({"elapsed_s": elapsed, "user_cpu_s": r1.ru_utime - r0.ru_utime}),
-              flush=True)
+
+    def run_round(t: int) -> float:
+        return in_threads(lambda i: opened[i].send(convs[i][t]), sessions)
+
+    answer_rounds(run_round)
     wb = llm._rt.writeback
     print(json.dumps({} if wb is None else {
         "writeback_cpu_s": wb.cpu_s, "writeback_gather_s": wb.gather_s,

@@ -116,7 +116,7 @@ def test_the_writer_places_block_data_on_aligned_offsets(tmp_path):
     """Version 3 records: a stored block whose tensors are whole aligned pages gets the gap
     that puts its data (past the safetensors prefix) on a 4 KiB boundary; the scan finds
     the chunk past the gap and its bytes check out."""
-    from kvsession.tiers.segments import aligning_gap, record_head
+    from kvsession.tiers.segments import aligning_gap
 
     g = torch.Generator().manual_seed(3)
     t = {n: torch.randn(2, 4, 2, 64, generator=g) for n in ("k", "v")}  # 4 KiB each
@@ -127,7 +127,7 @@ def test_the_writer_places_block_data_on_aligned_offsets(tmp_path):
     fd = open_for_append(path)
     io = AlignedAppender()
     end = io.append(fd, [start_bytes(identity_of(fields))], 0)
-    chunks = []
+    chunks, starts = [], []
     for batch in range(2):
         bufs, at = [], end
         for i in range(batch * 3, batch * 3 + 3):
@@ -135,10 +135,12 @@ def test_the_writer_places_block_data_on_aligned_offsets(tmp_path):
                              raw_length=len(raw), crc32=crc32(raw), codec="none")
             meta = aligning_gap(meta, at, len(pieces[0]))
             assert 0 <= meta.gap < ALIGN_BYTES
-            chunks.append(at + record_head(meta))
+            record = encode_record(meta, [raw])
+            starts.append(at)
+            chunks.append(at + sum(len(b) for b in record[:-1]))  # past frame, meta, gap
             assert (chunks[-1] + len(pieces[0])) % ALIGN_BYTES == 0
-            bufs += encode_record(meta, [raw])
-            at += record_head(meta) + len(raw)
+            bufs += record
+            at = chunks[-1] + len(raw)
         end = io.append(fd, bufs, end)
     os.close(fd)
     hinted = []
@@ -154,7 +156,6 @@ def test_the_writer_places_block_data_on_aligned_offsets(tmp_path):
     assert all(data[c: c + len(raw)] == raw for c in chunks)
     # the scan asked for the records after the first where they are (one stride apart:
     # no padding between appends that end aligned), read ahead all at once
-    starts = [c - record_head(m) for c, m in zip(chunks, scan.metas, strict=True)]
     assert hinted == (starts[1:] if real is not None else [])
 
 

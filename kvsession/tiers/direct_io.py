@@ -163,12 +163,17 @@ class AlignedAppender:
         size = 0  # its bytes
         stage_used = False
 
-        def submit() -> None:
-            nonlocal k, view, at, fill, start, batch, size, stage_used
+        def take_stage() -> None:
+            """The stage's bytes not yet in the batch join it (a whole number of blocks)."""
+            nonlocal start, size, stage_used
             if fill > start:
                 batch.append(view[start:fill])
                 size += fill - start
                 start, stage_used = fill, True
+
+        def submit() -> None:
+            nonlocal k, view, at, fill, start, batch, size, stage_used
+            take_stage()
             if batch:
                 fut = self._pool.submit(pwrite_all, fd, batch, at)
                 self._inflight.append(fut)
@@ -183,21 +188,18 @@ class AlignedAppender:
         end = offset
         for b in itertools.chain(buffers, [None]):
             if b is None:  # the end: zeros up to an aligned end (the padding)
-                b = bytes(padding_after(end))
+                src = memoryview(bytes(padding_after(end)))
             else:
-                end += len(b.view) if isinstance(b, Aligned) else memoryview(b).nbytes
+                src = memoryview(b.view if isinstance(b, Aligned) else b).cast("B")
+                end += len(src)
             if isinstance(b, Aligned) and (fill - start) % ALIGN_BYTES == 0:
-                if fill > start:  # the stage's bytes before it (a whole number of blocks)
-                    batch.append(view[start:fill])
-                    size += fill - start
-                    start, stage_used = fill, True
-                batch.append(b.view)
-                size += len(b.view)
-                self.bytes_in_place += len(b.view)
+                take_stage()
+                batch.append(src)
+                size += len(src)
+                self.bytes_in_place += len(src)
                 if size >= self.WRITE_BYTES or len(batch) >= IOV_BATCH - 1:
                     submit()
                 continue
-            src = memoryview(b.view if isinstance(b, Aligned) else b).cast("B")
             while len(src):
                 n = min(len(src), self.STAGE_BYTES - fill)
                 view[fill: fill + n] = src[:n]

@@ -151,26 +151,19 @@ def encode_record(meta: BlockMeta, data: list) -> list:
             *data]
 
 
-def record_head(meta: BlockMeta) -> int:
-    """Bytes of a record before its chunk (frame, meta, gap)."""
-    return FRAME.size + len(msgspec.msgpack.encode(meta)) + meta.gap
-
-
 def aligning_gap(meta: BlockMeta, at: int, lead: int) -> BlockMeta:
     """`meta` with the gap that puts the chunk's byte `lead` (where its tensor data starts)
     of a record written at file offset `at` on an ALIGN_BYTES boundary. The gap's own
-    encoding lengthens the meta by a byte or two: iterated to the fixed point."""
+    encoding lengthens the meta by a few bytes: iterated to the fixed point (two or three
+    encodings)."""
     gap = 0
     for _ in range(4):
-        want = -(at + record_head(msgspec.structs.replace(meta, gap=gap)) - gap + lead) \
-            % ALIGN_BYTES
+        with_gap = msgspec.structs.replace(meta, gap=gap)
+        want = -(at + FRAME.size + len(msgspec.msgpack.encode(with_gap)) + lead) % ALIGN_BYTES
         if want == gap:
-            break
+            return with_gap
         gap = want
-    out = msgspec.structs.replace(meta, gap=gap)
-    if (at + record_head(out) + lead) % ALIGN_BYTES:  # pragma: no cover - a width cycle
-        return meta
-    return out
+    return meta  # no fixed point: unaligned, copied like any record
 
 
 def start_bytes(ident: SegmentIdentity) -> bytes:

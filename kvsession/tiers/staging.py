@@ -31,9 +31,9 @@ import torch
 def fresh_memory(nbytes: int) -> mmap.mmap:
     """`nbytes` of zeroed, page-aligned memory (O_DIRECT takes it), private to this
     process."""
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    return mmap.mmap(-1, max(nbytes, 1), flags=flags) if flags else \
-        mmap.mmap(-1, max(nbytes, 1))
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: no flags, anonymous memory anyway
+        return mmap.mmap(-1, max(nbytes, 1))
+    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 class StagingBuffers:

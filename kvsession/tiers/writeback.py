@@ -62,7 +62,6 @@ from kvsession.tiers.segments import (
     encode_record,
     identity_of,
     pseudo_header,
-    record_head,
     scan_segment,
     start_bytes,
 )
@@ -439,7 +438,8 @@ class WriteBehind:
                                    and t.nbytes % ALIGN_BYTES == 0 for t in tensors.values()):
             meta = aligning_gap(meta, at, len(pieces[0]))
             data = [pieces[0], *(Aligned(p) for p in pieces[1:])]
-        return meta, encode_record(meta, data), record_head(meta)
+        record = encode_record(meta, data)
+        return meta, record, sum(len(b) for b in record[: len(record) - len(data)])
 
     def _sync(self, seg: _Segment) -> None:
         if seg.fd is not None and seg.unsynced:
