@@ -21,13 +21,16 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
 from kvsession import LLM, ConfigError, SamplingParams, SnapshotError
+from kvsession.cache.hashing import tail_key
 from kvsession.errors import SessionLockedError
 from kvsession.tiers import wal
 from kvsession.tiers.commit import GroupCommit, Op, SessionLog
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.snapshot import messages_to_text
+from kvsession.tiers.snapshot_read import read_blocks
 from kvsession.tiers.writeback import WriteOp
 from oracle import expected_turn
 
@@ -461,29 +464,72 @@ def test_blocks_are_written_behind_once_and_reused_after_a_restart(llama_dir, tm
             s.send(f"turn {t}: " + "read the file and run the tests " * 4)
         wb = llm._rt.writeback
         wb.request(WriteOp.FLUSH, None).result(timeout=60)
-        # one record per distinct full block, however many turns saw it (a block the
-        # re-rendered history changed is a new block); every current block is there
+        # one record per distinct block, however many turns saw it (a block the
+        # re-rendered history changed is a new block); every current block is there, the
+        # partial last one as a tail record keyed by the hash before it and its tokens
         scan = _scan(llm, sd / "w.seg")
         records = {(m.index, m.hash) for m in scan.metas}
         assert len(records) == len(scan.metas) == wb.blocks_written
         assert set(enumerate(s.kv.hashes)) <= records
+        held, n_full = len(s.kv.tokens), len(s.kv.hashes)
+        assert held % 16, "the test wants a partial last block"
+        tail = tail_key(s.kv.hashes[-1], s.kv.tokens[n_full * 16:])
+        assert (n_full, tail) in records
+        # its slots past the tokens it holds are zeros, not what the block held before
+        k = scan.index[(n_full, tail)]
+        kv = next(read_blocks(sd / "w.seg", scan.header, [k]))[1]
+        for name, x in kv.items():
+            assert not x[:, held % 16:].any(), name
+            assert torch.equal(x[:, :held % 16], llm._rt.kv.tensors()[name][
+                :, s.kv.blocks[-1].block_id, :held % 16])
         # the process "dies" here: a copy of the directory as it is
         shutil.copytree(sd, tmp_path / "copy")
-        held = len(s.kv.tokens)
     finally:
         llm.close()
     (tmp_path / "copy" / "w.lock").unlink()
     with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
         s = llm.session(session_id="w")
-        assert s.state == "disk" and s.num_cached_tokens == held // 16 * 16
+        assert s.state == "disk" and s.num_cached_tokens == held  # the tail too
         before = s.token_ids
         r = s.send("and then?")
-        assert r.restored_from == "disk" and r.cached_tokens == held // 16 * 16
+        assert r.restored_from == "disk" and r.cached_tokens == held
         assert r.token_ids == expected_turn(llm, s, before, r, G)
         wb = llm._rt.writeback
         wb.request(WriteOp.FLUSH, None).result(timeout=60)
-        # only the blocks the new turn completed were written: nothing already on disk
-        assert wb.blocks_written == len(s.kv.tokens) // 16 - held // 16
+        # only the blocks the new turn completed (the old tail's block among them) and its
+        # new tail were written: nothing already on disk
+        now = len(s.kv.tokens)
+        assert wb.blocks_written == now // 16 - held // 16 + (now % 16 > 0)
+
+
+def test_a_resumed_session_takes_the_longest_tail_record_of_its_own_history():
+    """segment_tail: a tail record is used only where its key (the chained hash before it
+    and its tokens) and its tokens equal the log's, and holds no token the log lacks."""
+    from kvsession.tiers.segments import BlockMeta, SegmentScan, segment_tail
+
+    bs, parent, other = 16, bytes(range(32)), bytes(32)
+
+    def meta(i, key, tokens):
+        return BlockMeta(index=i, hash=key, tokens=list(tokens), length=1, raw_length=1,
+                         crc32=0, codec="none")
+
+    log = list(range(100, 140))  # 2 full blocks, then 8 tokens
+    metas = [
+        meta(2, tail_key(parent, log[32:35]), log[32:35]),  # an older turn's tail
+        meta(2, tail_key(parent, log[32:37]), log[32:37]),  # the last turn's
+        meta(2, tail_key(other, log[32:40]), log[32:40]),  # another history's
+        meta(2, tail_key(parent, log[32:38]), [7] * 6),  # tokens not what its key says
+        meta(1, tail_key(parent, log[16:20]), log[16:20]),  # a tail of block 1
+    ]
+    scan = SegmentScan(None, metas, 0, 0)
+    path = Path("s.seg")
+    assert segment_tail(scan, path, 2, log, parent, bs) == ((path, None, 1), 5)
+    # the log holds fewer tokens (the turn that wrote the longer tail was not acknowledged)
+    assert segment_tail(scan, path, 2, log[:36], parent, bs) == ((path, None, 0), 3)
+    assert segment_tail(scan, path, 2, log[:34], parent, bs) is None
+    assert segment_tail(scan, path, 2, log, other, bs) == ((path, None, 2), 8)
+    assert segment_tail(scan, path, 2, log, bytes([1]) * 32, bs) is None  # another chain
+    assert segment_tail(scan, path, 2, [0] + log[1:], parent, bs) == ((path, None, 1), 5)
 
 
 def test_segments_are_synced_in_bulk_and_when_idle_not_after_every_turn(llama_dir, tmp_path,
@@ -549,7 +595,12 @@ def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path
         assert h.token_ids == h.history["log"][:len(h.token_ids)]
         shutil.copytree(sd, tmp_path / "copy")
         shutil.copy(sd / "c.kvs", tmp_path / "alone.kvs")
-        held = len(s.kv.tokens) // 16 * 16
+        # the partial last block is reused when the segment holds its tail record (a
+        # compaction copies full blocks only and removes the segment)
+        n_full = len(s.kv.tokens) // 16
+        tail = (n_full, tail_key(s.kv.hashes[-1], s.kv.tokens[n_full * 16:]))
+        has_tail = (sd / "c.seg").exists() and tail in _scan(llm, sd / "c.seg").index
+        held = len(s.kv.tokens) if has_tail else n_full * 16
     (tmp_path / "copy" / "c.lock").unlink()
     with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
         s = llm.session(session_id="c")

@@ -286,6 +286,34 @@ def test_reference_cascade_for_a_shared_prefix_matches_plain(dtype, flash_op, mo
     torch.testing.assert_close(triton_out, plain, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_prefill_reads_a_run_of_blocks_in_place(dtype, monkeypatch):
+    """A chunk over a context whose blocks are consecutive ids attends over a view of the
+    cache (no gather); the same blocks scattered are gathered: the same output, bit for
+    bit, and the view path copies no context."""
+    bs, lens = 16, [75, 40, 33]  # (cached, new): (60, 15), (0, 40), (30, 3)
+    k, v, _, _ = make_cache(dtype, 20, bs, 2, 64, seed=4)
+    run = torch.full((3, 6), -1, dtype=torch.long)
+    run[0, :5] = torch.arange(3, 8)  # one run
+    run[1, :3] = torch.tensor([9, 10, 11])  # a fresh prompt over a run
+    run[2, :3] = torch.tensor([12, 13, 15])  # not a run: gathered
+    perm = torch.randperm(20, generator=torch.Generator().manual_seed(5))
+    scattered = perm[run.clamp_min(0)].masked_fill(run < 0, -1)
+    ks, vs = torch.empty_like(k), torch.empty_like(v)
+    ks[perm], vs[perm] = k, v  # block b's data at perm[b]
+    starts = [0, 15, 55, 58]
+    q = torch.randn(58, 4, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
+    gathered = []
+    real = R.gather_kv
+    monkeypatch.setattr(R, "gather_kv", lambda *a, **kw: gathered.append(a[2]) or real(*a, **kw))
+    memo: dict = {}
+    got = R.prefill_attention(q, k, v, run, starts, lens, 0.125, memo=memo)
+    assert len(gathered) == 2 and torch.equal(gathered[0], run[2])  # only the non-run
+    assert memo[("prefill_run", 0)] == 3 and memo[("prefill_run", 2)] is None
+    want = R.prefill_attention(q, ks, vs, scattered, starts, lens, 0.125)
+    assert torch.equal(got, want)
+
+
 def test_kernels_compile_for_hopper_without_spills():
     """The interpreter checks what the kernels compute, not that they compile: compile every
     configuration the engine launches for sm_90 (no GPU needed), through the real wrappers.

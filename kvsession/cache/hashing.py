@@ -69,6 +69,15 @@ def sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+def tail_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The key of a session's partial last block (fewer than block_size tokens) written
+    to disk behind its turn: sha256(parent || b"tail" || token ids as int64 LE), where
+    `parent` is the chained hash of the full block before it. The tag keeps it apart from
+    every full block's hash: it is never a prefix-cache key (a partial block is not shared;
+    its owner is still filling it), only how a resumed session finds its own tail."""
+    return sha256(parent + b"tail" + np.asarray(token_ids, dtype="<i8").tobytes())
+
+
 class BlockHasher:
     """Computes the hash chain of token blocks. `hash_fn` is replaceable (tests inject a
     colliding one); everything else is fixed by the scope."""

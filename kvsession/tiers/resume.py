@@ -5,7 +5,10 @@ its write-behind segment, the directory's shared prefix store) are matched to th
 tokens block by block, from the first block on: block i is reusable from a file only when
 the file's tokens of blocks 0..i equal the log's (the KV of a position depends on every
 token before it), so the plan covers a prefix of the log's tokens and the first turn
-recomputes only the rest. Hashes are recomputed from the log's tokens by the caller, never
+recomputes only the rest. The partial last block (the tokens after the last full one) is
+reused from the snapshot that holds it, or from a tail record of the segment (keyed by the
+chained hash before it and its tokens: segments.segment_tail), so a resumed session
+computes only its new message. Hashes are recomputed from the log's tokens by the caller, never
 read from a file. Nothing of the session's own KV is loaded here: the tier policy decides
 at the first turn whether loading beats recomputing (costmodel.should_load), and the mover
 copies.
@@ -25,7 +28,7 @@ from pathlib import Path
 from kvsession import costmodel
 from kvsession.cache.manager import Tier, Transient
 from kvsession.errors import CacheFullError, SnapshotError
-from kvsession.tiers.segments import SegmentScan, scan_segment, segment_blocks
+from kvsession.tiers.segments import SegmentScan, scan_segment, segment_blocks, segment_tail
 from kvsession.tiers.snapshot import SnapshotHeader
 from kvsession.tiers.snapshot_read import read_header
 from kvsession.tiers.wal import truncate
@@ -93,7 +96,8 @@ def build_plan(disk, session_id: str, tokens, hashes, header_fields: dict,
                segment: SegmentScan | None = None, shared: SegmentScan | None = None
                ) -> DiskPlan | None:
     """The blocks of `tokens` (the log's) found on disk, as a prefix: the session's
-    snapshot first, then its segment or the shared prefix store, block by block; None when
+    snapshot first, then its segment or the shared prefix store, block by block, then the
+    partial last block (the snapshot's, or a tail record of the segment); None when
     there are none. A file that is damaged or written by another engine contributes
     nothing (a warning): its blocks are recomputed."""
     bs = header_fields["block_size"]
@@ -122,6 +126,14 @@ def build_plan(disk, session_id: str, tokens, hashes, header_fields: dict,
             kinds[kind] = kinds.get(kind, 0) + 1
         sources += more
         covered += len(more) * bs
+    if segment is not None and covered and covered == len(hashes) * bs < len(tokens):
+        # every full block found: the partial last block, when the segment holds it
+        tail = segment_tail(segment, disk.segment_path(session_id), covered // bs, tokens,
+                            hashes[-1], bs)
+        if tail is not None:
+            sources.append(tail[0])
+            kinds["segment"] = kinds.get("segment", 0) + 1
+            covered += tail[1]
     if not covered:
         return None
     return DiskPlan(tuple(tokens[:covered]), tuple(hashes[: covered // bs]), sources,

@@ -54,6 +54,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from kvsession.cache.hashing import tail_key
 from kvsession.errors import SnapshotError
 from kvsession.tiers.checksum import crc32
 from kvsession.tiers.snapshot import (
@@ -73,9 +74,10 @@ from kvsession.tiers.snapshot_read import (
 )
 
 SEG_MAGIC = b"KVSSEG\x00\x01"
-# 3: a gap before a chunk aligns its data; 2: appends padded to ALIGN_BYTES; 1: unpadded
-SEG_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+# 4: a record may hold a partial last block; 3: a gap before a chunk aligns its data;
+# 2: appends padded to ALIGN_BYTES; 1: unpadded
+SEG_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
 SEG_PREFIX = SEG_MAGIC + struct.pack("<I", SEG_VERSION)
 FRAME = struct.Struct("<II")
 MAX_META_BYTES = 1 << 16
@@ -249,7 +251,7 @@ def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentSca
                 data_at = pos + FRAME.size + n + meta.gap
                 if meta.raw_length != block_len or meta.length > block_len or (
                         meta.codec == "none" and meta.length != block_len) or \
-                        len(meta.tokens) != ident.block_size:
+                        not 0 < len(meta.tokens) <= ident.block_size:
                     raise SnapshotError(f"{path}: block record at {pos} does not match the "
                                         f"segment's geometry (corrupted or crafted)")
                 if data_at + meta.length > size:
@@ -294,6 +296,20 @@ def segment_blocks(stores: list[tuple[SegmentScan, Path]], start: int, tokens, h
         else:
             break
     return out
+
+
+def segment_tail(scan: SegmentScan, path: Path, i: int, tokens, parent: bytes, bs: int
+                 ) -> tuple[tuple[Path, SnapshotHeader, int], int] | None:
+    """The session's partial last block as its segment holds it: the longest tail record
+    of block i (the tokens after i full blocks, fewer than bs) whose key (tail_key of
+    `parent`, block i-1's chained hash, and its tokens) and tokens equal `tokens` there.
+    Returns (source, tokens it holds), or None."""
+    for m in range(min(bs - 1, len(tokens) - i * bs), 0, -1):
+        want = list(tokens[i * bs:i * bs + m])
+        k = scan.index.get((i, tail_key(parent, want)))
+        if k is not None and list(scan.metas[k].tokens) == want:
+            return (path, scan.header, k), m
+    return None
 
 
 def compact(out: Path, sources: list[tuple[Path, SnapshotHeader, int]], fields: dict) -> int:

@@ -46,6 +46,7 @@ from pathlib import Path
 import lz4.frame
 import torch
 
+from kvsession.cache.hashing import tail_key
 from kvsession.cache.manager import SessionKV
 from kvsession.cache.prefix import common_prefix_len
 from kvsession.errors import SnapshotError
@@ -97,6 +98,10 @@ class _Blocks:
     data: dict[str, torch.Tensor]  # name -> [blocks, num_layers, ...] on the CPU
     nbytes: int
     buffers: list[torch.Tensor] = field(default_factory=list)  # behind data (staging)
+    tail: bytes | None = None  # key of the partial last block (index len(hashes))
+
+    def key(self, i: int) -> bytes:
+        return self.hashes[i] if i < len(self.hashes) else self.tail
 
 
 class WriteOp(enum.Enum):
@@ -129,6 +134,7 @@ class _Segment:
     unsynced: int = 0
     tokens: tuple[int, ...] = ()
     hashes: tuple[bytes, ...] = ()
+    tail: bytes | None = None
 
     def scan(self, header_fields: dict, session_id: str) -> SegmentScan:
         ident = identity_of(header_fields)
@@ -137,7 +143,7 @@ class _Segment:
 
     def stale(self) -> int:
         """Records no longer on the session's chain (blocks of a history it left)."""
-        live = {(i, h) for i, h in enumerate(self.hashes)}
+        live = {(i, h) for i, h in enumerate(self.hashes)} | {(len(self.hashes), self.tail)}
         return sum(1 for m in self.metas if (m.index, m.hash) not in live)
 
 
@@ -183,22 +189,29 @@ class WriteBehind:
 
     def after_turn(self, s: SessionKV, tensors: dict[str, torch.Tensor], shared: int = 0
                    ) -> None:
-        """Queue the session's full blocks that are not on disk yet (gathered now: the
-        session keeps its blocks); its first `shared` blocks (pinned, shared by sessions)
-        belong to the shared prefix store."""
-        n_full = min(len(s.tokens) // self.bs, len(s.hashes), len(s.blocks))
+        """Queue the session's blocks that are not on disk yet (gathered now: the session
+        keeps its blocks): its full blocks, and its partial last block as a tail record
+        (so that a resumed session computes only its new message); its first `shared`
+        blocks (pinned, shared by sessions) belong to the shared prefix store."""
+        bs = self.bs
+        n_full = min(len(s.tokens) // bs, len(s.hashes), len(s.blocks))
         shared = min(shared, n_full)
+        n_tail = len(s.tokens) - n_full * bs
+        tail = tail_key(s.hashes[n_full - 1], s.tokens[n_full * bs:]) \
+            if 0 < n_tail < bs and n_full and len(s.blocks) == n_full + 1 else None
         with self._guard:
             known = self._known.setdefault(s.session_id, set())
             lead = [i for i in range(shared) if (i, s.hashes[i]) not in self._shared_known]
             new = [i for i in range(shared, n_full) if (i, s.hashes[i]) not in known]
+            if tail is not None and (n_full, tail) not in known:
+                new.append(n_full)
             block_bytes = sum(t[:, :1].numel() * t.element_size() for t in tensors.values())
             nbytes = (len(lead) + len(new)) * block_bytes
             if self._queued_bytes + nbytes > self.MAX_QUEUED_BYTES:
                 self.dropped += len(lead) + len(new)
                 lead, new, nbytes = [], [], 0
             self._queued_bytes += nbytes
-            known.update((i, s.hashes[i]) for i in new)
+            known.update((i, s.hashes[i] if i < n_full else tail) for i in new)
             self._shared_known.update((i, s.hashes[i]) for i in lead)
         data, buffers = {}, []
         t0 = time.perf_counter()
@@ -215,11 +228,13 @@ class WriteBehind:
                     torch.index_select(raw, 0, index, out=out)
                 else:  # gathered on the device, then one copy to the host
                     out.copy_(raw.index_select(0, index))
+                if new and new[-1] == n_full:  # the tail: its unused slots as zeros,
+                    out[-1, :, n_tail:] = 0  # not what the block's last owner left there
                 data[name] = out.view(t.dtype)
                 buffers.append(buf)
         self.gather_s += time.perf_counter() - t0
         self._q.put(_Blocks(s.session_id, new, lead, s.tokens, s.hashes[:n_full], data,
-                            nbytes, buffers))
+                            nbytes, buffers, tail))
 
     # ---- any thread --------------------------------------------------------------------
 
@@ -303,7 +318,7 @@ class WriteBehind:
                 self.dropped += len(job.indices) + len(job.shared)
                 with self._guard:
                     self._known.get(sid, set()).difference_update(
-                        (i, job.hashes[i]) for i in job.indices)
+                        (i, job.key(i)) for i in job.indices)
                     self._shared_known.difference_update(
                         (i, job.hashes[i]) for i in job.shared)
             else:
@@ -316,7 +331,7 @@ class WriteBehind:
                 self.busy_s += time.perf_counter() - t0
             seg = self._segs.get(sid)
             if seg is not None:
-                seg.tokens, seg.hashes = job.tokens, job.hashes
+                seg.tokens, seg.hashes, seg.tail = job.tokens, job.hashes, job.tail
                 stale = seg.stale()
                 if (stale >= self.COMPACT_STALE and stale >= len(seg.metas) - stale) or \
                         len(seg.metas) > self.COMPACT_RECORDS:
@@ -431,7 +446,7 @@ class WriteBehind:
         length, crc = sum(len(d) for d in data), 0
         for d in data:
             crc = crc32(d, crc)
-        meta = BlockMeta(index=i, hash=job.hashes[i],
+        meta = BlockMeta(index=i, hash=job.key(i),
                          tokens=list(job.tokens[i * self.bs:(i + 1) * self.bs]),
                          length=length, raw_length=raw_len, crc32=crc, codec=codec)
         if codec == "none" and all(t.data_ptr() % ALIGN_BYTES == 0
