@@ -12,8 +12,9 @@
    turn waits for, the engine thread's gathers, and the CPU time of the writer and commit
    threads (the cores they take from the engine).
 2. Recovery after a kill: a child process builds 64 sessions with ~2k-token histories and
-   one more turn each, and is SIGKILLed right after the last reply. This (fresh) process
-   then opens the directory: time to start (recovery) and to list the sessions; KV reused
+   one more turn each, and is SIGKILLed right after the last reply. A fresh process (as a
+   restarted app; the benchmark's own process has run engines before) then opens the
+   directory: time to start (recovery) and to list the sessions; KV reused
    by the resumed sessions against what they held one turn before the kill (target
    >= 90%); time to first token of a resumed session (log replay, KV attached from disk,
    loaded by the cost model, the rest prefilled) vs re-prefilling the same history
@@ -21,13 +22,15 @@
    of the machine's speed hits both): as after a process kill, and cold, the resumed
    sessions' files dropped from the page cache first (posix_fadvise DONTNEED after fsync)
    so that their KV is read from the disk (as after a reboot; the write-behind's O_DIRECT
-   appends leave little of it in the page cache anyway).
+   appends leave little of it in the page cache anyway). Medians of --probes probes of
+   each kind; every probe is recorded.
 3. Write-behind bandwidth, as a fraction of the disk's sequential write limit measured in
    the same run on the same file system (8 MiB writes, fdatasync every 64 MiB, through
    the page cache and with O_DIRECT: the faster of the two) (target >= 0.7): 8 sessions'
    worth of mid-model KV blocks (512 MiB) handed to the write-behind at once, from the
-   first gather to the last block fdatasynced. --drain-rounds rounds, each a limit
-   measurement then a drain, each after os.sync() (the recovery part leaves GBs dirty).
+   first gather to the last block fdatasynced. --drain-rounds rounds after an uncounted
+   warm-up drain, each a limit measurement then a drain, each after os.sync() (the
+   recovery part leaves GBs dirty).
    The fraction is the median of the rounds' ratios: a round's limit and drain are
    measured seconds apart, and the disk's speed here varies several-fold from one round
    to the next (1.2 to 2.9 GB/s in one run), so a drain is compared with the limit of its
@@ -344,6 +347,34 @@ def recovery(model: Path, root: Path, n: int, hist: int, probes: int) -> dict:
     proc.wait(60)
     assert len(held1) == n, "the child did not finish its first round"
 
+    # the sessions are opened by a fresh process, as after a crash (this one has run
+    # engines of its own before: their leftovers are not a restarted app's)
+    out = subprocess.run([sys.executable, __file__, "--probe-recovery", str(sd),
+                          "--model", str(model), "--recover-sessions", str(n),
+                          "--history", str(hist), "--probes", str(probes)],
+                         capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise RuntimeError("the recovery probe failed:\n" + out.stderr[-3000:])
+    probed = json.loads(out.stdout.strip().splitlines()[-1])
+    # KV reused against what each session held one turn before the kill (after round 1;
+    # round 2's blocks may still have been queued for write-behind), and at the kill
+    reuse = probed.pop("reuse")
+    earlier = [min(1.0, c / held1[sid]) for c, sid in reuse]
+    at_kill = [c / held2[sid] for c, sid in reuse if sid in held2]
+    r1 = wb.get(2) or wb.get(1)
+    return {
+        "sessions": n, "history_tokens": hist, "child_run_s": child_s, **probed,
+        "kv_reused_fraction_mean": statistics.mean(earlier),
+        "kv_reused_fraction_min": min(earlier),
+        "kv_reused_vs_held_at_kill_mean": statistics.mean(at_kill),
+        "writeback": r1,
+        "writeback_bytes_per_s": r1["bytes"] / max(r1["busy_s"], 1e-9),
+    }
+
+
+def probe_recovery(model: Path, sd: Path, n: int, hist: int, probes: int) -> dict:
+    """In a fresh process: recover the killed directory, list it, resume sessions and
+    time their first token against re-prefilling the same kind of history."""
     # start-up recovery (stale locks, torn tails, temporaries) and the listing, on their
     # own: LLM() also allocates the KV pools, which says nothing about recovery
     t0 = time.perf_counter()
@@ -360,7 +391,7 @@ def recovery(model: Path, root: Path, n: int, hist: int, probes: int) -> dict:
         start_s = time.perf_counter() - t0
         assert llm.sessions() == listed
         rng = random.Random(3)
-        resumed_ttft, cold_ttft, reprefill_ttft, reuse = [], [], [], []
+        resumed_ttft, cold_ttft, reprefill_ttft, attach, reuse = [], [], [], [], []
         resumed, reprefilled = listed[0:2 * probes:2], listed[1:2 * probes:2]
         histories = {}
         for sid in listed:  # the KV each resume attaches; the re-prefilled histories' text
@@ -383,6 +414,7 @@ def recovery(model: Path, root: Path, n: int, hist: int, probes: int) -> dict:
             r = s.send(msg, max_tokens=1)
             assert r.restored_from == "disk", r.restored_from
             (cold_ttft if cold else resumed_ttft).append(attach_s + r.metrics.ttft_s)
+            attach.append(attach_s)
             s.close()
             quiesce(llm)
             # the same kind of history, recomputed from its text
@@ -393,24 +425,16 @@ def recovery(model: Path, root: Path, n: int, hist: int, probes: int) -> dict:
             quiesce(llm)
     finally:
         llm.close()
-    r1 = wb.get(2) or wb.get(1)
-    # KV reused against what each session held one turn before the kill (after round 1;
-    # round 2's blocks may still have been queued for write-behind), and at the kill
-    earlier = [min(1.0, c / held1[sid]) for c, sid in reuse]
-    at_kill = [c / held2[sid] for c, sid in reuse if sid in held2]
     return {
-        "sessions": n, "history_tokens": hist, "child_run_s": child_s, "probes": 2 * probes,
-        "recover_s": recover_s, "list_s": list_s, "llm_start_s": start_s,
-        "kv_reused_fraction_mean": statistics.mean(earlier),
-        "kv_reused_fraction_min": min(earlier),
-        "kv_reused_vs_held_at_kill_mean": statistics.mean(at_kill),
+        "probes": 2 * probes, "recover_s": recover_s, "list_s": list_s,
+        "llm_start_s": start_s, "reuse": reuse,
         "ttft_resumed_s": statistics.median(resumed_ttft),
         "ttft_resumed_cold_s": statistics.median(cold_ttft),
         "ttft_reprefill_s": statistics.median(reprefill_ttft),
         "ttft_speedup": statistics.median(reprefill_ttft) / statistics.median(resumed_ttft),
         "ttft_speedup_cold": statistics.median(reprefill_ttft) / statistics.median(cold_ttft),
-        "writeback": r1,
-        "writeback_bytes_per_s": r1["bytes"] / max(r1["busy_s"], 1e-9),
+        "ttft_resumed_all_s": resumed_ttft, "ttft_resumed_cold_all_s": cold_ttft,
+        "ttft_reprefill_all_s": reprefill_ttft, "attach_all_s": attach,
     }
 
 
@@ -453,21 +477,27 @@ def main() -> None:
                     help="paired measurements (the two modes interleaved turn by turn)")
     ap.add_argument("--repeat", type=int, default=2,
                     help="pairs of free-running agent runs, back to back")
-    ap.add_argument("--drain-rounds", type=int, default=3)
+    ap.add_argument("--drain-rounds", type=int, default=5)
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--recover-sessions", type=int, default=64)
     ap.add_argument("--history", type=int, default=2000)
-    ap.add_argument("--probes", type=int, default=8)
+    ap.add_argument("--probes", type=int, default=12)
     ap.add_argument("--tiny", action="store_true", help="the tiny model (a smoke run)")
     ap.add_argument("--dir", type=Path, default=None, help="where session_dirs go "
                     "(default: a temporary directory on the same disk as the repo)")
     ap.add_argument("--serve-rounds", choices=("turn", "close"), default=None,
                     help=argparse.SUPPRESS)  # the paired measurement's child
     ap.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--probe-recovery", type=Path, default=None,
+                    help=argparse.SUPPRESS)  # the recovery part's fresh process
     ap.add_argument("--rounds-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_rounds:
         serve_rounds(args.model, args.rounds_dir, args.serve_rounds, args.sessions, args.turns)
+        return
+    if args.probe_recovery:
+        print(json.dumps(probe_recovery(args.model, args.probe_recovery,
+                                        args.recover_sessions, args.history, args.probes)))
         return
     root = Path(tempfile.mkdtemp(prefix="kvs-durability-", dir=args.dir))
     model = make_tiny_model(root / "tiny") if args.tiny else mid_model()
@@ -503,6 +533,9 @@ def main() -> None:
             for r in runs["turn"])
         rec = recovery(model, root, args.recover_sessions, args.history, args.probes)
         rounds = []
+        os.sync()
+        writeback_drain(root)  # warm-up, not counted: a process's first drain pays its
+        # first touches (in one run 0.34 GB/s, its writer 1.0 s of CPU against 0.16-0.2)
         for _ in range(args.drain_rounds):
             # what earlier parts left dirty (GBs of session files) would be written back
             # during the measurements: flushed first, in every round
