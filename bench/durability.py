@@ -39,6 +39,9 @@
    Also reported: the writer's rate per second of busy time inside the recovery run's
    child, where it shares the 2 cores with prefill.
 
+Part 2 runs first: its resumed probes are short and were slowed by whatever the agent
+runs before them left behind (167-283 ms there, 94-136 ms on their own minutes later).
+
 Writes bench/results/durability.json.
 """
 
@@ -502,6 +505,10 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="kvs-durability-", dir=args.dir))
     model = make_tiny_model(root / "tiny") if args.tiny else mid_model()
     try:
+        # recovery first: its probes (~0.1 s each, a third of it a disk read) took 167-283
+        # ms after the agent runs, against 94-136 ms in a run of its own minutes later
+        os.sync()
+        rec = recovery(model, root, args.recover_sessions, args.history, args.probes)
         paired = []
         for run in range(args.paired_runs):
             os.sync()
@@ -531,7 +538,6 @@ def main() -> None:
             (r["commit_ms_per_batch"] * 1e-3 * args.turns + r["writeback_gather_s"]
              + (r["writeback_cpu_s"] + r["commit_cpu_s"]) / cores) / r["makespan_s"]
             for r in runs["turn"])
-        rec = recovery(model, root, args.recover_sessions, args.history, args.probes)
         rounds = []
         os.sync()
         writeback_drain(root)  # warm-up, not counted: a process's first drain pays its

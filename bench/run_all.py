@@ -295,6 +295,13 @@ def section_durability(r) -> list[str]:
         overhead += (": the free-running pairs differ by more than the target (the shared "
                      "cores' speed, not durability, sets them), which is why the target is "
                      "judged on the interleaved runs")
+    spread = ""
+    if "ttft_resumed_all_s" in rec:  # every probe's time, min-max
+        spread = "; probes: " + ", ".join(
+            f"{name} {min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} ms" for name, v in (
+                ("resumed", rec["ttft_resumed_all_s"]),
+                ("cold", rec["ttft_resumed_cold_all_s"]),
+                ("re-prefill", rec["ttft_reprefill_all_s"])))
     out = [f"- agent workload ({a['sessions']} sessions x {a['turns']} turns): makespan "
            f"overhead of durability='turn' vs 'close' {overhead} (target <= 5%)",
            f"- recovery after a kill, {rec['sessions']} sessions of {rec['history_tokens']} "
@@ -305,7 +312,7 @@ def section_durability(r) -> list[str]:
            f"{fmt(rec['ttft_resumed_cold_s'] * 1e3, 0)} ms: "
            f"**{fmt(rec['ttft_speedup_cold'], 1)}x** (target >= 10x; medians of "
            f"{rec.get('probes', 16) // 4} resumed, {rec.get('probes', 16) // 4} cold and "
-           f"{rec.get('probes', 16) // 2} re-prefilled probes, alternating); "
+           f"{rec.get('probes', 16) // 2} re-prefilled probes, alternating{spread}); "
            f"KV reused "
            f"**{fmt(rec['kv_reused_vs_held_at_kill_mean'] * 100, 1)}%** of what was held "
            f"(target >= 90%)"]
