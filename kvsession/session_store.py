@@ -369,6 +369,9 @@ class SessionStore:
             rt.policy.checkin(kv)
             if ok and rt.writeback is not None:  # its new full blocks, written behind
                 rt.writeback.after_turn(kv, rt.kv.tensors(), rt.policy.num_lead(kv))
+            slog = self._logs.get(kv.session_id)
+            if ok and slog is not None:  # its record follows: batched with its step's
+                rt.journal.expect(slog)
 
         def prepare() -> None:  # engine thread: bring the KV back, hand it to the sequence
             history = common_prefix_len(kv.tokens, ids)

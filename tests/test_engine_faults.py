@@ -244,3 +244,36 @@ def test_request_failing_in_sampling_fails_alone(llama_dir, tmp_path):
         # the engine goes on, and the failed request's blocks were released
         assert tokens(submit_batch(llm, healthy_prompts, healthy)) == alone
         llm.check_integrity()
+
+
+def test_a_finish_callback_that_raises_fails_its_request_alone(llama_dir):
+    """A request's finish callback (a session's check-in) that raises fails that request
+    (its caller is told, never left waiting); the batch's other requests complete, and a
+    step's completions all run their callbacks before any caller is resolved."""
+    with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256) as llm:
+        rt = llm._rt
+        prompts = random_prompts(1, [6, 6, 6], 500)
+        seen: list[tuple[int, bool]] = []  # (seq id, a completed request resolved yet)
+        futures = []
+
+        def record(seq, ok):
+            seen.append((seq.seq_id, any(f.done() for f in futures[::2])))
+
+        def broken(seq, ok):
+            record(seq, ok)
+            raise RuntimeError("check-in broke")
+
+        with one_batch(llm):
+            for i, p in enumerate(prompts):
+                seq = rt.new_sequence(p, GREEDY)
+                seq.on_finish = broken if i == 1 else record
+                futures.append(rt.submit(seq))
+        assert [len(f.result(timeout=WAIT_S).output_token_ids) for f in (futures[0],
+                                                                         futures[2])] == [8, 8]
+        err = futures[1].exception(timeout=WAIT_S)
+        assert isinstance(err, RuntimeError) and "check-in broke" in str(err)
+        # the three finished in one step: every callback ran before a completed request's
+        # caller was resolved (the failed one is told at once)
+        assert len(seen) == 3 and not any(resolved for _, resolved in seen)
+        assert tokens(submit_batch(llm, prompts[:1], [GREEDY])) == [
+            futures[0].result().output_token_ids]

@@ -165,24 +165,33 @@ class Engine:
             self.prefill_tps.observe(prompt_tokens, time.perf_counter() - t0)
         self.num_steps += 1
         self.scheduler.update(batch)
-        for row, (seq, result) in enumerate(zip(sampling, sampled, strict=True)):
-            # one request's failure (its sampling, its stop check, its session's check-in)
-            # fails that request alone: the others of the batch go on unchanged
-            if isinstance(result, BaseException):
-                log.warning("request %d failed in sampling: %r", seq.seq_id, result)
-                self._fail(seq, result)
-                continue
-            try:
-                if seq.fork_pending:
-                    self._fork(seq, logits[row])
-                self._advance(seq, *result)
-            except Exception as e:
-                log.exception("request %d failed after its step", seq.seq_id)
-                if seq.status is not SequenceStatus.FINISHED:
-                    self._fail(seq, e)
-                else:  # already handed over (on_finish ran or raised): only the caller is told
-                    fut, _ = self.futures.pop(seq.seq_id, (None, None))
-                    settle(fut, exc=e)
+        # the requests this step completes resolve after every row is advanced: their
+        # finish callbacks (a session's check-in, its log record announced to the group
+        # commit) all run before any caller wakes, so the records of turns ending in one
+        # step share one fsync however the callers' threads are scheduled
+        completed: list[tuple[Future, Sequence]] = []
+        try:
+            for row, (seq, result) in enumerate(zip(sampling, sampled, strict=True)):
+                # one request's failure (its sampling, its stop check, its session's check-in)
+                # fails that request alone: the others of the batch go on unchanged
+                if isinstance(result, BaseException):
+                    log.warning("request %d failed in sampling: %r", seq.seq_id, result)
+                    self._fail(seq, result)
+                    continue
+                try:
+                    if seq.fork_pending:
+                        self._fork(seq, logits[row], completed)
+                    self._advance(seq, *result, completed)
+                except Exception as e:
+                    log.exception("request %d failed after its step", seq.seq_id)
+                    if seq.status is not SequenceStatus.FINISHED:
+                        self._fail(seq, e)
+                    else:  # already handed over (on_finish ran or raised): tell the caller
+                        fut, _ = self.futures.pop(seq.seq_id, (None, None))
+                        settle(fut, exc=e)
+        finally:
+            for fut, owner in completed:
+                settle(fut, result=owner)
         for observe in self.step_observers:
             observe()
 
@@ -223,7 +232,8 @@ class Engine:
                 return True
         return False
 
-    def _fork(self, parent: Sequence, logits) -> None:
+    def _fork(self, parent: Sequence, logits, completed: list[tuple[Future, Sequence]]
+              ) -> None:
         """n > 1, at the parent's first sample: the other completions are spawned, share its
         prompt KV (Scheduler.fork) and sample their first tokens from the same logits."""
         children = [parent.spawn(i) for i in range(1, parent.params.n)]
@@ -235,9 +245,12 @@ class Engine:
         for child, result in zip(children, sampled, strict=True):
             if isinstance(result, BaseException):
                 raise result  # the request fails as a whole (the caller's except)
-            self._advance(child, *result)
+            self._advance(child, *result, completed)
 
-    def _advance(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+    def _advance(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
+                 completed: list[tuple[Future, Sequence]]) -> None:
+        """Append the sampled token; a request it completes joins `completed` (resolved
+        by the caller at the end of the step)."""
         seq.append_token(token, logprobs)
         self.generated_tokens += 1
         done = seq.check_finished(self.decode)
@@ -253,14 +266,19 @@ class Engine:
         fut, on_update = (self.futures.pop(owner.seq_id, (None, None)) if complete
                           else self.futures.get(owner.seq_id, (None, None)))
         if done and seq.on_finish is not None:
-            seq.on_finish(seq, True)
+            try:
+                seq.on_finish(seq, True)
+            except BaseException as e:
+                settle(fut, exc=e)  # taken from self.futures above: its caller is told here
+                raise
         if on_update is not None:
             self._notify(on_update, seq)
         if complete:
             m = request_metrics(seq)
             self.latency.record(owner.arrival_time, seq.finish_time, m,
                                 sum(x.num_output_tokens for x in members))
-            settle(fut, result=owner)
+            if fut is not None:
+                completed.append((fut, owner))
 
     @staticmethod
     def _notify(on_update: OnUpdate, seq: Sequence) -> None:
