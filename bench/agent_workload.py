@@ -43,13 +43,13 @@ import resource
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import torch
 from common import (
     RoundsProcess,
     answer_rounds,
+    in_threads,
     mid_model,
     pyplot,
     save_figure,
@@ -141,19 +141,9 @@ class Agents:
         self.diverged[i] += r.diverged_at is not None
         self.held[i] = s.token_ids[:-1]
 
-    def _in_threads(self, work) -> float:
-        """Run work(i) for every agent, each in its own thread; the wall time."""
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(self.convs))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        return time.perf_counter() - t0
-
     def round(self, t: int) -> float:
         """Every agent's turn t, concurrently."""
-        return self._in_threads(lambda i: self.turn(i, t))
+        return in_threads(lambda i: self.turn(i, t), len(self.convs))
 
     def free_run(self) -> float:
         """Every agent runs all its turns and closes its session, none waiting for another."""
@@ -161,7 +151,7 @@ class Agents:
             for t in range(len(self.convs[i])):
                 self.turn(i, t)
             self.sessions[i].close()
-        return self._in_threads(agent)
+        return in_threads(agent, len(self.convs))
 
     def close(self) -> None:
         for s in self.sessions:

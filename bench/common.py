@@ -177,3 +177,14 @@ def answer_rounds(run_round) -> None:
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         print(json.dumps({"elapsed_s": elapsed, "user_cpu_s": r1.ru_utime - r0.ru_utime}),
               flush=True)
+
+
+def in_threads(fn, n: int) -> float:
+    """fn(0), ..., fn(n - 1), each in a thread of its own: seconds until all are done."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0

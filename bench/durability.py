@@ -57,13 +57,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from common import (
     RoundsProcess,
     answer_rounds,
+    in_threads,
     mid_model,
     pyplot,
     save_figure,
@@ -131,17 +131,6 @@ def open_agents(model: Path, sd: Path, durability: str, sessions: int, turns: in
     opened = [llm.session(session_id=f"a{i}", system=system, sampling=params)
               for i in range(sessions)]
     return llm, opened, convs
-
-
-def in_threads(fn, n: int) -> float:
-    """fn(0), ..., fn(n - 1), each in a thread of its own: seconds until all are done."""
-    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
 
 
 def agent_run(model: Path, sd: Path, durability: str, sessions: int, turns: int) -> dict:
@@ -401,7 +390,8 @@ def probe_recovery(model: Path, sd: Path, n: int, hist: int, probes: int) -> dic
             if sid not in resumed:
                 s = llm.session(session_id=sid)
                 reuse.append((s.num_cached_tokens, sid))
-                histories[sid] = s.messages
+                if sid in reprefilled:
+                    histories[sid] = s.messages
                 s.close()
         quiesce(llm)
         for k, (sid, other) in enumerate(zip(resumed, reprefilled, strict=True)):

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from agent_workload import HFPeer, turn_messages
-from common import model_path, pyplot, save_figure, text_of, write_result
+from common import in_threads, model_path, pyplot, save_figure, text_of, write_result
 
 from kvsession import LLM, SamplingParams
 from kvsession.metrics import percentile
@@ -65,17 +65,6 @@ def process_cpu_s(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_threads(fn, n: int) -> float:
-    """fn(i) on n threads at once; the makespan."""
-    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return time.perf_counter() - t0
-
-
 def in_process(model: Path, kw: dict, system: str, convs: list[list[dict]]) -> dict:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ttfts: list[float] = []
@@ -86,7 +75,7 @@ def in_process(model: Path, kw: dict, system: str, convs: list[list[dict]]) -> d
                     ttfts.append(s.send(msg).metrics.ttft_s)
         llm.session(system=system).close()  # warm-up: the shared system prompt's first pin
         cpu = process_cpu_s()
-        makespan = run_threads(agent, len(convs))
+        makespan = in_threads(agent, len(convs))
         cpu = process_cpu_s() - cpu
     return {"makespan_s": makespan, "cpu_s": cpu, "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p99_s": percentile(ttfts, 99), "turns": len(ttfts)}
@@ -145,7 +134,7 @@ def _over_http(server: ServerProcess, model_name: str, system: str,
         model=model_name, max_tokens=1, messages=[{"role": "system", "content": system},
                                                   {"role": "user", "content": "warm up"}])
     cpu = process_cpu_s(server.proc.pid)
-    makespan = run_threads(agent, len(convs))
+    makespan = in_threads(agent, len(convs))
     cpu = process_cpu_s(server.proc.pid) - cpu
     p50, p99 = engine_ttft(url)
     return {"makespan_s": makespan, "cpu_s": cpu, "ttft_p50_s": p50, "ttft_p99_s": p99,

@@ -163,14 +163,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         first = _first_of_run(block_tables[i], seq_len, k_cache.shape[1], memo, i) \
             if k_scale is None and k_cache.dtype == q.dtype else None
         if first is not None:  # one run of blocks: the context is a view of the cache
-            nb = -(-seq_len // k_cache.shape[1])
-            k = k_cache[first:first + nb].flatten(0, 1)[:seq_len]
-            v = v_cache[first:first + nb].flatten(0, 1)[:seq_len]
+            ki, vi = _run_view(k_cache, first, seq_len), _run_view(v_cache, first, seq_len)
         else:
             k = gather_kv(k_cache, k_scale, block_tables[i], seq_len, q.dtype, workspace, "k")
             v = gather_kv(v_cache, v_scale, block_tables[i], seq_len, q.dtype, workspace, "v")
+            ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        ki, vi = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         if num_new == seq_len:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=softmax_scale,
                                                enable_gqa=True)
@@ -186,14 +184,14 @@ def _first_of_run(table_row: torch.Tensor, num_tokens: int, block_size: int,
                   memo: dict | None, i: int) -> int | None:
     """The first block id when the blocks holding a sequence's first num_tokens tokens are
     consecutive ids (one run, as a fresh prefill or a load from disk usually allocates
-    them): its context is then a view of each layer's cache, not a gather (a copy of the
-    whole context per layer). Worked out once per step: every layer reads the same table."""
+    them): its context is then a view of each layer's cache (_run_view), not a gather (a
+    copy of the whole context per layer). Worked out once per step: every layer reads the
+    same table."""
     key = ("prefill_run", i)
     if memo is not None and key in memo:
         return memo[key]
-    ids = table_row[: -(-num_tokens // block_size)].tolist()
-    first = ids[0] if ids and ids[0] >= 0 and ids == list(range(ids[0], ids[0] + len(ids))) \
-        else None
+    runs = _runs(table_row[: -(-num_tokens // block_size)].tolist())
+    first = runs[0][0] if runs is not None and len(runs) == 1 and runs[0][0] >= 0 else None
     if memo is not None:
         memo[key] = first
     return first
