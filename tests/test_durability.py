@@ -427,6 +427,22 @@ def test_one_process_owns_a_session_and_a_dead_owners_lock_is_taken_over(llama_d
     assert sorted(os.listdir(sd)) == ["a.kvs", "b.kvs", "c.kvs"]
 
 
+def test_start_up_removes_a_directory_lock_nobody_holds(tmp_path):
+    """A process killed inside a shared-file write leaves `.kvsession.lock`; start-up
+    recovery removes it like a session's stale lock, and never one a live process holds."""
+    from kvsession.tiers.locks import DIR_LOCK_NAME, directory_lock
+
+    sd = tmp_path / "sd"
+    sd.mkdir()
+    (sd / DIR_LOCK_NAME).write_text("12345\n")  # its owner died: nobody holds it
+    assert DiskTier(sd).recovered["locks"] == [sd / DIR_LOCK_NAME]
+    assert not (sd / DIR_LOCK_NAME).exists()
+    with directory_lock(sd):
+        assert DiskTier(sd).recovered["locks"] == []
+        assert (sd / DIR_LOCK_NAME).exists()
+    assert not (sd / DIR_LOCK_NAME).exists()
+
+
 def test_a_killed_process_leaves_every_acknowledged_turn(llama_dir, tmp_path):
     sd = tmp_path / "sd"
     holder = _spawn(llama_dir, sd, "hold")

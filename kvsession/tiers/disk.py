@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvsession.errors import ConfigError, SnapshotError
 from kvsession.tiers import wal
-from kvsession.tiers.locks import FileLock, directory_lock, sweep_stale_locks
+from kvsession.tiers.locks import DIR_LOCK_NAME, FileLock, directory_lock, sweep_stale_locks
 from kvsession.tiers.snapshot import SESSION_ID_PATTERN, TEMP_NAME, fcntl
 from kvsession.tiers.snapshot_read import read_frame
 
@@ -247,7 +247,10 @@ class DiskTier:
 
 
 def _is_lock_name(name: str) -> bool:
-    return name.endswith(".lock") and bool(SESSION_ID.fullmatch(name[: -len(".lock")]))
+    """A session's lock file, or the directory lock (a process killed while it wrote a
+    shared file leaves it; nothing else removes it when no process takes it again)."""
+    return name == DIR_LOCK_NAME or (
+        name.endswith(".lock") and bool(SESSION_ID.fullmatch(name[: -len(".lock")])))
 
 
 def _pid_alive(pid: int) -> bool:
