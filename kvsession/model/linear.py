@@ -14,13 +14,15 @@ bandwidth of the same run):
   head where oneDNN streams ~39 GB/s; ~160-180 GFLOP/s at prefill sizes). One copy.
 - "onednn": oneDNN's prepacked blocked layout (`torch.ops.mkldnn._reorder_linear_weight`,
   what inductor's freezing uses): 1.40x the bound at 8 rows; at one row 1.24x on the Intel
-  machine, the fastest on the AMD one; the compute-bound prefill products at ~300-430
-  GFLOP/s in float32 on the AMD machine (1.8-2.5x MKL's; bfloat16 alike, ~850). One copy,
-  opaque (a tied embedding keeps its own).
-- "both": "onednn" for every batch of two rows or more (decode batches and prefill), and
-  for one row whichever of the two `measure_one_row` found faster on this machine when the
-  model was built: the best of the two at twice the weight memory (the model's default on
-  CPU).
+  machine; the compute-bound prefill products at ~300-430 GFLOP/s in float32 on the AMD
+  machine (1.8-2.5x MKL's; bfloat16 alike, ~850). One copy, opaque (a tied embedding keeps
+  its own).
+- "both": "onednn" for every batch of two rows or more (decode batches and prefill), plus
+  the checkpoint's `[out, in]` rows, contiguous: a one-token step streams them through
+  inductor-compiled code where that is faster (model/onerow.py: ~1.6x oneDNN's one-row
+  time on the AMD machine), else one row goes through whichever of `F.linear` on the rows
+  and oneDNN `measure_one_row` found faster when the model was built. The model's default
+  on CPU, at twice the weight memory.
 - "int8": int8 weights with a float scale per output channel, through ATen's weight-only
   int8 kernel (`_weight_int8pack_mm`, gpt-fast's): a quarter of the bytes. Its CPU kernel is
   fast with bfloat16 activations only (with float32 ones it is 2x slower than float32
@@ -34,6 +36,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
 FORMATS = ("float", "onednn", "both", "int8")
 PACKED_MAX_ROWS = 64  # oneDNN's blocking hint (decode batches); larger batches run packed too
@@ -58,25 +61,26 @@ class Linear:
             raise ValueError("int8 weights run with float32 activations")
         self.fmt = fmt if cpu else "float"
         self.bias = bias
-        self.weight_t = self.packed = self.int8 = None
+        self.weight_t = self.rows = self.packed = self.int8 = None
         # "both": one row through the packed weight too (set by measure_one_row)
         self.one_row_packed = False
-        if self.fmt in ("float", "both"):
+        if self.fmt == "float":
             # [in, out] contiguous, built in one copy
             self.weight_t = torch.cat([w.t() for w in parts], dim=1) if cpu or len(parts) > 1 \
                 else parts[0].t()
-        w = torch.cat(parts) if self.fmt in ("onednn", "int8") and len(parts) > 1 else parts[0]
+        w = torch.cat(parts) if self.fmt != "float" and len(parts) > 1 else parts[0]
+        if self.fmt == "both":
+            self.rows = w.contiguous()
         if self.fmt in ("onednn", "both"):
             # packed for every batch (the hint only tunes the blocking)
-            src = self.weight_t.t() if self.weight_t is not None else w
+            src = w
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(src, PACKED_MAX_ROWS)
             except RuntimeError:
                 # oneDNN packs some dtypes only on some CPUs (float16 needs avx512_fp16):
                 # elsewhere the plain layout serves every batch
-                self.fmt = "float"
-                if self.weight_t is None:
-                    self.weight_t = w.t().contiguous()
+                self.fmt, self.rows = "float", None
+                self.weight_t = w.t().contiguous()
         if self.fmt == "int8":  # symmetric, per output channel: w ~ q * scale
             scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
             q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -84,7 +88,9 @@ class Linear:
 
     @property
     def weight(self) -> torch.Tensor:
-        """[out, in] float view ("float" and "both" formats; strided on CPU)."""
+        """[out, in] float view ("float" and "both" formats; strided for "float" on CPU)."""
+        if self.rows is not None:
+            return self.rows
         if self.weight_t is None:
             raise AttributeError(f"a {self.fmt!r} projection keeps no float weight")
         return self.weight_t.t()
@@ -94,9 +100,11 @@ class Linear:
         if self.int8 is not None:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), *self.int8).float()
             return y if self.bias is None else y + self.bias
-        if self.packed is not None and (self.weight_t is None or x.shape[0] > 1
+        if self.packed is not None and (self.rows is None or x.shape[0] > 1
                                         or self.one_row_packed):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.rows is not None:
+            return F.linear(x, self.rows, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
@@ -105,31 +113,44 @@ class Linear:
 def measure_one_row(linears: list[Linear], rounds: int = 3) -> bool:
     """Which kernel a one-row product (a batch-1 decode step) should use in "both"
     projections, measured on this machine: every projection of `linears` with one row, MKL
-    on the plain layout against oneDNN on the packed one, interleaved `rounds` times (the
+    on the plain rows against oneDNN on the packed layout, interleaved `rounds` times (the
     best round of each counts, so a burst of other work does not decide). Sets
     `one_row_packed` on each and returns it; models under MEASURE_MIN_BYTES keep MKL. Why
     measure: the faster one depends on the CPU (MKL wins on Intel, oneDNN on AMD, by 1.5x
     either way), not on the model."""
-    both = [lin for lin in linears if lin.weight_t is not None and lin.packed is not None]
-    if sum(lin.weight_t.numel() * lin.weight_t.element_size() for lin in both) \
-            < MEASURE_MIN_BYTES:
+    both = [lin for lin in linears if lin.rows is not None and lin.packed is not None]
+    if weight_bytes(both) < MEASURE_MIN_BYTES:
         return False
-    xs = [torch.zeros(1, lin.weight_t.shape[0], dtype=lin.weight_t.dtype) for lin in both]
+    xs = [torch.zeros(1, lin.rows.shape[1], dtype=lin.rows.dtype) for lin in both]
 
-    def one_pass(packed: bool) -> float:
+    def one_pass(packed: bool) -> None:
         for lin in both:
             lin.one_row_packed = packed
-        t = time.perf_counter()
         for lin, x in zip(both, xs, strict=True):
             lin(x)
-        return time.perf_counter() - t
 
-    one_pass(False), one_pass(True)  # warm-up: first touches, oneDNN's primitive cache
-    best = {packed: float("inf") for packed in (False, True)}
-    for _ in range(rounds):
-        for packed in (False, True):
-            best[packed] = min(best[packed], one_pass(packed))
-    choice = best[True] < best[False]
+    best = best_times([lambda: one_pass(False), lambda: one_pass(True)], rounds)
+    choice = best[1] < best[0]
     for lin in both:
         lin.one_row_packed = choice
     return choice
+
+
+def weight_bytes(linears: list[Linear]) -> int:
+    """Bytes of the one-row weights ("both" rows) of `linears`."""
+    return sum(lin.rows.numel() * lin.rows.element_size() for lin in linears
+               if lin.rows is not None)
+
+
+def best_times(fns: list, rounds: int) -> list[float]:
+    """The best wall time of each of `fns` over `rounds` interleaved rounds, after one
+    untimed call each (first touches, oneDNN's primitive cache, compiling)."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best

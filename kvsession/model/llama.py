@@ -18,6 +18,7 @@ from kvsession.attention import AttentionMetadata, attention
 from kvsession.cache.kv_pool import KVPool
 from kvsession.model.config import ModelSpec, RopeSpec
 from kvsession.model.linear import Linear, measure_one_row
+from kvsession.model.onerow import OneRowKernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,12 +78,12 @@ class LlamaModel:
                               fmt=weight_format)
         # tied: look tokens up in the head's (transposed) copy rather than keep a second one
         self.embed = self.lm_head.weight if spec.tie_word_embeddings \
-            and self.lm_head.weight_t is not None else embed
+            and self.lm_head.fmt in ("float", "both") else embed
         weights.clear()  # the fused copies above replace them; free the originals
         # a batch-1 decode step's kernel, by measurement on this CPU (model/linear.py)
-        measure_one_row(
-            [self.lm_head] + [lin for lw in self.layers
-                              for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)])
+        measure_one_row(self.projections())
+        # a one-token step's dense work compiled, where that measured faster (model/onerow.py)
+        self.one_row = OneRowKernels.build(self) if weight_format == "both" else None
         positions = torch.arange(max_model_len, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(spec.rope, spec.head_dim))
         dev = self.norm.device
@@ -92,6 +93,11 @@ class LlamaModel:
         self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(dev)
         self.sin_signed = torch.cat((-sin, sin), dim=-1).to(dev)
         self.softmax_scale = spec.head_dim ** -0.5
+
+    def projections(self) -> list[Linear]:
+        """Every projection of the model: the output head, then each layer's."""
+        return [self.lm_head] + [lin for lw in self.layers
+                                 for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
 
     def _layer(self, w: dict[str, torch.Tensor], p: str) -> LayerWeights:
         spec = self.spec
@@ -150,6 +156,8 @@ class LlamaModel:
         # rotary tables for this step's positions, [T, 1, head_dim], shared by all layers
         cos_sin = (self.cos.index_select(0, positions).to(h.dtype).unsqueeze(1),
                    self.sin_signed.index_select(0, positions).to(h.dtype).unsqueeze(1))
+        if self.one_row is not None and h.shape[0] == 1:
+            return self._forward_one_row(h, cos_sin, kv, meta)
         for i, lw in enumerate(self.layers):
             h += self.attention_block(rms_norm(h, lw.input_norm, eps), lw, cos_sin, kv, i, meta)
             if meta.on_layer_done is not None:
@@ -157,7 +165,23 @@ class LlamaModel:
             h += self.mlp(rms_norm(h, lw.post_norm, eps), lw)
         return rms_norm(h, self.norm, eps)
 
+    def _forward_one_row(self, h: torch.Tensor, cos_sin: tuple, kv: KVPool,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """forward() of one token through the compiled regions (model/onerow.py); the
+        attention and its KV write are the same op as in attention_block."""
+        spec, k = self.spec, self.one_row
+        for i, args in enumerate(k.layers):
+            q, key, v = k.pre(h, *args.pre, *cos_sin, spec.rms_norm_eps, spec.num_heads,
+                              spec.num_kv_heads)
+            o = self.attention_fn(q, key, v, kv.layer(i), meta)
+            if meta.on_layer_done is not None:
+                meta.on_layer_done(i)
+            h = k.post(h, o.reshape(1, spec.num_heads * spec.head_dim), *args.post)
+        return rms_norm(h, self.norm, spec.rms_norm_eps)
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the rows that sample."""
+        if self.one_row is not None and hidden.shape[0] == 1:
+            return self.one_row.head(hidden, *self.one_row.head_args)
         return self.lm_head(hidden).float()

@@ -1,0 +1,164 @@
+"""A one-token forward's dense work in code that inductor generates for this CPU.
+
+A batch-1 decode step multiplies one row by every weight of the model: it is as fast as it
+streams the weights. MKL's and oneDNN's one-row kernels do not stream at the DRAM's rate on
+every CPU (on the AMD EPYC bench machine oneDNN read the bench model's projections at
+~17 GB/s and MKL at ~10, where a `sum` over a buffer reads at ~30-55 GB/s), and between
+the products ~15 small ops per layer (norms, rotary, SiLU-mul, residuals) each cost a
+dispatch. `torch.compile` (the inductor CPU backend) turns each region below into one C++
+function of vectorised loops: a product `(w * x).sum(-1)` over the contiguous `[out, in]`
+rows is one pass over the weight (the rows split over the threads), and the elementwise
+work is fused into the loops around it. On the AMD machine that read the same projections
+at ~30 GB/s, the rate of the `sum` measured beside it.
+
+Per layer two regions: before attention (input norm, fused q/k/v product, per-head q/k
+norms, rotary) and after it (o product, residual, post norm, gate/up product, SiLU-mul, down
+product, residual); then the output head. Attention and the KV write stay the model's
+paged op between them. Used only where `OneRowKernels.build` measured it faster than the
+projections alone through the Linear kernels (model/linear.py), on float32 CPU models large
+enough to be measured (linear.MEASURE_MIN_BYTES: smaller weights stay in the caches, where
+every kernel is fast).
+
+Why these details:
+- `cpp.dynamic_threads`: the generated loops ask OpenMP for the thread count at each call,
+  so the engine's ThreadGovernor (engine/runner.py) still chooses it per step; by default
+  inductor bakes the count at compile time into the code.
+- `dynamic=False`: the shapes are fixed per model, and specialised loops streamed ~1.5x
+  faster than shape-generic ones here.
+- Each model compiles its own copies of the functions (`_own_copy`): dynamo keeps one cache
+  per code object with a small limit on its entries, past which it silently runs the
+  function eagerly, and `(w * x).sum(-1)` run eagerly would materialise a weight-sized
+  temporary. A model's regions have one shape each, so each copy compiles once.
+- Compiling takes seconds (once per process; inductor caches the generated code on disk).
+  If it fails (no C++ compiler, say), the model keeps the Linear kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvsession.model.linear import MEASURE_MIN_BYTES, Linear, best_times, weight_bytes
+
+log = logging.getLogger("kvsession")
+
+COMPILE_OPTIONS = {"cpp.dynamic_threads": True}
+
+
+def _rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [in] times w [out, in] (+ b): [out], one pass over w's rows."""
+    y = (w * x).sum(-1)
+    return y if b is None else y + b
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rms_norm(x, w.shape, w, eps)
+
+
+def pre_attention(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps: float,
+                  heads: int, kv_heads: int):
+    """h [1, hidden] -> q [1, heads, D], k and v [1, kv_heads, D], rotated as the model's
+    attention_block does (cos and sin_signed [1, 1, D] of this token's position)."""
+    qkv = _rows(_norm(h[0], norm, eps), qkv_w, qkv_b).view(1, heads + 2 * kv_heads, -1)
+    qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads:]
+    if q_norm is not None:
+        qk = torch.cat((_norm(qk[:, :heads], q_norm, eps), _norm(qk[:, heads:], k_norm, eps)),
+                       dim=1)
+    # HF's x * cos + rotate_half(x) * sin, as LlamaModel.rope writes it
+    qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin_signed
+    return qk[:, :heads], qk[:, heads:], v
+
+
+def post_attention(h, o, o_w, o_b, norm, gate_up_w, gate_up_b, down_w, down_b, eps: float):
+    """h [1, hidden] plus the o product of the attention output o [1, heads * D], then plus
+    the MLP of that: the residual stream after the layer."""
+    h = h + _rows(o[0], o_w, o_b)
+    gate_up = _rows(_norm(h[0], norm, eps), gate_up_w, gate_up_b)
+    half = gate_up.shape[0] // 2
+    return h + _rows(F.silu(gate_up[:half]) * gate_up[half:], down_w, down_b)
+
+
+def head(hidden, w, b):
+    """hidden [1, hidden] (after the final norm) -> float32 logits [1, vocab]."""
+    return _rows(hidden[0], w, b).unsqueeze(0).float()
+
+
+def _own_copy(fn):
+    """`fn` compiled from a copy of its code object: a cache of its own in dynamo."""
+    clone = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    return torch.compile(clone, dynamic=False, options=COMPILE_OPTIONS)
+
+
+@dataclass(frozen=True)
+class LayerArgs:
+    """One layer's tensors in the order the regions take them."""
+
+    pre: tuple
+    post: tuple
+
+
+class OneRowKernels:
+    """The compiled regions of one model and the tensors they read (the Linears' rows)."""
+
+    def __init__(self, layers: list[LayerArgs], head_args: tuple):
+        self.layers, self.head_args = layers, head_args
+        self.pre, self.post, self.head = (_own_copy(f) for f in
+                                          (pre_attention, post_attention, head))
+
+    @staticmethod
+    def for_model(model) -> OneRowKernels | None:
+        """Regions for `model` (a LlamaModel; nothing compiled before their first call), or
+        None when its one-row weights are not float32 "both" rows on the CPU."""
+        if any(lin.rows is None or lin.rows.dtype != torch.float32
+               or lin.rows.device.type != "cpu" for lin in model.projections()):
+            return None
+        eps = model.spec.rms_norm_eps
+        return OneRowKernels([LayerArgs(
+            pre=(lw.input_norm, *_wb(lw.qkv), lw.q_norm, lw.k_norm),
+            post=(*_wb(lw.o), lw.post_norm, *_wb(lw.gate_up), *_wb(lw.down), eps))
+            for lw in model.layers], _wb(model.lm_head))
+
+    @staticmethod
+    def build(model, rounds: int = 3) -> OneRowKernels | None:
+        """`for_model(model)`, compiled, if that runs the one-row dense work faster than the
+        model's Linear kernels on this machine (the regions' fused elementwise work counted
+        against the products alone); else None, also for weights under
+        linear.MEASURE_MIN_BYTES."""
+        kernels = OneRowKernels.for_model(model)
+        linears = model.projections()
+        if kernels is None or weight_bytes(linears) < MEASURE_MIN_BYTES:
+            return None
+        spec = model.spec
+        h = torch.zeros(1, spec.hidden_size)
+        o = torch.zeros(1, spec.num_heads * spec.head_dim)
+        rope = torch.zeros(1, 1, spec.head_dim)
+
+        def compiled():
+            for lw in kernels.layers:
+                kernels.pre(h, *lw.pre, rope, rope, spec.rms_norm_eps, spec.num_heads,
+                            spec.num_kv_heads)
+                kernels.post(h, o, *lw.post)
+            kernels.head(h, *kernels.head_args)
+
+        def linear_kernels():
+            for lin in linears:
+                lin(torch.zeros(1, lin.rows.shape[1]))
+
+        try:
+            with torch.inference_mode():
+                t_compiled, t_linear = best_times([compiled, linear_kernels], rounds)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: keep the Linears
+            log.warning("one-token decode stays on the Linear kernels: compiling its regions "
+                        "failed (%s: %s)", type(e).__name__, e)
+            return None
+        log.info("one-token dense work: compiled %.2f ms, Linear kernels %.2f ms",
+                 t_compiled * 1e3, t_linear * 1e3)
+        return kernels if t_compiled < t_linear else None
+
+
+def _wb(lin: Linear) -> tuple:
+    return lin.rows, lin.bias
