@@ -219,9 +219,13 @@ def kernels(spec, bw: Bandwidth) -> dict:
               (h, spec.num_heads * hd), (2 * inter, h), (h, inter)] * spec.num_layers
     ws = [torch.randn(s) * 0.02 for s in shapes + [(spec.vocab_size, h)]]
     nbytes = sum(w.numel() * 4 for w in ws)
+    from kvsession.model.onerow import compile_region, row_product
+
+    # the product of the one-token regions (model/onerow.py)
+    rows_compiled = compile_region(row_product)
     layouts = {
         "F.linear [out, in]": (ws, lambda x, w: F.linear(x, w)),
-        "x @ W^T, [in, out] (kvsession)": ([w.t().contiguous() for w in ws], torch.mm),
+        "x @ W^T, [in, out]": ([w.t().contiguous() for w in ws], torch.mm),
         "oneDNN prepacked": ([torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws],
                              lambda x, p: torch.ops.mkldnn._linear_pointwise(
                                  x, p, None, "none", [], "")),
@@ -229,6 +233,11 @@ def kernels(spec, bw: Bandwidth) -> dict:
     out = {}
     for rows in (1, 8, 64, 512):
         xs = {n: torch.randn(rows, n) for n in {s[1] for s in shapes} | {h}}
+        if rows == 1:  # one token: the inductor-compiled pass over [out, in]
+            layouts["inductor (w * x).sum(-1), [out, in]"] = (
+                ws, lambda x, w: rows_compiled(x[0], w, None))
+        else:
+            layouts.pop("inductor (w * x).sum(-1), [out, in]", None)
 
         def chain(weights, fn, xs=xs):
             def run():

@@ -330,6 +330,32 @@ def mooncake_ceiling(capacity_fraction: float, seeds=range(1, 6)) -> list[dict]:
     return rows
 
 
+def trace_file(path: Path, num_requests: int, fractions=(0.05, 0.15, 0.3)) -> dict:
+    """A trace file in the Mooncake format (JSONL with "hash_ids"), e.g. the public
+    conversation trace of kvcache-ai/Mooncake (FAST25-release/traces/conversation_trace.jsonl;
+    not shipped here: pass its path), replayed at several pool sizes: how the policies do
+    on recorded rather than generated reuse."""
+    with path.open() as f:
+        trace = [json.loads(line)["hash_ids"] for line in itertools.islice(f, num_requests)]
+    distinct = distinct_blocks(trace)
+    rows = []
+    for frac in fractions:
+        row = {"capacity_fraction": frac} | versus(trace, pool_blocks(trace, frac))
+        rows.append(row)
+        print(f"{path.name} ({len(trace)} requests) pool {row['capacity_blocks']} blocks: LRU "
+              f"{row['lru']:.3f}, cost-aware {row['cost']:.3f}, Belady {row['belady']:.3f}: "
+              f"{row['cost_vs_belady']:.3f} of Belady, {row['cost_minus_lru_points']:+.1f} "
+              "points vs LRU", flush=True)
+    uses: dict[tuple, int] = defaultdict(int)
+    for r in trace:
+        for i in range(len(r)):
+            uses[tuple(r[:i + 1])] += 1
+    once = sum(1 for n in uses.values() if n == 1) / len(uses)
+    print(f"{once:.0%} of the distinct blocks are used once", flush=True)
+    return {"file": path.name, "requests": len(trace), "distinct_blocks": distinct,
+            "total_blocks": sum(map(len, trace)), "used_once_share": once, "pools": rows}
+
+
 # ---- the engine ------------------------------------------------------------------------------
 
 def engine(num_blocks: int = 96) -> dict:
@@ -370,9 +396,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--dump-mooncake", type=Path, help="write the generated trace (JSONL)")
+    ap.add_argument("--trace-file", type=Path,
+                    help="only replay this Mooncake-format JSONL (a recorded trace) at several "
+                         "pool sizes; writes bench/results/eviction_trace_file.json")
+    ap.add_argument("--requests", type=int, default=3000, help="with --trace-file: the first N")
     args = ap.parse_args()
     if args.dump_mooncake:
         args.dump_mooncake.write_text("".join(json.dumps(r) + "\n" for r in mooncake_trace()))
+    if args.trace_file:
+        write_result("eviction_trace_file", trace_file(args.trace_file, args.requests))
+        return
     res = {"cache_layer": cache_layer(), "engine": engine()}
     write_result("eviction", res)
     if args.plot:

@@ -224,6 +224,18 @@ def section_eviction(r) -> list[str]:
             f"**{fmt(e['computed_ratio_cost_vs_lru'], 3)}x** (target < 1)",
             "", "Targets: cost-aware >= 0.9 of Belady on each trace, never more than 1 point "
             "below LRU."]
+    f = load("eviction_trace_file")  # `eviction.py --trace-file` (a recorded trace; optional)
+    if f:
+        out += ["", f"A recorded trace, `{f['file']}` (the first {f['requests']} requests; "
+                f"{f['distinct_blocks']} distinct blocks of {f['total_blocks']}, "
+                f"{f['used_once_share']:.0%} of them never reused), replayed by "
+                "`bench/eviction.py --trace-file` at three pool sizes:", "",
+                "| pool blocks | LRU | cost-aware | Belady | cost-aware / Belady | vs LRU |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {x['capacity_blocks']} ({x['capacity_fraction']:.0%}) | {fmt(x['lru'], 3)} "
+                f"| {fmt(x['cost'], 3)} | {fmt(x['belady'], 3)} | "
+                f"**{fmt(x['cost_vs_belady'], 3)}** | {x['cost_minus_lru_points']:+.1f} pt |"
+                for x in f["pools"]]
     return out
 
 

@@ -25,8 +25,8 @@ Why these details:
   inductor bakes the count at compile time into the code.
 - `dynamic=False`: the shapes are fixed per model, and specialised loops streamed ~1.5x
   faster than shape-generic ones here.
-- Each model compiles its own copies of the functions (`_own_copy`): dynamo keeps one cache
-  per code object with a small limit on its entries, past which it silently runs the
+- Each model compiles its own copies of the functions (`compile_region`): dynamo keeps one
+  cache per code object with a small limit on its entries, past which it silently runs the
   function eagerly, and `(w * x).sum(-1)` run eagerly would materialise a weight-sized
   temporary. A model's regions have one shape each, so each copy compiles once.
 - Compiling takes seconds (once per process; inductor caches the generated code on disk).
@@ -49,7 +49,7 @@ log = logging.getLogger("kvsession")
 COMPILE_OPTIONS = {"cpp.dynamic_threads": True}
 
 
-def _rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def row_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """x [in] times w [out, in] (+ b): [out], one pass over w's rows."""
     y = (w * x).sum(-1)
     return y if b is None else y + b
@@ -63,7 +63,7 @@ def pre_attention(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps: f
                   heads: int, kv_heads: int):
     """h [1, hidden] -> q [1, heads, D], k and v [1, kv_heads, D], rotated as the model's
     attention_block does (cos and sin_signed [1, 1, D] of this token's position)."""
-    qkv = _rows(_norm(h[0], norm, eps), qkv_w, qkv_b).view(1, heads + 2 * kv_heads, -1)
+    qkv = row_product(_norm(h[0], norm, eps), qkv_w, qkv_b).view(1, heads + 2 * kv_heads, -1)
     qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads:]
     if q_norm is not None:
         qk = torch.cat((_norm(qk[:, :heads], q_norm, eps), _norm(qk[:, heads:], k_norm, eps)),
@@ -76,18 +76,18 @@ def pre_attention(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps: f
 def post_attention(h, o, o_w, o_b, norm, gate_up_w, gate_up_b, down_w, down_b, eps: float):
     """h [1, hidden] plus the o product of the attention output o [1, heads * D], then plus
     the MLP of that: the residual stream after the layer."""
-    h = h + _rows(o[0], o_w, o_b)
-    gate_up = _rows(_norm(h[0], norm, eps), gate_up_w, gate_up_b)
+    h = h + row_product(o[0], o_w, o_b)
+    gate_up = row_product(_norm(h[0], norm, eps), gate_up_w, gate_up_b)
     half = gate_up.shape[0] // 2
-    return h + _rows(F.silu(gate_up[:half]) * gate_up[half:], down_w, down_b)
+    return h + row_product(F.silu(gate_up[:half]) * gate_up[half:], down_w, down_b)
 
 
 def head(hidden, w, b):
     """hidden [1, hidden] (after the final norm) -> float32 logits [1, vocab]."""
-    return _rows(hidden[0], w, b).unsqueeze(0).float()
+    return row_product(hidden[0], w, b).unsqueeze(0).float()
 
 
-def _own_copy(fn):
+def compile_region(fn):
     """`fn` compiled from a copy of its code object: a cache of its own in dynamo."""
     clone = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
     return torch.compile(clone, dynamic=False, options=COMPILE_OPTIONS)
@@ -106,7 +106,7 @@ class OneRowKernels:
 
     def __init__(self, layers: list[LayerArgs], head_args: tuple):
         self.layers, self.head_args = layers, head_args
-        self.pre, self.post, self.head = (_own_copy(f) for f in
+        self.pre, self.post, self.head = (compile_region(f) for f in
                                           (pre_attention, post_attention, head))
 
     @staticmethod
