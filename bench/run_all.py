@@ -48,8 +48,30 @@ def fmt(x: float, digits: int = 2) -> str:
 def section_decode(r) -> list[str]:
     rows = [f"| {k} | {fmt(v['kvsession_tok_s'], 1)} | {fmt(v['hf_tok_s'], 1)} | "
             f"**{fmt(v['ratio'])}x** |" for k, v in r["results"].items()]
-    return ["| case | kvsession tok/s | transformers tok/s | ratio |", "|---|---|---|---|",
-            *rows]
+    out = ["| case | kvsession tok/s | transformers tok/s | ratio |", "|---|---|---|---|", *rows]
+    steps = r.get("decode_steps")
+    if not steps:
+        return out
+    out += ["", f"Decode steps against the bandwidth bound (weights + KV bytes / the best DRAM "
+            f"read rate of the run, {fmt(r['read_bandwidth_gb_s'], 1)} GB/s). Targets: batch 1 "
+            "<= 1.5x the bound, 2,048-token rate >= 0.8x the 128-token rate.", "",
+            "| batch | context | step ms | bound ms | x bound | transformers ms "
+            "| vs transformers |",
+            "|---|---|---|---|---|---|---|"]
+    out += [f"| {x['batch']} | {x['context']} | {fmt(x['step_ms'])} | {fmt(x['bound_ms'])} | "
+            f"**{fmt(x['ratio_to_bound'])}x** | {fmt(x['hf_step_ms'])} | "
+            f"{fmt(x['ratio_vs_hf'])}x |" for k, x in steps.items() if isinstance(x, dict)]
+    out += ["", "2,048-token rate / 128-token rate: batch 1 **"
+            f"{fmt(steps['batch1_long_vs_short'])}x**, batch 8 "
+            f"{fmt(steps['batch8_long_vs_short'])}x."]
+    kern = r.get("kernels")  # JSON keys: the row counts as strings
+    if kern:
+        cols = list(kern["1"])  # one row has every layout (the inductor product too)
+        out += ["", "The projections alone (every layer's, then the head), time / bound:", "",
+                "| rows | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+        out += [f"| {rows} | " + " | ".join(fmt(x[c]) + "x" if c in x else "-" for c in cols)
+                + " |" for rows, x in kern.items()]
+    return out
 
 
 def section_prefix(r) -> list[str]:
@@ -226,7 +248,9 @@ def section_eviction(r) -> list[str]:
             "below LRU."]
     f = load("eviction_trace_file")  # `eviction.py --trace-file` (a recorded trace; optional)
     if f:
-        out += ["", f"A recorded trace, `{f['file']}` (the first {f['requests']} requests; "
+        out += ["", f"A recorded trace, `{f['file']}` (Mooncake's public conversation trace: "
+                "kvcache-ai/Mooncake, FAST25-release/traces; not shipped here; "
+                f"the first {f['requests']} requests; "
                 f"{f['distinct_blocks']} distinct blocks of {f['total_blocks']}, "
                 f"{f['used_once_share']:.0%} of them never reused), replayed by "
                 "`bench/eviction.py --trace-file` at three pool sizes:", "",
