@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from kvsession import LLM, SamplingParams
-from kvsession.model.onerow import OneRowKernels
+from kvsession.model.onerow import (
+    OneRowKernels,
+    compile_region,
+    decode_layer,
+    post_attention,
+    pre_attention,
+)
 from oracle import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -25,18 +31,91 @@ def test_compiled_one_row_steps_match_transformers(model_dirs, arch, overrides):
         # tiny weights stay in the caches: not measured, the Linear kernels serve them
         assert model.one_row is None and OneRowKernels.build(model) is None
         kernels = model.one_row = OneRowKernels.for_model(model)
-        heads, pres = [], []
-        compiled_head, compiled_pre = kernels.head, kernels.pre
+        heads, layers = [], []
+        compiled_head, compiled_decode = kernels.head, kernels.decode
         kernels.head = lambda *a: heads.append(1) or compiled_head(*a)
-        kernels.pre = lambda *a: pres.append(1) or compiled_pre(*a)
+        kernels.decode = lambda *a: layers.append(1) or compiled_decode(*a)
         got = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY,
                             use_tqdm=False)[0].token_ids for p in prompts]  # one row a step
     assert got == ref
-    # every token's logits came from one row, and every one-token forward (the decode
-    # steps, the 1-token prompt) went through the regions, layer by layer
+    # every token's logits came from one row, and every one-token step (the decode steps,
+    # the 1-token prompt) ran each layer as one region
     n = GREEDY.max_tokens
     assert len(heads) == n * len(prompts)
-    assert len(pres) == len(model.layers) * ((n - 1) * len(prompts) + 1)
+    assert len(layers) == len(model.layers) * ((n - 1) * len(prompts) + 1)
+
+
+def test_a_cache_the_decode_layer_cannot_read_goes_through_the_regions(model_dirs):
+    """A bfloat16 KV cache: the decode steps run pre/post regions around the model's paged
+    attention op, and give the tokens the Linear kernels give on the same cache."""
+    d = model_dirs("llama")
+    prompt = random_prompts(5, [37], 500)
+    with LLM(d, max_model_len=128, kv_cache_memory="2MiB", kv_cache_dtype="bfloat16",
+             enable_prefix_caching=False) as llm:
+        model = llm._rt.model
+        want = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY,
+                            use_tqdm=False)[0].token_ids
+        kernels = model.one_row = OneRowKernels.for_model(model)
+        pres, layers = [], []
+        compiled_pre, compiled_decode = kernels.pre, kernels.decode
+        kernels.pre = lambda *a: pres.append(1) or compiled_pre(*a)
+        kernels.decode = lambda *a: layers.append(1) or compiled_decode(*a)
+        got = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY,
+                           use_tqdm=False)[0].token_ids
+    assert got == want
+    assert len(pres) == len(model.layers) * (GREEDY.max_tokens - 1) and not layers
+
+
+def test_decode_layer_attends_over_a_scattered_table_and_masks_the_last_blocks_tail():
+    """decode_layer against the same layer written out in plain torch: blocks in random
+    order, a context ending mid-block whose unused slots hold NaN (freed data), GQA; the
+    new K/V lands in its slot."""
+    g = torch.Generator().manual_seed(7)
+    hidden, heads, kv_heads, hd, inter, bs, num_blocks = 64, 4, 2, 16, 96, 4, 32
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    qkv = (heads + 2 * kv_heads) * hd
+    pre = (1 + r(hidden), r(qkv, hidden), r(qkv), None, None)
+    post = (r(hidden, heads * hd), None, 1 + r(hidden), r(2 * inter, hidden), None,
+            r(hidden, inter), None, 1e-6)
+    k_cache, v_cache = r(num_blocks, bs, kv_heads, hd), r(num_blocks, bs, kv_heads, hd)
+    ids = torch.randperm(num_blocks, generator=g)[:5]
+    n = 4 * bs + 2  # 4 full blocks, then slot 0 of ids[4] and the new token in its slot 1
+    slot = ids[4] * bs + 1
+    k_cache[ids[4], 2:] = float("nan")  # past the end: must not reach the output
+    v_cache[ids[4], 2:] = float("nan")
+    h = r(1, hidden)
+    pos = torch.tensor([n - 1.0])
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    f = torch.outer(pos, inv)
+    cos = torch.cat((f, f), -1).cos()[:, None]
+    sin = torch.cat((-f.sin(), f.sin()), -1)[:, None]
+    scale = hd ** -0.5
+    kc, vc = k_cache.clone(), v_cache.clone()
+    region = compile_region(decode_layer, dynamic=None)
+    with torch.inference_mode():
+        got = region(h, *pre, cos, sin, 1e-6, heads, kv_heads, kc, vc, slot.view(1), ids,
+                     torch.tensor(n), scale, *post)
+        q, k, v = pre_attention(h, *pre, cos, sin, 1e-6, heads, kv_heads)
+        keys = torch.cat([k_cache[ids[:4]].flatten(0, 1), k_cache[ids[4], :1], k[0][None]])
+        values = torch.cat([v_cache[ids[:4]].flatten(0, 1), v_cache[ids[4], :1], v[0][None]])
+        rep = heads // kv_heads
+        att = torch.softmax(torch.einsum("hd,thd->ht", q[0], keys.repeat_interleave(rep, 1))
+                            * scale, -1)
+        o = torch.einsum("ht,thd->hd", att, values.repeat_interleave(rep, 1))
+        want = post_attention(h, o.reshape(1, -1), *post)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max().item() < 1e-4
+    # (computed in the region: equal to the eager K/V up to float rounding)
+    assert torch.allclose(kc.flatten(0, 1)[slot], k[0], atol=1e-5)
+    assert torch.allclose(vc.flatten(0, 1)[slot], v[0], atol=1e-5)
+    untouched = torch.ones(num_blocks * bs, dtype=torch.bool)
+    untouched[slot] = False
+    for after, before in ((kc, k_cache), (vc, v_cache)):
+        assert torch.allclose(after.flatten(0, 1)[untouched], before.flatten(0, 1)[untouched],
+                              rtol=0, atol=0, equal_nan=True)
 
 
 def test_regions_follow_the_thread_count_they_run_at(model_dirs):

@@ -167,9 +167,16 @@ class LlamaModel:
 
     def _forward_one_row(self, h: torch.Tensor, cos_sin: tuple, kv: KVPool,
                          meta: AttentionMetadata) -> torch.Tensor:
-        """forward() of one token through the compiled regions (model/onerow.py); the
-        attention and its KV write are the same op as in attention_block."""
+        """forward() of one token through the compiled regions (model/onerow.py): a decode
+        step's layers each in one region where the cache allows it, else the regions around
+        the same attention op as attention_block."""
         spec, k = self.spec, self.one_row
+        if meta.decode_only and k.reads_cache(kv.layer(0)):
+            num_blocks = -(-meta.seq_lens[0] // kv.block_size)
+            h = k.decode_step(h, cos_sin, spec, kv, meta.slot_mapping,
+                              meta.block_tables[0, :num_blocks], meta.seq_lens_tensor[0],
+                              self.softmax_scale, meta.on_layer_done)
+            return rms_norm(h, self.norm, spec.rms_norm_eps)
         for i, args in enumerate(k.layers):
             q, key, v = k.pre(h, *args.pre, *cos_sin, spec.rms_norm_eps, spec.num_heads,
                               spec.num_kv_heads)
@@ -178,6 +185,12 @@ class LlamaModel:
                 meta.on_layer_done(i)
             h = k.post(h, o.reshape(1, spec.num_heads * spec.head_dim), *args.post)
         return rms_norm(h, self.norm, spec.rms_norm_eps)
+
+    def warm_up(self, kv: KVPool) -> None:
+        """Compile what a decode step on `kv` runs before the first step needs it (the
+        one-token regions' decode layer); nothing for models without them. At start-up."""
+        if self.one_row is not None:
+            self.one_row.warm_up(self.spec, kv, self.softmax_scale)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A one-token forward's dense work in code that inductor generates for this CPU.
+"""A one-token forward in code that inductor generates for this CPU.
 
 A batch-1 decode step multiplies one row by every weight of the model: it is as fast as it
 streams the weights. MKL's and oneDNN's one-row kernels do not stream at the DRAM's rate on
@@ -11,20 +11,23 @@ rows is one pass over the weight (the rows split over the threads), and the elem
 work is fused into the loops around it. On the AMD machine that read the same projections
 at ~30 GB/s, the rate of the `sum` measured beside it.
 
-Per layer two regions: before attention (input norm, fused q/k/v product, per-head q/k
+A batch-1 decode step on a float32 cache runs each layer as one region (`decode_layer`:
+norm, q/k/v product, rotary, the KV write, attention over the block list read token-major,
+o product, MLP, residuals), with the block list's length the one dynamic dimension. Other
+one-token steps (an fp8 or bfloat16 cache, which the model's paged attention op reads) run
+two regions per layer: before attention (input norm, fused q/k/v product, per-head q/k
 norms, rotary) and after it (o product, residual, post norm, gate/up product, SiLU-mul, down
-product, residual); then the output head. Attention and the KV write stay the model's
-paged op between them. Used only where `OneRowKernels.build` measured it faster than the
-projections alone through the Linear kernels (model/linear.py), on float32 CPU models large
-enough to be measured (linear.MEASURE_MIN_BYTES: smaller weights stay in the caches, where
-every kernel is fast).
+product, residual). One-row logits run the output head as a region. Used only where
+`OneRowKernels.build` measured the dense work faster than the projections alone through
+the Linear kernels (model/linear.py), on float32 CPU models large enough to be measured
+(linear.MEASURE_MIN_BYTES: smaller weights stay in the caches, where every kernel is fast).
 
 Why these details:
 - `cpp.dynamic_threads`: the generated loops ask OpenMP for the thread count at each call,
   so the engine's ThreadGovernor (engine/runner.py) still chooses it per step; by default
   inductor bakes the count at compile time into the code.
-- `dynamic=False`: the shapes are fixed per model, and specialised loops streamed ~1.5x
-  faster than shape-generic ones here.
+- `dynamic=False` for the weight regions: the shapes are fixed per model, and specialised
+  loops streamed ~1.5x faster than shape-generic ones here.
 - Each model compiles its own copies of the functions (`compile_region`): dynamo keeps one
   cache per code object with a small limit on its entries, past which it silently runs the
   function eagerly, and `(w * x).sum(-1)` run eagerly would materialise a weight-sized
@@ -82,15 +85,41 @@ def post_attention(h, o, o_w, o_b, norm, gate_up_w, gate_up_b, down_w, down_b, e
     return h + row_product(F.silu(gate_up[:half]) * gate_up[half:], down_w, down_b)
 
 
+def decode_layer(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps: float,
+                 heads: int, kv_heads: int, k_cache, v_cache, slot, block_ids, num_tokens,
+                 scale: float, o_w, o_b, post_norm, gate_up_w, gate_up_b, down_w, down_b,
+                 eps_post: float):
+    """One layer of a batch-1 decode step in one region: pre_attention, the new K/V stored
+    at `slot` of the layer's float32 cache ([num_blocks, block_size, kv_heads, D]),
+    attention over the first `num_tokens` (a 0-dim tensor) slots of `block_ids` (the
+    sequence's blocks, in order), post_attention. What the paged reference computes, read
+    token-major: each token's K (then V) row of all heads is one contiguous read, and the
+    slots past the end of the last block are masked out of scores and values (they may
+    hold anything: zeros, freed data)."""
+    q, k, v = pre_attention(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps,
+                            heads, kv_heads)
+    k_cache.flatten(0, 1).index_copy_(0, slot, k)
+    v_cache.flatten(0, 1).index_copy_(0, slot, v)
+    keys, values = k_cache[block_ids].flatten(0, 1), v_cache[block_ids].flatten(0, 1)
+    valid = (torch.arange(keys.shape[0], device=keys.device) < num_tokens)[:, None, None]
+    qg = q[0].view(kv_heads, heads // kv_heads, -1)  # the query heads sharing each KV head
+    scores = torch.where(valid, (keys[:, :, None, :] * qg).sum(-1) * scale, float("-inf"))
+    p = torch.exp(scores - scores.amax(0))  # [tokens, kv_heads, group]
+    o = torch.where(valid[..., None], p[..., None] * values[:, :, None, :], 0.0).sum(0)
+    o = o / p.sum(0)[..., None]
+    return post_attention(h, o.reshape(1, -1), o_w, o_b, post_norm, gate_up_w, gate_up_b,
+                          down_w, down_b, eps_post)
+
+
 def head(hidden, w, b):
     """hidden [1, hidden] (after the final norm) -> float32 logits [1, vocab]."""
     return row_product(hidden[0], w, b).unsqueeze(0).float()
 
 
-def compile_region(fn):
+def compile_region(fn, dynamic: bool | None = False):
     """`fn` compiled from a copy of its code object: a cache of its own in dynamo."""
     clone = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
-    return torch.compile(clone, dynamic=False, options=COMPILE_OPTIONS)
+    return torch.compile(clone, dynamic=dynamic, options=COMPILE_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -108,6 +137,52 @@ class OneRowKernels:
         self.layers, self.head_args = layers, head_args
         self.pre, self.post, self.head = (compile_region(f) for f in
                                           (pre_attention, post_attention, head))
+        # the block list's length varies (marked dynamic per step); the rest is static
+        self.decode = compile_region(decode_layer, dynamic=None)
+        self.decode_compiles = True  # until warm_up finds otherwise
+
+    def reads_cache(self, layer_kv) -> bool:
+        """Whether decode_layer serves decode steps on this layer's cache: float32, no fp8
+        scales (other caches go through the model's paged attention op between the
+        regions), and it compiled."""
+        return self.decode_compiles and layer_kv.k_scale is None \
+            and layer_kv.k.dtype == torch.float32 and layer_kv.k.device.type == "cpu"
+
+    def decode_step(self, h, cos_sin: tuple, spec, kv, slot, block_ids, num_tokens,
+                    scale: float, on_layer_done=None):
+        """Every layer of a batch-1 decode step through decode_layer; the residual stream
+        after the last layer. `block_ids` [n_blocks] int64, `num_tokens` a 0-dim tensor;
+        `on_layer_done(i)` once layer i's K/V is written."""
+        torch._dynamo.mark_dynamic(block_ids, 0)  # one compiled graph for every length
+        for i, args in enumerate(self.layers):
+            layer_kv = kv.layer(i)
+            h = self.decode(h, *args.pre, *cos_sin, spec.rms_norm_eps, spec.num_heads,
+                            spec.num_kv_heads, layer_kv.k, layer_kv.v, slot, block_ids,
+                            num_tokens, scale, *args.post)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return h
+
+    def warm_up(self, spec, kv, scale: float) -> None:
+        """Compile decode_layer for `kv`'s cache (on a step that writes and reads its first
+        two blocks), so that the first real decode step does not wait for the compiler.
+        Only while no block holds anything: at start-up."""
+        if not self.reads_cache(kv.layer(0)) or kv.num_blocks < 2:
+            return
+        try:
+            with torch.inference_mode():
+                zeros = torch.zeros(1, 1, spec.head_dim)
+                self.decode_step(torch.zeros(1, spec.hidden_size), (zeros, zeros), spec, kv,
+                                 torch.tensor([kv.block_size]), torch.tensor([0, 1]),
+                                 torch.tensor(kv.block_size + 1), scale)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: the two regions serve
+            self.decode_compiles = False
+            log.warning("decode steps run the one-token regions around the attention op: "
+                        "compiling the decode layer failed (%s: %s)", type(e).__name__, e)
+        finally:
+            with torch.inference_mode():
+                for t in kv.tensors().values():
+                    t[:, :2].zero_()  # as the pool was built
 
     @staticmethod
     def for_model(model) -> OneRowKernels | None:
