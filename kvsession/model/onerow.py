@@ -100,13 +100,16 @@ def decode_layer(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps: fl
                             heads, kv_heads)
     k_cache.flatten(0, 1).index_copy_(0, slot, k)
     v_cache.flatten(0, 1).index_copy_(0, slot, v)
-    keys, values = k_cache[block_ids].flatten(0, 1), v_cache[block_ids].flatten(0, 1)
-    valid = (torch.arange(keys.shape[0], device=keys.device) < num_tokens)[:, None, None]
+    keys, values = k_cache[block_ids], v_cache[block_ids]  # [blocks, block_size, kv_heads, D]
+    slots = torch.arange(keys.shape[0] * keys.shape[1], device=keys.device)
+    valid = (slots < num_tokens).view(keys.shape[0], keys.shape[1], 1, 1)
     qg = q[0].view(kv_heads, heads // kv_heads, -1)  # the query heads sharing each KV head
-    scores = torch.where(valid, (keys[:, :, None, :] * qg).sum(-1) * scale, float("-inf"))
-    p = torch.exp(scores - scores.amax(0))  # [tokens, kv_heads, group]
-    o = torch.where(valid[..., None], p[..., None] * values[:, :, None, :], 0.0).sum(0)
-    o = o / p.sum(0)[..., None]
+    scores = torch.where(valid, (keys[:, :, :, None, :] * qg).sum(-1) * scale, float("-inf"))
+    p = torch.exp(scores - scores.amax((0, 1)))  # [blocks, block_size, kv_heads, group]
+    # per block, then over the blocks: the second sum is a vertical reduction over rows of
+    # kv_heads * group * D contiguous values (one sum over all tokens ran ~1.3x slower)
+    o = torch.where(valid[..., None], p[..., None] * values[:, :, :, None, :], 0.0).sum(1)
+    o = o.sum(0) / p.sum((0, 1))[..., None]
     return post_attention(h, o.reshape(1, -1), o_w, o_b, post_norm, gate_up_w, gate_up_b,
                           down_w, down_b, eps_post)
 
