@@ -196,5 +196,5 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, vocab] for the rows that sample."""
         if self.one_row is not None and hidden.shape[0] == 1:
-            return self.one_row.head(hidden, *self.one_row.head_args)
+            return self.one_row.logits(hidden)
         return self.lm_head(hidden).float()

@@ -155,8 +155,12 @@ class OneRowKernels:
                     scale: float, on_layer_done=None):
         """Every layer of a batch-1 decode step through decode_layer; the residual stream
         after the last layer. `block_ids` [n_blocks] int64, `num_tokens` a 0-dim tensor;
-        `on_layer_done(i)` once layer i's K/V is written."""
-        torch._dynamo.mark_dynamic(block_ids, 0)  # one compiled graph for every length
+        `on_layer_done(i)` once layer i's K/V is written. Under inference mode."""
+        # dynamo guards on a tensor's dispatch keys: the step's index tensors come from
+        # outside inference mode, the warm-up's from inside; as inference tensors both match
+        slot, block_ids, num_tokens = (_inference(t) for t in (slot, block_ids, num_tokens))
+        # one compiled graph for every length, 1 included (unbacked: no 0/1 specialisation)
+        torch._dynamo.decorators.mark_unbacked(block_ids, 0)
         for i, args in enumerate(self.layers):
             layer_kv = kv.layer(i)
             h = self.decode(h, *args.pre, *cos_sin, spec.rms_norm_eps, spec.num_heads,
@@ -166,26 +170,45 @@ class OneRowKernels:
                 on_layer_done(i)
         return h
 
+    def logits(self, hidden):
+        """float32 logits [1, vocab] of one row (after the final norm). Under inference mode."""
+        return self.head(_inference(hidden), *self.head_args)
+
     def warm_up(self, spec, kv, scale: float) -> None:
-        """Compile decode_layer for `kv`'s cache (on a step that writes and reads its first
-        two blocks), so that the first real decode step does not wait for the compiler.
-        Only while no block holds anything: at start-up."""
-        if not self.reads_cache(kv.layer(0)) or kv.num_blocks < 2:
-            return
+        """Compile what the engine will run, before its first step needs it: dynamo
+        guards on the thread count, so each region is run at each count the engine's
+        ThreadGovernor may choose (all threads, one); decode_layer for `kv`'s cache, on a
+        step that writes and reads its first two blocks, or else the two regions. Inputs as
+        a step's (distinct cos and sin: dynamo also guards on aliasing). Only while no block
+        holds anything: at start-up."""
+        decodes = self.reads_cache(kv.layer(0)) and kv.num_blocks >= 2
+        before = torch.get_num_threads()
         try:
             with torch.inference_mode():
-                zeros = torch.zeros(1, 1, spec.head_dim)
-                self.decode_step(torch.zeros(1, spec.hidden_size), (zeros, zeros), spec, kv,
-                                 torch.tensor([kv.block_size]), torch.tensor([0, 1]),
-                                 torch.tensor(kv.block_size + 1), scale)
+                h = torch.zeros(1, spec.hidden_size)
+                rope = (torch.zeros(1, 1, spec.head_dim), torch.zeros(1, 1, spec.head_dim))
+                for threads in sorted({before, 1}, reverse=True):
+                    torch.set_num_threads(threads)
+                    self.logits(h)
+                    if decodes:
+                        n = kv.block_size + 1
+                        self.decode_step(h, rope, spec, kv, torch.tensor([n - 1]),
+                                         torch.tensor([0, 1]), torch.tensor(n), scale)
+                    else:
+                        self.pre(h, *self.layers[0].pre, *rope, spec.rms_norm_eps,
+                                 spec.num_heads, spec.num_kv_heads)
+                        self.post(h, torch.zeros(1, spec.num_heads * spec.head_dim),
+                                  *self.layers[0].post)
         except Exception as e:  # noqa: BLE001 - any compiler failure: the two regions serve
             self.decode_compiles = False
             log.warning("decode steps run the one-token regions around the attention op: "
                         "compiling the decode layer failed (%s: %s)", type(e).__name__, e)
         finally:
-            with torch.inference_mode():
-                for t in kv.tensors().values():
-                    t[:, :2].zero_()  # as the pool was built
+            torch.set_num_threads(before)
+            if decodes:
+                with torch.inference_mode():
+                    for t in kv.tensors().values():
+                        t[:, :2].zero_()  # as the pool was built
 
     @staticmethod
     def for_model(model) -> OneRowKernels | None:
@@ -211,16 +234,17 @@ class OneRowKernels:
         if kernels is None or weight_bytes(linears) < MEASURE_MIN_BYTES:
             return None
         spec = model.spec
-        h = torch.zeros(1, spec.hidden_size)
-        o = torch.zeros(1, spec.num_heads * spec.head_dim)
-        rope = torch.zeros(1, 1, spec.head_dim)
+        with torch.inference_mode():  # as in a step (dynamo guards on dispatch keys)
+            h = torch.zeros(1, spec.hidden_size)
+            o = torch.zeros(1, spec.num_heads * spec.head_dim)
+            rope = (torch.zeros(1, 1, spec.head_dim), torch.zeros(1, 1, spec.head_dim))
 
         def compiled():
             for lw in kernels.layers:
-                kernels.pre(h, *lw.pre, rope, rope, spec.rms_norm_eps, spec.num_heads,
+                kernels.pre(h, *lw.pre, *rope, spec.rms_norm_eps, spec.num_heads,
                             spec.num_kv_heads)
                 kernels.post(h, o, *lw.post)
-            kernels.head(h, *kernels.head_args)
+            kernels.logits(h)
 
         def linear_kernels():
             for lin in linears:
@@ -236,6 +260,11 @@ class OneRowKernels:
         log.info("one-token dense work: compiled %.2f ms, Linear kernels %.2f ms",
                  t_compiled * 1e3, t_linear * 1e3)
         return kernels if t_compiled < t_linear else None
+
+
+def _inference(t: torch.Tensor) -> torch.Tensor:
+    """`t` as an inference tensor (a copy if it is not one; call under inference mode)."""
+    return t if t.is_inference() else t.clone()
 
 
 def _wb(lin: Linear) -> tuple:
