@@ -159,3 +159,26 @@ def test_nothing_compiles_while_serving_after_the_warm_up(model_dirs):
         if governor is not None:  # several cores: it has probed one thread by now
             assert governor.used[1] > 0
     assert counters["stats"]["unique_graphs"] == compiled
+
+
+def test_without_a_working_compiler_the_linear_kernels_serve(model_dirs, monkeypatch,
+                                                             tmp_path, caplog):
+    """Compiling fails (here: the C++ compiler inductor calls does not exist): the model
+    is built anyway, says why in the log, and serves one row through the Linear kernels
+    with transformers' tokens."""
+    import logging
+
+    from kvsession.model import onerow
+
+    d = model_dirs("llama", intermediate_size=160)  # shapes no other test compiled
+    monkeypatch.setattr(onerow, "MEASURE_MIN_BYTES", 0)  # measured although tiny
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, str(tmp_path / "no-c++")))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    prompt = random_prompts(6, [21], 500)
+    with caplog.at_level(logging.WARNING, logger="kvsession"):
+        with LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
+            assert llm._rt.model.one_row is None
+            got = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY,
+                               use_tqdm=False)[0].token_ids
+    assert "compiling its regions failed" in caplog.text
+    assert got == hf_greedy(d, prompt, GREEDY.max_tokens)[0]
