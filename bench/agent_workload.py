@@ -25,7 +25,7 @@ The makespans are measured paired: the two kvsession modes run in child processe
 four systems take turns, every agent's turn t in one system then in the next (the order
 rotating each turn), so that the load of shared cores, which may change by several times
 within minutes, hits all four alike; each system's makespan is the sum of its turns. Then
-`--runs` (default 3; none with `--quick`) free-running append runs, each in a fresh process
+`--runs` (default 5; none with `--quick`) free-running append runs, each in a fresh process
 (thread pools, allocator and scheduler state are per process: a slow mode decided at
 start-up would hide inside one process), the agents never waiting for one another, with the
 process's user CPU and the engine thread's CPU; their spread (largest deviation from the
@@ -381,7 +381,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--runs", type=int, default=3,
+    ap.add_argument("--runs", type=int, default=5,
                     help="free-running kvsession runs (append history, fresh processes)")
     ap.add_argument("--quick", action="store_true",
                     help="the paired measurement only (no free-running runs)")
