@@ -20,6 +20,13 @@ from oracle import hf_greedy, random_prompts
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
+def count_calls(kernels: OneRowKernels, name: str) -> list:
+    """Replace the compiled region `name` of `kernels` by one that records each call."""
+    calls, region = [], getattr(kernels, name)
+    setattr(kernels, name, lambda *a: calls.append(1) or region(*a))
+    return calls
+
+
 @pytest.mark.parametrize("arch,overrides", [
     ("llama", {}), ("qwen2", {"tie_word_embeddings": True}), ("qwen3", {})])
 def test_compiled_one_row_steps_match_transformers(model_dirs, arch, overrides):
@@ -31,10 +38,7 @@ def test_compiled_one_row_steps_match_transformers(model_dirs, arch, overrides):
         # tiny weights stay in the caches: not measured, the Linear kernels serve them
         assert model.one_row is None and OneRowKernels.build(model) is None
         kernels = model.one_row = OneRowKernels.for_model(model)
-        heads, layers = [], []
-        compiled_head, compiled_decode = kernels.head, kernels.decode
-        kernels.head = lambda *a: heads.append(1) or compiled_head(*a)
-        kernels.decode = lambda *a: layers.append(1) or compiled_decode(*a)
+        heads, layers = count_calls(kernels, "head"), count_calls(kernels, "decode")
         got = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY,
                             use_tqdm=False)[0].token_ids for p in prompts]  # one row a step
     assert got == ref
@@ -56,10 +60,7 @@ def test_a_cache_the_decode_layer_cannot_read_goes_through_the_regions(model_dir
         want = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY,
                             use_tqdm=False)[0].token_ids
         kernels = model.one_row = OneRowKernels.for_model(model)
-        pres, layers = [], []
-        compiled_pre, compiled_decode = kernels.pre, kernels.decode
-        kernels.pre = lambda *a: pres.append(1) or compiled_pre(*a)
-        kernels.decode = lambda *a: layers.append(1) or compiled_decode(*a)
+        pres, layers = count_calls(kernels, "pre"), count_calls(kernels, "decode")
         got = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY,
                            use_tqdm=False)[0].token_ids
     assert got == want

@@ -73,9 +73,8 @@ class Linear:
             self.rows = w.contiguous()
         if self.fmt in ("onednn", "both"):
             # packed for every batch (the hint only tunes the blocking)
-            src = w
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(src, PACKED_MAX_ROWS)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACKED_MAX_ROWS)
             except RuntimeError:
                 # oneDNN packs some dtypes only on some CPUs (float16 needs avx512_fp16):
                 # elsewhere the plain layout serves every batch
