@@ -13,7 +13,7 @@ import torch
 
 from kvsession.cache.kv_pool import LayerKV
 from kvsession.config import AttentionBackend
-from kvsession.kernels import reference
+from kvsession.kernels import cpu_decode, reference
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: Layer
     reference.store_kv(k, v, layer_kv.k, layer_kv.v, meta.slot_mapping,
                        layer_kv.k_scale, layer_kv.v_scale, meta.all_slots_valid)
     if meta.decode_only:
+        if meta.backend == AttentionBackend.CPU and \
+                cpu_decode.applies(q, layer_kv.k, layer_kv.k_scale):
+            return _cpu_decode(q, layer_kv, meta)
         return reference.paged_attention(q, layer_kv.k, layer_kv.v, meta.block_tables,
                                          meta.seq_lens_tensor, meta.softmax_scale,
                                          layer_kv.k_scale, layer_kv.v_scale, meta.workspace,
@@ -63,6 +66,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: Layer
                                        meta.query_start_loc, meta.seq_lens,
                                        meta.softmax_scale, layer_kv.k_scale, layer_kv.v_scale,
                                        meta.workspace, meta.memo)
+
+
+def _cpu_decode(q, layer_kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    shared = meta.memo.get("cpu_shared")
+    if shared is None:  # once per step: the layers share the table
+        shared = meta.memo["cpu_shared"] = reference.shared_prefix_blocks(
+            meta.block_tables, meta.seq_lens_tensor, layer_kv.k.shape[1])
+    return cpu_decode.paged_attention(cpu_decode.load(), q, layer_kv.k, layer_kv.v,
+                                      meta.block_tables, meta.seq_lens_tensor,
+                                      meta.softmax_scale, shared)
 
 
 def _triton_attention(q, k, v, layer_kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
@@ -89,9 +102,10 @@ def _triton_attention(q, k, v, layer_kv: LayerKV, meta: AttentionMetadata) -> to
 def resolve_backend(requested: AttentionBackend, device: torch.device,
                     block_size: int) -> AttentionBackend:
     """auto -> the Triton kernels on CUDA (when triton is installed and the block size
-    suits them), else the torch reference. An explicit "triton" on CPU runs the kernels
-    under Triton's interpreter (TRITON_INTERPRET=1, set here if no kernel module has been
-    compiled for the GPU yet)."""
+    suits them); on CPU the torch reference with decode attention by the C++ kernel ("cpu")
+    when it builds here, else the torch reference alone. An explicit "triton" on CPU runs
+    the kernels under Triton's interpreter (TRITON_INTERPRET=1, set here if no kernel
+    module has been compiled for the GPU yet)."""
     import importlib.util
     import os
     import sys
@@ -100,6 +114,17 @@ def resolve_backend(requested: AttentionBackend, device: torch.device,
 
     if requested == AttentionBackend.TORCH:
         return requested
+    if requested == AttentionBackend.CPU or (requested == AttentionBackend.AUTO
+                                             and device.type == "cpu"):
+        if device.type != "cpu":
+            raise ConfigError(f"attention_backend='cpu' runs on the CPU, not on {device}")
+        if cpu_decode.load() is not None:
+            return AttentionBackend.CPU
+        if requested == AttentionBackend.CPU:
+            raise ConfigError("attention_backend='cpu' needs its kernel built with a C++ "
+                              "compiler ($CXX, g++, c++ or clang++; the log says why it "
+                              "failed); 'torch' runs without one")
+        return AttentionBackend.TORCH
     have_triton = importlib.util.find_spec("triton") is not None
     fits = block_size >= 16
     if requested == AttentionBackend.AUTO:

@@ -47,6 +47,7 @@ class AttentionBackend(enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    CPU = "cpu"  # the torch reference, decode attention by the C++ kernel (cpu_decode)
 
 
 COMPUTE_DTYPES = {

@@ -186,10 +186,12 @@ class LlamaModel:
             h = k.post(h, o.reshape(1, spec.num_heads * spec.head_dim), *args.post)
         return rms_norm(h, self.norm, spec.rms_norm_eps)
 
-    def warm_up(self, kv: KVPool) -> None:
+    def warm_up(self, kv: KVPool, attention_kernel: bool = False) -> None:
         """Compile what a decode step on `kv` runs before the first step needs it (the
-        one-token regions' decode layer); nothing for models without them. At start-up."""
+        one-token regions' decode layer; its attention by kernels/cpu_decode with
+        `attention_kernel`); nothing for models without them. At start-up."""
         if self.one_row is not None:
+            self.one_row.select_attention(attention_kernel)
             self.one_row.warm_up(self.spec, kv, self.softmax_scale)
 
     @torch.inference_mode()

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvsession.kernels import cpu_decode  # noqa: F401 - registers the kernel's op
 from kvsession.model.linear import MEASURE_MIN_BYTES, Linear, best_times, weight_bytes
 
 log = logging.getLogger("kvsession")
@@ -85,33 +86,56 @@ def post_attention(h, o, o_w, o_b, norm, gate_up_w, gate_up_b, down_w, down_b, e
     return h + row_product(F.silu(gate_up[:half]) * gate_up[half:], down_w, down_b)
 
 
-def decode_layer(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps: float,
-                 heads: int, kv_heads: int, k_cache, v_cache, slot, block_ids, num_tokens,
-                 scale: float, o_w, o_b, post_norm, gate_up_w, gate_up_b, down_w, down_b,
-                 eps_post: float):
-    """One layer of a batch-1 decode step in one region: pre_attention, the new K/V stored
-    at `slot` of the layer's float32 cache ([num_blocks, block_size, kv_heads, D]),
-    attention over the first `num_tokens` (a 0-dim tensor) slots of `block_ids` (the
-    sequence's blocks, in order), post_attention. What the paged reference computes, read
-    token-major: each token's K (then V) row of all heads is one contiguous read, and the
-    slots past the end of the last block are masked out of scores and values (they may
-    hold anything: zeros, freed data)."""
+def layer(attend_fn, h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps: float,
+          heads: int, kv_heads: int, k_cache, v_cache, slot, block_ids, num_tokens,
+          scale: float, o_w, o_b, post_norm, gate_up_w, gate_up_b, down_w, down_b,
+          eps_post: float):
+    """One layer of a batch-1 decode step: pre_attention, the new K/V stored at `slot` of
+    the layer's float32 cache ([num_blocks, block_size, kv_heads, D]), attention over the
+    first `num_tokens` (a 0-dim tensor) slots of `block_ids` (the sequence's blocks, in
+    order) by `attend_fn`, post_attention."""
     q, k, v = pre_attention(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps,
                             heads, kv_heads)
     k_cache.flatten(0, 1).index_copy_(0, slot, k)
     v_cache.flatten(0, 1).index_copy_(0, slot, v)
+    o = attend_fn(q, k_cache, v_cache, block_ids, num_tokens, scale)
+    return post_attention(h, o.reshape(1, -1), o_w, o_b, post_norm, gate_up_w, gate_up_b,
+                          down_w, down_b, eps_post)
+
+
+def decode_layer(*args):
+    """`layer` in one region, the attention compiled too (`attend`)."""
+    return layer(attend, *args)
+
+
+def decode_layer_kernel(*args):
+    """`layer` in one region, the attention read by the C++ kernel (kernels/cpu_decode),
+    called from the region as an op: at 2,048 tokens it read the cache ~1.5-2x faster than
+    the compiled `attend` on the AMD bench machine, and as fast at 128."""
+    return layer(kernel_attend, *args)
+
+
+def kernel_attend(q, k_cache, v_cache, block_ids, num_tokens, scale: float):
+    return torch.ops.kvsession.cpu_decode_attention(q, k_cache, v_cache, block_ids[None],
+                                                    num_tokens.view(1), scale)
+
+
+def attend(q, k_cache, v_cache, block_ids, num_tokens, scale: float):
+    """What the paged reference computes for one query token q [1, heads, D], read
+    token-major: each token's K (then V) row of all heads is one contiguous read, and the
+    slots past the end of the last block are masked out of scores and values (they may
+    hold anything: zeros, freed data). [kv_heads, group, D]."""
+    kv_heads = k_cache.shape[2]
     keys, values = k_cache[block_ids], v_cache[block_ids]  # [blocks, block_size, kv_heads, D]
     slots = torch.arange(keys.shape[0] * keys.shape[1], device=keys.device)
     valid = (slots < num_tokens).view(keys.shape[0], keys.shape[1], 1, 1)
-    qg = q[0].view(kv_heads, heads // kv_heads, -1)  # the query heads sharing each KV head
+    qg = q[0].view(kv_heads, q.shape[1] // kv_heads, -1)  # the query heads sharing a KV head
     scores = torch.where(valid, (keys[:, :, :, None, :] * qg).sum(-1) * scale, float("-inf"))
     p = torch.exp(scores - scores.amax((0, 1)))  # [blocks, block_size, kv_heads, group]
     # per block, then over the blocks: the second sum is a vertical reduction over rows of
     # kv_heads * group * D contiguous values (one sum over all tokens ran ~1.3x slower)
     o = torch.where(valid[..., None], p[..., None] * values[:, :, :, None, :], 0.0).sum(1)
-    o = o.sum(0) / p.sum((0, 1))[..., None]
-    return post_attention(h, o.reshape(1, -1), o_w, o_b, post_norm, gate_up_w, gate_up_b,
-                          down_w, down_b, eps_post)
+    return o.sum(0) / p.sum((0, 1))[..., None]
 
 
 def head(hidden, w, b):
@@ -141,7 +165,7 @@ class OneRowKernels:
         self.pre, self.post, self.head = (compile_region(f) for f in
                                           (pre_attention, post_attention, head))
         # the block list's length varies (marked dynamic per step); the rest is static
-        self.decode = compile_region(decode_layer, dynamic=None)
+        self.select_attention(kernel=False)
         self.decode_compiles = True  # until warm_up finds otherwise
 
     def reads_cache(self, layer_kv) -> bool:
@@ -174,13 +198,20 @@ class OneRowKernels:
         """float32 logits [1, vocab] of one row (after the final norm). Under inference mode."""
         return self.head(_inference(hidden), *self.head_args)
 
+    def select_attention(self, kernel: bool) -> None:
+        """The decode layer's attention: the C++ kernel's op (decode_layer_kernel; where
+        the engine's backend reads decode attention with kernels/cpu_decode) or compiled
+        code (decode_layer). Before warm_up."""
+        self.decode = compile_region(decode_layer_kernel if kernel else decode_layer,
+                                     dynamic=None)
+
     def warm_up(self, spec, kv, scale: float) -> None:
         """Compile what the engine will run, before its first step needs it: dynamo
         guards on the thread count, so each region is run at each count the engine's
-        ThreadGovernor may choose (all threads, one); decode_layer for `kv`'s cache, on a
-        step that writes and reads its first two blocks, or else the two regions. Inputs as
-        a step's (distinct cos and sin: dynamo also guards on aliasing). Only while no block
-        holds anything: at start-up."""
+        ThreadGovernor may choose (all threads, one); the decode layer for `kv`'s cache, on
+        a step that writes and reads its first two blocks, or else the two regions. Inputs
+        as a step's (distinct cos and sin: dynamo also guards on aliasing). Only while no
+        block holds anything: at start-up."""
         decodes = self.reads_cache(kv.layer(0)) and kv.num_blocks >= 2
         before = torch.get_num_threads()
         try:

@@ -1,0 +1,200 @@
+// Decode attention over a paged float32 KV cache on CPU: one query token per sequence,
+// every block read in place through the block table (no gather), the batch's shared
+// leading blocks read once for all of its queries. Built at first use by cpu_decode.py
+// (the system's C++ compiler, -O3 -march=native, OpenMP: the same runtime torch loaded).
+// Its torch twin is reference.paged_attention; tests/test_cpu_decode.py holds them equal.
+//
+// Layout: k_cache / v_cache [num_blocks, block_size, kv_heads, head_dim] (token-major: one
+// token's K of every head is one contiguous row), q and out [num_seqs, kv_heads, group,
+// head_dim] (the query heads sharing a KV head are its `group` query rows).
+//
+// Work is split into tasks of whole blocks (a run of one sequence's blocks, or of the
+// shared blocks for every sequence), so that a long context spreads over all threads.
+// Each task keeps an online softmax per query row (running max m, sum l, weighted values
+// acc) block by block; a second pass merges each sequence's tasks by log-sum-exp.
+// Why it is written this way:
+// - scores for a block are computed token-major (each K row is read once, for every query
+//   row of its head), then the softmax update runs once per block, not per token;
+// - values are accumulated per query row over the block's tokens in registers (head_dim
+//   is a template constant for 64 and 128), so acc is loaded and stored once per block;
+// - the next block's K and V are prefetched: blocks are 16 KiB-ish pieces in table order,
+//   scattered in memory, and the hardware prefetcher stops at every one of them.
+// Slots past a sequence's last token are never read, so whatever they hold (freed data,
+// NaN) cannot reach the output.
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+struct Task {
+  int64_t s0, s1;      // sequences [s0, s1): one, or the whole batch for shared blocks
+  int64_t b0, b1;      // table columns [b0, b1)
+  int64_t scratch;     // offset of its (acc, m, l) rows in the scratch buffer
+};
+
+struct Args {
+  const float* k;
+  const float* v;
+  int64_t bs, kvh, dim, group;
+  const int64_t* table;
+  int64_t stride;
+  const int64_t* lens;
+  const float* q;
+  float scale;
+};
+
+template <int DC>
+void run_task(const Args& a, const Task& t, float* scratch) {
+  const int64_t D = DC ? DC : a.dim;
+  const int64_t row = a.kvh * D, block = a.bs * row;
+  const int64_t per_seq = a.kvh * a.group;               // query rows of one sequence
+  const int64_t rows = (t.s1 - t.s0) * per_seq;
+  float* acc = scratch + t.scratch;                      // [rows, D]
+  float* m = acc + rows * D;                             // [rows]
+  float* l = m + rows;                                   // [rows]
+  std::vector<float> sc(rows * a.bs);                    // this block's scores / weights
+  for (int64_t r = 0; r < rows; r++) { m[r] = -FLT_MAX; l[r] = 0.f; }
+  std::memset(acc, 0, sizeof(float) * rows * D);
+  const int64_t* ids = a.table + t.s0 * a.stride;        // shared blocks: any row will do
+  const int64_t len = t.s1 - t.s0 == 1 ? a.lens[t.s0] : INT64_MAX;
+  for (int64_t b = t.b0; b < t.b1; b++) {
+    const int64_t n = std::min<int64_t>(a.bs, len - b * a.bs);
+    const float* kb = a.k + ids[b] * block;
+    const float* vb = a.v + ids[b] * block;
+    if (b + 1 < t.b1) {
+      const char* nk = reinterpret_cast<const char*>(a.k + ids[b + 1] * block);
+      const char* nv = reinterpret_cast<const char*>(a.v + ids[b + 1] * block);
+      for (int64_t off = 0; off < block * 4; off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
+    for (int64_t i = 0; i < n; i++) {
+      for (int64_t h = 0; h < a.kvh; h++) {
+        const float* kr = kb + i * row + h * D;
+        for (int64_t s = t.s0; s < t.s1; s++) {
+          for (int64_t j = 0; j < a.group; j++) {
+            const float* qr = a.q + ((s * a.kvh + h) * a.group + j) * D;
+            float d = 0.f;
+#pragma omp simd reduction(+ : d)
+            for (int64_t x = 0; x < D; x++) d += kr[x] * qr[x];
+            sc[(((s - t.s0) * a.kvh + h) * a.group + j) * a.bs + i] = d * a.scale;
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+      float* p = sc.data() + r * a.bs;
+      float mx = m[r];
+      for (int64_t i = 0; i < n; i++) mx = p[i] > mx ? p[i] : mx;
+      const float c = std::exp(m[r] - mx);  // 0 on the first block (m = -FLT_MAX)
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; i++) {
+        p[i] = std::exp(p[i] - mx);
+        sum += p[i];
+      }
+      m[r] = mx;
+      l[r] = l[r] * c + sum;
+      const int64_t h = (r / a.group) % a.kvh;
+      float reg[DC ? DC : 1];
+      float* o = DC ? reg : acc + r * D;
+      if (DC) {
+#pragma omp simd
+        for (int64_t x = 0; x < D; x++) o[x] = acc[r * D + x] * c;
+      } else {
+        for (int64_t x = 0; x < D; x++) o[x] *= c;
+      }
+      for (int64_t i = 0; i < n; i++) {
+        const float* vr = vb + i * row + h * D;
+        const float w = p[i];
+#pragma omp simd
+        for (int64_t x = 0; x < D; x++) o[x] += w * vr[x];
+      }
+      if (DC) {
+#pragma omp simd
+        for (int64_t x = 0; x < D; x++) acc[r * D + x] = o[x];
+      }
+    }
+  }
+}
+
+// out rows of sequence s: its tasks' partial results merged by log-sum-exp; zeros when it
+// has no token (padding).
+void merge(const Args& a, const std::vector<Task>& tasks, const std::vector<int64_t>& mine,
+           int64_t s, const float* scratch, float* out) {
+  const int64_t D = a.dim, per_seq = a.kvh * a.group;
+  for (int64_t r = 0; r < per_seq; r++) {
+    float* o = out + (s * per_seq + r) * D;
+    float mx = -FLT_MAX;
+    for (int64_t ti : mine) {
+      const Task& t = tasks[ti];
+      const int64_t rows = (t.s1 - t.s0) * per_seq, rr = (s - t.s0) * per_seq + r;
+      mx = std::max(mx, scratch[t.scratch + rows * D + rr]);
+    }
+    std::memset(o, 0, sizeof(float) * D);
+    if (mine.empty()) continue;  // every task has at least one token
+    float total = 0.f;
+    for (int64_t ti : mine) {
+      const Task& t = tasks[ti];
+      const int64_t rows = (t.s1 - t.s0) * per_seq, rr = (s - t.s0) * per_seq + r;
+      const float* acc = scratch + t.scratch;
+      const float w = std::exp(acc[rows * D + rr] - mx);
+      total += w * acc[rows * D + rows + rr];
+      for (int64_t x = 0; x < D; x++) o[x] += w * acc[rr * D + x];
+    }
+    const float inv = 1.f / total;
+    for (int64_t x = 0; x < D; x++) o[x] *= inv;
+  }
+}
+
+}  // namespace
+
+// Returns 0. shared_blocks: leading table columns every sequence has (same block ids,
+// full blocks); chunk_blocks: blocks per task (the split across threads).
+extern "C" int kvs_decode_attention(const float* k_cache, const float* v_cache,
+                                    int64_t block_size, int64_t kv_heads, int64_t head_dim,
+                                    const int64_t* block_tables, int64_t table_stride,
+                                    const int64_t* seq_lens, int64_t num_seqs, int64_t group,
+                                    const float* q, float scale, int64_t shared_blocks,
+                                    int64_t chunk_blocks, float* out, int num_threads) {
+  const Args a{k_cache, v_cache, block_size, kv_heads, head_dim, group,
+               block_tables, table_stride, seq_lens, q, scale};
+  const int64_t per_seq = kv_heads * group, floats_per_row = head_dim + 2;
+  std::vector<Task> tasks;
+  std::vector<std::vector<int64_t>> mine(num_seqs);
+  int64_t scratch = 0;
+  for (int64_t b = 0; b < shared_blocks; b += chunk_blocks) {
+    tasks.push_back({0, num_seqs, b, std::min(b + chunk_blocks, shared_blocks), scratch});
+    scratch += num_seqs * per_seq * floats_per_row;
+    for (int64_t s = 0; s < num_seqs; s++) mine[s].push_back(int64_t(tasks.size()) - 1);
+  }
+  for (int64_t s = 0; s < num_seqs; s++) {
+    const int64_t end = (seq_lens[s] + block_size - 1) / block_size;
+    for (int64_t b = shared_blocks; b < end; b += chunk_blocks) {
+      tasks.push_back({s, s + 1, b, std::min(b + chunk_blocks, end), scratch});
+      scratch += per_seq * floats_per_row;
+      mine[s].push_back(int64_t(tasks.size()) - 1);
+    }
+  }
+  std::vector<float> buf(scratch);
+  const int64_t num_tasks = tasks.size();
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_tasks)));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t i = 0; i < num_tasks; i++) {
+    if (head_dim == 64) run_task<64>(a, tasks[i], buf.data());
+    else if (head_dim == 128) run_task<128>(a, tasks[i], buf.data());
+    else run_task<0>(a, tasks[i], buf.data());
+  }
+  const int merge_threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_seqs)));
+#pragma omp parallel for num_threads(merge_threads)
+  for (int64_t s = 0; s < num_seqs; s++) merge(a, tasks, mine[s], s, buf.data(), out);
+  return 0;
+}

@@ -1,0 +1,131 @@
+"""The C++ decode attention kernel (kernels/cpu_decode) against its torch twin
+(reference.paged_attention), through the engine against transformers, and without a
+compiler (the engine keeps the torch reference; asking for it by name is a ConfigError)."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from kvsession import LLM, SamplingParams
+from kvsession.attention import resolve_backend
+from kvsession.config import AttentionBackend
+from kvsession.errors import ConfigError
+from kvsession.kernels import cpu_decode, reference
+from kvsession.model.onerow import OneRowKernels
+from oracle import hf_greedy, random_prompts
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    fn = cpu_decode.load()
+    if fn is None:
+        pytest.fail("the kernel did not build here (this machine has a C++ compiler)")
+    return fn
+
+
+def random_case(rng: random.Random, *, lens, shared, block_size, kv_heads, group, dim,
+                num_blocks=96):
+    """Caches full of noise (NaN in every slot no sequence uses), a table of scattered
+    blocks (the first `shared` blocks the same for all rows), -1 padding past each row."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    k = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"))
+    v = torch.full_like(k, float("nan"))
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    common = [free.pop() for _ in range(shared)]
+    width = max(-(-n // block_size) for n in lens) + 1
+    table = torch.full((len(lens), width), -1, dtype=torch.int64)
+    for i, n in enumerate(lens):
+        ids = common + [free.pop() for _ in range(-(-n // block_size) - shared)] if n else []
+        table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        for j, b in enumerate(ids):  # only the slots this row reads hold numbers
+            used = min(block_size, n - j * block_size)
+            k[b, :used] = torch.randn(used, kv_heads, dim, generator=g)
+            v[b, :used] = torch.randn(used, kv_heads, dim, generator=g)
+    q = torch.randn(len(lens), kv_heads * group, dim, generator=g)
+    return q, k, v, table, torch.tensor(lens)
+
+
+CASES = [  # lens, shared blocks, block size, kv heads, group, head dim
+    ([1], 0, 16, 4, 2, 64),
+    ([700], 0, 16, 2, 4, 128),  # several tasks: split over the threads, merged
+    ([37, 0, 300, 16], 0, 16, 4, 2, 64),  # a padding row (no token) gives zeros
+    ([300, 290, 401], 10, 16, 2, 2, 64),  # the shared blocks read once for all rows
+    ([50, 9, 130], 0, 8, 3, 1, 32),  # the generic head size, MHA
+    ([200, 180], 2, 32, 1, 8, 80),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_the_torch_twin(kernel, case, threads):
+    lens, shared, bs, kvh, group, dim = case
+    q, k, v, table, seq_lens = random_case(random.Random(str(case)), lens=lens,
+                                           shared=shared, block_size=bs, kv_heads=kvh,
+                                           group=group, dim=dim)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_decode.paged_attention(kernel, q, k, v, table, seq_lens, dim ** -0.5,
+                                         shared)
+    finally:
+        torch.set_num_threads(before)
+    # the twin reads only the rows' own slots too; NaN elsewhere would poison either
+    want = reference.paged_attention(q, k.nan_to_num(0.0), v.nan_to_num(0.0), table,
+                                     seq_lens, dim ** -0.5)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[seq_lens == 0] == 0).all()
+
+
+def test_engine_batches_through_the_kernel_with_transformers_tokens(model_dirs, monkeypatch):
+    """Batched decode (a shared pinned prefix, mixed lengths) and batch-1 decode through
+    the one-token regions with the kernel's op: transformers' tokens, the kernel called."""
+    d = model_dirs("llama")
+    system = random_prompts(1, [40], 500)[0]
+    prompts = [system + p for p in random_prompts(2, [3, 20, 9], 500)]
+    ref = hf_greedy(d, prompts, GREEDY.max_tokens)
+    calls = []
+    real = cpu_decode.paged_attention
+    monkeypatch.setattr(cpu_decode, "paged_attention",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with LLM(d, max_model_len=256, kv_cache_memory="4MiB") as llm:
+        assert llm._rt.engine.runner.backend == AttentionBackend.CPU
+        llm.pin(system)
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
+                                                  sampling_params=GREEDY, use_tqdm=False)]
+        batched = len(calls)
+        model = llm._rt.model
+        kernels = model.one_row = OneRowKernels.for_model(model)  # tiny: never measured
+        kernels.select_attention(kernel=True)
+        one = llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY,
+                           use_tqdm=False)[0].token_ids
+    assert got == ref and one == ref[0]
+    assert batched >= model.spec.num_layers * (GREEDY.max_tokens - 1)
+    assert len(calls) - batched == model.spec.num_layers * (GREEDY.max_tokens - 1)
+
+
+def test_without_a_compiler_the_torch_reference_serves(model_dirs, monkeypatch, tmp_path,
+                                                       caplog):
+    d = model_dirs("llama")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-c++"))
+    monkeypatch.setenv("KVSESSION_CACHE", str(tmp_path / "cache"))
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="kvsession"):
+        assert cpu_decode.load() is None
+        assert resolve_backend(AttentionBackend.AUTO, cpu, 16) == AttentionBackend.TORCH
+    assert "no-c++" in caplog.text and "torch reference" in caplog.text
+    with pytest.raises(ConfigError, match="C\\+\\+ compiler"):
+        resolve_backend(AttentionBackend.CPU, cpu, 16)
+    prompts = random_prompts(3, [5, 30], 500)
+    with LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
+        assert llm._rt.engine.runner.backend == AttentionBackend.TORCH
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
+                                                  sampling_params=GREEDY, use_tqdm=False)]
+    assert got == hf_greedy(d, prompts, GREEDY.max_tokens)
