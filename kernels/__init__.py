@@ -1,5 +1,7 @@
 """kvsession.kernels: Triton kernels and their torch reference twins.
 
 This folder is packaged as `kvsession.kernels`; it is never importable as a top-level
-`kernels` module. `reference` is pure torch and is what the engine runs on CPU.
+`kernels` module. `reference` is pure torch and is what the engine runs on CPU, but for
+decode attention over a float32 cache, which `cpu_decode` (a C++ kernel built at first use)
+reads when it builds.
 """

@@ -34,9 +34,12 @@ import torch
 log = logging.getLogger("kvsession")
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-# -ffast-math lets the exp loops call glibc's vector exp (libmvec); infinities stay exact
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
-         "-fPIC", "-shared", "-std=c++17"]
+# -ffast-math lets the exp loops call glibc's vector exp (libmvec); infinities stay exact.
+# Compiled and linked in two steps: linking with -ffast-math adds gcc's crtfastmath, whose
+# constructor turns on flush-to-zero for the whole process when the library loads.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
+                 "-fPIC", "-std=c++17", "-c"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
 LINK = [["-lmvec", "-lm"], ["-lm"]]  # libmvec is glibc's; without it exp stays scalar
 BUILD_TIMEOUT_S = 120.0
 # tokens per task (the unit split across threads): long enough that a task's setup and
@@ -97,26 +100,29 @@ def _build_and_load(cxx: str | None, directory: Path):
                     "(set CXX); decode attention runs the torch reference")
         return None
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), cxx.encode(),
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
+    digest = hashlib.sha256(b"\0".join([source, flags, cxx.encode(),
                                         _cpu_id().encode(), torch.__version__.encode()]))
     lib = directory / f"cpu_decode-{digest.hexdigest()[:16]}.so"
     errors = []
     if not lib.is_file():
         directory.mkdir(parents=True, exist_ok=True)
-        for link in LINK:
-            # built under a temporary name and renamed: processes building at once (test
-            # workers, Ray replicas) never load a half-written library
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-            os.close(fd)
-            try:
-                subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp, *link], check=True,
-                               capture_output=True, timeout=BUILD_TIMEOUT_S)
-                os.replace(tmp, lib)
-                break
-            except (OSError, subprocess.SubprocessError) as e:
-                detail = getattr(e, "stderr", b"") or b""
-                errors.append(f"{e} {detail.decode(errors='replace')[-500:]}")
-                Path(tmp).unlink(missing_ok=True)
+        # built under temporary names and renamed: processes building at once (test
+        # workers, Ray replicas) never load a half-written library
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            obj, out = Path(tmp) / "cpu_decode.o", Path(tmp) / "cpu_decode.so"
+            steps = [[cxx, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)]]
+            for link in LINK:
+                try:
+                    for cmd in steps + [[cxx, *LINK_FLAGS, str(obj), "-o", str(out), *link]]:
+                        subprocess.run(cmd, check=True, capture_output=True,
+                                       timeout=BUILD_TIMEOUT_S)
+                    os.replace(out, lib)
+                    break
+                except (OSError, subprocess.SubprocessError) as e:
+                    detail = getattr(e, "stderr", b"") or b""
+                    errors.append(f"{e} {detail.decode(errors='replace')[-500:]}")
+                    steps = [] if obj.is_file() else steps  # compiled: only link again
     try:
         fn = ctypes.CDLL(str(lib)).kvs_decode_attention
     except OSError as e:

@@ -129,3 +129,17 @@ def test_without_a_compiler_the_torch_reference_serves(model_dirs, monkeypatch, 
         got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
                                                   sampling_params=GREEDY, use_tqdm=False)]
     assert got == hf_greedy(d, prompts, GREEDY.max_tokens)
+
+
+def test_loading_the_kernel_keeps_subnormal_floats(kernel):
+    """Linking with -ffast-math would add gcc's crtfastmath, which turns on flush-to-zero
+    for the whole process when the library loads (transformers' and the user's numbers
+    included). Loaded in a fresh process, subnormals must survive."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from kvsession.kernels import cpu_decode; "
+            "assert cpu_decode.load() is not None; "
+            "x = torch.tensor(1e-39, dtype=torch.float32); "
+            "sys.exit(0 if (x * 0.5).item() != 0.0 and float(1e-310) / 2 != 0.0 else 3)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
