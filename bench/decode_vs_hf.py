@@ -9,8 +9,11 @@ CPU, greedy; and a decode step against the limit the memory allows, measured in 
    (every projection weight once, plus each sequence's K/V) / DRAM read bandwidth (the best
    `sum` over a 1 GiB buffer, interleaved with the steps). Targets: batch 1 <= 1.5x the
    bound, 2,048-token decode >= 0.8x the 128-token rate, >= 1.5x transformers everywhere.
-3. Attention over a fragmented block table (2,048 tokens, blocks in random order: the
-   gathered fallback) vs the same step on consecutive blocks (read in place).
+3. Attention over a fragmented block table (2,048 tokens, blocks in random order) vs the
+   same step on consecutive blocks, through the torch reference and the CPU kernel; and
+   decode attention alone (the mid model's layer shape, 2,048 tokens per sequence, caches
+   far larger than the CPU's caches) against a `sum` over the same bytes: batch 1 and 8,
+   consecutive and scattered blocks, and 8 sequences sharing 1,024 leading tokens.
 4. `--kernels`: the projection kernels on the model's weight shapes vs the same bound.
 5. `--int8` (optional): weight-only int8 logits against float32, and its step time.
 
@@ -125,8 +128,10 @@ class Direct:
     """A model with its own KV pool, driven without the engine (explicit block tables):
     for what the engine does not expose (a fragmented table, another weight format)."""
 
-    def __init__(self, path, weight_format: str = "float", num_blocks: int = 320):
+    def __init__(self, path, weight_format: str = "float", num_blocks: int = 320,
+                 backend=None):
         from kvsession.cache.kv_pool import KVPool
+        from kvsession.config import AttentionBackend
         from kvsession.kernels.reference import Workspace
         from kvsession.model.config import load_model_spec
         from kvsession.model.llama import LlamaModel
@@ -139,6 +144,7 @@ class Direct:
         self.kv = KVPool(spec.num_layers, num_blocks, 16, spec.num_kv_heads, spec.head_dim,
                          torch.float32, cpu)
         self.ws = Workspace()
+        self.backend = backend or AttentionBackend.TORCH
 
     def run(self, tokens: list[int], start: int, table: torch.Tensor) -> torch.Tensor:
         """One sequence's `tokens` at positions start...: float32 logits of the last."""
@@ -150,14 +156,18 @@ class Direct:
             slot_mapping=table[0, pos // bs] * bs + pos % bs, block_tables=table,
             query_start_loc=[0, n], seq_lens=[start + n],
             seq_lens_tensor=torch.tensor([start + n]), decode_only=n == 1,
-            softmax_scale=self.model.softmax_scale, workspace=self.ws, all_slots_valid=True)
+            softmax_scale=self.model.softmax_scale, workspace=self.ws, all_slots_valid=True,
+            backend=self.backend)
         return self.model.logits(self.model.forward(torch.tensor(tokens), pos, self.kv,
                                                     meta)[-1:])
 
 
 def fragmented(path, bw: Bandwidth, context: int = 2048) -> dict:
-    """One model step (batch 1) over 2,048 cached tokens whose blocks are consecutive
-    (attended in place) or in random order (gathered chunk by chunk)."""
+    """One model step (batch 1) over 2,048 cached tokens whose blocks are consecutive or in
+    random order, through the torch reference (runs in place, else gathered chunks) and
+    the CPU kernel (every block read in place through the table)."""
+    from kvsession.config import AttentionBackend
+
     nblocks = -(-(context + 1) // 16)
     d = Direct(path, num_blocks=2 * nblocks)
     d.kv.k.normal_()
@@ -165,18 +175,85 @@ def fragmented(path, bw: Bandwidth, context: int = 2048) -> dict:
     tables = {"in_place": torch.arange(nblocks)[None],
               "fragmented": torch.randperm(2 * nblocks, generator=torch.Generator().manual_seed(0))
               [:nblocks][None]}
+    backends = {"torch": AttentionBackend.TORCH, "cpu kernel": AttentionBackend.CPU}
 
-    def step(table):
-        return lambda: d.run([7], context, table)
+    def step(table, backend):
+        def run():
+            d.backend = backend
+            d.run([7], context, table)
+        return run
 
-    t = compare([step(tables["in_place"]), step(tables["fragmented"])], 5, between=bw.sample)
+    cases = [(t, b) for b in backends for t in tables]
+    t = compare([step(tables[a], backends[b]) for a, b in cases], 5, between=bw.sample)
     wbytes, kvbytes = step_bytes(d.spec, 1, context)
     bound = (wbytes + kvbytes) / bw.best
-    out = {k: {"step_ms": x * 1e3, "ratio_to_bound": x / bound} for k, x in zip(tables, t,
-                                                                                  strict=True)}
+    out = {f"{a} ({b})": {"step_ms": x * 1e3, "ratio_to_bound": x / bound}
+           for (a, b), x in zip(cases, t, strict=True)}
     print("model step, 2,048 tokens: " + ", ".join(
         f"{k} {v['step_ms']:.2f} ms ({v['ratio_to_bound']:.2f}x bound)" for k, v in out.items()))
     return out
+
+
+def attention_alone(spec, context: int = 2048, layers: int = 8) -> dict:
+    """Decode attention by itself, per layer, against the limit the memory sets: a `sum`
+    over the same K/V bytes, timed interleaved. `layers` caches (as a model's) so that
+    each read comes from DRAM, as in a step."""
+    from kvsession.kernels import cpu_decode, reference
+
+    fn = cpu_decode.load()
+    if fn is None:
+        return {}
+    bs, kvh, dim = 16, spec.num_kv_heads, spec.head_dim
+    per_seq = context // bs
+    num_blocks = 2 * 8 * per_seq
+    caches = [(torch.randn(num_blocks, bs, kvh, dim), torch.randn(num_blocks, bs, kvh, dim))
+              for _ in range(layers)]
+    g = torch.Generator().manual_seed(0)
+    scattered = torch.randperm(num_blocks, generator=g)
+    shared = per_seq // 2
+    cases = {  # name: table [batch, blocks]
+        "batch 1, consecutive": torch.arange(per_seq)[None],
+        "batch 1, scattered": scattered[:per_seq][None],
+        "batch 8, scattered": scattered[:8 * per_seq].view(8, per_seq),
+        "batch 8, 1,024 tokens shared": torch.cat(
+            [scattered[:shared].expand(8, shared),
+             scattered[shared: shared + 8 * (per_seq - shared)].view(8, -1)], dim=1),
+    }
+    scale = dim ** -0.5
+    out = {}
+    for name, table in cases.items():
+        batch = table.shape[0]
+        lens = torch.full((batch,), context)
+        q = torch.randn(batch, spec.num_heads, dim)
+        unique = table.unique()
+        nbytes = 2 * unique.numel() * bs * kvh * dim * 4
+        share = reference.shared_prefix_blocks(table, lens, bs)
+        views = [(k[unique], v[unique]) for k, v in caches]  # the same bytes, contiguous
+        t_sum, t_kernel, t_torch = compare([
+            _layers(layers, lambda k, v, _: (k.sum(), v.sum()), views, None),
+            _layers(layers, lambda k, v, a: cpu_decode.paged_attention(fn, *a[:1], k, v, *a[1:]),
+                    caches, (q, table, lens, scale, share)),
+            _layers(layers, lambda k, v, a: reference.paged_attention(a[0], k, v, *a[1:4]),
+                    caches, (q, table, lens, scale)),
+        ], 7)
+        r = {"kernel_us": t_kernel / layers * 1e6, "torch_us": t_torch / layers * 1e6,
+             "sum_us": t_sum / layers * 1e6, "bytes": nbytes,
+             "kernel_gb_s": nbytes * layers / t_kernel / 1e9,
+             "kernel_vs_sum": t_kernel / t_sum, "torch_vs_kernel": t_torch / t_kernel}
+        out[name] = r
+        print(f"attention alone, {name}: kernel {r['kernel_us']:.0f} us/layer "
+              f"({r['kernel_gb_s']:.1f} GB/s, {r['kernel_vs_sum']:.2f}x a sum over the same "
+              f"bytes), torch reference {r['torch_us']:.0f} us ({r['torch_vs_kernel']:.2f}x "
+              f"the kernel)", flush=True)
+    return out
+
+
+def _layers(layers: int, f, caches, args):
+    """A callable running f(k, v, args) over each layer's (k, v) in turn."""
+    def run():
+        for k, v in caches[:layers]:
+            f(k, v, args)
+    return run
 
 
 def int8(path, bw: Bandwidth, prompt_len: int = 256, decode: int = 64) -> dict:
@@ -322,13 +399,15 @@ def main() -> None:
     steps = decode_steps(llm, hf, bw, args.steps, rng)
     llm.close()
     frag = fragmented(path, bw)
+    alone = attention_alone(spec)
     kern = kernels(spec, bw) if args.kernels else None
     q8 = int8(path, bw) if args.int8 else None
     print(f"DRAM read bandwidth (best in the run): {bw.best / 1e9:.1f} GB/s")
     write_result("decode_vs_hf", {"model": "mid-size llama (hidden 512, 8 layers, vocab 32000)",
                                   "new_tokens": n_new, "results": results,
                                   "read_bandwidth_gb_s": bw.best / 1e9, "decode_steps": steps,
-                                  "fragmented_table": frag, "kernels": kern, "int8": q8})
+                                  "fragmented_table": frag, "attention_alone": alone,
+                                  "kernels": kern, "int8": q8})
     if args.plot:
         plt = pyplot()
 

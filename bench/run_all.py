@@ -64,6 +64,21 @@ def section_decode(r) -> list[str]:
     out += ["", "2,048-token rate / 128-token rate: batch 1 **"
             f"{fmt(steps['batch1_long_vs_short'])}x**, batch 8 "
             f"{fmt(steps['batch8_long_vs_short'])}x."]
+    frag = r.get("fragmented_table")
+    if frag:
+        out += ["", "One model step (batch 1, eager layers) over 2,048 cached tokens, blocks "
+                "consecutive or in random order: " + ", ".join(
+                    f"{k} {fmt(v['step_ms'])} ms ({fmt(v['ratio_to_bound'])}x bound)"
+                    for k, v in frag.items()) + "."]
+    alone = r.get("attention_alone")
+    if alone:
+        out += ["", "Decode attention alone, per layer, 2,048 tokens per sequence (mid model: "
+                "4 KV heads x 64), against a `sum` over the same K/V bytes:", "",
+                "| case | CPU kernel us | GB/s | x sum | torch reference us | torch / kernel |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {k} | {fmt(x['kernel_us'], 0)} | {fmt(x['kernel_gb_s'], 1)} | "
+                f"**{fmt(x['kernel_vs_sum'])}x** | {fmt(x['torch_us'], 0)} | "
+                f"{fmt(x['torch_vs_kernel'])}x |" for k, x in alone.items()]
     kern = r.get("kernels")  # JSON keys: the row counts as strings
     if kern:
         cols = list(kern["1"])  # one row has every layout (the inductor product too)

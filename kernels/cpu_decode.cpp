@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include <omp.h>
@@ -50,8 +51,9 @@ struct Args {
   float scale;
 };
 
+// sc: room for (t.s1 - t.s0) * kv_heads * group * block_size floats (this block's scores)
 template <int DC>
-void run_task(const Args& a, const Task& t, float* scratch) {
+void run_task(const Args& a, const Task& t, float* scratch, float* sc) {
   const int64_t D = DC ? DC : a.dim;
   const int64_t row = a.kvh * D, block = a.bs * row;
   const int64_t per_seq = a.kvh * a.group;               // query rows of one sequence
@@ -59,7 +61,6 @@ void run_task(const Args& a, const Task& t, float* scratch) {
   float* acc = scratch + t.scratch;                      // [rows, D]
   float* m = acc + rows * D;                             // [rows]
   float* l = m + rows;                                   // [rows]
-  std::vector<float> sc(rows * a.bs);                    // this block's scores / weights
   for (int64_t r = 0; r < rows; r++) { m[r] = -FLT_MAX; l[r] = 0.f; }
   std::memset(acc, 0, sizeof(float) * rows * D);
   const int64_t* ids = a.table + t.s0 * a.stride;        // shared blocks: any row will do
@@ -91,7 +92,7 @@ void run_task(const Args& a, const Task& t, float* scratch) {
       }
     }
     for (int64_t r = 0; r < rows; r++) {
-      float* p = sc.data() + r * a.bs;
+      float* p = sc + r * a.bs;
       float mx = m[r];
       for (int64_t i = 0; i < n; i++) mx = p[i] > mx ? p[i] : mx;
       const float c = std::exp(m[r] - mx);  // 0 on the first block (m = -FLT_MAX)
@@ -155,18 +156,36 @@ void merge(const Args& a, const std::vector<Task>& tasks, const std::vector<int6
   }
 }
 
+void run(const Args& a, int64_t num_seqs, int64_t shared_blocks, int64_t chunk_blocks,
+         float* out, int num_threads);
+
 }  // namespace
 
-// Returns 0. shared_blocks: leading table columns every sequence has (same block ids,
-// full blocks); chunk_blocks: blocks per task (the split across threads).
+// Returns 0, or 1 when its scratch could not be allocated (nothing written).
+// shared_blocks: leading table columns every sequence has (same block ids, full blocks);
+// chunk_blocks: blocks per task (the split across threads).
 extern "C" int kvs_decode_attention(const float* k_cache, const float* v_cache,
                                     int64_t block_size, int64_t kv_heads, int64_t head_dim,
                                     const int64_t* block_tables, int64_t table_stride,
                                     const int64_t* seq_lens, int64_t num_seqs, int64_t group,
                                     const float* q, float scale, int64_t shared_blocks,
                                     int64_t chunk_blocks, float* out, int num_threads) {
-  const Args a{k_cache, v_cache, block_size, kv_heads, head_dim, group,
-               block_tables, table_stride, seq_lens, q, scale};
+  try {
+    run(Args{k_cache, v_cache, block_size, kv_heads, head_dim, group, block_tables,
+             table_stride, seq_lens, q, scale},
+        num_seqs, shared_blocks, chunk_blocks, out, num_threads);
+  } catch (const std::bad_alloc&) {  // an exception must not cross the C boundary
+    return 1;
+  }
+  return 0;
+}
+
+namespace {
+
+void run(const Args& a, int64_t num_seqs, int64_t shared_blocks, int64_t chunk_blocks,
+         float* out, int num_threads) {
+  const int64_t block_size = a.bs, kv_heads = a.kvh, head_dim = a.dim, group = a.group;
+  const int64_t* seq_lens = a.lens;
   const int64_t per_seq = kv_heads * group, floats_per_row = head_dim + 2;
   std::vector<Task> tasks;
   std::vector<std::vector<int64_t>> mine(num_seqs);
@@ -184,17 +203,21 @@ extern "C" int kvs_decode_attention(const float* k_cache, const float* v_cache,
       mine[s].push_back(int64_t(tasks.size()) - 1);
     }
   }
-  std::vector<float> buf(scratch);
   const int64_t num_tasks = tasks.size();
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_tasks)));
+  // every allocation happens here: an exception inside the parallel region would abort
+  const int64_t score_floats = (shared_blocks ? num_seqs : 1) * per_seq * block_size;
+  std::vector<float> buf(scratch), scores(threads * score_floats);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t i = 0; i < num_tasks; i++) {
-    if (head_dim == 64) run_task<64>(a, tasks[i], buf.data());
-    else if (head_dim == 128) run_task<128>(a, tasks[i], buf.data());
-    else run_task<0>(a, tasks[i], buf.data());
+    float* sc = scores.data() + omp_get_thread_num() * score_floats;
+    if (head_dim == 64) run_task<64>(a, tasks[i], buf.data(), sc);
+    else if (head_dim == 128) run_task<128>(a, tasks[i], buf.data(), sc);
+    else run_task<0>(a, tasks[i], buf.data(), sc);
   }
   const int merge_threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_seqs)));
 #pragma omp parallel for num_threads(merge_threads)
   for (int64_t s = 0; s < num_seqs; s++) merge(a, tasks, mine[s], s, buf.data(), out);
-  return 0;
 }
+
+}  // namespace

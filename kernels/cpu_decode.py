@@ -34,11 +34,12 @@ import torch
 log = logging.getLogger("kvsession")
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-# -ffast-math lets the exp loops call glibc's vector exp (libmvec); infinities stay exact.
+# -ffast-math lets the exp loops call glibc's vector exp (libmvec; its declarations need
+# finite-math-only too, so the kernel uses no infinity: -FLT_MAX starts each running max).
 # Compiled and linked in two steps: linking with -ffast-math adds gcc's crtfastmath, whose
 # constructor turns on flush-to-zero for the whole process when the library loads.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
-                 "-fPIC", "-std=c++17", "-c"]
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17",
+                 "-c"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 LINK = [["-lmvec", "-lm"], ["-lm"]]  # libmvec is glibc's; without it exp stays scalar
 BUILD_TIMEOUT_S = 120.0
@@ -156,11 +157,12 @@ def paged_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     tables = block_tables.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
-    if num_seqs:
-        fn(k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads, head_dim,
-           tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_seqs,
-           num_heads // kv_heads, qf.data_ptr(), softmax_scale, shared_blocks,
-           max(1, TASK_TOKENS // block_size), out.data_ptr(), torch.get_num_threads())
+    if num_seqs and fn(k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads,
+                       head_dim, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+                       num_seqs, num_heads // kv_heads, qf.data_ptr(), softmax_scale,
+                       shared_blocks, max(1, TASK_TOKENS // block_size), out.data_ptr(),
+                       torch.get_num_threads()):
+        raise MemoryError("the CPU decode attention kernel could not allocate its scratch")
     return out.to(q.dtype)
 
 
