@@ -72,7 +72,7 @@ void run_task(const Args& a, const Task& t, float* scratch, float* sc) {
     if (b + 1 < t.b1) {
       const char* nk = reinterpret_cast<const char*>(a.k + ids[b + 1] * block);
       const char* nv = reinterpret_cast<const char*>(a.v + ids[b + 1] * block);
-      for (int64_t off = 0; off < block * 4; off += 64) {
+      for (int64_t off = 0; off < block * 4; off += 4096) {  // one per page: the streamer does the rest
         __builtin_prefetch(nk + off);
         __builtin_prefetch(nv + off);
       }

@@ -153,9 +153,11 @@ def paged_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     table columns all sequences share (reference.shared_prefix_blocks), read once."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    qf = q.float().contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = seq_lens.to(torch.int64).contiguous()
+    # called per layer: every conversion is skipped when not needed (each costs ~1 us)
+    qf, tables, lens = (t if t.dtype == dtype and t.is_contiguous() else
+                        t.to(dtype).contiguous() for t, dtype in (
+                            (q, torch.float32), (block_tables, torch.int64),
+                            (seq_lens, torch.int64)))
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     if num_seqs and fn(k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads,
                        head_dim, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
@@ -163,19 +165,25 @@ def paged_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                        shared_blocks, max(1, TASK_TOKENS // block_size), out.data_ptr(),
                        torch.get_num_threads()):
         raise MemoryError("the CPU decode attention kernel could not allocate its scratch")
-    return out.to(q.dtype)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-@torch.library.custom_op("kvsession::cpu_decode_attention", mutates_args=())
-def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float
-              ) -> torch.Tensor:
-    """paged_attention as an op that compiled code calls (model/onerow.py's decode
-    layer): the kernel must have loaded (the callers check `load()` first)."""
+# paged_attention as an op that compiled code calls (model/onerow.py's decode layer; the
+# kernel must have loaded: the callers check `load()` first). Defined through the plain
+# Library API: a `torch.library.custom_op` wrapper cost ~25 us a call, this ~10.
+_LIBRARY = torch.library.Library("kvsession", "DEF")
+_LIBRARY.define("cpu_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
+                "Tensor block_tables, Tensor seq_lens, float softmax_scale) -> Tensor")
+
+
+def _op(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale):
     return paged_attention(load(), q, k_cache, v_cache, block_tables, seq_lens,
                            softmax_scale)
 
 
-@decode_op.register_fake
+_LIBRARY.impl("cpu_decode_attention", _op, "CPU")
+
+
+@torch.library.register_fake("kvsession::cpu_decode_attention")
 def _(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the kernel returns it
