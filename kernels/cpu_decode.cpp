@@ -31,6 +31,9 @@
 #include <vector>
 
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -50,6 +53,66 @@ struct Args {
   const float* q;
   float scale;
 };
+
+#if defined(__AVX512F__)
+// Lane i of the result: the sum of the 16 lanes of v[i]. Summing each dot product's 16
+// partial sums on its own costs ~7 dependent shuffles and adds; summing 16 of them at once
+// as a tree of shuffles costs ~3 per dot.
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int k = 0; k < 8; k++)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                         _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; k++)  // per 128-bit lane L: [v0_L, v1_L, v2_L, v3_L] (lane sums)
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 2; k++)  // 128-bit lanes [u0.L0+L1, u0.L2+L3, u1.L0+L1, u1.L2+L3]
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The scores of a full block of 16 tokens for every query row of task t: sc[r * 16 + i].
+template <int DC>
+void block_scores16(const Args& a, const Task& t, const float* kb, float* sc) {
+  const int64_t row = a.kvh * DC;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t s = t.s0; s < t.s1; s++) {
+    for (int64_t h = 0; h < a.kvh; h++) {
+      for (int64_t j = 0; j < a.group; j++) {
+        const float* qr = a.q + ((s * a.kvh + h) * a.group + j) * DC;
+        __m512 qv[DC / 16], part[16];
+        for (int c = 0; c < DC / 16; c++) qv[c] = _mm512_loadu_ps(qr + 16 * c);
+        for (int i = 0; i < 16; i++) {
+          const float* kr = kb + i * row + h * DC;
+          __m512 d = _mm512_mul_ps(_mm512_loadu_ps(kr), qv[0]);
+          for (int c = 1; c < DC / 16; c++)
+            d = _mm512_fmadd_ps(_mm512_loadu_ps(kr + 16 * c), qv[c], d);
+          part[i] = d;
+        }
+        _mm512_storeu_ps(sc + (((s - t.s0) * a.kvh + h) * a.group + j) * 16,
+                         _mm512_mul_ps(transpose_sum16(part), scale));
+      }
+    }
+  }
+}
+
+// o[:DC] = o * c + sum_i p[i] * v[i * row : i * row + DC] for i < n.
+template <int DC>
+inline void values16(float* o, float c, const float* p, int64_t n, const float* v,
+                     int64_t row) {
+  __m512 r[DC / 16];
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int k = 0; k < DC / 16; k++) r[k] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * k), cv);
+  for (int64_t i = 0; i < n; i++) {
+    const __m512 w = _mm512_set1_ps(p[i]);
+    for (int k = 0; k < DC / 16; k++)
+      r[k] = _mm512_fmadd_ps(_mm512_loadu_ps(v + i * row + 16 * k), w, r[k]);
+  }
+  for (int k = 0; k < DC / 16; k++) _mm512_storeu_ps(o + 16 * k, r[k]);
+}
+#endif
 
 // sc: room for (t.s1 - t.s0) * kv_heads * group * block_size floats (this block's scores)
 template <int DC>
@@ -77,6 +140,11 @@ void run_task(const Args& a, const Task& t, float* scratch, float* sc) {
         __builtin_prefetch(nv + off);
       }
     }
+#if defined(__AVX512F__)
+    if (DC && a.bs == 16 && n == 16) {
+      block_scores16<DC ? DC : 16>(a, t, kb, sc);
+    } else
+#endif
     for (int64_t i = 0; i < n; i++) {
       for (int64_t h = 0; h < a.kvh; h++) {
         const float* kr = kb + i * row + h * D;
@@ -105,23 +173,19 @@ void run_task(const Args& a, const Task& t, float* scratch, float* sc) {
       m[r] = mx;
       l[r] = l[r] * c + sum;
       const int64_t h = (r / a.group) % a.kvh;
-      float reg[DC ? DC : 1];
-      float* o = DC ? reg : acc + r * D;
-      if (DC) {
-#pragma omp simd
-        for (int64_t x = 0; x < D; x++) o[x] = acc[r * D + x] * c;
-      } else {
-        for (int64_t x = 0; x < D; x++) o[x] *= c;
+      float* o = acc + r * D;
+#if defined(__AVX512F__)
+      if (DC) {  // acc rescaled, then the block's weighted values added, in registers
+        values16<DC ? DC : 16>(o, c, p, n, vb + h * D, row);
+        continue;
       }
+#endif
+      for (int64_t x = 0; x < D; x++) o[x] *= c;
       for (int64_t i = 0; i < n; i++) {
         const float* vr = vb + i * row + h * D;
         const float w = p[i];
 #pragma omp simd
         for (int64_t x = 0; x < D; x++) o[x] += w * vr[x];
-      }
-      if (DC) {
-#pragma omp simd
-        for (int64_t x = 0; x < D; x++) acc[r * D + x] = o[x];
       }
     }
   }
