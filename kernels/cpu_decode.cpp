@@ -8,17 +8,23 @@
 // token's K of every head is one contiguous row), q and out [num_seqs, kv_heads, group,
 // head_dim] (the query heads sharing a KV head are its `group` query rows).
 //
-// Work is split into tasks of whole blocks (a run of one sequence's blocks, or of the
-// shared blocks for every sequence), so that a long context spreads over all threads.
-// Each task keeps an online softmax per query row (running max m, sum l, weighted values
-// acc) block by block; a second pass merges each sequence's tasks by log-sum-exp.
+// Work is split into tasks of at most 256 tokens (a run of one sequence's blocks, or of
+// the shared blocks for every sequence), so that a long context spreads over all threads.
+// A task computes every score of its blocks (K streamed once), one softmax per query row
+// over its tokens (max m, sum l), then the weighted values (V streamed once): one stream
+// at a time, no per-block rescaling (3-7% faster than an online softmax block by block).
+// A second pass merges each sequence's tasks by log-sum-exp.
 // Why it is written this way:
-// - scores for a block are computed token-major (each K row is read once, for every query
-//   row of its head), then the softmax update runs once per block, not per token;
-// - values are accumulated per query row over the block's tokens in registers (head_dim
-//   is a template constant for 64 and 128), so acc is loaded and stored once per block;
-// - the next block's K and V are prefetched: blocks are 16 KiB-ish pieces in table order,
-//   scattered in memory, and the hardware prefetcher stops at every one of them.
+// - scores are computed token-major (each K row is read once, for every query row of its
+//   head); with AVX-512 a full block's 16 scores per query row are summed as one shuffle
+//   tree (~3 ops a dot product instead of ~7 for a horizontal sum each);
+// - values are accumulated per query row over a block's tokens in registers (head_dim is
+//   a template constant for 64 and 128), so acc is loaded and stored once per block;
+// - the next block is prefetched, one line per page: blocks sit anywhere in memory, and
+//   the hardware's streamer stops at page boundaries;
+// - portable loops (omp simd) serve other head sizes, partial blocks and CPUs without
+//   AVX-512. On the AMD EPYC bench machine, 2,048 tokens of the bench model's layer took
+//   ~128 us of compute on one thread with the data in cache.
 // Slots past a sequence's last token are never read, so whatever they hold (freed data,
 // NaN) cannot reach the output.
 
@@ -73,9 +79,11 @@ inline __m512 transpose_sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The scores of a full block of 16 tokens for every query row of task t: sc[r * 16 + i].
+// The scores of a full block of 16 tokens for every query row r of task t:
+// sc[r * stride + i].
 template <int DC>
-void block_scores16(const Args& a, const Task& t, const float* kb, float* sc) {
+void block_scores16(const Args& a, const Task& t, const float* kb, float* sc,
+                    int64_t stride) {
   const int64_t row = a.kvh * DC;
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t s = t.s0; s < t.s1; s++) {
@@ -91,20 +99,18 @@ void block_scores16(const Args& a, const Task& t, const float* kb, float* sc) {
             d = _mm512_fmadd_ps(_mm512_loadu_ps(kr + 16 * c), qv[c], d);
           part[i] = d;
         }
-        _mm512_storeu_ps(sc + (((s - t.s0) * a.kvh + h) * a.group + j) * 16,
+        _mm512_storeu_ps(sc + (((s - t.s0) * a.kvh + h) * a.group + j) * stride,
                          _mm512_mul_ps(transpose_sum16(part), scale));
       }
     }
   }
 }
 
-// o[:DC] = o * c + sum_i p[i] * v[i * row : i * row + DC] for i < n.
+// o[:DC] += sum_i p[i] * v[i * row : i * row + DC] for i < n.
 template <int DC>
-inline void values16(float* o, float c, const float* p, int64_t n, const float* v,
-                     int64_t row) {
+inline void values16(float* o, const float* p, int64_t n, const float* v, int64_t row) {
   __m512 r[DC / 16];
-  const __m512 cv = _mm512_set1_ps(c);
-  for (int k = 0; k < DC / 16; k++) r[k] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * k), cv);
+  for (int k = 0; k < DC / 16; k++) r[k] = _mm512_loadu_ps(o + 16 * k);
   for (int64_t i = 0; i < n; i++) {
     const __m512 w = _mm512_set1_ps(p[i]);
     for (int k = 0; k < DC / 16; k++)
@@ -114,36 +120,39 @@ inline void values16(float* o, float c, const float* p, int64_t n, const float* 
 }
 #endif
 
-// sc: room for (t.s1 - t.s0) * kv_heads * group * block_size floats (this block's scores)
+// one line per page of a block: the hardware's streamer does the rest within each page
+inline void prefetch_block(const float* base, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 4096)
+    __builtin_prefetch(reinterpret_cast<const char*>(base) + off);
+}
+
+// Task t in two passes over its blocks: every score (K streamed once), one softmax per
+// query row over the task's tokens, then the weighted values (V streamed once). Two
+// sequential streams, one at a time, and no per-block rescaling.
+// sc: room for (t.s1 - t.s0) * kv_heads * group * (t.b1 - t.b0) * block_size floats.
 template <int DC>
 void run_task(const Args& a, const Task& t, float* scratch, float* sc) {
   const int64_t D = DC ? DC : a.dim;
   const int64_t row = a.kvh * D, block = a.bs * row;
   const int64_t per_seq = a.kvh * a.group;               // query rows of one sequence
   const int64_t rows = (t.s1 - t.s0) * per_seq;
+  const int64_t stride = (t.b1 - t.b0) * a.bs;           // sc row: the task's tokens
   float* acc = scratch + t.scratch;                      // [rows, D]
   float* m = acc + rows * D;                             // [rows]
   float* l = m + rows;                                   // [rows]
-  for (int64_t r = 0; r < rows; r++) { m[r] = -FLT_MAX; l[r] = 0.f; }
   std::memset(acc, 0, sizeof(float) * rows * D);
   const int64_t* ids = a.table + t.s0 * a.stride;        // shared blocks: any row will do
   const int64_t len = t.s1 - t.s0 == 1 ? a.lens[t.s0] : INT64_MAX;
+  const int64_t ntok = std::min<int64_t>(stride, len - t.b0 * a.bs);
   for (int64_t b = t.b0; b < t.b1; b++) {
-    const int64_t n = std::min<int64_t>(a.bs, len - b * a.bs);
+    const int64_t n = std::min<int64_t>(a.bs, len - b * a.bs), first = (b - t.b0) * a.bs;
     const float* kb = a.k + ids[b] * block;
-    const float* vb = a.v + ids[b] * block;
-    if (b + 1 < t.b1) {
-      const char* nk = reinterpret_cast<const char*>(a.k + ids[b + 1] * block);
-      const char* nv = reinterpret_cast<const char*>(a.v + ids[b + 1] * block);
-      for (int64_t off = 0; off < block * 4; off += 4096) {  // one per page: the streamer does the rest
-        __builtin_prefetch(nk + off);
-        __builtin_prefetch(nv + off);
-      }
-    }
+    if (b + 1 < t.b1) prefetch_block(a.k + ids[b + 1] * block, block * 4);
 #if defined(__AVX512F__)
     if (DC && a.bs == 16 && n == 16) {
-      block_scores16<DC ? DC : 16>(a, t, kb, sc);
-    } else
+      block_scores16<DC ? DC : 16>(a, t, kb, sc + first, stride);
+      continue;
+    }
 #endif
     for (int64_t i = 0; i < n; i++) {
       for (int64_t h = 0; h < a.kvh; h++) {
@@ -154,33 +163,40 @@ void run_task(const Args& a, const Task& t, float* scratch, float* sc) {
             float d = 0.f;
 #pragma omp simd reduction(+ : d)
             for (int64_t x = 0; x < D; x++) d += kr[x] * qr[x];
-            sc[(((s - t.s0) * a.kvh + h) * a.group + j) * a.bs + i] = d * a.scale;
+            sc[(((s - t.s0) * a.kvh + h) * a.group + j) * stride + first + i] = d * a.scale;
           }
         }
       }
     }
-    for (int64_t r = 0; r < rows; r++) {
-      float* p = sc + r * a.bs;
-      float mx = m[r];
-      for (int64_t i = 0; i < n; i++) mx = p[i] > mx ? p[i] : mx;
-      const float c = std::exp(m[r] - mx);  // 0 on the first block (m = -FLT_MAX)
-      float sum = 0.f;
+  }
+  prefetch_block(a.v + ids[t.b0] * block, block * 4);
+  for (int64_t r = 0; r < rows; r++) {
+    float* p = sc + r * stride;
+    float mx = p[0];
+    for (int64_t i = 1; i < ntok; i++) mx = p[i] > mx ? p[i] : mx;
+    float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < n; i++) {
-        p[i] = std::exp(p[i] - mx);
-        sum += p[i];
-      }
-      m[r] = mx;
-      l[r] = l[r] * c + sum;
+    for (int64_t i = 0; i < ntok; i++) {
+      p[i] = std::exp(p[i] - mx);
+      sum += p[i];
+    }
+    m[r] = mx;
+    l[r] = sum;
+  }
+  for (int64_t b = t.b0; b < t.b1; b++) {
+    const int64_t n = std::min<int64_t>(a.bs, len - b * a.bs), first = (b - t.b0) * a.bs;
+    const float* vb = a.v + ids[b] * block;
+    if (b + 1 < t.b1) prefetch_block(a.v + ids[b + 1] * block, block * 4);
+    for (int64_t r = 0; r < rows; r++) {
+      const float* p = sc + r * stride + first;
       const int64_t h = (r / a.group) % a.kvh;
       float* o = acc + r * D;
 #if defined(__AVX512F__)
-      if (DC) {  // acc rescaled, then the block's weighted values added, in registers
-        values16<DC ? DC : 16>(o, c, p, n, vb + h * D, row);
+      if (DC) {  // the block's weighted values added to acc in registers
+        values16<DC ? DC : 16>(o, p, n, vb + h * D, row);
         continue;
       }
 #endif
-      for (int64_t x = 0; x < D; x++) o[x] *= c;
       for (int64_t i = 0; i < n; i++) {
         const float* vr = vb + i * row + h * D;
         const float w = p[i];
@@ -270,7 +286,8 @@ void run(const Args& a, int64_t num_seqs, int64_t shared_blocks, int64_t chunk_b
   const int64_t num_tasks = tasks.size();
   const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_tasks)));
   // every allocation happens here: an exception inside the parallel region would abort
-  const int64_t score_floats = (shared_blocks ? num_seqs : 1) * per_seq * block_size;
+  const int64_t score_floats = (shared_blocks ? num_seqs : 1) * per_seq * chunk_blocks *
+                               block_size;
   std::vector<float> buf(scratch), scores(threads * score_floats);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t i = 0; i < num_tasks; i++) {
