@@ -313,3 +313,30 @@ def test_housekeeping_spills_sessions_idle_past_the_deadline(tmp_path):
     e.policy.spill_after_s = None
     assert e.policy.housekeeping(now=1e9) is None and ids(s3) == [2]
     check(e)
+
+
+@pytest.mark.parametrize("reload_vs_recompute, want", [
+    (0.9, "disk"),   # disk cheaper: spill there
+    (1.5, "disk"),   # recompute cheaper, but within the margin: keep a copy, restore decides
+    (1.9, "disk"),
+    (2.1, "drop"),   # recompute under half the reload: drop
+    (10.0, "drop"),
+])
+def test_suspend_drops_only_when_recompute_is_clearly_cheaper(tmp_path, reload_vs_recompute,
+                                                             want):
+    """A near tie between reloading from disk and recomputing keeps the copy (a drop cannot
+    be undone; restore decides again): the drop needs recompute < DROP_BELOW_FRACTION x
+    the reload."""
+    from kvsession.tiers.policy import DROP_BELOW_FRACTION
+
+    assert DROP_BELOW_FRACTION == 0.5
+    e = build(tmp_path, host_blocks=0)
+    s = add_session(e, "s1", 10, last_used=1.0)
+    tps = 2000.0
+    recompute_s = 10 / tps
+    e.policy.prefill_tps.fix(tps)
+    e.mover.disk_read_bytes_per_s.fix(10 * BPT / (reload_vs_recompute * recompute_s))
+    assert e.policy.suspend(s, 900.0) == want
+    assert (tmp_path / "s1.kvs").exists() is (want == "disk")
+    assert e.policy.recomputes == (want == "drop")
+    check(e)

@@ -26,6 +26,14 @@ from kvsession.tiers.snapshot import SnapshotHeader
 
 log = logging.getLogger("kvsession")
 
+# suspend() drops a session's KV (its next turn recomputes) only when recomputing is clearly
+# cheaper than reloading it from disk: below this fraction of the reload estimate. A drop
+# cannot be undone, while a spilled copy leaves the choice to restore(), which decides again
+# with the estimates of that moment. Near a tie the two estimates are within their noise
+# (one small load moved the disk rate from 1 to 0.02 GB/s), and the choice flipped between
+# identical runs of the demo.
+DROP_BELOW_FRACTION = 0.5
+
 
 class LoadProbe(Protocol):
     """How loaded the engine is (the scheduler)."""
@@ -244,7 +252,7 @@ class TierPolicy:
             got = self.spill(s, Tier.HOST, reason="suspend: " + why)
             if got is Tier.HOST:
                 return "host"
-        if self.disk is not None and reload_disk < recompute:
+        if self.disk is not None and recompute >= DROP_BELOW_FRACTION * reload_disk:
             if self.spill(s, Tier.DISK, reason="suspend: " + why) is Tier.DISK:
                 return "disk"
         self.recomputes += 1  # decided now: the next turn recomputes instead of loading
