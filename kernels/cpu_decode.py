@@ -95,6 +95,27 @@ def load(cxx: str | None = None, directory: Path | None = None):
         return _loaded[key]
 
 
+def _build(cxx: str, directory: Path, lib: Path, errors: list[str]) -> None:
+    """Compile and link the kernel into `lib`; each failed step's reason in `errors`.
+    Built under temporary names and renamed: processes building at once (test workers,
+    Ray replicas) never load a half-written library."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        obj, out = Path(tmp) / "cpu_decode.o", Path(tmp) / "cpu_decode.so"
+        steps = [[cxx, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)]]
+        for link in LINK:
+            try:
+                for cmd in steps + [[cxx, *LINK_FLAGS, str(obj), "-o", str(out), *link]]:
+                    subprocess.run(cmd, check=True, capture_output=True,
+                                   timeout=BUILD_TIMEOUT_S)
+                os.replace(out, lib)
+                return
+            except (OSError, subprocess.SubprocessError) as e:
+                detail = getattr(e, "stderr", b"") or b""
+                errors.append(f"{e} {detail.decode(errors='replace')[-500:]}")
+                steps = [] if obj.is_file() else steps  # compiled: only link again
+
+
 def _build_and_load(cxx: str | None, directory: Path):
     if cxx is None:
         log.warning("the CPU decode attention kernel is not used: no C++ compiler found "
@@ -105,32 +126,17 @@ def _build_and_load(cxx: str | None, directory: Path):
     digest = hashlib.sha256(b"\0".join([source, flags, cxx.encode(),
                                         _cpu_id().encode(), torch.__version__.encode()]))
     lib = directory / f"cpu_decode-{digest.hexdigest()[:16]}.so"
-    errors = []
-    if not lib.is_file():
-        directory.mkdir(parents=True, exist_ok=True)
-        # built under temporary names and renamed: processes building at once (test
-        # workers, Ray replicas) never load a half-written library
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            obj, out = Path(tmp) / "cpu_decode.o", Path(tmp) / "cpu_decode.so"
-            steps = [[cxx, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)]]
-            for link in LINK:
-                try:
-                    for cmd in steps + [[cxx, *LINK_FLAGS, str(obj), "-o", str(out), *link]]:
-                        subprocess.run(cmd, check=True, capture_output=True,
-                                       timeout=BUILD_TIMEOUT_S)
-                    os.replace(out, lib)
-                    break
-                except (OSError, subprocess.SubprocessError) as e:
-                    detail = getattr(e, "stderr", b"") or b""
-                    errors.append(f"{e} {detail.decode(errors='replace')[-500:]}")
-                    steps = [] if obj.is_file() else steps  # compiled: only link again
+    errors: list[str] = []
     try:
+        if not lib.is_file():
+            _build(cxx, directory, lib, errors)
         fn = ctypes.CDLL(str(lib)).kvs_decode_attention
-    except OSError as e:
+    except (OSError, AttributeError) as e:  # no library (the build failed), a directory
+        # that cannot be written, a library without the entry point
         errors.append(str(e))
         log.warning("the CPU decode attention kernel is not used (building it with %s "
-                    "failed: %s); decode attention runs the torch reference", cxx,
-                    " | ".join(errors))
+                    "into %s failed: %s); decode attention runs the torch reference", cxx,
+                    directory, " | ".join(errors))
         return None
     P, I64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [P, P, I64, I64, I64, P, I64, P, I64, I64, P, ctypes.c_float, I64, I64,
@@ -139,10 +145,11 @@ def _build_and_load(cxx: str | None, directory: Path):
     return fn
 
 
-def applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
+def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            k_scale: torch.Tensor | None) -> bool:
     """Whether the kernel reads this cache: float32 on CPU, unscaled, contiguous."""
     return (k_cache.dtype == torch.float32 and q.device.type == "cpu" and k_scale is None
-            and k_cache.is_contiguous())
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
 def paged_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

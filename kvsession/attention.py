@@ -56,7 +56,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: Layer
                        layer_kv.k_scale, layer_kv.v_scale, meta.all_slots_valid)
     if meta.decode_only:
         if meta.backend == AttentionBackend.CPU and \
-                cpu_decode.applies(q, layer_kv.k, layer_kv.k_scale):
+                cpu_decode.applies(q, layer_kv.k, layer_kv.v, layer_kv.k_scale):
             return _cpu_decode(q, layer_kv, meta)
         return reference.paged_attention(q, layer_kv.k, layer_kv.v, meta.block_tables,
                                          meta.seq_lens_tensor, meta.softmax_scale,

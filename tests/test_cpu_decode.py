@@ -143,3 +143,13 @@ def test_loading_the_kernel_keeps_subnormal_floats(kernel):
             "x = torch.tensor(1e-39, dtype=torch.float32); "
             "sys.exit(0 if (x * 0.5).item() != 0.0 and float(1e-310) / 2 != 0.0 else 3)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_a_cache_directory_that_cannot_be_written_falls_back(tmp_path, caplog):
+    """The kernel's cache directory cannot be created (here: a file is in the way): the
+    engine keeps the torch reference, and says why."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING, logger="kvsession"):
+        assert cpu_decode.load(directory=blocker / "kernels") is None
+    assert "not-a-directory" in caplog.text
