@@ -13,7 +13,10 @@ at ~30 GB/s, the rate of the `sum` measured beside it.
 
 A batch-1 decode step on a float32 cache runs each layer as one region (`decode_layer`:
 norm, q/k/v product, rotary, the KV write, attention over the block list read token-major,
-o product, MLP, residuals), with the block list's length the one dynamic dimension. Other
+o product, MLP, residuals), with the block list's length the one dynamic dimension. Where
+the engine reads decode attention with the C++ kernel (attention_backend "cpu", the
+default on CPU when it builds), the region calls that kernel as an op instead of compiling
+the attention (`decode_layer_kernel`): faster at long contexts, as fast at short ones. Other
 one-token steps (an fp8 or bfloat16 cache, which the model's paged attention op reads) run
 two regions per layer: before attention (input norm, fused q/k/v product, per-head q/k
 norms, rotary) and after it (o product, residual, post norm, gate/up product, SiLU-mul, down
