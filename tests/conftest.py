@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+from pathlib import Path
 
-import pytest
+# `python -m pytest` puts the working directory first on sys.path. From the repository root
+# that makes kernels/ (packaged as kvsession.kernels) importable as a top-level `kernels`,
+# which shadows the Hugging Face package of that name: transformers (5.25 on) requires it
+# and imports it when its models load. Tests import kvsession as installed, never from here.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
-from kvsession.testing import make_tiny_model
+import pytest  # noqa: E402
+
+from kvsession.testing import make_tiny_model  # noqa: E402
 
 # Triton kernels run on CPU tensors through Triton's interpreter in the tests; this must be
 # set before any kernel module is imported.
