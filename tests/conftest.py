@@ -7,12 +7,28 @@ import os
 import sys
 from pathlib import Path
 
+
 # `python -m pytest` puts the working directory first on sys.path. From the repository root
 # that makes kernels/ (packaged as kvsession.kernels) importable as a top-level `kernels`,
-# which shadows the Hugging Face package of that name: transformers (5.25 on) requires it
-# and imports it when its models load. Tests import kvsession as installed, never from here.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+# which would shadow the Hugging Face package of that name: transformers (5.25 on) requires
+# it and imports it when its models load. So the real one is imported first, with the root
+# out of the way, and sys.modules serves it from then on. The root stays on sys.path: a
+# mutated copy of the tree (tests/mutations.py) is imported from there.
+def _import_hub_kernels() -> None:
+    import importlib
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if Path(p or ".").resolve() != root]
+    try:
+        if importlib.util.find_spec("kernels") is not None:
+            importlib.import_module("kernels")
+    finally:
+        sys.path[:] = saved
+
+
+_import_hub_kernels()
 
 import pytest  # noqa: E402
 
