@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from kvsession.kernels import reference
+
 log = logging.getLogger("kvsession")
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
@@ -175,22 +177,29 @@ def paged_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-# paged_attention as an op that compiled code calls (model/onerow.py's decode layer; the
-# kernel must have loaded: the callers check `load()` first). Defined through the plain
-# Library API: a `torch.library.custom_op` wrapper cost ~25 us a call, this ~10.
+# The new token's K/V stored, then paged_attention, as one op that compiled code calls
+# (model/onerow.py's decode step; the kernel must have loaded: the callers check `load()`
+# first). The op declares its writes to the caches (`Tensor(a!)`), so inductor performs
+# them in place: an index_copy_ into a graph input is functionalized into a copy of the
+# whole cache, which inductor did not turn back into an in-place write for the second and
+# later layers of one graph (a 16 MiB copy per layer and step on the bench model). Defined
+# through the plain Library API: a `torch.library.custom_op` wrapper cost ~25 us a call,
+# this ~10.
 _LIBRARY = torch.library.Library("kvsession", "DEF")
-_LIBRARY.define("cpu_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
-                "Tensor block_tables, Tensor seq_lens, float softmax_scale) -> Tensor")
+_LIBRARY.define("cpu_decode_store_attention(Tensor q, Tensor key, Tensor value, "
+                "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, "
+                "Tensor seq_lens, float softmax_scale) -> Tensor")
 
 
-def _op(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale):
+def _op(q, key, value, k_cache, v_cache, slots, block_tables, seq_lens, softmax_scale):
+    reference.store_kv(key, value, k_cache, v_cache, slots, all_valid=True)
     return paged_attention(load(), q, k_cache, v_cache, block_tables, seq_lens,
                            softmax_scale)
 
 
-_LIBRARY.impl("cpu_decode_attention", _op, "CPU")
+_LIBRARY.impl("cpu_decode_store_attention", _op, "CPU")
 
 
-@torch.library.register_fake("kvsession::cpu_decode_attention")
-def _(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale):
+@torch.library.register_fake("kvsession::cpu_decode_store_attention")
+def _(q, key, value, k_cache, v_cache, slots, block_tables, seq_lens, softmax_scale):
     return q.new_empty(q.shape)  # contiguous, as the kernel returns it

@@ -104,11 +104,52 @@ def test_engine_batches_through_the_kernel_with_transformers_tokens(model_dirs, 
         model = llm._rt.model
         kernels = model.one_row = OneRowKernels.for_model(model)  # tiny: never measured
         kernels.select_attention(kernel=True)
+        steps, region = [], kernels.decode
+        kernels.decode = lambda *a: steps.append(1) or region(*a)
         one = llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY,
                            use_tqdm=False)[0].token_ids
     assert got == ref and one == ref[0]
     assert batched >= model.spec.num_layers * (GREEDY.max_tokens - 1)
+    # each batch-1 decode step: one region call, the kernel's op once per layer inside it
+    assert len(steps) == GREEDY.max_tokens - 1
     assert len(calls) - batched == model.spec.num_layers * (GREEDY.max_tokens - 1)
+
+
+def test_the_one_region_step_stores_every_layers_kv_and_reports_each_layer(model_dirs):
+    """A step through decode_layers_kernel (every layer in one region) against the same
+    step through decode_layer (a region per layer): the same hidden state, the new token's
+    K/V written at its slot of every layer's cache and nowhere else, and on_layer_done
+    called for each layer, in order."""
+    d = model_dirs("llama")
+    with LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
+        model, kv, spec = llm._rt.model, llm._rt.kv, llm._rt.model.spec
+        kernels = OneRowKernels.for_model(model)
+        g = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for t in kv.tensors().values():  # a cached context of any values
+                t.copy_(torch.randn(t.shape, generator=g))
+            before = {name: t.clone() for name, t in kv.tensors().items()}
+            bs = kv.block_size
+            table, pos = torch.tensor([2, 0]), bs + 4  # the new token: block 0, offset 4
+            h = torch.randn(1, spec.hidden_size, generator=g)
+            rope = (model.cos[pos].view(1, 1, -1), model.sin_signed[pos].view(1, 1, -1))
+            results = []
+            for kernel in (True, False):
+                for name, t in kv.tensors().items():
+                    t.copy_(before[name])
+                kernels.select_attention(kernel)
+                done = []
+                out = kernels.decode_step(h, rope, spec, kv, torch.tensor([4]), table,
+                                          torch.tensor(pos + 1), model.softmax_scale,
+                                          done.append)
+                results.append((out, {n: t.clone() for n, t in kv.tensors().items()}, done))
+    (one, caches, done), (per_layer, want, _) = results
+    assert done == list(range(spec.num_layers))
+    assert torch.allclose(one, per_layer, atol=1e-4)
+    for name, t in caches.items():
+        assert torch.allclose(t, want[name], atol=1e-5)
+        changed = (t != before[name]).flatten(3).any(-1)  # [layers, blocks, slots]
+        assert changed[:, 0, 4].all() and changed.sum() == spec.num_layers
 
 
 def test_without_a_compiler_the_torch_reference_serves(model_dirs, monkeypatch, tmp_path,

@@ -173,11 +173,14 @@ def test_without_a_working_compiler_the_linear_kernels_serve(model_dirs, monkeyp
 
     d = model_dirs("llama", intermediate_size=160)  # shapes no other test compiled
     monkeypatch.setattr(onerow, "MEASURE_MIN_BYTES", 0)  # measured although tiny
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, str(tmp_path / "no-c++")))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     prompt = random_prompts(6, [21], 500)
+    # inductor's own patching API: monkeypatch's undo left `cpp.cxx` deleted from the
+    # config, and every later compile in the process failed
+    no_compiler = {"cpp.cxx": (None, str(tmp_path / "no-c++"))}
     with caplog.at_level(logging.WARNING, logger="kvsession"):
-        with LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
+        with torch._inductor.config.patch(no_compiler), \
+                LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
             assert llm._rt.model.one_row is None
             got = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY,
                                use_tqdm=False)[0].token_ids

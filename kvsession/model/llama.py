@@ -168,15 +168,14 @@ class LlamaModel:
     def _forward_one_row(self, h: torch.Tensor, cos_sin: tuple, kv: KVPool,
                          meta: AttentionMetadata) -> torch.Tensor:
         """forward() of one token through the compiled regions (model/onerow.py): a decode
-        step's layers each in one region where the cache allows it, else the regions around
-        the same attention op as attention_block."""
+        step's layers in one region (or one a layer) where the cache allows it, else the
+        regions around the same attention op as attention_block."""
         spec, k = self.spec, self.one_row
         if meta.decode_only and k.reads_cache(kv.layer(0)):
             num_blocks = -(-meta.seq_lens[0] // kv.block_size)
-            h = k.decode_step(h, cos_sin, spec, kv, meta.slot_mapping,
-                              meta.block_tables[0, :num_blocks], meta.seq_lens_tensor[0],
-                              self.softmax_scale, meta.on_layer_done)
-            return rms_norm(h, self.norm, spec.rms_norm_eps)
+            return k.decode_step(h, cos_sin, spec, kv, meta.slot_mapping,
+                                 meta.block_tables[0, :num_blocks], meta.seq_lens_tensor[0],
+                                 self.softmax_scale, meta.on_layer_done)
         for i, args in enumerate(k.layers):
             q, key, v = k.pre(h, *args.pre, *cos_sin, spec.rms_norm_eps, spec.num_heads,
                               spec.num_kv_heads)

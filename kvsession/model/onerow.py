@@ -11,12 +11,13 @@ rows is one pass over the weight (the rows split over the threads), and the elem
 work is fused into the loops around it. On the AMD machine that read the same projections
 at ~30 GB/s, the rate of the `sum` measured beside it.
 
-A batch-1 decode step on a float32 cache runs each layer as one region (`decode_layer`:
-norm, q/k/v product, rotary, the KV write, attention over the block list read token-major,
-o product, MLP, residuals), with the block list's length the one dynamic dimension. Where
-the engine reads decode attention with the C++ kernel (attention_backend "cpu", the
-default on CPU when it builds), the region calls that kernel as an op instead of compiling
-the attention (`decode_layer_kernel`): faster at long contexts, as fast at short ones. Other
+A batch-1 decode step on a float32 cache where the engine reads decode attention with the
+C++ kernel (attention_backend "cpu", the default on CPU when it builds) runs as one region
+(`decode_layers_kernel`): every layer's norm, q/k/v product, rotary, o product, MLP and
+residuals, the final norm, and for each layer the kernel called as an op that stores the
+new K/V and attends over the block list, whose length is the one dynamic dimension. With
+attention compiled instead (the "torch" backend), each layer is one region (`decode_layer`,
+the attention read token-major). Other
 one-token steps (an fp8 or bfloat16 cache, which the model's paged attention op reads) run
 two regions per layer: before attention (input norm, fused q/k/v product, per-head q/k
 norms, rotary) and after it (o product, residual, post norm, gate/up product, SiLU-mul, down
@@ -54,6 +55,13 @@ from kvsession.model.linear import MEASURE_MIN_BYTES, Linear, best_times, weight
 log = logging.getLogger("kvsession")
 
 COMPILE_OPTIONS = {"cpp.dynamic_threads": True}
+# For the regions of products: inductor inlines a pointwise result into the loop that
+# reads it unless the result reads more than this many buffers, so a norm's output (h,
+# the norm weight, the sum of squares) was recomputed for every weight row of the product
+# after it, and the gate/up product ran ~1.3x slower than on a stored input (AMD bench
+# machine). Not for decode_layer's compiled attention, whose large intermediates are best
+# left fused.
+DENSE_OPTIONS = COMPILE_OPTIONS | {"realize_cpu_acc_reads_threshold": 2}
 
 
 def row_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -93,34 +101,51 @@ def layer(attend_fn, h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps
           heads: int, kv_heads: int, k_cache, v_cache, slot, block_ids, num_tokens,
           scale: float, o_w, o_b, post_norm, gate_up_w, gate_up_b, down_w, down_b,
           eps_post: float):
-    """One layer of a batch-1 decode step: pre_attention, the new K/V stored at `slot` of
-    the layer's float32 cache ([num_blocks, block_size, kv_heads, D]), attention over the
-    first `num_tokens` (a 0-dim tensor) slots of `block_ids` (the sequence's blocks, in
-    order) by `attend_fn`, post_attention."""
+    """One layer of a batch-1 decode step: pre_attention, then `attend_fn` stores the new
+    K/V at `slot` of the layer's float32 cache ([num_blocks, block_size, kv_heads, D]) and
+    attends over the first `num_tokens` (a 0-dim tensor) slots of `block_ids` (the
+    sequence's blocks, in order), then post_attention."""
     q, k, v = pre_attention(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps,
                             heads, kv_heads)
-    k_cache.flatten(0, 1).index_copy_(0, slot, k)
-    v_cache.flatten(0, 1).index_copy_(0, slot, v)
-    o = attend_fn(q, k_cache, v_cache, block_ids, num_tokens, scale)
+    o = attend_fn(q, k, v, k_cache, v_cache, slot, block_ids, num_tokens, scale)
     return post_attention(h, o.reshape(1, -1), o_w, o_b, post_norm, gate_up_w, gate_up_b,
                           down_w, down_b, eps_post)
 
 
 def decode_layer(*args):
-    """`layer` in one region, the attention compiled too (`attend`)."""
-    return layer(attend, *args)
+    """`layer` in one region, the attention compiled too (`store_attend`)."""
+    return layer(store_attend, *args)
 
 
-def decode_layer_kernel(*args):
-    """`layer` in one region, the attention read by the C++ kernel (kernels/cpu_decode),
-    called from the region as an op: at 2,048 tokens it read the cache ~1.5-2x faster than
-    the compiled `attend` on the AMD bench machine, and as fast at 128."""
-    return layer(kernel_attend, *args)
+def decode_layers_kernel(h, layers, caches, cos, sin_signed, eps: float, heads: int,
+                         kv_heads: int, slot, block_ids, num_tokens, scale: float,
+                         final_norm):
+    """Every layer of a batch-1 decode step (`layers`: each layer's (pre, post) tensors as
+    LayerArgs holds them; `caches`: each layer's (k, v) cache) in one region, then the final
+    norm: the residual stream after it. The attention is read by the C++ kernel
+    (kernels/cpu_decode), called from the region as an op that also stores the new K/V: at
+    2,048 tokens it read the cache ~1.5-2x faster than the compiled `attend` on the AMD
+    bench machine, and as fast at 128. One region for the whole step: ~1 ms of per-call
+    overhead less than one per layer there."""
+    for (pre, post), (k_cache, v_cache) in zip(layers, caches, strict=True):
+        h = layer(kernel_store_attend, h, *pre, cos, sin_signed, eps, heads, kv_heads,
+                  k_cache, v_cache, slot, block_ids, num_tokens, scale, *post)
+    return _norm(h, final_norm, eps)
 
 
-def kernel_attend(q, k_cache, v_cache, block_ids, num_tokens, scale: float):
-    return torch.ops.kvsession.cpu_decode_attention(q, k_cache, v_cache, block_ids[None],
-                                                    num_tokens.view(1), scale)
+def kernel_store_attend(q, k, v, k_cache, v_cache, slot, block_ids, num_tokens,
+                        scale: float):
+    return torch.ops.kvsession.cpu_decode_store_attention(
+        q, k, v, k_cache, v_cache, slot, block_ids[None], num_tokens.view(1), scale)
+
+
+def store_attend(q, k, v, k_cache, v_cache, slot, block_ids, num_tokens, scale: float):
+    """k and v [1, kv_heads, D] stored at `slot`, then `attend`. (In one graph with other
+    layers, inductor copied each later layer's whole cache for these writes: this runs one
+    layer per region.)"""
+    k_cache.flatten(0, 1).index_copy_(0, slot, k)
+    v_cache.flatten(0, 1).index_copy_(0, slot, v)
+    return attend(q, k_cache, v_cache, block_ids, num_tokens, scale)
 
 
 def attend(q, k_cache, v_cache, block_ids, num_tokens, scale: float):
@@ -146,10 +171,10 @@ def head(hidden, w, b):
     return row_product(hidden[0], w, b).unsqueeze(0).float()
 
 
-def compile_region(fn, dynamic: bool | None = False):
+def compile_region(fn, dynamic: bool | None = False, options: dict = DENSE_OPTIONS):
     """`fn` compiled from a copy of its code object: a cache of its own in dynamo."""
     clone = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
-    return torch.compile(clone, dynamic=dynamic, options=COMPILE_OPTIONS)
+    return torch.compile(clone, dynamic=dynamic, options=options)
 
 
 @dataclass(frozen=True)
@@ -163,11 +188,11 @@ class LayerArgs:
 class OneRowKernels:
     """The compiled regions of one model and the tensors they read (the Linears' rows)."""
 
-    def __init__(self, layers: list[LayerArgs], head_args: tuple):
-        self.layers, self.head_args = layers, head_args
+    def __init__(self, layers: list[LayerArgs], head_args: tuple, final_norm: torch.Tensor):
+        self.layers, self.head_args, self.final_norm = layers, head_args, final_norm
+        self.layer_pairs = [(lw.pre, lw.post) for lw in layers]  # decode_layers_kernel's
         self.pre, self.post, self.head = (compile_region(f) for f in
                                           (pre_attention, post_attention, head))
-        # the block list's length varies (marked dynamic per step); the rest is static
         self.select_attention(kernel=False)
         self.decode_compiles = True  # until warm_up finds otherwise
 
@@ -180,33 +205,47 @@ class OneRowKernels:
 
     def decode_step(self, h, cos_sin: tuple, spec, kv, slot, block_ids, num_tokens,
                     scale: float, on_layer_done=None):
-        """Every layer of a batch-1 decode step through decode_layer; the residual stream
-        after the last layer. `block_ids` [n_blocks] int64, `num_tokens` a 0-dim tensor;
-        `on_layer_done(i)` once layer i's K/V is written. Under inference mode."""
+        """Every layer of a batch-1 decode step, then the final norm: the residual stream
+        after it. In one region with the kernel's attention (decode_layers_kernel), else a
+        region per layer (decode_layer). `block_ids` [n_blocks] int64, `num_tokens` a 0-dim
+        tensor; `on_layer_done(i)` once layer i's K/V is written (in the one region: after
+        the step, in order; one token's K/V leaves nothing to overlap). Under inference
+        mode."""
         # dynamo guards on a tensor's dispatch keys: the step's index tensors come from
         # outside inference mode, the warm-up's from inside; as inference tensors both match
         slot, block_ids, num_tokens = (_inference(t) for t in (slot, block_ids, num_tokens))
         # one compiled graph for every length, 1 included (unbacked: no 0/1 specialisation)
         torch._dynamo.decorators.mark_unbacked(block_ids, 0)
+        eps, heads, kv_heads = spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads
+        layers = range(len(self.layers))
+        if self.kernel_attention:
+            caches = [(kv.layer(i).k, kv.layer(i).v) for i in layers]
+            h = self.decode(h, self.layer_pairs, caches, *cos_sin, eps, heads, kv_heads, slot,
+                            block_ids, num_tokens, scale, self.final_norm)
+            for i in layers if on_layer_done is not None else ():
+                on_layer_done(i)
+            return h
         for i, args in enumerate(self.layers):
             layer_kv = kv.layer(i)
-            h = self.decode(h, *args.pre, *cos_sin, spec.rms_norm_eps, spec.num_heads,
-                            spec.num_kv_heads, layer_kv.k, layer_kv.v, slot, block_ids,
-                            num_tokens, scale, *args.post)
+            h = self.decode(h, *args.pre, *cos_sin, eps, heads, kv_heads, layer_kv.k,
+                            layer_kv.v, slot, block_ids, num_tokens, scale, *args.post)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return h
+        return _norm(h, self.final_norm, eps)
 
     def logits(self, hidden):
         """float32 logits [1, vocab] of one row (after the final norm). Under inference mode."""
         return self.head(_inference(hidden), *self.head_args)
 
     def select_attention(self, kernel: bool) -> None:
-        """The decode layer's attention: the C++ kernel's op (decode_layer_kernel; where
-        the engine's backend reads decode attention with kernels/cpu_decode) or compiled
-        code (decode_layer). Before warm_up."""
-        self.decode = compile_region(decode_layer_kernel if kernel else decode_layer,
-                                     dynamic=None)
+        """A decode step's attention: the C++ kernel's op, all layers in one region
+        (decode_layers_kernel; where the engine's backend reads decode attention with
+        kernels/cpu_decode), or compiled code, one region per layer (decode_layer). The
+        block list's length varies (marked unbacked per step); the rest is static. Before
+        warm_up."""
+        self.kernel_attention = kernel
+        self.decode = compile_region(decode_layers_kernel, dynamic=None) if kernel else \
+            compile_region(decode_layer, dynamic=None, options=COMPILE_OPTIONS)
 
     def warm_up(self, spec, kv, scale: float) -> None:
         """Compile what the engine will run, before its first step needs it: dynamo
@@ -255,7 +294,7 @@ class OneRowKernels:
         return OneRowKernels([LayerArgs(
             pre=(lw.input_norm, *_wb(lw.qkv), lw.q_norm, lw.k_norm),
             post=(*_wb(lw.o), lw.post_norm, *_wb(lw.gate_up), *_wb(lw.down), eps))
-            for lw in model.layers], _wb(model.lm_head))
+            for lw in model.layers], _wb(model.lm_head), model.norm)
 
     @staticmethod
     def build(model, rounds: int = 3) -> OneRowKernels | None:
