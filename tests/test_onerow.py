@@ -141,17 +141,20 @@ def test_regions_follow_the_thread_count_they_run_at(model_dirs):
         assert (o - want).abs().max().item() < 1e-4
 
 
-def test_nothing_compiles_while_serving_after_the_warm_up(model_dirs):
+@pytest.mark.parametrize("attention_kernel", [False, True])
+def test_nothing_compiles_while_serving_after_the_warm_up(model_dirs, attention_kernel):
     """Start-up compiles every variant a step can need (dynamo guards on the thread count,
     on dispatch keys and aliasing, and specialises lengths 0/1): then prompts of any length,
-    a one-token prompt and the ThreadGovernor's one-thread probes compile nothing more."""
+    a one-token prompt and the ThreadGovernor's one-thread probes compile nothing more.
+    Both decode steps: a region per layer, and every layer in one (the kernel's attention)."""
     from torch._dynamo.utils import counters
 
     d = model_dirs("llama")
     with LLM(d, max_model_len=256, kv_cache_memory="4MiB") as llm:
         model = llm._rt.model
         model.one_row = OneRowKernels.for_model(model)
-        model.warm_up(llm._rt.kv)  # what start-up does for a model that measured faster
+        # what start-up does for a model that measured faster
+        model.warm_up(llm._rt.kv, attention_kernel)
         compiled = counters["stats"]["unique_graphs"]
         for n in (1, 17, 150):
             llm.generate(prompt_token_ids=random_prompts(n, [n], 500), use_tqdm=False,
