@@ -59,6 +59,8 @@ CASES = [  # lens, shared blocks, block size, kv heads, group, head dim
     ([300, 290, 401], 10, 16, 2, 2, 64),  # the shared blocks read once for all rows
     ([50, 9, 130], 0, 8, 3, 1, 32),  # the generic head size, MHA
     ([200, 180], 2, 32, 1, 8, 80),
+    ([90, 200, 60], 3, 16, 8, 3, 64),  # 24 query rows a sequence: two chunks of scores
+    ([300], 0, 16, 8, 4, 128),
 ]
 
 
