@@ -182,9 +182,9 @@ def paged_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # first). The op declares its writes to the caches (`Tensor(a!)`), so inductor performs
 # them in place: an index_copy_ into a graph input is functionalized into a copy of the
 # whole cache, which inductor did not turn back into an in-place write for the second and
-# later layers of one graph (a 16 MiB copy per layer and step on the bench model). Defined
-# through the plain Library API: a `torch.library.custom_op` wrapper cost ~25 us a call,
-# this ~10.
+# later layers of one graph (2 x 64 MiB a layer and step with a 1 GiB pool on the bench
+# model). Defined through the plain Library API: a `torch.library.custom_op` wrapper cost
+# ~25 us a call, this ~10.
 _LIBRARY = torch.library.Library("kvsession", "DEF")
 _LIBRARY.define("cpu_decode_store_attention(Tensor q, Tensor key, Tensor value, "
                 "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, "
