@@ -168,8 +168,8 @@ class LlamaModel:
     def _forward_one_row(self, h: torch.Tensor, cos_sin: tuple, kv: KVPool,
                          meta: AttentionMetadata) -> torch.Tensor:
         """forward() of one token through the compiled regions (model/onerow.py): a decode
-        step's layers in one region (or one a layer) where the cache allows it, else the
-        regions around the same attention op as attention_block."""
+        step's layers in one region (or a region per layer) where the cache allows it, else
+        the regions around the same attention op as attention_block."""
         spec, k = self.spec, self.one_row
         if meta.decode_only and k.reads_cache(kv.layer(0)):
             num_blocks = -(-meta.seq_lens[0] // kv.block_size)

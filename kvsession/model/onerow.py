@@ -222,8 +222,9 @@ class OneRowKernels:
             caches = [(kv.layer(i).k, kv.layer(i).v) for i in layers]
             h = self.decode(h, self.layer_pairs, caches, *cos_sin, eps, heads, kv_heads, slot,
                             block_ids, num_tokens, scale, self.final_norm)
-            for i in layers if on_layer_done is not None else ():
-                on_layer_done(i)
+            if on_layer_done is not None:
+                for i in layers:
+                    on_layer_done(i)
             return h
         for i, args in enumerate(self.layers):
             layer_kv = kv.layer(i)
