@@ -31,8 +31,6 @@ from pathlib import Path
 
 import torch
 
-from kvsession.kernels import reference
-
 log = logging.getLogger("kvsession")
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
@@ -142,7 +140,7 @@ def _build_and_load(cxx: str | None, directory: Path):
         return None
     P, I64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [P, P, I64, I64, I64, P, I64, P, I64, I64, P, ctypes.c_float, I64, I64,
-                   P, ctypes.c_int]
+                   P, ctypes.c_int, P, P, P]
     fn.restype = ctypes.c_int
     return fn
 
@@ -156,10 +154,12 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, softmax_scale: float,
-                    shared_blocks: int = 0) -> torch.Tensor:
+                    shared_blocks: int = 0, store: tuple | None = None) -> torch.Tensor:
     """reference.paged_attention's contract (q [num_seqs, heads, D], one token each; rows of
     seq_len 0 give zeros) through the kernel `fn` (from `load`). shared_blocks: leading
-    table columns all sequences share (reference.shared_prefix_blocks), read once."""
+    table columns all sequences share (reference.shared_prefix_blocks), read once.
+    `store`: (key, value, slots), float32 contiguous [num_seqs, kv_heads, D] rows and int64
+    slots (< 0: none), written into the caches first, as reference.store_kv does."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     # called per layer: every conversion is skipped when not needed (each costs ~1 us)
@@ -168,16 +168,20 @@ def paged_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                             (q, torch.float32), (block_tables, torch.int64),
                             (seq_lens, torch.int64)))
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+    new = (0, 0, 0) if store is None else (store[0].data_ptr(), store[1].data_ptr(),
+                                           store[2].data_ptr())
     if num_seqs and fn(k_cache.data_ptr(), v_cache.data_ptr(), block_size, kv_heads,
                        head_dim, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
                        num_seqs, num_heads // kv_heads, qf.data_ptr(), softmax_scale,
                        shared_blocks, max(1, TASK_TOKENS // block_size), out.data_ptr(),
-                       torch.get_num_threads()):
+                       torch.get_num_threads(), *new):
         raise MemoryError("the CPU decode attention kernel could not allocate its scratch")
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-# The new token's K/V stored, then paged_attention, as one op that compiled code calls
+# The new token's K/V stored (by the kernel: two index_copy_ calls cost ~20-40 us a layer
+# in a decode step, the caches cold from the weights), then paged_attention, as one op that
+# compiled code calls
 # (model/onerow.py's decode step; the kernel must have loaded: the callers check `load()`
 # first). The op declares its writes to the caches (`Tensor(a!)`), so inductor performs
 # them in place: an index_copy_ into a graph input is functionalized into a copy of the
@@ -192,9 +196,9 @@ _LIBRARY.define("cpu_decode_store_attention(Tensor q, Tensor key, Tensor value, 
 
 
 def _op(q, key, value, k_cache, v_cache, slots, block_tables, seq_lens, softmax_scale):
-    reference.store_kv(key, value, k_cache, v_cache, slots, all_valid=True)
+    store = tuple(t if t.is_contiguous() else t.contiguous() for t in (key, value, slots))
     return paged_attention(load(), q, k_cache, v_cache, block_tables, seq_lens,
-                           softmax_scale)
+                           softmax_scale, store=store)
 
 
 _LIBRARY.impl("cpu_decode_store_attention", _op, "CPU")

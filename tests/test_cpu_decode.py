@@ -86,6 +86,26 @@ def test_kernel_matches_the_torch_twin(kernel, case, threads):
     assert (got[seq_lens == 0] == 0).all()
 
 
+def test_the_kernel_stores_each_new_token_at_its_slot_before_attending(kernel):
+    """store=(key, value, slots): the rows land where reference.store_kv puts them (a slot
+    of -1 is skipped, every other slot untouched), and the attention reads them: the new
+    token's own K/V is part of its context."""
+    lens = [40, 0, 17]
+    q, k, v, table, seq_lens = random_case(random.Random(7), lens=lens, shared=0,
+                                           block_size=16, kv_heads=2, group=2, dim=64)
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(3, 2, 64, generator=g), torch.randn(3, 2, 64, generator=g)
+    slots = torch.tensor([int(table[0, 2]) * 16 + 7, -1, int(table[2, 1]) * 16])
+    want_k, want_v = k.clone(), v.clone()
+    reference.store_kv(key, value, want_k, want_v, slots)
+    want = reference.paged_attention(q, want_k, want_v, table, seq_lens, 0.125)
+    got = cpu_decode.paged_attention(kernel, q, k, v, table, seq_lens, 0.125,
+                                     store=(key, value, slots))
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_engine_batches_through_the_kernel_with_transformers_tokens(model_dirs, monkeypatch):
     """Batched decode (a shared pinned prefix, mixed lengths) and batch-1 decode through
     the one-token regions with the kernel's op: transformers' tokens, the kernel called."""
