@@ -256,7 +256,15 @@ def section_eviction(r) -> list[str]:
             + ", ".join(f"{x['cost_minus_lru_points']:+.1f}" for x in cs)
             + " points vs LRU (below LRU on some seeds, probably because the recency order's "
             "hit-count lease keeps finished conversations' histories a few pool turnovers "
-            "longer)",
+            "longer)"
+            + (f". An oracle that knows how many more times each block will be used (so which "
+               f"conversations are finished), but not when, reaches "
+               f"{fmt(min(x['oracle_vs_belady'] for x in cs), 3)}-"
+               f"{fmt(max(x['oracle_vs_belady'] for x in cs), 3)} of Belady: 0.9 of Belady "
+               "takes knowing which conversations are finished, which an online policy can "
+               "only estimate from idle time (exponential think times: a live conversation "
+               "returns at the same rate however long it has been idle)"
+               if cs and "oracle_vs_belady" in cs[0] else ""),
             f"- engine (tiny model, agent trace under memory pressure): prompt tokens computed "
             f"LRU {e['lru']['computed_tokens']}, cost-aware {e['cost']['computed_tokens']}: "
             f"**{fmt(e['computed_ratio_cost_vs_lru'], 3)}x** (target < 1)",
