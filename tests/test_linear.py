@@ -37,3 +37,40 @@ def test_measured_one_row_kernel_is_set_on_every_both_projection_and_exact_eithe
         both[0].one_row_packed = packed
         want = x @ both[0].weight.t()
         assert (both[0](x) - want).abs().max().item() < 1e-5
+
+
+def test_pack_rows_lays_the_one_row_weights_out_in_one_buffer_in_the_given_order():
+    """Each "both" projection's rows move into one allocation, in the order given, each on
+    a page of its own start; the products are unchanged; other formats are left alone."""
+    g = torch.Generator().manual_seed(1)
+    both = [Linear([torch.randn(48, 32, generator=g) for _ in range(2)], None, "both"),
+            Linear(torch.randn(17, 40, generator=g), None, "both"),
+            Linear(torch.randn(64, 32, generator=g), None, "both")]
+    plain = Linear(torch.randn(64, 32, generator=g), None, "float")
+    x = [torch.randn(1, lin.weight.shape[1], generator=g) for lin in both]
+    want = [lin(xi) for lin, xi in zip(both, x, strict=True)]
+    order = [both[2], plain, both[0], both[1]]
+    linear.pack_rows(order)
+    storages = {lin.rows.untyped_storage().data_ptr() for lin in both}
+    assert len(storages) == 1
+    starts = [lin.rows.data_ptr() for lin in (both[2], both[0], both[1])]
+    assert starts == sorted(starts)  # the given order
+    assert all(p % linear.ROWS_ALIGN_BYTES == starts[0] % linear.ROWS_ALIGN_BYTES
+               for p in starts)
+    assert all(lin.rows.is_contiguous() for lin in both) and plain.rows is None
+    for lin, xi, w in zip(both, x, want, strict=True):
+        assert torch.equal(lin(xi), w)
+
+
+def test_a_models_one_row_weights_are_one_buffer_in_decode_order(model_dirs):
+    from kvsession.model.config import load_model_spec
+    from kvsession.model.llama import LlamaModel
+    from kvsession.model.loader import load_weights
+
+    d = model_dirs("llama")
+    spec = load_model_spec(d)
+    model = LlamaModel(spec, load_weights(d, spec, torch.float32, torch.device("cpu")), 64)
+    order = [lin for lw in model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+    starts = [lin.rows.data_ptr() for lin in order + [model.lm_head]]
+    assert starts == sorted(starts)
+    assert len({lin.rows.untyped_storage().data_ptr() for lin in model.projections()}) == 1

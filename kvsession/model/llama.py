@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kvsession.attention import AttentionMetadata, attention
 from kvsession.cache.kv_pool import KVPool
 from kvsession.model.config import ModelSpec, RopeSpec
-from kvsession.model.linear import Linear, measure_one_row
+from kvsession.model.linear import Linear, measure_one_row, pack_rows
 from kvsession.model.onerow import OneRowKernels
 
 
@@ -76,6 +76,8 @@ class LlamaModel:
         embed = weights["model.embed_tokens.weight"]
         self.lm_head = Linear(embed if spec.tie_word_embeddings else weights["lm_head.weight"],
                               fmt=weight_format)
+        # the one-row weights in one buffer, in the order a decode step reads them
+        pack_rows(self.projections()[1:] + [self.lm_head])
         # tied: look tokens up in the head's (transposed) copy rather than keep a second one
         self.embed = self.lm_head.weight if spec.tie_word_embeddings \
             and self.lm_head.fmt in ("float", "both") else embed
