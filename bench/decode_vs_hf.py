@@ -306,6 +306,15 @@ def int8(path, bw: Bandwidth, prompt_len: int = 256, decode: int = 64) -> dict:
     return out
 
 
+def packed_rows(ws: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `ws` laid out by the model's `pack_rows`: one allocation, in this order."""
+    from kvsession.model.linear import Linear, pack_rows
+
+    lins = [Linear(w, None, "both") for w in ws]
+    pack_rows(lins)
+    return [lin.rows for lin in lins]
+
+
 def kernels(spec, bw: Bandwidth) -> dict:
     """The model's projections (every layer, then the head) in each weight layout."""
     import torch.nn.functional as F
@@ -329,11 +338,14 @@ def kernels(spec, bw: Bandwidth) -> dict:
     out = {}
     for rows in (1, 8, 64, 512):
         xs = {n: torch.randn(rows, n) for n in {s[1] for s in shapes} | {h}}
-        if rows == 1:  # one token: the inductor-compiled pass over [out, in]
-            layouts["inductor (w * x).sum(-1), [out, in]"] = (
-                ws, lambda x, w: rows_compiled(x[0], w, None))
+        if rows == 1:  # one token: the inductor-compiled pass over [out, in]; the same
+            # weights as one allocation in step order, as the model lays them out (pack_rows)
+            one = lambda x, w: rows_compiled(x[0], w, None)  # noqa: E731
+            layouts["inductor (w * x).sum(-1), [out, in]"] = (ws, one)
+            layouts["inductor, one buffer"] = (packed_rows(ws), one)
         else:
             layouts.pop("inductor (w * x).sum(-1), [out, in]", None)
+            layouts.pop("inductor, one buffer", None)
 
         def chain(weights, fn, xs=xs):
             def run():
