@@ -142,11 +142,14 @@ def pack_rows(linears: list[Linear]) -> None:
     """Move the one-row weights ("both" rows) of `linears` into one allocation, in the
     order given: the order a batch-1 decode step reads them (each layer's q/k/v, o,
     gate/up, down, then the output head). Why: a one-token step streamed the bench model's
-    weights ~15% faster laid out in one buffer than as a separate allocation each (head
-    ~5-9%; interleaved A/B in one process on the AMD bench machine, bench/decode_vs_hf.py),
-    and a product chain alone 7-13% faster: the same bytes, the same code, a different
-    layout. Each original is released as soon as it is copied (an untouched allocation
-    takes no memory until written), so the model's memory stays about the same."""
+    weights ~15% faster from one fresh buffer than where loading left them (the head ~5-9%;
+    interleaved A/B in one process on the AMD bench machine): the same bytes, the same
+    code. The loaded weights were allocated between the loader's and oneDNN's copies,
+    partly in reused memory; fresh allocations made one after another streamed as fast as
+    one buffer (bench/decode_vs_hf.py --kernels), so it is where the memory comes from that
+    counts, by measurement. Each original is released as soon as it is copied (an untouched
+    allocation takes no memory until written), so the model's memory stays about the
+    same."""
     lins = [lin for lin in linears if lin.rows is not None]
     if not lins:
         return
