@@ -179,6 +179,17 @@ def test_sampler_row_failure_is_that_rows_alone():
     assert mixed[:2] + mixed[3:] == alone
 
 
+def test_sampler_flags_nan_rows_exactly_and_takes_inf_as_an_argmax():
+    """A row whose sum is NaN only through inf - inf holds no NaN: greedy takes its +inf;
+    a row with a NaN fails alone, greedy or not."""
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    logits[0, 5], logits[0, 9] = float("inf"), float("-inf")
+    logits[1, 3] = float("nan")
+    out, _ = _sampler_run(logits, [SamplingParams(temperature=0.0)] * 3)
+    assert out[0][0] == 5 and isinstance(out[1], SamplingFailed)
+    assert out[2][0] == int(logits[2].argmax())
+
+
 def test_sampler_logprobs_beyond_a_small_vocabulary():
     out, _ = _sampler_run(torch.tensor([[0.0, 1.0, 2.0]]), [SamplingParams(
         temperature=0.0, logprobs=20)])

@@ -21,6 +21,7 @@ engine fails that request alone; the other rows are sampled exactly as without i
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvsession.engine.sequence import Sequence
@@ -62,10 +63,12 @@ def apply_penalties(x: torch.Tensor, seq: Sequence) -> None:
 
 
 def _nan_rows(x: torch.Tensor) -> set[int]:
-    """Rows holding a NaN. One summing pass (NaN propagates; so does inf - inf, which is why
-    a flagged row is checked exactly) instead of a full boolean tensor."""
-    flagged = torch.isnan(x.sum(dim=-1)).nonzero().flatten().tolist()
-    return {r for r in flagged if bool(x[r].isnan().any())}
+    """Rows of x (float32, CPU) holding a NaN. One summing pass (NaN propagates; so does
+    inf - inf, which is why a flagged row is checked exactly) instead of a full boolean
+    tensor; in numpy, whose small reductions start no threads: torch's sum, isnan and
+    nonzero took ~0.1 ms of every decode step (~1.5%) on the AMD bench machine."""
+    a = x.numpy()
+    return {int(r) for r in np.flatnonzero(np.isnan(a.sum(axis=-1))) if np.isnan(a[r]).any()}
 
 
 def apply_min_tokens(x: torch.Tensor, seq: Sequence) -> None:
@@ -137,7 +140,8 @@ class Sampler:
         # numpy's argmax (same answer: the first maximum, the first NaN) is vectorised: over
         # a 32,000-token vocabulary ~5 us where torch's CPU argmax took ~35-50 (AMD bench
         # machine), in every greedy decode step
-        greedy = x.numpy().argmax(-1).tolist() if any(s.params.greedy for s in seqs) else []
+        a = x.numpy()  # the same memory
+        greedy = a.argmax(-1).tolist() if any(s.params.greedy for s in seqs) else []
         out: list[Sampled | Exception] = []
         for row, seq in enumerate(seqs):
             try:
@@ -149,7 +153,7 @@ class Sampler:
                 p = seq.params
                 if p.greedy:
                     token = greedy[row]
-                    if not bool(x[row, token] > float("-inf")):  # +inf is a fine argmax
+                    if not a[row, token] > -np.inf:  # +inf is a fine argmax
                         raise SamplingFailed(f"no token of request {seq.seq_id} is allowed")
                 else:
                     gen = seq.generator or self.generator
