@@ -196,7 +196,8 @@ _LIBRARY.define("cpu_decode_store_attention(Tensor q, Tensor key, Tensor value, 
 
 
 def _op(q, key, value, k_cache, v_cache, slots, block_tables, seq_lens, softmax_scale):
-    store = tuple(t if t.is_contiguous() else t.contiguous() for t in (key, value, slots))
+    # the kernel copies raw rows: float32 K/V (the op serves float32 caches) and int64 slots
+    store = (key.float().contiguous(), value.float().contiguous(), slots.long().contiguous())
     return paged_attention(load(), q, k_cache, v_cache, block_tables, seq_lens,
                            softmax_scale, store=store)
 
