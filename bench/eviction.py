@@ -28,7 +28,7 @@ import itertools
 import json
 import random
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from common import pyplot, save_figure, write_result
@@ -95,35 +95,46 @@ def _mooncake(seed: int, num_conversations: int = 60, num_requests: int = 400,
     return out, which, weights
 
 
+def offline_replay(trace: Trace, capacity: int, price) -> float:
+    """Token hit rate of an oracle policy: a block is identified by its chain (the tuple of
+    ids up to it), as the hash chain does; each use of block k at request t re-prices it
+    (`price` is called for every use, in trace order), and while the cache is over
+    capacity the cheapest block that the current request does not use is evicted.
+    `price(k, t, old)` also gets k's price while cached (None if it is not)."""
+    keys = [[tuple(req[:i + 1]) for i in range(min(len(req), capacity))] for req in trace]
+    cached: dict[tuple, tuple] = {}
+    heap: list[tuple[tuple, tuple]] = []  # (price, key), lazily stale
+    hit = total = 0
+    for t, (req, ks) in enumerate(zip(trace, keys, strict=True)):
+        n = 0
+        while n < len(ks) and ks[n] in cached:
+            n += 1
+        hit += n
+        total += len(req)
+        for k in ks:
+            cached[k] = price(k, t, cached.get(k))
+            heapq.heappush(heap, (cached[k], k))
+        mine, skipped = set(ks), []
+        while len(cached) > capacity:
+            entry = heapq.heappop(heap)
+            if cached.get(entry[1]) != entry[0]:
+                continue  # stale
+            if entry[1] in mine:  # in use by this request
+                skipped.append(entry)
+                continue
+            del cached[entry[1]]
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return hit / total
+
+
 def popularity_oracle(trace: Trace, popularity: list[float], capacity: int) -> float:
     """The best an online policy can do on an independent-reference trace: it knows each
     request's true popularity and keeps the most popular content (deeper blocks first on
     ties). Belady also knows the order of future requests; this does not."""
-    cached: dict[tuple, float] = {}
-    heap: list[tuple[float, int, tuple]] = []  # (popularity, -depth, key), lazily stale
-    hit = total = 0
-    for req, p in zip(trace, popularity, strict=True):
-        keys = [tuple(req[:i + 1]) for i in range(min(len(req), capacity))]
-        n = 0
-        while n < len(keys) and keys[n] in cached:
-            n += 1
-        hit += n
-        total += len(req)
-        for k in keys:
-            cached[k] = max(cached.get(k, 0.0), p)
-            heapq.heappush(heap, (cached[k], -len(k), k))
-        mine, skipped = set(keys), []
-        while len(cached) > capacity:
-            entry = heapq.heappop(heap)
-            if cached.get(entry[2]) != entry[0]:
-                continue  # stale
-            if entry[2] in mine:  # in use by this request
-                skipped.append(entry)
-                continue
-            del cached[entry[2]]
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-    return hit / total
+    def price(k: tuple, t: int, old: tuple | None) -> tuple:
+        return max(old[0] if old else 0.0, popularity[t]), -len(k)
+    return offline_replay(trace, capacity, price)
 
 
 def future_count_oracle(trace: Trace, capacity: int) -> float:
@@ -136,34 +147,13 @@ def future_count_oracle(trace: Trace, capacity: int) -> float:
     policy (which conversations are finished, how long the others will go on) is what
     recency and hit counts can only estimate: about the ceiling of an online policy here,
     as the popularity oracle is for (b)."""
-    keys = [[tuple(req[:i + 1]) for i in range(min(len(req), capacity))] for req in trace]
-    uses: dict[tuple, int] = defaultdict(int)
-    for ks in keys:
-        for k in ks:
-            uses[k] += 1
-    prio: dict[tuple, tuple] = {}  # cached block -> (future uses, last use, -depth)
-    heap: list[tuple[tuple, tuple]] = []  # lazily stale
-    hit = total = 0
-    for t, (req, ks) in enumerate(zip(trace, keys, strict=True)):
-        n = 0
-        while n < len(ks) and ks[n] in prio:
-            n += 1
-        hit += n
-        total += len(req)
-        mine = set(ks)
-        for k in ks[n:]:
-            if len(prio) >= capacity:
-                while True:
-                    p, victim = heapq.heappop(heap)
-                    if prio.get(victim) == p and victim not in mine:
-                        break
-                del prio[victim]
-            prio[k] = ()  # cached now (priced below)
-        for k in ks:
-            uses[k] -= 1
-            prio[k] = (uses[k], t, -len(k))
-            heapq.heappush(heap, (prio[k], k))
-    return hit / total
+    left = Counter(tuple(req[:i + 1]) for req in trace
+                   for i in range(min(len(req), capacity)))
+
+    def price(k: tuple, t: int, _old) -> tuple:
+        left[k] -= 1
+        return left[k], t, -len(k)
+    return offline_replay(trace, capacity, price)
 
 
 def tenants_trace(seed: int = 2, num_tenants: int = 40, num_requests: int = 1500) -> Trace:
@@ -240,39 +230,18 @@ def replay(trace: Trace, capacity: int, policy: EvictionPolicy,
 
 def belady(trace: Trace, capacity: int) -> float:
     """Token hit rate of the offline optimum: on a miss with a full cache, evict the block
-    used furthest in the future (deepest first on ties). A block is identified by its
-    chain (the tuple of ids up to it), as the hash chain does."""
-    keys = [[tuple(req[:i + 1]) for i in range(min(len(req), capacity))] for req in trace]
+    used furthest in the future (deepest first on ties, so no child outlives its prefix)."""
     uses: dict[tuple, list[int]] = defaultdict(list)
-    for t, ks in enumerate(keys):
-        for k in ks:
-            uses[k].append(t)
-    pos: dict[tuple, int] = defaultdict(int)
-    cached: set[tuple] = set()
-    heap: list[tuple[float, int, tuple]] = []  # (-next use, -depth, key), lazily stale
-    hit = total = 0
-    for req, ks in zip(trace, keys, strict=True):
-        n = 0
-        while n < len(ks) and ks[n] in cached:
-            n += 1
-        hit += n
-        total += len(req)
-        for k in ks:
-            pos[k] += 1
-        for k in ks[n:]:
-            if len(cached) >= capacity:
-                while True:
-                    neg_next, _, victim = heapq.heappop(heap)
-                    nxt = uses[victim][pos[victim]] if pos[victim] < len(uses[victim]) \
-                        else float("inf")
-                    if victim in cached and -neg_next == nxt and victim not in ks:
-                        break
-                cached.discard(victim)
-            cached.add(k)
-        for k in ks:  # (re)index every block of this request by its next use
-            nxt = uses[k][pos[k]] if pos[k] < len(uses[k]) else float("inf")
-            heapq.heappush(heap, (-nxt, -len(k), k))
-    return hit / total
+    for t, req in enumerate(trace):
+        for i in range(min(len(req), capacity)):
+            uses[tuple(req[:i + 1])].append(t)
+    seen: dict[tuple, int] = defaultdict(int)
+
+    def price(k: tuple, t: int, _old) -> tuple:
+        seen[k] += 1
+        later = uses[k]
+        return -(later[seen[k]] if seen[k] < len(later) else float("inf")), -len(k)
+    return offline_replay(trace, capacity, price)
 
 
 def cache_layer(capacity_fraction: float = 0.15) -> dict:
