@@ -118,8 +118,10 @@ def step_case(llm, hf, bw: Bandwidth, steps: int, prompts: list[list[int]]) -> d
          "bandwidth_gb_s": bw.window_best / 1e9,
          "bound_ms": (wbytes + kvbytes) / bw.window_best * 1e3}
     r["ratio_to_bound"] = ms / r["bound_ms"]
-    print(f"decode step batch {batch} ctx {context:5d}: {ms:6.2f} ms, transformers "
-          f"{hf_ms:6.2f} ms ({r['ratio_vs_hf']:.2f}x)", flush=True)
+    print(f"decode step batch {batch} ctx {context:5d}: {ms:6.2f} ms = "
+          f"{r['ratio_to_bound']:.2f}x the bound ({r['bound_ms']:.2f} ms at "
+          f"{r['bandwidth_gb_s']:.1f} GB/s), transformers {hf_ms:6.2f} ms "
+          f"({r['ratio_vs_hf']:.2f}x)", flush=True)
     return r
 
 
@@ -130,10 +132,6 @@ def decode_steps(llm, hf, bw: Bandwidth, steps: int, rng) -> dict:
                                    for _ in range(batch)]
         out[f"batch{batch}_ctx{context}"] = step_case(llm, hf, bw, steps,
                                                       prompts[batch, context])
-    for r in out.values():  # each against the bandwidth sampled between its own timings
-        print(f"decode step batch {r['batch']} ctx {r['context']:5d}: {r['step_ms']:6.2f} ms = "
-              f"{r['ratio_to_bound']:.2f}x the bound ({r['bound_ms']:.2f} ms at "
-              f"{r['bandwidth_gb_s']:.1f} GB/s), {r['ratio_vs_hf']:.2f}x transformers")
     # the long/short rate again, both contexts timed interleaved (the cases above run one
     # after the other, minutes apart, and this machine's speed drifts between them); their
     # prompts are still cached

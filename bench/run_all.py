@@ -53,20 +53,16 @@ def section_decode(r) -> list[str]:
     if not steps:
         return out
     rows = [x for x in steps.values() if isinstance(x, dict) and "batch" in x]
-    per_case = all("bandwidth_gb_s" in x for x in rows)  # older results: the run's best
     out += ["", "Decode steps against the bandwidth bound (weights + KV bytes / the DRAM read "
-            + ("rate: the best `sum` sampled between that case's own timings; the best of the "
-               f"whole run was {fmt(r['read_bandwidth_gb_s'], 1)} GB/s"
-               if per_case else
-               f"rate, the best of the run, {fmt(r['read_bandwidth_gb_s'], 1)} GB/s")
-            + "). Targets: batch 1 <= 1.5x the bound, 2,048-token rate >= 0.8x the 128-token "
-            "rate.", "",
+            "rate: the best `sum` sampled between that case's own timings; the best of the "
+            f"whole run was {fmt(r['read_bandwidth_gb_s'], 1)} GB/s). Targets: batch 1 <= 1.5x "
+            "the bound, 2,048-token rate >= 0.8x the 128-token rate.", "",
             "| batch | context | step ms | GB/s | bound ms | x bound | transformers ms "
             "| vs transformers |",
             "|---|---|---|---|---|---|---|---|"]
     out += [f"| {x['batch']} | {x['context']} | {fmt(x['step_ms'])} | "
-            f"{fmt(x.get('bandwidth_gb_s', r['read_bandwidth_gb_s']), 1)} | "
-            f"{fmt(x['bound_ms'])} | **{fmt(x['ratio_to_bound'])}x** | {fmt(x['hf_step_ms'])} | "
+            f"{fmt(x['bandwidth_gb_s'], 1)} | {fmt(x['bound_ms'])} | "
+            f"**{fmt(x['ratio_to_bound'])}x** | {fmt(x['hf_step_ms'])} | "
             f"{fmt(x['ratio_vs_hf'])}x |" for x in rows]
     out += ["", "2,048-token rate / 128-token rate (both timed interleaved): batch 1 **"
             f"{fmt(steps['batch1_long_vs_short'])}x**, batch 8 "
@@ -263,14 +259,13 @@ def section_eviction(r) -> list[str]:
             + " points vs LRU (below LRU on some seeds, probably because the recency order's "
             "hit-count lease keeps finished conversations' histories a few pool turnovers "
             "longer)"
-            + (f". An oracle that knows how many more times each block will be used (so which "
-               f"conversations are finished), but not when, reaches "
-               f"{fmt(min(x['oracle_vs_belady'] for x in cs), 3)}-"
-               f"{fmt(max(x['oracle_vs_belady'] for x in cs), 3)} of Belady: 0.9 of Belady "
-               "takes knowing which conversations are finished, which an online policy can "
-               "only estimate from idle time (exponential think times: a live conversation "
-               "returns at the same rate however long it has been idle)"
-               if cs and "oracle_vs_belady" in cs[0] else ""),
+            + ". An oracle that knows how many more times each block will be used (so which "
+            f"conversations are finished), but not when, reaches "
+            f"{fmt(min(x['oracle_vs_belady'] for x in cs), 3)}-"
+            f"{fmt(max(x['oracle_vs_belady'] for x in cs), 3)} of Belady: 0.9 of Belady "
+            "takes knowing which conversations are finished, which an online policy can only "
+            "estimate from idle time (exponential think times: a live conversation returns at "
+            "the same rate however long it has been idle)",
             f"- engine (tiny model, agent trace under memory pressure): prompt tokens computed "
             f"LRU {e['lru']['computed_tokens']}, cost-aware {e['cost']['computed_tokens']}: "
             f"**{fmt(e['computed_ratio_cost_vs_lru'], 3)}x** (target < 1)",
