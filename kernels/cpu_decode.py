@@ -195,11 +195,15 @@ _LIBRARY.define("cpu_decode_store_attention(Tensor q, Tensor key, Tensor value, 
                 "Tensor seq_lens, float softmax_scale) -> Tensor")
 
 
+def store_rows(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> tuple:
+    """paged_attention's `store` for a step's new K/V rows and their slots: the kernel copies
+    raw rows, so float32 (the caches it reads are) and int64 slots, contiguous."""
+    return key.float().contiguous(), value.float().contiguous(), slots.long().contiguous()
+
+
 def _op(q, key, value, k_cache, v_cache, slots, block_tables, seq_lens, softmax_scale):
-    # the kernel copies raw rows: float32 K/V (the op serves float32 caches) and int64 slots
-    store = (key.float().contiguous(), value.float().contiguous(), slots.long().contiguous())
     return paged_attention(load(), q, k_cache, v_cache, block_tables, seq_lens,
-                           softmax_scale, store=store)
+                           softmax_scale, store=store_rows(key, value, slots))
 
 
 _LIBRARY.impl("cpu_decode_store_attention", _op, "CPU")

@@ -52,12 +52,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: Layer
     Mutates the layer's cache slots of this step's tokens; returns [num_tokens, heads, dim]."""
     if meta.backend == AttentionBackend.TRITON:
         return _triton_attention(q, k, v, layer_kv, meta)
+    if meta.decode_only and meta.backend == AttentionBackend.CPU and \
+            cpu_decode.applies(q, layer_kv.k, layer_kv.v, layer_kv.k_scale):
+        return _cpu_decode(q, k, v, layer_kv, meta)  # the kernel stores the new K/V too
     reference.store_kv(k, v, layer_kv.k, layer_kv.v, meta.slot_mapping,
                        layer_kv.k_scale, layer_kv.v_scale, meta.all_slots_valid)
     if meta.decode_only:
-        if meta.backend == AttentionBackend.CPU and \
-                cpu_decode.applies(q, layer_kv.k, layer_kv.v, layer_kv.k_scale):
-            return _cpu_decode(q, layer_kv, meta)
         return reference.paged_attention(q, layer_kv.k, layer_kv.v, meta.block_tables,
                                          meta.seq_lens_tensor, meta.softmax_scale,
                                          layer_kv.k_scale, layer_kv.v_scale, meta.workspace,
@@ -68,14 +68,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_kv: Layer
                                        meta.workspace, meta.memo)
 
 
-def _cpu_decode(q, layer_kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+def _cpu_decode(q, k, v, layer_kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    """The CPU kernel stores the step's K/V rows (one per sequence) at their slots, then
+    attends: as in the batch-1 step's op, no separate index_copy_ per layer."""
     shared = meta.memo.get("cpu_shared")
     if shared is None:  # once per step: the layers share the table
         shared = meta.memo["cpu_shared"] = reference.shared_prefix_blocks(
             meta.block_tables, meta.seq_lens_tensor, layer_kv.k.shape[1])
     return cpu_decode.paged_attention(cpu_decode.load(), q, layer_kv.k, layer_kv.v,
                                       meta.block_tables, meta.seq_lens_tensor,
-                                      meta.softmax_scale, shared)
+                                      meta.softmax_scale, shared,
+                                      cpu_decode.store_rows(k, v, meta.slot_mapping))
 
 
 def _triton_attention(q, k, v, layer_kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
