@@ -77,8 +77,8 @@ def test_aligned_buffers_are_written_in_place_where_they_fall_on_aligned_offsets
     """Aligned (page-aligned memory, whole 4 KiB pages) pieces mixed with unaligned ones,
     from a generator: the file holds the same bytes as with copies; a piece is written in
     place exactly when the bytes before it end on an aligned offset, else copied."""
+    from kvsession.host_memory import fresh_memory
     from kvsession.tiers.direct_io import Aligned
-    from kvsession.tiers.staging import fresh_memory
 
     rng = random.Random(7)
     path = tmp_path / "m.bin"
@@ -277,13 +277,14 @@ def test_staging_buffers_are_reused_within_their_bound():
 
 
 def test_fresh_staging_memory_is_zeroed_aligned_and_freed_with_its_tensor():
-    """Fresh gather buffers (staging.fresh_memory): private mappings, page aligned (the
+    """Fresh gather buffers (host_memory.fresh_memory): private mappings, page aligned (the
     O_DIRECT stages use them too, and blocks are written from them in place), zeroed; the
     tensor keeps its mapping alive and unmaps it when it goes."""
     import gc
     import weakref
 
-    from kvsession.tiers.staging import StagingBuffers, fresh_memory
+    from kvsession.host_memory import fresh_memory
+    from kvsession.tiers.staging import StagingBuffers
 
     for nbytes in (1, 4096 + 7, (2 << 20), 3 * (2 << 20) + 4096):
         mem = fresh_memory(nbytes)

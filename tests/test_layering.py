@@ -5,7 +5,8 @@ the API (the prefill worker, `kvsession.worker`, is an application); the HTTP se
 `kvsession.serve`, is an application over the public API only: it imports nothing but
 `kvsession`'s public names, itself and `kvsession.routing` (the bounded-load affinity
 router, pure code under every layer that imports nothing of kvsession but its errors, so
-the connector and the server share it). Read from the source
+the connector and the server share it), and `kvsession.host_memory` (mappings and huge-page
+tensors for the model and the tiers, imports nothing of kvsession). Read from the source
 (imports inside functions and relative imports included), so a lazy or relative import
 cannot slip an upward edge past the rule."""
 
@@ -38,7 +39,8 @@ FORBIDDEN = {
     "kvsession.tiers": {"kvsession.engine", "kvsession.model", "kvsession.connector", *API},
     "kvsession.connector": {"kvsession.engine", "kvsession.model", *API},
 }
-NEUTRAL = {"kvsession.routing"}  # imports nothing of kvsession but kvsession.errors
+NEUTRAL = {"kvsession.routing", "kvsession.host_memory"}  # import nothing of kvsession
+# but kvsession.errors
 
 
 def modules():

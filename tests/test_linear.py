@@ -74,3 +74,25 @@ def test_a_models_one_row_weights_are_one_buffer_in_decode_order(model_dirs):
     starts = [lin.rows.data_ptr() for lin in order + [model.lm_head]]
     assert starts == sorted(starts)
     assert len({lin.rows.untyped_storage().data_ptr() for lin in model.projections()}) == 1
+
+
+def test_packed_rows_spanning_a_huge_page_start_on_one_in_an_advised_mapping():
+    """On Linux the packed buffer is a huge-page tensor (host_memory): the first weight
+    starts on a 2 MiB boundary of a mapping advised MADV_HUGEPAGE; products unchanged."""
+    import mmap
+    import sys
+
+    from test_host_memory import vm_flags
+
+    from kvsession.host_memory import HUGE_PAGE_BYTES
+
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("MADV_HUGEPAGE is Linux's")
+    g = torch.Generator().manual_seed(2)
+    lins = [Linear(torch.randn(1024, 512, generator=g), None, "both") for _ in range(2)]
+    x = torch.randn(1, 512, generator=g)
+    want = [lin(x) for lin in lins]
+    linear.pack_rows(lins)
+    assert lins[0].rows.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert "hg" in vm_flags(lins[1].rows.data_ptr())
+    assert all(torch.equal(lin(x), w) for lin, w in zip(lins, want, strict=True))

@@ -31,8 +31,8 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvsession.host_memory import fresh_memory
 from kvsession.tiers.segments import ALIGN_BYTES, padding_after
-from kvsession.tiers.staging import fresh_memory
 
 IOV_BATCH = 512  # buffers per pwritev (IOV_MAX is 1024 on Linux)
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every append is buffered

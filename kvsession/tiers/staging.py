@@ -13,27 +13,20 @@ holds; `give_back` (writer thread, once those blocks are written) returns it. At
 anyway); buffers past that are freed. Buffers are sized in powers of two rows so that
 turns of other lengths reuse them.
 
-Fresh buffers are page-aligned private mappings (`fresh_memory`): the write-behind writes
-block data from them in place with O_DIRECT (direct_io.Aligned), which needs aligned
-memory, and a large torch.empty is only 64-byte aligned. Not advised into transparent huge
-pages: in this VM a cold 512 MiB copy into 2 MiB pages took 0.08-0.9 s from one fresh
-process to the next, into 4 KiB pages a steady 0.15-0.2 s.
+Fresh buffers are page-aligned private mappings (`host_memory.fresh_memory`): the
+write-behind writes block data from them in place with O_DIRECT (direct_io.Aligned), which
+needs aligned memory, and a large torch.empty is only 64-byte aligned. Not advised into
+transparent huge pages: in this VM a cold 512 MiB copy into 2 MiB pages took 0.08-0.9 s
+from one fresh process to the next, into 4 KiB pages a steady 0.15-0.2 s.
 """
 
 from __future__ import annotations
 
-import mmap
 import threading
 
 import torch
 
-
-def fresh_memory(nbytes: int) -> mmap.mmap:
-    """`nbytes` of zeroed, page-aligned memory (O_DIRECT takes it), private to this
-    process."""
-    if not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: no flags, anonymous memory anyway
-        return mmap.mmap(-1, max(nbytes, 1))
-    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+from kvsession.host_memory import fresh_memory
 
 
 class StagingBuffers:

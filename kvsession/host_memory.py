@@ -1,0 +1,52 @@
+"""CPU memory mapped by this process itself: page-aligned anonymous mappings (the disk
+tier's O_DIRECT staging) and tensors in transparent huge pages (the packed one-row
+weights). Imports nothing of kvsession: the model and the tiers both use it.
+
+Huge pages, why: a batch-1 decode step streams every weight once. In 4 KiB pages that is
+a TLB miss and a page walk every 4 KiB, and the hardware prefetchers stop at every page
+boundary. With the bench model's packed weights copied into 2 MiB pages, the same
+compiled step in the same process took 7.37 ms instead of 8.85 (median of 10 interleaved
+rounds; 8.25 vs 8.82 at a 2,048-token context), and the product chain alone read ~10-15%
+faster. torch's allocator asks for huge pages only when THP_MEM_ALLOC_ENABLE is set before
+its first allocation, which a library cannot arrange inside its user's process; so the
+tensor is a private anonymous mapping advised MADV_HUGEPAGE (honoured when the system's
+`transparent_hugepage` is `madvise` or `always`), started on a 2 MiB boundary. Not for the
+KV pool: committing 1 GiB of it in huge pages took 2.7-4.3 s on the bench VM against
+0.25-0.46 s in 4 KiB pages, a cost every engine start would pay.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def fresh_memory(nbytes: int) -> mmap.mmap:
+    """`nbytes` of zeroed, page-aligned memory (O_DIRECT takes it), private to this
+    process."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: no flags, anonymous memory anyway
+        return mmap.mmap(-1, max(nbytes, 1))
+    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor of `shape` and `dtype`, its contents unspecified: in 2 MiB
+    pages, starting on a 2 MiB boundary, when it spans at least one such page and the
+    platform has MADV_HUGEPAGE; else torch.empty. The mapping is unmapped when the last
+    tensor viewing it is freed."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < HUGE_PAGE_BYTES or advice is None:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        mem = fresh_memory(nbytes + HUGE_PAGE_BYTES)  # room to start on a 2 MiB boundary
+        mem.madvise(advice)
+    except (OSError, ValueError):  # no memory for the mapping, or the advice refused
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(mem, dtype=torch.uint8)  # keeps `mem` alive while viewed
+    skip = -raw.data_ptr() % HUGE_PAGE_BYTES
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
