@@ -12,12 +12,16 @@ It is compiled at first use with the system's C++ compiler (`$CXX`, else g++ / c
 clang++), for this CPU (-march=native) and with OpenMP (the process's runtime: torch's),
 into `$KVSESSION_CACHE/kernels` (default ~/.cache/kvsession/kernels), keyed by the source,
 the flags, the compiler and the CPU. Building takes ~1 s once. Without a working compiler
-`load()` returns None (and logs why once): the engine keeps the torch reference.
+`load()` returns None (and logs why once): the engine keeps the torch reference. The
+batch-1 decode step calls the kernel from compiled code as a torch op, whose C++
+implementation (cpu_decode_op.cpp, `register_op`) builds the same way with torch's headers
+(~10 s once); where it does not build, the op runs the kernel through Python.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import hashlib
 import logging
@@ -95,17 +99,22 @@ def load(cxx: str | None = None, directory: Path | None = None):
         return _loaded[key]
 
 
-def _build(cxx: str, directory: Path, lib: Path, errors: list[str]) -> None:
-    """Compile and link the kernel into `lib`; each failed step's reason in `errors`.
+def _build(cxx: str, directory: Path, lib: Path, errors: list[str], source: Path = SOURCE,
+           compile_flags: list[str] = COMPILE_FLAGS, link_flags: list[str] = LINK_FLAGS,
+           libs: tuple[str, ...] = ()) -> None:
+    """Compile and link `source` into `lib` (`libs` after the object: a linker that drops
+    libraries nothing before them needs would drop them otherwise); each failed step's
+    reason in `errors`.
     Built under temporary names and renamed: processes building at once (test workers,
     Ray replicas) never load a half-written library."""
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         obj, out = Path(tmp) / "cpu_decode.o", Path(tmp) / "cpu_decode.so"
-        steps = [[cxx, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)]]
+        steps = [[cxx, *compile_flags, str(source), "-o", str(obj)]]
         for link in LINK:
             try:
-                for cmd in steps + [[cxx, *LINK_FLAGS, str(obj), "-o", str(out), *link]]:
+                for cmd in steps + [[cxx, *link_flags, str(obj), "-o", str(out), *libs,
+                                     *link]]:
                     subprocess.run(cmd, check=True, capture_output=True,
                                    timeout=BUILD_TIMEOUT_S)
                 os.replace(out, lib)
@@ -116,16 +125,22 @@ def _build(cxx: str, directory: Path, lib: Path, errors: list[str]) -> None:
                 steps = [] if obj.is_file() else steps  # compiled: only link again
 
 
+def _library(cxx: str, directory: Path, name: str, sources: list[Path],
+             flags: list[str]) -> Path:
+    """Where the library built from `sources` with `flags` by `cxx` for this CPU and this
+    torch lives (a new name whenever any of them changes)."""
+    digest = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in sources),
+                                        " ".join(flags).encode(), cxx.encode(),
+                                        _cpu_id().encode(), torch.__version__.encode()]))
+    return directory / f"{name}-{digest.hexdigest()[:16]}.so"
+
+
 def _build_and_load(cxx: str | None, directory: Path):
     if cxx is None:
         log.warning("the CPU decode attention kernel is not used: no C++ compiler found "
                     "(set CXX); decode attention runs the torch reference")
         return None
-    source = SOURCE.read_bytes()
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
-    digest = hashlib.sha256(b"\0".join([source, flags, cxx.encode(),
-                                        _cpu_id().encode(), torch.__version__.encode()]))
-    lib = directory / f"cpu_decode-{digest.hexdigest()[:16]}.so"
+    lib = _library(cxx, directory, "cpu_decode", [SOURCE], COMPILE_FLAGS + LINK_FLAGS)
     errors: list[str] = []
     try:
         if not lib.is_file():
@@ -187,8 +202,9 @@ def paged_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # them in place: an index_copy_ into a graph input is functionalized into a copy of the
 # whole cache, which inductor did not turn back into an in-place write for the second and
 # later layers of one graph (2 x 64 MiB a layer and step with a 1 GiB pool on the bench
-# model). Defined through the plain Library API: a `torch.library.custom_op` wrapper cost
-# ~25 us a call, this ~10.
+# model). Defined through the plain Library API (a `torch.library.custom_op` wrapper cost
+# ~25 us a call); its CPU implementation is registered by `register_op` when first needed:
+# C++ (cpu_decode_op.cpp, ~2 us a call) where it builds, else Python (`_op`, ~30 us).
 _LIBRARY = torch.library.Library("kvsession", "DEF")
 _LIBRARY.define("cpu_decode_store_attention(Tensor q, Tensor key, Tensor value, "
                 "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, "
@@ -202,11 +218,64 @@ def store_rows(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> t
 
 
 def _op(q, key, value, k_cache, v_cache, slots, block_tables, seq_lens, softmax_scale):
+    """The op's implementation in Python: the kernel through ctypes (where the C++ one,
+    cpu_decode_op.cpp, could not be built)."""
     return paged_attention(load(), q, k_cache, v_cache, block_tables, seq_lens,
                            softmax_scale, store=store_rows(key, value, slots))
 
 
-_LIBRARY.impl("cpu_decode_store_attention", _op, "CPU")
+class OpKind(enum.Enum):
+    NATIVE = "native"  # cpu_decode_op.cpp: the kernel behind torch's dispatcher, no Python
+    PYTHON = "python"  # _op
+
+
+OP_SOURCE = SOURCE.with_name("cpu_decode_op.cpp")
+_op_kind: list[OpKind] = []  # the implementation registered, once chosen
+
+
+def _op_flags() -> tuple[list[str], list[str], tuple[str, ...]]:
+    """(compile flags, link flags, libraries) of the op's library: the kernel's, plus
+    torch's headers and libraries (those of the torch this process runs)."""
+    root = Path(torch.__file__).parent
+    include = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compile_flags = [f for f in COMPILE_FLAGS if not f.startswith("-std=")] + [
+        "-std=c++20", f"-DKVS_TASK_TOKENS={TASK_TOKENS}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in include)]
+    lib = root / "lib"
+    return compile_flags, LINK_FLAGS + [f"-L{lib}", f"-Wl,-rpath,{lib}"], ("-ltorch_cpu",
+                                                                           "-lc10")
+
+
+def register_op() -> OpKind:
+    """Give kvsession::cpu_decode_store_attention its CPU implementation, once per process:
+    the C++ one (cpu_decode_op.cpp, built like the kernel into the same directory, with
+    torch's headers: ~10-20 s once) when it builds and loads, else `_op`. Returns which.
+    For callers that found `load()` working (compiled code calls the op per layer)."""
+    with _lock:
+        if _op_kind:
+            return _op_kind[0]
+        cxx, directory = compiler(), cache_dir()
+        errors: list[str] = []
+        if cxx is not None:
+            compile_flags, link_flags, libs = _op_flags()
+            lib = _library(cxx, directory, "cpu_decode_op", [OP_SOURCE, SOURCE],
+                           compile_flags + link_flags + list(libs))
+            try:
+                if not lib.is_file():
+                    _build(cxx, directory, lib, errors, OP_SOURCE, compile_flags, link_flags,
+                           libs)
+                torch.ops.load_library(str(lib))  # its static initialiser registers the op
+                _op_kind.append(OpKind.NATIVE)
+            except (OSError, RuntimeError) as e:  # not built, or torch refused to load it
+                errors.append(str(e))
+        if not _op_kind:
+            log.warning("the CPU decode op runs its kernel through Python (building its C++ "
+                        "implementation with %s into %s failed: %s)", cxx, directory,
+                        " | ".join(errors) or "no C++ compiler")
+            _LIBRARY.impl("cpu_decode_store_attention", _op, "CPU")
+            _op_kind.append(OpKind.PYTHON)
+        return _op_kind[0]
 
 
 @torch.library.register_fake("kvsession::cpu_decode_store_attention")

@@ -106,9 +106,71 @@ def test_the_kernel_stores_each_new_token_at_its_slot_before_attending(kernel):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", CASES[:4] + CASES[5:])  # the op reads no shared blocks
+def test_the_ops_cpp_implementation_is_the_kernel_through_ctypes_exactly(kernel, case):
+    """register_op gives kvsession::cpu_decode_store_attention its C++ implementation
+    here (a compiler, torch's headers): the same kernel, called without Python, so the
+    same bits as `_op` (the kernel through ctypes), stores included; a query in bfloat16
+    comes back in bfloat16."""
+    assert cpu_decode.register_op() == cpu_decode.OpKind.NATIVE
+    lens, _, bs, kvh, group, dim = case
+    q, k, v, table, seq_lens = random_case(random.Random(str(case) + "op"), lens=lens,
+                                           shared=0, block_size=bs, kv_heads=kvh,
+                                           group=group, dim=dim)
+    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    g = torch.Generator().manual_seed(5)
+    key, value = (torch.randn(len(lens), kvh, dim, generator=g) for _ in range(2))
+    slots = torch.tensor([int(table[i, 0]) * bs if n else -1 for i, n in enumerate(lens)])
+    k2, v2 = k.clone(), v.clone()
+    for query in (q, q.bfloat16()):
+        got = torch.ops.kvsession.cpu_decode_store_attention(query, key, value, k, v, slots,
+                                                             table, seq_lens, dim ** -0.5)
+        want = cpu_decode._op(query, key, value, k2, v2, slots, table, seq_lens, dim ** -0.5)
+        assert got.dtype == query.dtype and torch.equal(got, want)
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_where_the_ops_cpp_implementation_does_not_build_python_serves(tmp_path):
+    """A compiler that builds the kernel but fails on the op's source (as one without
+    torch's headers would): the op is registered in Python and gives the same answer."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f"#!/bin/sh\ncase \"$*\" in *cpu_decode_op.cpp*) echo no torch >&2; "
+                   f"exit 1;; esac\nexec {shutil.which('g++') or 'c++'} \"$@\"\n")
+    cxx.chmod(0o755)
+    code = """
+import logging, torch
+from kvsession.kernels import cpu_decode, reference
+logging.basicConfig()
+assert cpu_decode.load() is not None
+assert cpu_decode.register_op() == cpu_decode.OpKind.PYTHON
+g = torch.Generator().manual_seed(0)
+k, v = torch.randn(8, 16, 2, 64, generator=g), torch.randn(8, 16, 2, 64, generator=g)
+q, key, value = (torch.randn(1, n, 64, generator=g) for n in (4, 2, 2))
+table, lens, slots = torch.tensor([[3, 5]]), torch.tensor([20]), torch.tensor([5 * 16 + 3])
+want_k, want_v = k.clone(), v.clone()
+reference.store_kv(key, value, want_k, want_v, slots)
+want = reference.paged_attention(q, want_k, want_v, table, lens, 0.125)
+got = torch.ops.kvsession.cpu_decode_store_attention(q, key, value, k, v, slots, table,
+                                                     lens, 0.125)
+assert torch.equal(k, want_k) and torch.equal(v, want_v)
+torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+"""
+    env = dict(os.environ, CXX=str(cxx), KVSESSION_CACHE=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "runs its kernel through Python" in run.stderr and "no torch" in run.stderr
+
+
 def test_engine_batches_through_the_kernel_with_transformers_tokens(model_dirs, monkeypatch):
     """Batched decode (a shared pinned prefix, mixed lengths) and batch-1 decode through
-    the one-token regions with the kernel's op: transformers' tokens, the kernel called."""
+    the one-token regions with the kernel's op: transformers' tokens, the kernel called
+    (through Python for the batches, by the op's C++ implementation in the region)."""
     d = model_dirs("llama")
     system = random_prompts(1, [40], 500)[0]
     prompts = [system + p for p in random_prompts(2, [3, 20, 9], 500)]
@@ -132,9 +194,10 @@ def test_engine_batches_through_the_kernel_with_transformers_tokens(model_dirs, 
                            use_tqdm=False)[0].token_ids
     assert got == ref and one == ref[0]
     assert batched >= model.spec.num_layers * (GREEDY.max_tokens - 1)
-    # each batch-1 decode step: one region call, the kernel's op once per layer inside it
+    # each batch-1 decode step: one region call, the kernel's op once per layer inside it,
+    # in C++ (cpu_decode_op.cpp): the kernel never through Python's paged_attention
     assert len(steps) == GREEDY.max_tokens - 1
-    assert len(calls) - batched == model.spec.num_layers * (GREEDY.max_tokens - 1)
+    assert cpu_decode.register_op() == cpu_decode.OpKind.NATIVE and len(calls) == batched
 
 
 def test_the_one_region_step_stores_every_layers_kv_and_reports_each_layer(model_dirs):

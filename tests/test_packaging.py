@@ -34,11 +34,14 @@ def test_kernels_is_not_a_top_level_module():
 
 
 def test_the_wheel_ships_the_cpu_kernel_source(tmp_path):
-    """kernels/cpu_decode.cpp is compiled at first use: it must be in the wheel."""
+    """kernels/cpu_decode.cpp and cpu_decode_op.cpp are compiled at first use: they must be
+    in the wheel."""
     import zipfile
 
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True,
                    timeout=300)
     (wheel,) = tmp_path.glob("kvsession-*.whl")
-    assert "kvsession/kernels/cpu_decode.cpp" in zipfile.ZipFile(wheel).namelist()
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"kvsession/kernels/cpu_decode.cpp", "kvsession/kernels/cpu_decode_op.cpp"} <= \
+        set(names)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvsession.kernels import cpu_decode  # noqa: F401 - registers the kernel's op
+from kvsession.kernels import cpu_decode  # defines the kernel's op
 from kvsession.model.linear import MEASURE_MIN_BYTES, Linear, best_times, weight_bytes
 
 log = logging.getLogger("kvsession")
@@ -249,6 +249,8 @@ class OneRowKernels:
         block list's length varies (marked unbacked per step); the rest is static. Before
         warm_up."""
         self.kernel_attention = kernel
+        if kernel:
+            cpu_decode.register_op()  # the op's implementation: C++ where it builds
         self.decode = compile_region(decode_layers_kernel, dynamic=None) if kernel else \
             compile_region(decode_layer, dynamic=None, options=COMPILE_OPTIONS)
 
