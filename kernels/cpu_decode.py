@@ -230,7 +230,7 @@ class OpKind(enum.Enum):
 
 
 OP_SOURCE = SOURCE.with_name("cpu_decode_op.cpp")
-_op_kind: list[OpKind] = []  # the implementation registered, once chosen
+_op_kind: OpKind | None = None  # the implementation registered, once chosen
 
 
 def _op_flags() -> tuple[list[str], list[str], tuple[str, ...]]:
@@ -252,9 +252,10 @@ def register_op() -> OpKind:
     the C++ one (cpu_decode_op.cpp, built like the kernel into the same directory, with
     torch's headers: ~10-20 s once) when it builds and loads, else `_op`. Returns which.
     For callers that found `load()` working (compiled code calls the op per layer)."""
+    global _op_kind
     with _lock:
-        if _op_kind:
-            return _op_kind[0]
+        if _op_kind is not None:
+            return _op_kind
         cxx, directory = compiler(), cache_dir()
         errors: list[str] = []
         if cxx is not None:
@@ -266,16 +267,16 @@ def register_op() -> OpKind:
                     _build(cxx, directory, lib, errors, OP_SOURCE, compile_flags, link_flags,
                            libs)
                 torch.ops.load_library(str(lib))  # its static initialiser registers the op
-                _op_kind.append(OpKind.NATIVE)
+                _op_kind = OpKind.NATIVE
             except (OSError, RuntimeError) as e:  # not built, or torch refused to load it
                 errors.append(str(e))
-        if not _op_kind:
+        if _op_kind is None:
             log.warning("the CPU decode op runs its kernel through Python (building its C++ "
                         "implementation with %s into %s failed: %s)", cxx, directory,
                         " | ".join(errors) or "no C++ compiler")
             _LIBRARY.impl("cpu_decode_store_attention", _op, "CPU")
-            _op_kind.append(OpKind.PYTHON)
-        return _op_kind[0]
+            _op_kind = OpKind.PYTHON
+        return _op_kind
 
 
 @torch.library.register_fake("kvsession::cpu_decode_store_attention")
