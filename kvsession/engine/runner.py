@@ -44,12 +44,14 @@ class ThreadGovernor:
     of step from measured step times.
 
     All cores streaming weights make a decode step fastest on an otherwise idle machine (the
-    bench model's batch-1 step: 7 ms on 2 threads, 13 ms on 1). But OpenMP threads
-    spin-wait, and a parallel region ends only when its slowest thread does: as soon as
-    anything else wants a core (the callers' Python, the tokenizer, another process), one
-    thread waits on a preempted partner while the other burns CPU. Measured on the 2-core
-    bench machine: the same step at 15-190 ms on 2 threads with twice the process CPU,
-    against 13-20 ms on 1, and whole agent-workload runs landing in a fast or a slow mode.
+    bench model's batch-1 step: ~5.5 ms on 2 threads, ~6.6 ms on 1, where one core's reads
+    reach ~80% of two cores' bandwidth; 7 vs 13 ms before the one-row decode region). But
+    OpenMP threads spin-wait, and a parallel region ends only when its slowest thread does:
+    as soon as anything else wants a core (the callers' Python, the tokenizer, another
+    process), one thread waits on a preempted partner while the other burns CPU. Measured
+    on the 2-core bench machine: the same step at 15-190 ms on 2 threads with twice the
+    process CPU, against 13-20 ms on 1, and whole agent-workload runs landing in a fast or a
+    slow mode.
     Passive waiting is no cure there: waking a sleeping thread costs milliseconds on this
     VM, so it is as slow as one thread. Neither count wins everywhere, so the engine
     measures: each kind of step (decode at a batch size, or prefill by token count) runs at
