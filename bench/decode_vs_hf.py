@@ -34,6 +34,7 @@ from common import Solo, compare, mid_model, pyplot, save_figure, write_result
 
 from kvsession import LLM, SamplingParams
 
+ALONE_ROUNDS = 15  # paired rounds of kvsession alone per batch size
 CASES = [(1, 128), (1, 2048), (8, 128), (8, 2048)]  # (batch, context tokens)
 
 
@@ -52,11 +53,17 @@ class Bandwidth:
         with the timings it bounds)."""
         self.window_best = 0.0
 
-    def sample(self) -> float:
+    def measure(self) -> float:
+        """One sample's rate (bytes/s)."""
         t = time.perf_counter()
         self.buf.sum()
         rate = self.buf.numel() * 4 / (time.perf_counter() - t)
         self.best, self.window_best = max(self.best, rate), max(self.window_best, rate)
+        return rate
+
+    def sample(self) -> float:
+        """A sample; the best rate so far."""
+        self.measure()
         return self.best
 
 
@@ -132,36 +139,52 @@ def decode_steps(llm, hf, bw: Bandwidth, steps: int, rng) -> dict:
                                    for _ in range(batch)]
         out[f"batch{batch}_ctx{context}"] = step_case(llm, hf, bw, steps,
                                                       prompts[batch, context])
-    # kvsession alone, both contexts timed interleaved with bandwidth samples between (the
-    # engine's OpenMP workers released first, as before transformers' runs, so that none
-    # still spins on a core while `sum` runs): the step against the bound, and the
-    # long/short rate. The cases above run one after the other, minutes apart, and this
-    # machine's speed drifts between them; and transformers' runs between kvsession's make
-    # the engine's ThreadGovernor re-measure its thread count. Their prompts are still
-    # cached.
+    # kvsession alone: both contexts of a batch timed in paired rounds, each round after a
+    # bandwidth sample (the engine's OpenMP workers released first, as before transformers'
+    # runs, so that none still spins on a core while `sum` runs); the step against the bound
+    # of its own round, and the long/short rate of each round, then the medians over the
+    # rounds: this machine's speed drifts by up to ~1.7x over minutes (the cases above run
+    # minutes apart), and transformers' runs between kvsession's make the engine's
+    # ThreadGovernor re-measure its thread count. Their prompts are still cached.
     solo = Solo(llm)
     for b in (1, 8):
-        short, long_ = prompts[b, 128], prompts[b, 2048]
-        bw.start_window()
-        s1, sn, l1, ln = compare([generate_fn(llm, solo, short, 1),
-                                  generate_fn(llm, solo, short, steps + 1),
-                                  generate_fn(llm, solo, long_, 1),
-                                  generate_fn(llm, solo, long_, steps + 1)], 7,
-                                 between=lambda: (solo.theirs(), bw.sample()))
-        out[f"batch{b}_long_vs_short"] = (sn - s1) / (ln - l1)
-        out[f"batch{b}_interleaved_step_ms"] = {"128": (sn - s1) / steps * 1e3,
-                                                "2048": (ln - l1) / steps * 1e3}
-        for context, ms in out[f"batch{b}_interleaved_step_ms"].items():
-            case = out[f"batch{b}_ctx{context}"]
-            bound_ms = (case["weight_bytes"] + case["kv_bytes"]) / bw.window_best * 1e3
-            case.update(alone_step_ms=ms, alone_bandwidth_gb_s=bw.window_best / 1e9,
-                        alone_bound_ms=bound_ms, alone_ratio_to_bound=ms / bound_ms)
-            print(f"decode step batch {b} ctx {context:>5}, kvsession alone: {ms:6.2f} ms = "
-                  f"{ms / bound_ms:.2f}x the bound ({bound_ms:.2f} ms at "
-                  f"{bw.window_best / 1e9:.1f} GB/s)", flush=True)
+        fns = [generate_fn(llm, solo, prompts[b, c], n) for c in (128, 2048)
+               for n in (1, steps + 1)]
+        for fn in fns:
+            fn()
+        rounds = []
+        for _ in range(ALONE_ROUNDS):
+            solo.theirs()
+            rate = max(bw.measure() for _ in range(2))
+            t = []
+            for fn in fns:
+                t0 = time.perf_counter()
+                fn()
+                t.append(time.perf_counter() - t0)
+            ms = {"128": (t[1] - t[0]) / steps * 1e3, "2048": (t[3] - t[2]) / steps * 1e3}
+            bound_ms = {c: (out[f"batch{b}_ctx{c}"]["weight_bytes"]
+                            + out[f"batch{b}_ctx{c}"]["kv_bytes"]) / rate * 1e3 for c in ms}
+            rounds.append({"bandwidth_gb_s": rate / 1e9, "step_ms": ms,
+                           "ratio_to_bound": {c: ms[c] / bound_ms[c] for c in ms},
+                           "long_vs_short": ms["128"] / ms["2048"]})
+        med = statistics.median
+        out[f"batch{b}_alone_rounds"] = rounds
+        out[f"batch{b}_long_vs_short"] = med(r["long_vs_short"] for r in rounds)
+        for c in ("128", "2048"):
+            case = out[f"batch{b}_ctx{c}"]
+            rate = med(r["bandwidth_gb_s"] for r in rounds)
+            ms = med(r["step_ms"][c] for r in rounds)
+            case.update(alone_step_ms=ms, alone_bandwidth_gb_s=rate,
+                        alone_bound_ms=(case["weight_bytes"] + case["kv_bytes"]) / rate / 1e6,
+                        alone_ratio_to_bound=med(r["ratio_to_bound"][c] for r in rounds))
+            print(f"decode step batch {b} ctx {c:>5}, kvsession alone (medians of "
+                  f"{len(rounds)} rounds): {ms:6.2f} ms = {case['alone_ratio_to_bound']:.2f}x "
+                  f"the bound of its round ({case['alone_bound_ms']:.2f} ms at {rate:.1f} GB/s)",
+                  flush=True)
+        lo = sorted(r["long_vs_short"] for r in rounds)
         print(f"batch {b}: 2,048-token decode at {out[f'batch{b}_long_vs_short']:.2f}x the "
-              f"128-token rate, timed interleaved ({(sn - s1) / steps * 1e3:.2f} vs "
-              f"{(ln - l1) / steps * 1e3:.2f} ms a step; target >= 0.8)", flush=True)
+              f"128-token rate (median of {len(rounds)} paired rounds, range "
+              f"{lo[0]:.2f}-{lo[-1]:.2f}; target >= 0.8)", flush=True)
     return out
 
 
