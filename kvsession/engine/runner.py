@@ -4,6 +4,7 @@ model, and returns logits for the sequences that sample this step."""
 from __future__ import annotations
 
 import ctypes
+import enum
 import time
 
 import torch
@@ -39,6 +40,25 @@ def release_openmp_workers() -> bool:
     return False
 
 
+class StepKind(enum.Enum):
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+
+def step_kind(batch: list[ScheduledSeq]) -> tuple:
+    """The ThreadGovernor's kind of a step: decode by batch size and by the context its
+    attention reads (total cached tokens, to a power of two), prefill by token count.
+    Context counts for decode: a 2,048-token step reads ~20% more than a 128-token one (the
+    bench model) and its attention scales with threads differently, so one average for both
+    compared a one-thread probe at one length with two-thread steps at another, and long
+    steps ran on one thread after a short one's probe."""
+    tokens = sum(i.num_new_tokens for i in batch)
+    if tokens == len(batch):
+        context = sum(i.seq.num_computed_tokens for i in batch)
+        return StepKind.DECODE, len(batch), context.bit_length()
+    return StepKind.PREFILL, tokens.bit_length()
+
+
 class ThreadGovernor:
     """The engine thread's CPU thread count (intra-op: OpenMP, MKL, oneDNN), chosen per kind
     of step from measured step times.
@@ -54,11 +74,11 @@ class ThreadGovernor:
     slow mode.
     Passive waiting is no cure there: waking a sleeping thread costs milliseconds on this
     VM, so it is as slow as one thread. Neither count wins everywhere, so the engine
-    measures: each kind of step (decode at a batch size, or prefill by token count) runs at
-    the count with the lower recent time (an exponential average; all cores until one
-    thread has been tried), and now and then a couple of steps try the other count, so
-    that the choice follows the machine's load. Probes get rarer while they keep
-    confirming a clear choice.
+    measures: each kind of step (`step_kind`: decode at a batch size and context length, or
+    prefill by token count) runs at the count with the lower recent time (an exponential
+    average; all cores until one thread has been tried), and now and then a couple of steps
+    try the other count, so that the choice follows the machine's load. Probes get rarer
+    while they keep confirming a clear choice.
 
     Changing the count is not free (the first parallel region after going back to more
     threads took ~6 ms here): a short step right after a change is not measured. A step's float
@@ -187,8 +207,7 @@ class ModelRunner:
                 [i.seq.block_ids for i in batch])
         if self.governor is None:
             return self._run(batch)
-        tokens = sum(i.num_new_tokens for i in batch)
-        key = ("decode", len(batch)) if tokens == len(batch) else ("prefill", tokens.bit_length())
+        key = step_kind(batch)
         threads = self.governor.choose(key)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # this thread's OpenMP and MKL thread counts
