@@ -34,12 +34,14 @@ def test_prefill_steps_are_kinds_by_token_count():
     assert step_kind([scheduled(50, new_tokens=200), scheduled(0, new_tokens=100)]) == kind
 
 
-def run(governor: ThreadGovernor, key: tuple, seconds: dict[int, float], steps: int) -> list:
-    """`steps` steps of kind `key` taking seconds[threads] each: the counts chosen."""
+def run(governor: ThreadGovernor, key: tuple, seconds, steps: int) -> list:
+    """`steps` steps of kind `key` taking seconds[threads] each (or seconds(i, threads) for
+    the i-th): the counts chosen."""
     chosen = []
-    for _ in range(steps):
+    for i in range(steps):
         threads = governor.choose(key)
-        governor.record(key, threads, seconds[threads])
+        governor.record(key, threads, seconds(i, threads) if callable(seconds)
+                        else seconds[threads])
         chosen.append(threads)
     return chosen
 
@@ -71,3 +73,30 @@ def test_a_probe_of_one_kind_does_not_move_another_kind():
     run(g, short, {2: 0.005, 1: 0.004}, 30)
     assert g.choose(short) == 1
     assert run(g, long_, {2: 0.008, 1: 0.012}, 10) == [2] * 10
+
+
+def test_one_slow_step_does_not_move_the_choice():
+    """A noisy machine's one slow two-thread step (here 10x) leaves the engine on all cores
+    (an average took it for a change and ran one thread until the next probe)."""
+    g = ThreadGovernor(2)
+    run(g, ("k",), {2: 0.005, 1: 0.008}, 100)  # all cores, probes already rarer
+    spike = run(g, ("k",), lambda i, t: 0.05 if i == 0 and t == 2 else {2: 0.005, 1: 0.008}[t],
+                30)
+    assert spike[0] == 2
+    assert spike.count(1) <= ThreadGovernor.PROBE_STEPS  # at most a probe that was due
+
+
+def test_lasting_slower_steps_move_the_choice_and_the_old_count_is_probed_soon():
+    """Two-thread steps that stay slow (another process wants a core) move the kind to one
+    thread within a majority of the window; all cores are tried again soon after."""
+    g = ThreadGovernor(2)
+    run(g, ("k",), {2: 0.005, 1: 0.008}, 100)
+    loaded = {2: 0.030, 1: 0.010}
+    chosen = run(g, ("k",), loaded, 60)
+    assert chosen.index(1) <= ThreadGovernor.WINDOW // 2 + 1
+    first = chosen.index(1)
+    after = chosen[first:]
+    back = after.index(2)  # the probe of all cores, counted from the change
+    assert back <= ThreadGovernor.PROBE_EVERY[0] + 1
+    # the load is still there: the probe confirms one thread
+    assert after[back + ThreadGovernor.PROBE_STEPS:].count(2) <= ThreadGovernor.PROBE_STEPS

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import statistics
 import time
+from collections import deque
 
 import torch
 
@@ -75,10 +77,12 @@ class ThreadGovernor:
     Passive waiting is no cure there: waking a sleeping thread costs milliseconds on this
     VM, so it is as slow as one thread. Neither count wins everywhere, so the engine
     measures: each kind of step (`step_kind`: decode at a batch size and context length, or
-    prefill by token count) runs at the count with the lower recent time (an exponential
-    average; all cores until one thread has been tried), and now and then a couple of steps
-    try the other count, so that the choice follows the machine's load. Probes get rarer
-    while they keep confirming a clear choice.
+    prefill by token count) runs at the count with the lower recent time (the median of its
+    last few steps; all cores until one thread has been tried), and now and then a couple of
+    steps try the other count, so that the choice follows the machine's load. Probes get
+    rarer while they keep confirming a clear choice, and come soon again when the choice
+    changes. (An exponential average took one slow two-thread step, common on this VM, for
+    a change: the engine then ran on one thread until the next probe, up to 256 steps.)
 
     Changing the count is not free (the first parallel region after going back to more
     threads took ~6 ms here): a short step right after a change is not measured. A step's float
@@ -87,31 +91,43 @@ class ThreadGovernor:
 
     PROBE_EVERY = (16, 256)  # steps of a kind between probes: first, and at most
     PROBE_STEPS = 2          # a probe: one step to settle, one measured
-    ALPHA = 0.5              # weight of the newest step time in the average
+    WINDOW = 5               # step times kept per kind and count: the estimate is their median
     CLEAR = 1.3              # a choice this much faster makes probes rarer
     SWITCH_S = 0.006         # what a change of count can add to the next step
 
     def __init__(self, max_threads: int):
         self.counts = (max_threads, 1)
-        self.avg: dict[tuple, dict[int, float]] = {}
+        self.recent: dict[tuple, dict[int, deque[float]]] = {}  # the latest step times
         self.due: dict[tuple, list[int]] = {}  # [steps until the next probe, interval]
+        self.chosen: dict[tuple, int] = {}  # each kind's count outside probes
         self.current = max_threads
         self.settling = False  # the coming step follows a change of count
         self.used = dict.fromkeys(self.counts, 0)  # steps run at each count (stats)
 
+    def estimate(self, key: tuple, threads: int) -> float | None:
+        """A step of this kind at this count, in seconds: the median of the latest (a
+        median, not an average, so that one slow step on a noisy machine does not move the
+        choice); None before any."""
+        times = self.recent.get(key, {}).get(threads)
+        return statistics.median(times) if times else None
+
     def choose(self, key: tuple) -> int:
         """The count for the coming step of this kind: the faster one so far (all cores
-        until the other has been tried), or the other one during a probe."""
-        avg = self.avg.setdefault(key, {})
+        until the other has been tried), or the other one during a probe. When the faster
+        one changes, the count left behind is probed again soon (its times are old)."""
+        known = {c: self.estimate(key, c) for c in self.recent.setdefault(key, {})}
         due = self.due.setdefault(key, [self.PROBE_EVERY[0], self.PROBE_EVERY[0]])
-        best = min(avg, key=avg.__getitem__) if avg else self.counts[0]
+        best = min(known, key=known.__getitem__) if known else self.counts[0]
+        if self.chosen.setdefault(key, best) != best:
+            self.chosen[key] = best
+            due[:] = [self.PROBE_EVERY[0], self.PROBE_EVERY[0]]
         other = next(c for c in self.counts if c != best)
         due[0] -= 1
         threads = best
         if due[0] < 0:
             threads = other
             if due[0] == -self.PROBE_STEPS:  # probe done: the next one sooner or later
-                clear = other in avg and avg[other] > self.CLEAR * avg[best]
+                clear = other in known and known[other] > self.CLEAR * known[best]
                 due[1] = min(2 * due[1], self.PROBE_EVERY[1]) if clear else self.PROBE_EVERY[0]
                 due[0] = due[1]
         self.settling = threads != self.current
@@ -122,9 +138,7 @@ class ThreadGovernor:
         self.used[threads] += 1
         if self.settling and seconds < 20 * self.SWITCH_S:  # the change would weigh in
             return
-        avg = self.avg[key]
-        avg[threads] = seconds if threads not in avg else (
-            self.ALPHA * seconds + (1 - self.ALPHA) * avg[threads])
+        self.recent[key].setdefault(threads, deque(maxlen=self.WINDOW)).append(seconds)
 
 
 class ModelRunner:
