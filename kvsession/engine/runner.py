@@ -51,9 +51,8 @@ def step_kind(batch: list[ScheduledSeq]) -> tuple:
     """The ThreadGovernor's kind of a step: decode by batch size and by the context its
     attention reads (total cached tokens, to a power of two), prefill by token count.
     Context counts for decode: a 2,048-token step reads ~20% more than a 128-token one (the
-    bench model) and its attention scales with threads differently, so one average for both
-    compared a one-thread probe at one length with two-thread steps at another, and long
-    steps ran on one thread after a short one's probe."""
+    bench model) and its attention scales with threads differently, so one estimate for both
+    compared a one-thread probe at one length with two-thread steps at another."""
     tokens = sum(i.num_new_tokens for i in batch)
     if tokens == len(batch):
         context = sum(i.seq.num_computed_tokens for i in batch)
