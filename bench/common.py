@@ -40,21 +40,31 @@ def model_path(name: str) -> Path:
     return path
 
 
-def compare(fns, repeat: int = 3, between=None) -> list[float]:
-    """Best wall time of each function over `repeat` rounds, run interleaved (one warm-up
+def timed_rounds(fns, repeat: int = 3, between=None, before_round=None) -> list[list[float]]:
+    """Wall time of each function in each of `repeat` rounds, run interleaved (one warm-up
     each) so that machine noise hits all of them alike. `between`, if given, runs untimed
-    before each timed call (e.g. a bandwidth sample taken in the same conditions)."""
+    before each timed call (e.g. a bandwidth sample taken in the same conditions);
+    `before_round` before each round."""
     for fn in fns:
         fn()
-    best = [float("inf")] * len(fns)
+    rounds = []
     for _ in range(repeat):
-        for i, fn in enumerate(fns):
+        if before_round is not None:
+            before_round()
+        times = []
+        for fn in fns:
             if between is not None:
                 between()
             t = time.perf_counter()
             fn()
-            best[i] = min(best[i], time.perf_counter() - t)
-    return best
+            times.append(time.perf_counter() - t)
+        rounds.append(times)
+    return rounds
+
+
+def compare(fns, repeat: int = 3, between=None) -> list[float]:
+    """Best wall time of each function over `repeat` interleaved rounds (`timed_rounds`)."""
+    return [min(times) for times in zip(*timed_rounds(fns, repeat, between), strict=True)]
 
 
 class Solo:

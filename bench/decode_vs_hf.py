@@ -30,7 +30,7 @@ import time
 import warnings
 
 import torch
-from common import Solo, compare, mid_model, pyplot, save_figure, write_result
+from common import Solo, compare, mid_model, pyplot, save_figure, timed_rounds, write_result
 
 from kvsession import LLM, SamplingParams
 
@@ -147,35 +147,34 @@ def decode_steps(llm, hf, bw: Bandwidth, steps: int, rng) -> dict:
     # minutes apart), and transformers' runs between kvsession's make the engine's
     # ThreadGovernor re-measure its thread count. Their prompts are still cached.
     solo = Solo(llm)
+    med = statistics.median
+    rates: list[float] = []  # bytes/s, one per round of the batch size being timed
+
+    def sample_bandwidth():
+        solo.theirs()
+        rates.append(max(bw.measure() for _ in range(2)))
+
     for b in (1, 8):
-        fns = [generate_fn(llm, solo, prompts[b, c], n) for c in (128, 2048)
-               for n in (1, steps + 1)]
-        for fn in fns:
-            fn()
+        nbytes = {c: out[f"batch{b}_ctx{c}"]["weight_bytes"]
+                  + out[f"batch{b}_ctx{c}"]["kv_bytes"] for c in ("128", "2048")}
+        rates.clear()
+        times = timed_rounds([generate_fn(llm, solo, prompts[b, int(c)], n) for c in nbytes
+                              for n in (1, steps + 1)], ALONE_ROUNDS,
+                             before_round=sample_bandwidth)
         rounds = []
-        for _ in range(ALONE_ROUNDS):
-            solo.theirs()
-            rate = max(bw.measure() for _ in range(2))
-            t = []
-            for fn in fns:
-                t0 = time.perf_counter()
-                fn()
-                t.append(time.perf_counter() - t0)
+        for t, rate in zip(times, rates, strict=True):
             ms = {"128": (t[1] - t[0]) / steps * 1e3, "2048": (t[3] - t[2]) / steps * 1e3}
-            bound_ms = {c: (out[f"batch{b}_ctx{c}"]["weight_bytes"]
-                            + out[f"batch{b}_ctx{c}"]["kv_bytes"]) / rate * 1e3 for c in ms}
             rounds.append({"bandwidth_gb_s": rate / 1e9, "step_ms": ms,
-                           "ratio_to_bound": {c: ms[c] / bound_ms[c] for c in ms},
+                           "ratio_to_bound": {c: ms[c] / (nbytes[c] / rate * 1e3) for c in ms},
                            "long_vs_short": ms["128"] / ms["2048"]})
-        med = statistics.median
         out[f"batch{b}_alone_rounds"] = rounds
         out[f"batch{b}_long_vs_short"] = med(r["long_vs_short"] for r in rounds)
-        for c in ("128", "2048"):
+        for c in nbytes:
             case = out[f"batch{b}_ctx{c}"]
             rate = med(r["bandwidth_gb_s"] for r in rounds)
             ms = med(r["step_ms"][c] for r in rounds)
             case.update(alone_step_ms=ms, alone_bandwidth_gb_s=rate,
-                        alone_bound_ms=(case["weight_bytes"] + case["kv_bytes"]) / rate / 1e6,
+                        alone_bound_ms=nbytes[c] / rate / 1e6,
                         alone_ratio_to_bound=med(r["ratio_to_bound"][c] for r in rounds))
             print(f"decode step batch {b} ctx {c:>5}, kvsession alone (medians of "
                   f"{len(rounds)} rounds): {ms:6.2f} ms = {case['alone_ratio_to_bound']:.2f}x "

@@ -103,18 +103,13 @@ class ThreadGovernor:
         self.settling = False  # the coming step follows a change of count
         self.used = dict.fromkeys(self.counts, 0)  # steps run at each count (stats)
 
-    def estimate(self, key: tuple, threads: int) -> float | None:
-        """A step of this kind at this count, in seconds: the median of the latest (a
-        median, not an average, so that one slow step on a noisy machine does not move the
-        choice); None before any."""
-        times = self.recent.get(key, {}).get(threads)
-        return statistics.median(times) if times else None
-
     def choose(self, key: tuple) -> int:
         """The count for the coming step of this kind: the faster one so far (all cores
         until the other has been tried), or the other one during a probe. When the faster
         one changes, the count left behind is probed again soon (its times are old)."""
-        known = {c: self.estimate(key, c) for c in self.recent.setdefault(key, {})}
+        # a median, not an average: one slow step on a noisy machine must not move the choice
+        known = {c: statistics.median(times)
+                 for c, times in self.recent.setdefault(key, {}).items()}
         due = self.due.setdefault(key, [self.PROBE_EVERY[0], self.PROBE_EVERY[0]])
         best = min(known, key=known.__getitem__) if known else self.counts[0]
         if self.chosen.setdefault(key, best) != best:
