@@ -387,6 +387,28 @@ def test_a_request_completed_by_an_idle_tick_is_reported(llama_dir, worker):
         client.close()
 
 
+def test_a_long_heartbeat_does_not_slow_the_handshake_of_an_idle_caller(llama_dir, worker):
+    # a caller that pings rarely (30 s) and does no work: its Hello's answer is read by an
+    # idle tick, which comes at the reconnect delay's pace (0.2 s), not the heartbeat's
+    # (before, a HelloOk arriving while the engine was idle waited up to two heartbeats)
+    with LLM(llama_dir, **KW) as llm:
+        rt = llm._rt
+        tensors = {n: torch.zeros_like(t) for n, t in rt.kv.tensors().items()}
+        compat = compat_hash(rt.identity)
+    ticks: queue.Queue = queue.Queue()
+    client = NixlPrefillClient([worker.address], tensors, compat, timeout_s=30.0,
+                               heartbeat_s=30.0, reconnect_min_s=0.2, schedule=ticks.put)
+    try:
+        assert not client.healthy()  # the Hello is sent; its answer has not been read
+        for _ in range(100):  # bounded: the ticks' wait is, too
+            ticks.get(timeout=10)()  # fails with queue.Empty if no tick within 10 s
+            if client.healthy():
+                break
+        assert client.healthy() and client.workers[0].connects == 1
+    finally:
+        client.close()
+
+
 def test_a_restarted_worker_on_the_same_address_is_used_again(llama_dir):
     first = Worker(llama_dir)
     addr = first.address

@@ -167,7 +167,8 @@ class NixlPrefillClient(PrefillConnector):
     reconnect_min_s to reconnect_max_s and reset by a completed handshake) or `refused` (an
     incompatible worker: never retried). `schedule(fn)` runs fn on the engine thread
     (`EngineLoop.call`); given, a small timer thread asks for a `poll` whenever the engine
-    has not polled for `heartbeat_s`, so heartbeats and reconnects go on while it is idle.
+    has not polled for `tick_s`, so heartbeats, handshakes and reconnects go on while it is
+    idle.
     Sockets are only ever touched from the engine thread."""
 
     def __init__(self, addresses: list[str], tensors: dict[str, torch.Tensor], compat: str,
@@ -533,11 +534,19 @@ class NixlPrefillClient(PrefillConnector):
 
     # ---- idle ticks ---------------------------------------------------------------------
 
+    @property
+    def tick_s(self) -> float:
+        """How long the engine may go without polling: the finer of the heartbeat and the
+        reconnect delay. Not the heartbeat alone: a caller with a long heartbeat would read
+        a HelloOk that arrives while the engine is idle (after a worker forgot it, or
+        restarted) only a heartbeat later, and fall back to local prefill until then."""
+        return min(self.heartbeat_s, self.reconnect_min_s)
+
     def _tick_loop(self) -> None:
         """Timer thread: never touches a socket, only asks the engine thread to poll."""
         try:
-            while not self._stop.wait(self.heartbeat_s):
-                if self._tick_queued or time.monotonic() - self._last_poll < self.heartbeat_s:
+            while not self._stop.wait(self.tick_s):
+                if self._tick_queued or time.monotonic() - self._last_poll < self.tick_s:
                     continue
                 self._tick_queued = True
                 self._schedule(self._tick)
