@@ -35,8 +35,8 @@ SESSIONS, TURNS = 8, 6
 SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."
 WORDS = "read the file run the tests fix the bug then write the answer".split()
 MAX_CHAINS = 8
-KILLS_PER_CHAIN = 8
-MIN_KILLS = 20
+KILLS_PER_CHAIN = 6
+MIN_KILLS = 12  # every write site at least twice (the sites rotate)
 LLM_ARGS = {"kv_cache_memory": "1MiB", "max_model_len": 512, "host_cache_memory": 0}
 
 
