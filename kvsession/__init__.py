@@ -14,14 +14,14 @@ from kvsession.errors import (
 from kvsession.handles import AsyncTextStream, PinnedPrefix, TextStream
 from kvsession.llm import LLM
 from kvsession.metrics import SLO, RequestMetrics, Stats
-from kvsession.outputs import CompletionOutput, RequestOutput
+from kvsession.outputs import CompletionOutput, RequestOutput, TextChunk
 from kvsession.params import SamplingParams, StructuredOutput
 from kvsession.session import Reply, Session, SessionStats, StreamChunk
 from kvsession.tools import ToolCall
 
 __all__ = [
     "LLM", "PinnedPrefix", "SamplingParams", "Session", "Reply", "StreamChunk", "SessionStats",
-    "RequestOutput", "CompletionOutput", "StructuredOutput", "ToolCall", "TextStream",
+    "RequestOutput", "CompletionOutput", "StructuredOutput", "ToolCall", "TextStream", "TextChunk",
     "AsyncTextStream", "RequestMetrics", "Stats", "SLO",
     "KVSessionError", "ConfigError", "ModelLoadError", "CacheFullError", "SnapshotError",
     "SessionClosedError", "EngineClosedError", "SessionLockedError", "RemotePrefillError",

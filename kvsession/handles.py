@@ -1,7 +1,7 @@
-"""Handles an `LLM` returns: streams (`LLM.stream` / `LLM.astream`: text deltas of one
-request as its tokens arrive, stop strings never leaked, UTF-8 never split, its
-RequestOutput once exhausted; closing one early cancels the request) and pinned prefixes
-(`LLM.pin`)."""
+"""Handles an `LLM` returns: streams (`LLM.stream` / `LLM.astream`: `TextChunk`s of one
+request as its tokens arrive, text deltas with stop strings never leaked and UTF-8 never
+split, the last chunk carrying the RequestOutput; closing one early cancels the request)
+and pinned prefixes (`LLM.pin`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import contextlib
 import queue
 from collections.abc import AsyncIterator, Iterator
 
-from kvsession.outputs import DeltaText, RequestOutput
+from kvsession.outputs import DeltaText, RequestOutput, TextChunk
 from kvsession.runtime import PinHandle, Runtime
 
 
@@ -21,11 +21,39 @@ def _progress(seq) -> int:
     return 0 if seq.finish_reason is not None else seq.num_tokens
 
 
+class _Chunks:
+    """Turns the engine's progress reports into TextChunks; the last one (always sent, its
+    text possibly empty) carries the output, so a caller reading chunks alone gets it."""
+
+    def __init__(self, rt: Runtime, seq, prompt: str | None, finish):
+        self._rt, self._seq, self._prompt, self._finish = rt, seq, prompt, finish
+        self._text = DeltaText(rt.tokenizer.decode, seq.params.stop_strings)
+        self._sent = seq.num_prompt_tokens  # tokens reported so far (an index into the log)
+
+    def _ids(self, end: int) -> list[int]:
+        ids = self._seq.token_ids[self._sent:end]
+        self._sent = max(self._sent, end)
+        return ids
+
+    def update(self, n: int) -> TextChunk | None:
+        """The request has `n` tokens (0: it finished): a chunk if there is new text."""
+        seq = self._seq
+        if n and (delta := self._text.update(seq.token_ids[seq.num_prompt_tokens:n])):
+            return TextChunk(delta, self._ids(n))
+        return None
+
+    def last(self, result) -> TextChunk:
+        out = self._rt.output(result, self._prompt)
+        tail = self._text.finish(out.text)
+        out = out if self._finish is None else self._finish(out)
+        return TextChunk(tail, self._ids(len(self._seq.token_ids)), out)
+
+
 class TextStream:
-    """Text deltas of one streamed request (an iterator); `output` is its RequestOutput once
-    the stream is exhausted. `close()` (or leaving a `with` block) before the end cancels
-    the request. `finish` (e.g. tool-call parsing) turns the request's output into
-    `output`; the deltas are the raw text."""
+    """The `TextChunk`s of one streamed request (an iterator); `output` is its RequestOutput
+    once the stream is exhausted (also on the last chunk). `close()` (or leaving a `with`
+    block) before the end cancels the request. `finish` (e.g. tool-call parsing) turns the
+    request's output into `output`; the deltas are the raw text."""
 
     def __init__(self, rt: Runtime, seq, prompt: str | None, finish=None):
         self._rt, self._seq, self._prompt = rt, seq, prompt
@@ -36,26 +64,23 @@ class TextStream:
         self._fut.add_done_callback(lambda f: self._updates.put(None))
         self._gen = self._deltas()
 
-    def _deltas(self) -> Iterator[str]:
-        seq = self._seq
-        text = DeltaText(self._rt.tokenizer.decode, seq.params.stop_strings)
+    def _deltas(self) -> Iterator[TextChunk]:
+        chunks = _Chunks(self._rt, self._seq, self._prompt, self._finish)
         try:
             while (n := self._updates.get()) is not None:
-                if n and (delta := text.update(seq.token_ids[seq.num_prompt_tokens:n])):
-                    yield delta
-            out = self._rt.output(self._fut.result(), self._prompt)
-            tail = text.finish(out.text)
-            self.output = out if self._finish is None else self._finish(out)
-            if tail:
-                yield tail
+                if chunk := chunks.update(n):
+                    yield chunk
+            last = chunks.last(self._fut.result())
+            self.output = last.output
+            yield last
         finally:
             if self.output is None:
-                self._rt.cancel(seq)
+                self._rt.cancel(self._seq)
 
     def __iter__(self) -> TextStream:
         return self
 
-    def __next__(self) -> str:
+    def __next__(self) -> TextChunk:
         return next(self._gen)
 
     def close(self) -> None:
@@ -77,7 +102,7 @@ class AsyncTextStream:
         self.output: RequestOutput | None = None
         self._gen = self._deltas()
 
-    async def _deltas(self) -> AsyncIterator[str]:
+    async def _deltas(self) -> AsyncIterator[TextChunk]:
         seq, loop = self._seq, asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
@@ -87,16 +112,14 @@ class AsyncTextStream:
 
         fut = self._rt.submit(seq, on_update=lambda s: post(_progress(s)))
         fut.add_done_callback(lambda f: post(None))
-        text = DeltaText(self._rt.tokenizer.decode, seq.params.stop_strings)
+        chunks = _Chunks(self._rt, seq, self._prompt, self._finish)
         try:
             while (n := await updates.get()) is not None:
-                if n and (delta := text.update(seq.token_ids[seq.num_prompt_tokens:n])):
-                    yield delta
-            out = self._rt.output(fut.result(), self._prompt)
-            tail = text.finish(out.text)
-            self.output = out if self._finish is None else self._finish(out)
-            if tail:
-                yield tail
+                if chunk := chunks.update(n):
+                    yield chunk
+            last = chunks.last(fut.result())
+            self.output = last.output
+            yield last
         finally:
             if self.output is None:
                 self._rt.cancel(seq)
@@ -104,7 +127,7 @@ class AsyncTextStream:
     def __aiter__(self) -> AsyncTextStream:
         return self
 
-    async def __anext__(self) -> str:
+    async def __anext__(self) -> TextChunk:
         return await self._gen.__anext__()
 
     async def aclose(self) -> None:

@@ -200,13 +200,14 @@ class LLM:
     def stream(self, prompt=None, sampling_params=None, prompt_token_ids=None, messages=None,
                tools: list[dict] | None = None, tool_choice="auto",
                chat_template_kwargs: dict | None = None, **unknown) -> TextStream:
-        """Generate for one prompt (a string, `prompt_token_ids`, or a conversation as
-        `messages`), yielding text deltas as tokens arrive. The deltas join to exactly the
-        text `generate` returns: stop strings never leak and no UTF-8 character is split.
-        The returned `TextStream` has `.output` (the RequestOutput) once exhausted; closing it
-        early (or leaving a `with` block) cancels the request. With `tools` (messages only,
-        as `chat`) the deltas are the raw text, call markup included, and `.output` has the
-        parsed `tool_calls`."""
+        """Generate for one prompt (a string, `prompt_token_ids`, or a conversation: a list
+        of message dicts, in the prompt's place or as `messages`), yielding `TextChunk`s as
+        tokens arrive: `chunk.text` deltas join to exactly the text `generate` returns (stop
+        strings never leak, no UTF-8 character is split), and the last chunk's `.output` is
+        the RequestOutput (also the stream's `.output` once exhausted). Closing the stream
+        early (or leaving a `with` block) cancels the request. With `tools` (conversations
+        only, as `chat`) the deltas are the raw text, call markup included, and `.output` has
+        the parsed `tool_calls`."""
         reject_unknown("stream()", unknown, STREAM_ARGS, hints=TO_SAMPLING_PARAMS)
         text, seq, chat = self._requests.one_request(prompt, sampling_params, prompt_token_ids,
                                                      messages, tools, tool_choice,
@@ -216,7 +217,7 @@ class LLM:
     def astream(self, prompt=None, sampling_params=None, prompt_token_ids=None,
                 messages=None, tools: list[dict] | None = None, tool_choice="auto",
                 chat_template_kwargs: dict | None = None, **unknown) -> AsyncTextStream:
-        """`stream` for asyncio: `async for delta in llm.astream(...)`; many concurrent
+        """`stream` for asyncio: `async for chunk in llm.astream(...)`; many concurrent
         streams batch together in the one engine loop."""
         reject_unknown("astream()", unknown, STREAM_ARGS, hints=TO_SAMPLING_PARAMS)
         text, seq, chat = self._requests.one_request(prompt, sampling_params, prompt_token_ids,

@@ -68,6 +68,17 @@ class RequestOutput:
         return self.outputs[0].tool_calls
 
 
+@dataclass
+class TextChunk:
+    """One piece of `LLM.stream` / `LLM.astream`: `text` is a delta (the deltas join to
+    exactly the text `generate` returns), `token_ids` the tokens generated since the previous
+    chunk, and the last chunk carries the request's `output` (None before it)."""
+
+    text: str
+    token_ids: list[int]
+    output: RequestOutput | None = None
+
+
 class DeltaText:
     """Streaming detokenizer: turns a growing list of output ids into text deltas whose
     concatenation is the final text. Text that may still become the start of a stop string

@@ -113,6 +113,9 @@ class RequestBuilder:
     def one_request(self, prompt, sampling_params, prompt_token_ids, messages, tools=None,
                     tool_choice="auto",
                     chat_template_kwargs=None) -> tuple[str | None, Sequence, ChatInputs]:
+        if messages is None and isinstance(prompt, list) and prompt and \
+                all(isinstance(m, dict) for m in prompt):
+            prompt, messages = None, prompt  # a conversation in the prompt's place
         if messages is not None:
             if prompt is not None or prompt_token_ids is not None:
                 raise ConfigError("pass exactly one of prompt, prompt_token_ids or messages")

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from kvsession import LLM, ConfigError, SamplingParams, StructuredOutput
+from kvsession import LLM, ConfigError, SamplingParams, StructuredOutput, TextChunk
 from oracle import random_prompts
 
 
@@ -20,14 +20,22 @@ def llm(llama_dir):
         yield llm
 
 
-def check_deltas(deltas: list[str], final: str, stops=()) -> None:
-    assert "".join(deltas) == final
+def check_deltas(chunks: list[TextChunk], final: str, stops=()) -> list[str]:
+    """The chunks of one stream: text deltas that join to `final`, token ids that join to
+    the output's, the output on the last chunk only. Returns the deltas."""
+    assert chunks and all(isinstance(c, TextChunk) for c in chunks)
+    *body, last = chunks
+    assert last.output is not None and all(c.output is None for c in body)
+    assert [t for c in chunks for t in c.token_ids] == last.output.token_ids
+    deltas = [c.text for c in chunks]
+    assert "".join(deltas) == final == last.output.text
     acc = ""
-    for d in deltas:
-        assert d  # no empty deltas
+    for d in deltas[:-1]:
+        assert d  # no empty deltas (the last chunk's may be: it carries the output)
         acc += d
         assert final.startswith(acc)  # never retracted, never a partial character
         assert not any(s in acc for s in stops)
+    return deltas
 
 
 def cases():
@@ -64,8 +72,7 @@ def test_stream_never_splits_multibyte_characters(llm):
     for seed in range(6):
         p = SamplingParams(max_tokens=40, seed=seed, ignore_eos=True)
         want = llm.generate("x", p, use_tqdm=False)[0]
-        deltas = list(llm.stream("x", p))
-        check_deltas(deltas, want.text)
+        deltas = check_deltas(list(llm.stream("x", p)), want.text)
         seen_multibyte |= any(ord(c) > 0x7FF for c in want.text)
         if "\ufffd" not in want.text:
             assert not any("\ufffd" in d for d in deltas)
@@ -91,6 +98,12 @@ def test_stream_of_structured_and_chat_requests(llm):
     want = llm.chat(msgs, p, use_tqdm=False)[0]
     stream = llm.stream(messages=msgs, sampling_params=p)
     check_deltas(list(stream), want.text)
+    assert stream.output.prompt_token_ids == want.prompt_token_ids
+    # a conversation in the prompt's place, as generate's and chat's callers pass it
+    stream = llm.stream(msgs, p)
+    chunks = list(stream)
+    check_deltas(chunks, want.text)
+    assert chunks[-1].output is stream.output
     assert stream.output.prompt_token_ids == want.prompt_token_ids
 
 
@@ -150,7 +163,7 @@ def test_closing_a_stream_cancels_its_request(llm):
     p = SamplingParams(max_tokens=400, ignore_eos=True, seed=1)
     with llm.stream("cancel me", p) as stream:
         first = next(stream)
-    assert first and stream.output is None
+    assert first.text and first.output is None and stream.output is None
     # the cancel was posted to the engine thread before this call: FIFO, so it has run
     assert not llm._rt.call(llm._rt.scheduler.has_work).result()
     llm.check_integrity()

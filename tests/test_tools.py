@@ -329,7 +329,7 @@ def test_streaming_with_tools_ends_with_the_same_output(llms):
     kwargs = {"tools": TOOLS, "tool_choice": "required"}
     (ref,) = llm.chat(CONVERSATION, params, use_tqdm=False, **kwargs)
     stream = llm.stream(messages=CONVERSATION, sampling_params=params, **kwargs)
-    raw = "".join(stream)
+    raw = "".join(c.text for c in stream)
     assert raw.startswith("[TOOL_CALLS][") and raw == llm.tokenizer.decode(ref.token_ids)
     out = stream.output
     assert out.text == ref.text == "" and out.token_ids == ref.token_ids
@@ -338,7 +338,7 @@ def test_streaming_with_tools_ends_with_the_same_output(llms):
 
     async def both():
         s = llm.astream(messages=CONVERSATION, sampling_params=params, **kwargs)
-        deltas = [d async for d in s]
+        deltas = [c.text async for c in s]
         (a,) = await llm.achat(CONVERSATION, params, **kwargs)
         return "".join(deltas), s.output, a
 

@@ -122,8 +122,9 @@ async def stateless_events(llm: LLM, params: SamplingParams, *, messages=None, p
     stream = llm.astream(prompt, params, prompt_token_ids=prompt_token_ids, messages=messages,
                          **tool_kwargs)
     try:
-        async for delta in stream:
-            yield "delta", delta
+        async for chunk in stream:
+            if chunk.text:
+                yield "delta", chunk.text
         yield "done", Result.of_output(stream.output)
     finally:
         if stream.output is None:
