@@ -10,6 +10,7 @@ from kvsession.errors import (
     SessionClosedError,
     SessionLockedError,
     SnapshotError,
+    UnsupportedArchitectureError,
 )
 from kvsession.handles import AsyncTextStream, PinnedPrefix, TextStream
 from kvsession.llm import LLM
@@ -25,5 +26,6 @@ __all__ = [
     "AsyncTextStream", "RequestMetrics", "Stats", "SLO",
     "KVSessionError", "ConfigError", "ModelLoadError", "CacheFullError", "SnapshotError",
     "SessionClosedError", "EngineClosedError", "SessionLockedError", "RemotePrefillError",
+    "UnsupportedArchitectureError",
 ]
 __version__ = "0.1.0"

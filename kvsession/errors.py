@@ -13,6 +13,12 @@ class ModelLoadError(KVSessionError):
     """A checkpoint directory cannot be loaded (missing file, bad tensor, unsupported arch)."""
 
 
+class UnsupportedArchitectureError(ConfigError, ModelLoadError):
+    """The checkpoint's architecture is not one kvsession runs: a bad `model` argument
+    (ConfigError, as for every argument) found while reading the checkpoint (ModelLoadError,
+    so callers catching load failures see it too)."""
+
+
 class CacheFullError(KVSessionError):
     """The KV cache cannot hold what was asked (a pin over budget, a sequence that cannot fit)."""
 

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsession.errors import ModelLoadError
+from kvsession.errors import ModelLoadError, UnsupportedArchitectureError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -93,7 +93,7 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        raise ModelLoadError(
+        raise UnsupportedArchitectureError(
             f"unsupported architecture {archs or cfg.get('model_type')!r}; "
             f"supported: {list(SUPPORTED_ARCHITECTURES)}")
     try:
