@@ -430,7 +430,7 @@ class SessionStore:
         return self.rt.policy.suspend(kv, expected_idle_s)
 
     def prefetch(self, kv: SessionKV) -> Future:
-        return self.rt.call(lambda: self.rt.policy.restore(kv))
+        return self.rt.call(lambda: self.rt.policy.prefetch(kv))
 
     def close_session(self, sess: Session, delete: bool) -> None:
         """delete: also the session's own file in session_dir; never another file (the one

@@ -107,7 +107,8 @@ llm.close()
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert first + [res["ids"]] == want[:3]
     assert res["id"] == "agent-7" and res["messages"] == 1 + 2 * 3
-    assert res["cached"] > 32 and res["source"] == "device"
+    # loaded from the file at restore: the first turn reports where its KV came from
+    assert res["cached"] > 32 and res["source"] == "disk"
 
 
 def test_session_dir_resume_after_restart(llama_dir, tmp_path):
@@ -159,6 +160,38 @@ def test_pressure_64_sessions(llama_dir, tmp_path):
         for s in sessions:
             s.close()
         assert llm.stats().tiers["device"].blocks_used == 0
+
+
+def test_kv_loaded_ahead_of_a_turn_reports_its_tier(llama_dir, tmp_path):
+    """A restored snapshot, a session resumed after a clean restart and a prefetched one
+    have their KV on the device before their next turn; that turn still reports the tier
+    it came from (once: the turn after it reuses device KV), and the tokens are exact."""
+    want = reference(llama_dir, "float32", n=3)
+    sd = tmp_path / "sd"
+    with make_llm(llama_dir, session_dir=sd) as llm:
+        s = llm.session(system=SYSTEM, sampling=G, session_id="a")
+        assert s.send(TURNS[0]).token_ids == want[0]
+        s.save(tmp_path / "a.kvs")
+        s.close()
+        restored = llm.restore(tmp_path / "a.kvs", session_id="b")
+        assert restored.state == "idle"  # loaded at restore, ahead of the turn
+        r = restored.send(TURNS[1])
+        assert (r.token_ids, r.restored_from) == (want[1], "disk") and r.cached_tokens > 32
+        assert restored.send(TURNS[2]).restored_from == "device"
+        restored.close()
+        p = llm.session(system=SYSTEM, sampling=G, session_id="c")
+        p.send(TURNS[0])
+        assert p.suspend(expected_idle_s=120.0) == "host"
+        p.prefetch().result()
+        assert p.state == "idle"
+        r = p.send(TURNS[1])
+        assert (r.token_ids, r.restored_from) == (want[1], "host")
+    with make_llm(llama_dir, session_dir=sd) as llm:  # a clean restart
+        s = llm.session(session_id="a")
+        r = s.send(TURNS[1])
+        assert (r.token_ids, r.restored_from) == (want[1], "disk") and r.cached_tokens > 32
+        st = llm.stats()
+        assert st.restores["disk"] == 1 and st.recomputes == 0
 
 
 def test_suspend_decisions(llama_dir, tmp_path):

@@ -67,8 +67,9 @@ class SessionKV:
     - HOST:   `blocks` hold the leading pinned blocks (a pinned system prompt stays on the
               device), `host_ids` the rest, in order;
     - DISK:   `blocks` as for HOST, the whole KV in `disk_path`.
-    `busy` (a turn owns its blocks) and `last_used` are the tier policy's; the rest is
-    written by KVCacheManager only."""
+    `busy` (a turn owns its blocks), `last_used` and `loaded_from` (the tier its KV was
+    loaded from ahead of its next turn: a snapshot restore, a prefetch) are the tier
+    policy's; the rest is written by KVCacheManager only."""
 
     holder_kind: ClassVar[HolderKind] = HolderKind.SESSION
     session_id: str
@@ -81,6 +82,7 @@ class SessionKV:
     tier: Tier = Tier.DEVICE
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    loaded_from: str | None = None
 
 
 class Quarantine:

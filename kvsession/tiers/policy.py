@@ -157,12 +157,19 @@ class TierPolicy:
     def checkout(self, s: SessionKV) -> str | None:
         """Before a turn: bring the session's KV to the device, or drop it when recomputing
         is cheaper (or there is no room). Marks the session busy. Returns where the reused
-        KV came from ("device", "host", "disk") or None when nothing is reused."""
+        KV came from ("device", "host", "disk") or None when nothing is reused: the tier it
+        is loaded from now, else the one it was loaded from ahead of this turn (a restored
+        snapshot, a prefetch), else "device"."""
         s.busy = True
-        source = self.restore(s)
+        source = self.restore(s) or s.loaded_from
+        s.loaded_from = None
         if source is None and s.tokens:
             source = "device"
         return source if s.tokens else None
+
+    def prefetch(self, s: SessionKV) -> None:
+        """Load a spilled session back ahead of its next turn (which reports the tier)."""
+        s.loaded_from = self.restore(s) or s.loaded_from
 
     def checkin(self, s: SessionKV) -> None:
         """After a turn (the KV went back to the session through the manager)."""
@@ -224,6 +231,7 @@ class TierPolicy:
             self.mover.release(s, delete_file=False)
             raise
         self.restores["disk"] += 1
+        s.loaded_from = "disk"
         self._note(s, "load from disk", "restored from a snapshot")
 
     # ---- hints -----------------------------------------------------------------------------
