@@ -142,7 +142,14 @@ class SessionOptions:
     pending: int = 0
 
 
-UNSET = object()  # an override not given (None is a value: e.g. seed=None)
+class _Unset:
+    """An override not given (None is a value: e.g. seed=None); named in help()."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()
 # durability="turn": how long a turn waits for its log record to be fsynced before the
 # reply is refused as not durable (a healthy disk takes milliseconds)
 DURABLE_TIMEOUT_S = 60.0
@@ -152,7 +159,7 @@ def _overrides(args: dict) -> dict:
     """The per-turn overrides given to send/asend/stream, unknown names included (they are
     refused with a suggestion by SamplingParams.with_overrides)."""
     given = {k: v for k, v in args.items()
-             if k in SAMPLING_FIELDS and v is not UNSET}
+             if k in (*SAMPLING_FIELDS, "structured") and v is not UNSET}
     return given | args["unknown"]
 
 
@@ -355,8 +362,8 @@ class Session:
              top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET,
              logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
              repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
-             logit_bias=UNSET, response_format=UNSET, tools=UNSET, tool_choice=UNSET,
-             **unknown) -> Reply:
+             logit_bias=UNSET, response_format=UNSET, structured=UNSET, tools=UNSET,
+             tool_choice=UNSET, **unknown) -> Reply:
         """Add `message` (a string is a user message; or a dict / list of dicts) and
         generate the assistant's reply. Blocks until done. Keyword arguments override the
         session's SamplingParams for this turn (unknown names: ConfigError)."""
@@ -403,8 +410,8 @@ class Session:
              top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET,
              logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
              repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
-             logit_bias=UNSET, response_format=UNSET, tools=UNSET, tool_choice=UNSET,
-             **unknown) -> Reply:
+             logit_bias=UNSET, response_format=UNSET, structured=UNSET, tools=UNSET,
+             tool_choice=UNSET, **unknown) -> Reply:
         """`send` for asyncio: awaits the engine without blocking the event loop."""
         new_msgs, params, spec = self._prepare(message, _overrides(locals()),
                                               *_tool_args(locals()))
@@ -431,8 +438,8 @@ class Session:
              top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET,
              logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
              repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
-             logit_bias=UNSET, response_format=UNSET, tools=UNSET, tool_choice=UNSET,
-             **unknown) -> Iterator[StreamChunk]:
+             logit_bias=UNSET, response_format=UNSET, structured=UNSET, tools=UNSET,
+             tool_choice=UNSET, **unknown) -> Iterator[StreamChunk]:
         """Like `send`, yielding text as it is generated; the last chunk has `.reply`."""
         new_msgs, params, spec = self._prepare(message, _overrides(locals()),
                                               *_tool_args(locals()))

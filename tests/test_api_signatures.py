@@ -3,11 +3,13 @@ wrong type is a ConfigError naming it, with a suggestion, before any memory is t
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import re
 
 import pytest
 
-from kvsession import LLM, SamplingParams
+from kvsession import LLM, SamplingParams, StructuredOutput
 from kvsession.errors import ConfigError
 from kvsession.llm import _LIVE
 from kvsession.session import Session
@@ -39,6 +41,15 @@ def test_llm_rejects_bad_arguments_before_building_anything(llama_dir, kwargs, m
 def test_session_send_takes_explicit_overrides(llama_dir):
     params = inspect.signature(Session.send).parameters
     assert params["max_tokens"].kind is inspect.Parameter.KEYWORD_ONLY
+    # every SamplingParams field a turn can take is a named keyword of send, asend and
+    # stream (n and prompt_logprobs are refused for sessions), defaulting to "not given"
+    fields = {n for n, p in inspect.signature(SamplingParams).parameters.items()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY} - {"n", "prompt_logprobs"}
+    for fn in (Session.send, Session.asend, Session.stream):
+        ps = inspect.signature(fn).parameters
+        assert fields <= set(ps), (fn.__name__, fields - set(ps))
+        assert all(ps[f].kind is inspect.Parameter.KEYWORD_ONLY and repr(ps[f].default) ==
+                   "UNSET" for f in fields), fn.__name__
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256) as llm:
         s = llm.session(sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         with pytest.raises(ConfigError, match="did you mean 'stop'"):
@@ -51,3 +62,7 @@ def test_session_send_takes_explicit_overrides(llama_dir):
         r = s.send("hi", max_tokens=2)
         assert len(r.token_ids) == 2 and s.sampling.max_tokens == 4
         assert len(s.send("again").token_ids) == 4  # the override lasted one turn
+        if importlib.util.find_spec("xgrammar") is not None:  # the "structured" extra
+            fmt = StructuredOutput(regex=r"[ab]{3}")
+            r = s.send("pick", structured=fmt, max_tokens=8, ignore_eos=False)
+            assert re.fullmatch(r"[ab]{3}", r.text), r.text
