@@ -111,14 +111,10 @@ def _auth_key_file(value) -> Path | None:
     return path
 
 
-def _durability(value, session_dir) -> Durability:
-    """None: "turn" with a session_dir (nothing acknowledged is lost), else "close"."""
-    if value is None:
-        return Durability.TURN if session_dir is not None else Durability.CLOSE
+def _durability(value) -> Durability:
+    """How sessions persist in session_dir; without one nothing persists, whichever is set
+    (the default, "turn", is valid either way, as every default is)."""
     _choice(value, "durability", {d.value for d in Durability})
-    if value == Durability.TURN.value and session_dir is None:
-        raise ConfigError("durability='turn' needs a session_dir (the session logs live "
-                          "there); pass session_dir=... or durability='close'")
     return Durability(value)
 
 
@@ -148,7 +144,7 @@ class EngineConfig:
     seed: int
     prefill_auth_key_file: Path | None = None  # the caller's CURVE key file
     eviction_policy: EvictionPolicy = EvictionPolicy.COST
-    durability: Durability = Durability.CLOSE
+    durability: Durability = Durability.TURN
 
     @staticmethod
     def from_args(
@@ -159,7 +155,7 @@ class EngineConfig:
         spill_after_s=None, prefill_worker=None, remote_prefill="auto",
         remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0,
         prefill_auth_key_file=None,
-        eviction_policy="cost", durability=None, **unknown,
+        eviction_policy="cost", durability="turn", **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -206,7 +202,7 @@ class EngineConfig:
         auth_file = _auth_key_file(prefill_auth_key_file)
         _choice(attention_backend, "attention_backend", {b.value for b in AttentionBackend})
         _choice(eviction_policy, "eviction_policy", {p.value for p in EvictionPolicy})
-        durable = _durability(durability, session_dir)
+        durable = _durability(durability)
         return EngineConfig(
             model=model_path, device=dev, dtype=compute, kv_cache_dtype=kv,
             max_model_len=max_model_len, block_size=block_size, kv_cache_memory_bytes=kv_bytes,

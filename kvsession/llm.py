@@ -67,7 +67,7 @@ class LLM:
                  max_pinned_fraction=0.5, spill_after_s=None, prefill_worker=None,
                  remote_prefill="auto", remote_prefill_timeout_s=30.0,
                  attention_backend="auto", seed=0,
-                 prefill_auth_key_file=None, eviction_policy="cost", durability=None,
+                 prefill_auth_key_file=None, eviction_policy="cost", durability="turn",
                  **unknown):
         self._rt: Runtime | None = None
         self.config = EngineConfig.from_args(

@@ -311,8 +311,10 @@ def test_a_failed_append_is_cut_off_and_the_next_record_rewrites(tmp_path, monke
 # ---- sessions ----------------------------------------------------------------------------
 
 def test_durability_argument(llama_dir, tmp_path):
-    with pytest.raises(ConfigError, match="durability='turn' needs a session_dir"):
-        LLM(llama_dir, durability="turn")
+    # the default, "turn", is valid without a session_dir too: nothing persists there
+    with LLM(llama_dir, durability="turn", kv_cache_memory="4MiB", max_model_len=128) as llm:
+        assert llm._rt.journal is None and llm.sessions() == []
+        assert llm.session(sampling=G).send("hi").token_ids
     with pytest.raises(ConfigError, match="durability='sometimes' is not supported"):
         LLM(llama_dir, durability="sometimes", session_dir=tmp_path)
     with new_llm(llama_dir, tmp_path / "c", durability="close") as llm:
