@@ -204,6 +204,9 @@ class Runtime:
             [spec.to_dict(), weights_digest(cfg.model)], sort_keys=True).encode()).hexdigest()
         self.info = RuntimeInfo(spec, max_model_len, num_blocks, bpt, fingerprint)
         self.identity = CacheIdentity(fingerprint, cfg.kv_cache_dtype_name, cfg.block_size)
+        # what a remote prefill worker and this engine must agree on
+        from kvsession.connector.base import compat_hash
+        self.compat = compat_hash(self.identity, str(cfg.dtype))
         self.disk = DiskTier(cfg.session_dir) if cfg.session_dir is not None else None
 
         # ---- memory: weights and the KV pool
@@ -281,7 +284,7 @@ class Runtime:
         """Connect the prefill workers (with the caller's CURVE keys when configured);
         handshakes finish here, before the engine thread starts. Later the client asks the
         engine thread for a poll whenever it idles (heartbeats, reconnects)."""
-        from kvsession.connector.base import compat_hash, load_keys
+        from kvsession.connector.base import load_keys
 
         cfg = self.config
         auth = None if cfg.prefill_auth_key_file is None else load_keys(
@@ -293,7 +296,7 @@ class Runtime:
                 loop.call(fn)
 
         conn = client_class(list(cfg.prefill_workers), self.kv.tensors(),
-                            compat_hash(self.identity), cfg.remote_prefill_timeout_s,
+                            self.compat, cfg.remote_prefill_timeout_s,
                             auth=auth, schedule=schedule)
         deadline = time.monotonic() + min(cfg.remote_prefill_timeout_s, 5.0)
         while time.monotonic() < deadline and any(

@@ -51,7 +51,6 @@ from kvsession.connector.base import (
     StatsQuery,
     WorkerStatus,
     check_request,
-    compat_hash,
     decode,
     encode,
     is_loopback_endpoint,
@@ -61,11 +60,18 @@ from kvsession.connector.base import (
     write_keys,
 )
 from kvsession.connector.nixl import describe_tensors, layer_descs, make_agent, slot_runs
+from kvsession.flags import add_llm_flags, llm_kwargs
+from kvsession.llm import LLM
 from kvsession.runtime import Runtime
 from kvsession.worker_faults import FAULTS_ENV, Faults
 
 log = logging.getLogger("kvsession")
 
+# LLM arguments that only a caller has (sessions, its own prefill workers and their key):
+# every other one is a worker flag too (--dtype, --kv-cache-dtype, --block-size, ...)
+CALLER_ONLY = frozenset({"session_dir", "durability", "spill_after_s", "max_pinned_fraction",
+                         "prefill_worker", "remote_prefill", "remote_prefill_timeout_s",
+                         "prefill_auth_key_file"})
 SHUTDOWN_S = 10.0  # SIGTERM: the job thread gets this long to finish, then the process exits
 MAX_CALLERS = 256  # registered caller agents
 BURST = 256  # messages read per wake-up, so replies, signals and the job thread get a turn
@@ -81,7 +87,7 @@ class NixlPrefillService(PrefillService):
         self.rt = rt
         self.stop = stop or threading.Event()
         self.request_timeout_s = request_timeout_s
-        self.compat = compat_hash(rt.identity)
+        self.compat = rt.compat
         self.max_tokens = rt.info.max_model_len - 1  # the worker's sequence samples one
         self.max_bytes = max_message_bytes(rt.info.max_model_len)
         self.agent = make_agent("kvs-worker")
@@ -92,8 +98,8 @@ class NixlPrefillService(PrefillService):
 
     def handshake(self, caller: str, hello: Hello) -> HelloOk | Refused:
         if hello.compat != self.compat:
-            return Refused("incompatible: model fingerprint, kv dtype, block size, layout or "
-                           "protocol version differ")
+            return Refused("incompatible: model fingerprint, kv dtype, compute dtype, block "
+                           "size, layout or protocol version differ")
         if [t.name for t in hello.tensors] != [t.name for t in self.local]:
             return Refused(f"tensor layout differs: {[t.name for t in hello.tensors][:8]}")
         for t, mine in zip(hello.tensors, self.local, strict=True):
@@ -270,10 +276,7 @@ class _Counters:
 
 def serve(args, faults: Faults, keys: AuthKeys | None, stop: threading.Event,
           release: threading.Event | None = None) -> int:
-    rt = Runtime(EngineConfig.from_args(
-        args.model, device=args.device, kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-        block_size=args.block_size))
+    rt = Runtime(EngineConfig.from_args(args.model, **llm_kwargs(args, LLM, CALLER_ONLY)))
     try:
         return _serve(rt, args, faults, keys, stop, release or stop)
     finally:
@@ -489,7 +492,6 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvsession.worker",
                                 description="a kvsession remote prefill worker")
-    p.add_argument("--model")
     p.add_argument("--listen", help="tcp://HOST:PORT (loopback only without --auth-key-file; "
                    "port 0: a free port, printed in the 'listening on' line)")
     p.add_argument("--auth-key-file", metavar="FILE",
@@ -497,17 +499,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(CURVE; docs/security.md)")
     p.add_argument("--make-keys", metavar="DIR",
                    help="write worker.keys and caller.keys into DIR and exit")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--kv-cache-memory", default=None)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-queue", type=int, default=64,
                    help="handshakes and prefills waiting; beyond it they get an error reply")
     p.add_argument("--request-timeout-s", type=float, default=60.0,
                    help="a prefill and its writes that take longer fail")
     p.add_argument("--caller-timeout-s", type=float, default=30.0,
                    help="a caller silent this long (no heartbeat) is forgotten")
+    add_llm_flags(p, LLM, CALLER_ONLY, model_required=False)
     args = p.parse_args(argv)
     from kvsession.errors import KVSessionError
 

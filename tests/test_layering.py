@@ -5,10 +5,11 @@ the API (the prefill worker, `kvsession.worker`, is an application); the HTTP se
 `kvsession.serve`, is an application over the public API only: it imports nothing but
 `kvsession`'s public names, itself and `kvsession.routing` (the bounded-load affinity
 router, pure code under every layer that imports nothing of kvsession but its errors, so
-the connector and the server share it), and `kvsession.host_memory` (mappings and huge-page
-tensors for the model and the tiers, imports nothing of kvsession). Read from the source
-(imports inside functions and relative imports included), so a lazy or relative import
-cannot slip an upward edge past the rule."""
+the connector and the server share it), `kvsession.host_memory` (mappings and huge-page
+tensors for the model and the tiers, imports nothing of kvsession) and `kvsession.flags`
+(LLM arguments as command-line flags, for the server and the worker; imports nothing).
+Read from the source (imports inside functions and relative imports included), so a lazy
+or relative import cannot slip an upward edge past the rule."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ FORBIDDEN = {
     "kvsession.tiers": {"kvsession.engine", "kvsession.model", "kvsession.connector", *API},
     "kvsession.connector": {"kvsession.engine", "kvsession.model", *API},
 }
-NEUTRAL = {"kvsession.routing", "kvsession.host_memory"}  # import nothing of kvsession
-# but kvsession.errors
+# modules that import nothing of kvsession but kvsession.errors
+NEUTRAL = {"kvsession.routing", "kvsession.host_memory", "kvsession.flags"}
 
 
 def modules():

@@ -8,6 +8,7 @@ import contextlib
 import os
 import queue
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import torch
 import zmq
 
 from kvsession import LLM, SamplingParams
-from kvsession.connector.base import StatsQuery, WorkerStatus, compat_hash, decode, encode
+from kvsession.connector.base import StatsQuery, WorkerStatus, decode, encode
 from kvsession.connector.nixl import NixlPrefillClient, make_agent
 from kvsession.errors import ConfigError
 from kvsession.worker_faults import FAULTS_ENV, Faults
@@ -235,6 +236,26 @@ def test_mismatched_worker_is_refused_and_fallback_works(llama_dir, model_dirs):
         assert other.stop() == 0
 
 
+def test_a_worker_computing_in_another_dtype_is_refused(llama_dir):
+    # the same model and KV dtype, computed in bfloat16: its KV would change a float32
+    # caller's tokens. Every LLM argument but a caller's is a worker flag (--dtype here)
+    w = Worker(llama_dir, "--dtype", "bfloat16", "--kv-cache-dtype", "float32")
+    try:
+        ps = prompts(8, 2)
+        with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always", **KW) as llm:
+            assert not llm._rt.connector.healthy()
+            assert "compute dtype" in worker_stats(llm, w.address).reason
+            assert generate(llm, ps) == local(llama_dir, ps)
+            assert llm.stats().remote.fallbacks.get("handshake refused") == 1
+        with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always",
+                 dtype="bfloat16", kv_cache_dtype="float32", **KW) as llm:
+            assert llm._rt.connector.healthy()
+            generate(llm, ps)
+            assert llm.stats().remote.prefills == 2
+    finally:
+        assert w.stop() == 0
+
+
 def test_unreachable_worker_falls_back(llama_dir):
     ps = prompts(6, 3)
     with unused_address() as address, \
@@ -328,7 +349,8 @@ def test_malformed_fault_variable_is_a_one_line_error(tmp_path):
 def test_fault_flags_are_not_part_of_the_cli():
     help_text = run_worker("--help")
     assert help_text.returncode == 0 and "--listen" in help_text.stdout
-    assert "fault" not in help_text.stdout
+    assert not re.search(r"--\S*fault", help_text.stdout)  # no flag ("default" is fine)
+    assert "--dtype" in help_text.stdout and "--session-dir" not in help_text.stdout
     old = run_worker("--model", "x", "--listen", "tcp://127.0.0.1:1", "--fault-rate", "0.5")
     assert old.returncode == 2 and "unrecognized arguments: --fault-rate" in old.stderr
 
@@ -369,7 +391,7 @@ def test_a_request_completed_by_an_idle_tick_is_reported(llama_dir, worker):
     with LLM(llama_dir, **KW) as llm:
         rt = llm._rt
         tensors = {n: torch.zeros_like(t) for n, t in rt.kv.tensors().items()}
-        compat = compat_hash(rt.identity)
+        compat = rt.compat
     ticks: queue.Queue = queue.Queue()
     client = NixlPrefillClient([worker.address], tensors, compat, timeout_s=30.0,
                                heartbeat_s=0.02, schedule=ticks.put)
@@ -394,7 +416,7 @@ def test_a_long_heartbeat_does_not_slow_the_handshake_of_an_idle_caller(llama_di
     with LLM(llama_dir, **KW) as llm:
         rt = llm._rt
         tensors = {n: torch.zeros_like(t) for n, t in rt.kv.tensors().items()}
-        compat = compat_hash(rt.identity)
+        compat = rt.compat
     ticks: queue.Queue = queue.Queue()
     client = NixlPrefillClient([worker.address], tensors, compat, timeout_s=30.0,
                                heartbeat_s=30.0, reconnect_min_s=0.2, schedule=ticks.put)

@@ -21,7 +21,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from kvsession import LLM, SamplingParams  # noqa: E402
-from kvsession.serve.flags import add_llm_flags, llm_kwargs  # noqa: E402
+from kvsession.flags import add_llm_flags, llm_kwargs  # noqa: E402
 from kvsession.serve.process import ServerProcess  # noqa: E402
 
 KEY = "test-key"

@@ -40,7 +40,6 @@ from kvsession.connector.base import (
     StatsQuery,
     TensorDesc,
     WorkerStatus,
-    compat_hash,
     decode,
     encode,
     load_keys,
@@ -366,7 +365,7 @@ def bad_requests(rng: random.Random, vocab: int, num_blocks: int, bs: int = 16):
 def test_valid_looking_requests_with_bad_ids_tokens_or_blocks(
         ctx, target, caller_keys, caller, reference, status_peer):
     rt = caller._rt
-    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv.tensors(), compat_hash(rt.identity))
+    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv.tensors(), rt.compat)
     rng = random.Random(7)
     tried = clean = 0
     try:
@@ -396,7 +395,7 @@ def test_valid_looking_requests_with_bad_ids_tokens_or_blocks(
 
 def test_bad_handshakes_are_refused(ctx, target, caller_keys, caller, reference, status_peer):
     rt = caller._rt
-    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv.tensors(), compat_hash(rt.identity))
+    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv.tensors(), rt.compat)
     other = make_agent("kvs-fuzz-other")
     rng = random.Random(11)
     h = fc.hello
@@ -445,7 +444,7 @@ def test_unauthenticated_peers_get_nothing(ctx, target, caller_keys, caller, ref
     rt = caller._rt
     _, stranger_caller_file = write_keys(tmp_path)
     stranger = load_keys(stranger_caller_file, "caller")
-    hello = Hello(compat_hash(rt.identity), "kvs-stranger", b"", describe_tensors(
+    hello = Hello(rt.compat, "kvs-stranger", b"", describe_tensors(
         rt.kv.tensors()))
     before = status(status_peer)
     failures = {zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,

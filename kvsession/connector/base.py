@@ -219,10 +219,11 @@ def is_loopback_endpoint(endpoint: str) -> bool | None:
         return False
 
 
-def compat_hash(identity: CacheIdentity) -> str:
+def compat_hash(identity: CacheIdentity, compute_dtype: str) -> str:
     """Both sides must agree on this before any KV moves: the cache identity (model, kv
-    dtype, block size, layout) and the protocol version."""
-    return identity.digest(PROTOCOL_VERSION)
+    dtype, block size, layout), the dtype the KV is computed in (a bfloat16 worker's KV is
+    not the float32 caller's, and would change its tokens) and the protocol version."""
+    return identity.digest(compute_dtype, PROTOCOL_VERSION)
 
 
 @dataclass(frozen=True)

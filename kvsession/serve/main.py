@@ -24,7 +24,7 @@ from pathlib import Path
 
 import uvicorn
 
-from kvsession.serve.flags import add_llm_flags, llm_kwargs
+from kvsession.flags import add_llm_flags, llm_kwargs
 from kvsession.serve.ray_main import add_replica_arguments, run_replicated, wants_replicas
 
 LISTENING = "kvsession serve listening on"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import uvicorn
 
-from kvsession.serve.flags import llm_kwargs
+from kvsession.flags import llm_kwargs
 from kvsession.serve.router import Routing
 
 

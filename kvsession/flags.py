@@ -1,5 +1,8 @@
 """Every `LLM(...)` keyword as a `--kebab-case` command-line flag, read off the signature of
-`LLM.__init__` so that a new engine argument is a new flag without touching this file.
+`LLM.__init__` so that a new engine argument is a new flag without touching this file. Used
+by the server (`python -m kvsession serve`) and the prefill worker (`python -m
+kvsession.worker`, which leaves out the arguments that only a caller has). Imports nothing
+of kvsession (the LLM class is passed in): the server may use it.
 
 The flag's type is the default's type (`--block-size 32` is an int, `--enable-prefix-caching`
 / `--no-enable-prefix-caching` a bool). Arguments whose default is None name their type in
@@ -27,18 +30,21 @@ NONE_DEFAULT_TYPES = {"max_model_len": int, "spill_after_s": float}
 MANY = {"prefill_worker"}
 
 
-def llm_parameters(llm_cls) -> list[inspect.Parameter]:
-    """The keyword arguments of `llm_cls.__init__` (model, self and **unknown excluded)."""
+def llm_parameters(llm_cls, exclude: frozenset[str] = frozenset()) -> list[inspect.Parameter]:
+    """The keyword arguments of `llm_cls.__init__` (model, self, **unknown and `exclude`
+    left out)."""
     return [p for name, p in inspect.signature(llm_cls.__init__).parameters.items()
-            if name not in ("self", "model") and p.kind in (
+            if name not in ("self", "model", *exclude) and p.kind in (
                 inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
 
 
-def add_llm_flags(parser: argparse.ArgumentParser, llm_cls) -> None:
-    """`--model DIR` (required) and one flag per LLM keyword, in a "engine" group."""
-    group = parser.add_argument_group("engine (every LLM(...) argument)")
-    group.add_argument("--model", required=True, help="a HF checkpoint directory")
-    for p in llm_parameters(llm_cls):
+def add_llm_flags(parser: argparse.ArgumentParser, llm_cls,
+                  exclude: frozenset[str] = frozenset(), model_required: bool = True) -> None:
+    """`--model DIR` and one flag per LLM keyword (but `exclude`), in an "engine" group."""
+    group = parser.add_argument_group("engine (every LLM(...) argument"
+                                      + (", but those of a caller)" if exclude else ")"))
+    group.add_argument("--model", required=model_required, help="a HF checkpoint directory")
+    for p in llm_parameters(llm_cls, exclude):
         flag = "--" + p.name.replace("_", "-")
         default = p.default
         if isinstance(default, bool):
@@ -52,10 +58,10 @@ def add_llm_flags(parser: argparse.ArgumentParser, llm_cls) -> None:
                            help=f"LLM({p.name}=...); default {default!r}")
 
 
-def llm_kwargs(args: argparse.Namespace, llm_cls) -> dict:
+def llm_kwargs(args: argparse.Namespace, llm_cls, exclude: frozenset[str] = frozenset()) -> dict:
     """The LLM keyword arguments the parsed flags give (defaults included)."""
     out = {}
-    for p in llm_parameters(llm_cls):
+    for p in llm_parameters(llm_cls, exclude):
         value = getattr(args, p.name)
         if p.name in MANY and isinstance(value, list) and len(value) == 1:
             value = value[0]  # one address: the plain string form LLM documents
