@@ -517,13 +517,17 @@ class Runtime:
             host = TierStats(blocks_total=hp.num_blocks, blocks_used=hp.num_blocks - hp.num_free,
                              blocks_free=hp.num_free, bytes_per_token=bpt,
                              tokens_capacity=hp.num_blocks * bs)
-        on_disk = sum(blocks_for(len(s.tokens), bs) for s in self.policy.sessions
-                      if s.tier is Tier.DISK)
+        disk = TierStats(bytes_per_token=bpt)
+        if self.disk is not None:  # used: sessions whose KV lives only there; free: the room
+            used = sum(blocks_for(len(s.tokens), bs) for s in self.policy.sessions
+                       if s.tier is Tier.DISK)  # left on its file system, in blocks
+            free = self.disk.free_bytes() // (bpt * bs)
+            disk = TierStats(blocks_total=used + free, blocks_used=used, blocks_free=free,
+                             bytes_per_token=bpt, tokens_capacity=(used + free) * bs)
         q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
         lat, goodput, attainment = self.latency.summary(self.slo)
         return Stats(
-            tiers={"device": device, "host": host,
-                   "disk": TierStats(blocks_used=on_disk, bytes_per_token=bpt)},
+            tiers={"device": device, "host": host, "disk": disk},
             prefix=PrefixStats(queried_tokens=q, hit_tokens=h, hit_rate=h / q if q else 0.0,
                                evictions=pool.num_evictions, cached_blocks=len(pool.index),
                                pinned_blocks=pins.num_pinned_blocks,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 
@@ -192,6 +193,26 @@ def test_kv_loaded_ahead_of_a_turn_reports_its_tier(llama_dir, tmp_path):
         assert (r.token_ids, r.restored_from) == (want[1], "disk") and r.cached_tokens > 32
         st = llm.stats()
         assert st.restores["disk"] == 1 and st.recomputes == 0
+
+
+def test_disk_tier_stats(llama_dir, tmp_path):
+    with make_llm(llama_dir) as llm:  # no session_dir: no disk tier
+        d = llm.stats().tiers["disk"]
+        assert (d.blocks_total, d.blocks_used, d.blocks_free, d.tokens_capacity) == (0,) * 4
+    with make_llm(llama_dir, session_dir=tmp_path / "sd") as llm:
+        s = llm.session(system=SYSTEM, sampling=G)
+        s.send(TURNS[0])
+        d = llm.stats().tiers["disk"]
+        block_bytes = d.bytes_per_token * 16
+        room = shutil.disk_usage(tmp_path).free // block_bytes
+        assert d.blocks_used == 0 and abs(d.blocks_free - room) <= room // 100 + 64
+        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.HOST))
+        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.DISK))
+        d = llm.stats().tiers["disk"]
+        assert d.blocks_used == -(-len(s.token_ids) // 16) and d.blocks_free > 0
+        assert d.blocks_total == d.blocks_used + d.blocks_free
+        assert d.tokens_capacity == d.blocks_total * 16
+        s.close()
 
 
 def test_suspend_decisions(llama_dir, tmp_path):

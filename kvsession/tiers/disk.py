@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import stat
 import time
 from pathlib import Path
@@ -58,6 +59,13 @@ class DiskTier:
             "temporaries": self.remove_stale_temporaries(),
             "locks": sweep_stale_locks(self.root, _is_lock_name)}
         self.recovered |= self.recover_logs()
+
+    def free_bytes(self) -> int:
+        """Room left on the file system that holds session_dir (0 if it cannot be read)."""
+        try:
+            return shutil.disk_usage(self.root).free
+        except OSError:
+            return 0
 
     def path_for(self, session_id: str) -> Path:
         """session_id was validated where it entered (SessionStore): `check_session_id`."""
