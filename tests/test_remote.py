@@ -166,6 +166,15 @@ def test_outputs_with_a_worker_equal_outputs_without(llama_dir, tmp_path, kv_dty
         assert w.stop() == 0
 
 
+def test_never_keeps_prefill_local_with_a_worker_configured(llama_dir, worker):
+    ps = prompts(10, 3)
+    with LLM(llama_dir, prefill_worker=worker.address, remote_prefill="never", **KW) as llm:
+        assert llm._rt.connector is None  # not even connected
+        assert generate(llm, ps) == local(llama_dir, ps)
+        st = llm.stats().remote
+        assert st.prefills == 0 and not st.fallbacks and st.bytes == 0
+
+
 def test_transfers_are_measured_even_when_notifications_finish_first(llama_dir, worker):
     """A request completes with its last NIXL notification; the worker's answer (its write
     time) often arrives after that, and must still feed the measured bandwidth the auto

@@ -64,8 +64,11 @@ def test_six_turns_match_chat_and_reuse_kv(model_dirs, arch):
             prev_prompt_len = len(ids)
         assert s.stats.turns == 6 and len(s.messages) == 1 + 7 + 6
         assert s.stats.cached_tokens + s.stats.computed_tokens == s.stats.prompt_tokens
+        assert len(s.stats.ttfts_s) == 6 and all(t > 0 for t in s.stats.ttfts_s)
         s.close()
         st = llm.stats()
+        p = st.prefix
+        assert p.hit_tokens > 0 and p.hit_rate == p.hit_tokens / p.queried_tokens
         assert st.tiers["device"].blocks_used == st.tiers["device"].blocks_pinned == 0
 
 
