@@ -139,3 +139,53 @@ class RateEstimator:
             self.value = rate if self.num_samples == 0 else (
                 self.alpha * rate + (1 - self.alpha) * self.value)
             self.num_samples += 1
+
+
+class StallRatio:
+    """The co-located stall ratio, measured: of the time of the steps that decode, the
+    share that prefill work batched with the decodes added. A step with prompt tokens and
+    decodes adds its time beyond a pure decode step of as many decodes (an exponential
+    average per power-of-two decode count); the ratio is the decayed sum of those additions
+    over the decayed sum of decode steps' times (a memory of ~1 / (1 - DECAY) steps).
+    `value` is the prior (0.3, mid the typical 0.15-0.45) until MIN_STEPS mixed steps with
+    a known pure time were seen. Engine thread only (it observes and it decides)."""
+
+    MIN_STEPS = 8
+    DECAY = 0.99
+    ALPHA = 0.3  # of the pure decode step time
+
+    def __init__(self, prior: float = 0.3):
+        self.prior, self.fixed = prior, None
+        self.pure_s: dict[int, float] = {}  # decode count's bit_length -> step seconds
+        self.stalled_s = self.decode_s = 0.0
+        self.num_mixed = 0
+
+    def fix(self, value: float) -> None:
+        """Hold the ratio at `value` (tests, operators who know their workload)."""
+        self.fixed = float(value)
+
+    def observe(self, num_decodes: int, prompt_tokens: int, seconds: float) -> None:
+        if num_decodes <= 0 or seconds <= 0:
+            return  # no decode was stalled (or nothing was timed)
+        kind = num_decodes.bit_length()
+        pure = self.pure_s.get(kind)
+        if prompt_tokens == 0:
+            self.pure_s[kind] = seconds if pure is None else (
+                self.ALPHA * seconds + (1 - self.ALPHA) * pure)
+            stalled = 0.0
+        elif pure is None:
+            return  # no pure step of this size yet: nothing to attribute the time against
+        else:
+            stalled = max(0.0, seconds - pure)
+            self.num_mixed += 1
+        self.stalled_s = self.stalled_s * self.DECAY + stalled
+        self.decode_s = self.decode_s * self.DECAY + seconds
+
+    @property
+    def value(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        if self.num_mixed < self.MIN_STEPS or self.decode_s <= 0:
+            return self.prior
+        return min(1.0, self.stalled_s / self.decode_s)
+

@@ -72,9 +72,6 @@ CPU_DEFAULT_KV_BYTES = 2**30
 # small pools and when the LLM closes, and raise from close() if it ever failed
 CHECK_INTEGRITY_ENV = "KVSESSION_CHECK_INTEGRITY"
 CHECK_EVERY_STEP_MAX_BLOCKS = 4096
-# share of decode time lost to co-located prefills (typically 0.15-0.45, docs/cost-model.md);
-# used until the engine measures it
-REMOTE_STALL_RATIO = 0.3
 PinHandle = Pin
 
 
@@ -121,10 +118,11 @@ class RemoteOffload:
     in stats().remote even while nothing is sent to it)."""
 
     def __init__(self, connector, mode: RemotePrefillMode, latency: LatencyTracker,
-                 kv_bytes_per_token: int, prefill_tps: costmodel.RateEstimator):
+                 kv_bytes_per_token: int, prefill_tps: costmodel.RateEstimator,
+                 stall_ratio: costmodel.StallRatio):
         self.connector, self.mode, self.latency = connector, mode, latency
         self.kv_bytes_per_token = kv_bytes_per_token
-        self.prefill_tps = prefill_tps
+        self.prefill_tps, self.stall_ratio = prefill_tps, stall_ratio
         # admission may ask again for a sequence it could not place: count each once
         self._counted: collections.deque[int] = collections.deque(maxlen=4096)
 
@@ -137,7 +135,7 @@ class RemoteOffload:
         return costmodel.remote_prefill_gain_ms(
             num_tokens - num_cached, num_cached, worker_hit, seq.params.max_tokens,
             self.kv_bytes_per_token, self.connector.bandwidth_bytes_per_s or 5e9, tpot_ms,
-            REMOTE_STALL_RATIO, self.prefill_tps.value)
+            self.stall_ratio.value, self.prefill_tps.value)
 
     def should_offload(self, seq: Sequence, num_cached: int = 0) -> bool:
         if self.mode is not RemotePrefillMode.ALWAYS and self.gain_ms(seq, num_cached) <= 0:
@@ -226,12 +224,13 @@ class Runtime:
         self.latency, self.slo = LatencyTracker(), SLO()
         # measured by the engine; read by the tier policy and the remote-prefill decision
         prefill_tps = costmodel.RateEstimator(prior=2000.0)
+        stall_ratio = costmodel.StallRatio()
         self.connector = None
         offload = None
         if client_class is not None:
             self.connector = self._connect(client_class)
             offload = RemoteOffload(self.connector, cfg.remote_prefill, self.latency, bpt,
-                                    prefill_tps)
+                                    prefill_tps, stall_ratio)
         self.scheduler = Scheduler(self.manager, self.prefix, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, offload)
 
@@ -260,7 +259,7 @@ class Runtime:
                                          needed, cfg.max_num_seqs, capture=True)
         self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.tokenizer.decode,
                              self.latency, prefill_tps, timers=[self.policy.housekeeping],
-                             connector=self.connector)
+                             connector=self.connector, stall_ratio=stall_ratio)
         # ---- durability="turn": session logs, group-committed by one thread
         self.log_identity = Identity(**{k: self.header_fields[k] for k in IDENTITY_FIELDS})
         durable = self.disk is not None and cfg.durability is Durability.TURN

@@ -124,3 +124,26 @@ def test_follow_up_offload_worked_examples(new, context, worker_has, gain):
     assert cm.pd_split_gain_ms(new + context, 256, KIB128, 25 * GBIT, 25.0, 0.30) == \
         pytest.approx(502.7 if context else gain, abs=0.05)
     assert cm.transfer_ms(KIB128, new, 25 * GBIT) == pytest.approx(42.9, abs=0.05)
+
+
+def test_stall_ratio_is_measured_from_mixed_steps():
+    s = cm.StallRatio()
+    assert s.value == 0.3  # the prior
+    s.observe(4, 100, 0.02)  # mixed, but no pure 4-decode step yet: nothing to attribute
+    s.observe(0, 500, 0.05)  # prefill alone: no decode stalled
+    assert s.value == 0.3 and s.decode_s == 0.0
+    for _ in range(10):
+        s.observe(4, 0, 0.010)  # pure decode steps of 4 (bucket 3) take 10 ms
+    for _ in range(cm.StallRatio.MIN_STEPS - 1):
+        s.observe(5, 200, 0.030)  # 5 decodes: the same bucket; 20 ms added by prefill
+    assert s.value == 0.3  # not enough mixed steps yet
+    s.observe(5, 200, 0.030)
+    # decayed sums: 8 mixed steps of 20 ms added out of 30 ms, after 10 pure ones of 10 ms
+    d = cm.StallRatio.DECAY
+    stalled = sum(0.020 * d ** k for k in range(8))
+    total = stalled * 1.5 + sum(0.010 * d ** (8 + k) for k in range(10))
+    assert s.value == pytest.approx(stalled / total)
+    s.observe(1, 0, 0.005)  # another size's pure step only counts as decode time
+    assert s.value < stalled / total
+    s.fix(0.15)
+    assert s.value == 0.15

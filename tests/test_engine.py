@@ -100,3 +100,18 @@ def test_closed_llm_fails_clearly(llama_dir):
     llm.close()
     with pytest.raises(SessionClosedError, match="closed"):
         llm.generate("hi", use_tqdm=False)
+
+
+def test_the_stall_ratio_is_measured_from_steps_that_mix_prefill_and_decode(llama_dir):
+    # a long prompt prefilled in chunks while four short requests decode: mixed steps. The
+    # first wave gives the pure decode time of that batch size, the second the stall
+    with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=1024,
+             max_num_batched_tokens=64) as llm:
+        stall = llm._rt.engine.stall_ratio
+        params = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)
+        for wave in range(2):
+            prompts = [[(7 * i + wave) % 500 + 1] * 5 for i in range(4)]
+            prompts.append([(3 * i + wave) % 500 + 1 for i in range(700)])
+            llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert stall.num_mixed >= stall.MIN_STEPS and 0 < stall.decode_s
+        assert 0.0 <= stall.value <= 1.0 and stall.value == stall.stalled_s / stall.decode_s

@@ -25,11 +25,11 @@ revived one, `popleft` the victim, iterate in eviction order):
   one per order (BlockPool.observe), and follows the order whose shadow hit more blocks
   over the recent prompts (exponentially weighted, about the last 200): set dueling.
   `cost` is the reload cost relative to recomputing a block at position 0: recomputing
-  grows with the block's position (attention over the prefix; the quadratic knee of
-  docs/cost-model.md), and a block whose content also lives in the host or disk tier costs
-  only the load from there (`copy_cost`, a fraction of recomputing, set when the tier mover
-  spills it). Referenced blocks are never here (a free block has ref count 0), so pinned
-  and in-use blocks are never victims.
+  grows with the block's position (attention over the prefix: the marginal form of the
+  cost model's knee, docs/cost-model.md), and a block whose content also lives in the host
+  or disk tier costs only the load from there (`copy_cost`, a fraction of recomputing, set
+  when the tier mover spills it). Referenced blocks are never here (a free block has ref
+  count 0), so pinned and in-use blocks are never victims.
   Leaf-first: a cached block with cached children is *parked*, not a candidate, until its
   last cached child is evicted: a prefix is never evicted while a block that depends on it
   survives. A parked block keeps the priorities it got when freed, so a dead chain drains
@@ -57,8 +57,10 @@ from kvsession.errors import CacheFullError
 if TYPE_CHECKING:  # block_pool imports this module
     from kvsession.cache.block_pool import Block, FreeQueue
 
-# attention makes recomputing a token at position p cost ~(1 + p / knee) times one at
-# position 0 (the same knee as costmodel.recompute_ms; docs/cost-model.md)
+# recomputing a token at position p costs its position-independent work (projections, MLP)
+# plus attention over the p tokens before it, which equals that work at the knee: ~(1 + p /
+# knee) times a token at position 0. The marginal form of the cost model's knee (a whole
+# prefix's recompute grows past it by sqrt(n / knee): costmodel.recompute_ms), same constant
 POSITION_KNEE_TOKENS = 32768
 MAX_COUNTED_HITS = 2  # the recency order's cap on a private block's hit count
 # the shadows' hit counts decay by this factor per observed prompt (a memory of ~200)

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from kvsession.costmodel import RateEstimator
+from kvsession.costmodel import RateEstimator, StallRatio
 from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler, top_logprobs
 from kvsession.engine.scheduler import ScheduledSeq, Scheduler
@@ -66,16 +66,19 @@ class Engine:
     """One step at a time; not thread-safe (the engine thread owns it).
 
     `prefill_tps` is measured here (prompt tokens/s of steps that prefill) and read by the
-    tier policy's load-vs-recompute rule; `timers` are called between steps (the tier
-    policy's idle spills, remote-prefill polling while idle)."""
+    tier policy's load-vs-recompute rule, and `stall_ratio` (the share of decode steps' time
+    added by prefills batched with them) by the remote-prefill decision; `timers` are called
+    between steps (the tier policy's idle spills, remote-prefill polling while idle)."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
                  decode: Callable[[list[int]], str], latency: LatencyTracker,
                  prefill_tps: RateEstimator, timers: list[Timer] | None = None,
-                 connector: RemotePrefills | None = None):
+                 connector: RemotePrefills | None = None,
+                 stall_ratio: StallRatio | None = None):
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
         self.decode, self.latency = decode, latency
         self.prefill_tps = prefill_tps
+        self.stall_ratio = stall_ratio or StallRatio()
         self.timers: list[Timer] = list(timers or [])
         self.connector = connector
         if connector is not None:
@@ -150,6 +153,8 @@ class Engine:
             return
         prompt_tokens = sum(min(item.num_new_tokens, max(
             0, item.seq.num_prompt_tokens - item.seq.num_computed_tokens)) for item in batch)
+        decodes = sum(item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+                      for item in batch)
         t0 = time.perf_counter()
         try:
             logits = self._run_model(batch)
@@ -161,8 +166,10 @@ class Engine:
                 self._fail(item.seq, e)
             return
         self.prefill_tokens += prompt_tokens
+        elapsed_s = time.perf_counter() - t0
         if prompt_tokens >= 16:
-            self.prefill_tps.observe(prompt_tokens, time.perf_counter() - t0)
+            self.prefill_tps.observe(prompt_tokens, elapsed_s)
+        self.stall_ratio.observe(decodes, prompt_tokens, elapsed_s)
         self.num_steps += 1
         self.scheduler.update(batch)
         # the requests this step completes resolve after every row is advanced: their
