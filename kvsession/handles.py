@@ -85,6 +85,8 @@ class TextStream:
 
     def close(self) -> None:
         self._gen.close()
+        if self.output is None:  # also before the first chunk: the generator never ran,
+            self._rt.cancel(self._seq)  # so its finally did not cancel
 
     def __enter__(self) -> TextStream:
         return self

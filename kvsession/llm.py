@@ -319,7 +319,7 @@ class LLM:
 
     def stats(self) -> Stats:
         """A consistent snapshot, taken on the engine thread between steps."""
-        return self._rt.call(self._rt.stats_now).result()
+        return self._rt.stats()
 
     def check_integrity(self) -> None:
         """Check, on the engine thread, the block pool's invariants and that every block

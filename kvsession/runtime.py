@@ -503,6 +503,18 @@ class Runtime:
 
     # ---- observability (engine thread) -----------------------------------------------------
 
+    def stats(self) -> Stats:
+        """`stats_now` on the engine thread; then, on the caller's, the disk tier's room
+        (a file-system query, kept off the engine thread: a slow mount must not stall
+        decoding): free = what is left on session_dir's file system, in blocks."""
+        st = self.call(self.stats_now).result()
+        if self.disk is not None:
+            d, bs = st.tiers["disk"], self.config.block_size
+            d.blocks_free = self.disk.free_bytes() // (d.bytes_per_token * bs)
+            d.blocks_total = d.blocks_used + d.blocks_free
+            d.tokens_capacity = d.blocks_total * bs
+        return st
+
     def stats_now(self) -> Stats:
         pool, bs, bpt = self.pool, self.config.block_size, self.info.kv_bytes_per_token
         pins = self.prefix.pins
@@ -517,12 +529,9 @@ class Runtime:
                              blocks_free=hp.num_free, bytes_per_token=bpt,
                              tokens_capacity=hp.num_blocks * bs)
         disk = TierStats(bytes_per_token=bpt)
-        if self.disk is not None:  # used: sessions whose KV lives only there; free: the room
-            used = sum(blocks_for(len(s.tokens), bs) for s in self.policy.sessions
-                       if s.tier is Tier.DISK)  # left on its file system, in blocks
-            free = self.disk.free_bytes() // (bpt * bs)
-            disk = TierStats(blocks_total=used + free, blocks_used=used, blocks_free=free,
-                             bytes_per_token=bpt, tokens_capacity=(used + free) * bs)
+        if self.disk is not None:  # sessions whose KV lives only there (free: see stats())
+            disk.blocks_used = sum(blocks_for(len(s.tokens), bs) for s in self.policy.sessions
+                                   if s.tier is Tier.DISK)
         q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
         lat, goodput, attainment = self.latency.summary(self.slo)
         return Stats(

@@ -401,8 +401,9 @@ class SessionStore:
                                   options=parent.options())
 
         def share() -> None:
-            self.rt.policy.restore(parent.kv)  # a spilled parent comes back first
+            self.rt.policy.prefetch(parent.kv)  # a spilled parent comes back first
             self.rt.manager.share(parent.kv, child.kv)
+            child.kv.loaded_from = parent.kv.loaded_from  # the same blocks, from there
 
         try:
             parent.exclusive(share)

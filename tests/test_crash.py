@@ -36,7 +36,7 @@ SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_
 WORDS = "read the file run the tests fix the bug then write the answer".split()
 MAX_CHAINS = 8
 KILLS_PER_CHAIN = 6
-MIN_KILLS = 12  # every write site at least twice (the sites rotate)
+MIN_KILLS = 12  # the sites rotate: each is tried about twice
 LLM_ARGS = {"kv_cache_memory": "1MiB", "max_model_len": 512, "host_cache_memory": 0}
 
 

@@ -315,6 +315,8 @@ def test_durability_argument(llama_dir, tmp_path):
     with LLM(llama_dir, durability="turn", kv_cache_memory="4MiB", max_model_len=128) as llm:
         assert llm._rt.journal is None and llm.sessions() == []
         assert llm.session(sampling=G).send("hi").token_ids
+    with new_llm(llama_dir, tmp_path / "n", durability=None) as llm:  # None: the default
+        assert llm.config.durability.value == "turn" and llm._rt.journal is not None
     with pytest.raises(ConfigError, match="durability='sometimes' is not supported"):
         LLM(llama_dir, durability="sometimes", session_dir=tmp_path)
     with new_llm(llama_dir, tmp_path / "c", durability="close") as llm:

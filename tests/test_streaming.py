@@ -167,6 +167,9 @@ def test_closing_a_stream_cancels_its_request(llm):
     # the cancel was posted to the engine thread before this call: FIFO, so it has run
     assert not llm._rt.call(llm._rt.scheduler.has_work).result()
     llm.check_integrity()
+    with llm.stream("closed unread", p):  # closed before its first chunk
+        pass
+    assert not llm._rt.call(llm._rt.scheduler.has_work).result()
 
     async def early():
         stream = llm.astream("cancel me too", p)

@@ -187,6 +187,21 @@ def test_kv_loaded_ahead_of_a_turn_reports_its_tier(llama_dir, tmp_path):
         assert p.state == "idle"
         r = p.send(TURNS[1])
         assert (r.token_ids, r.restored_from) == (want[1], "host")
+        # loaded ahead, then dropped before the turn: only the pinned prompt is reused
+        assert p.suspend(expected_idle_s=120.0) == "host"
+        p.prefetch().result()
+        on_engine(llm, lambda: llm._rt.policy.drop(p.kv, reason="test"))
+        r = p.send(TURNS[2])
+        assert (r.token_ids, r.restored_from) == (want[2], "device")
+        p.close()
+        # a fork of a spilled session loads it: both report where the shared blocks were
+        f = llm.session(system=SYSTEM, sampling=G, session_id="f")
+        f.send(TURNS[0])
+        assert f.suspend(expected_idle_s=120.0) == "host"
+        child = f.fork()
+        assert child.send(TURNS[1]).restored_from == "host"
+        assert (f.send(TURNS[1]).token_ids, f.send(TURNS[2]).restored_from) == \
+            (want[1], "device")
     with make_llm(llama_dir, session_dir=sd) as llm:  # a clean restart
         s = llm.session(session_id="a")
         r = s.send(TURNS[1])

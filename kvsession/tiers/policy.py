@@ -150,6 +150,7 @@ class TierPolicy:
         """Forget the private KV (keep the pinned lead): the next turn recomputes it."""
         lead = self._num_lead(s) if s.tier is Tier.DEVICE else len(s.blocks)
         self.mover.drop(s, lead)
+        s.loaded_from = None  # what was loaded ahead of the next turn is gone
         self._note(s, "drop (recompute later)", reason)
 
     # ---- restoring -----------------------------------------------------------------------
@@ -169,7 +170,8 @@ class TierPolicy:
 
     def prefetch(self, s: SessionKV) -> None:
         """Load a spilled session back ahead of its next turn (which reports the tier)."""
-        s.loaded_from = self.restore(s) or s.loaded_from
+        if s.tier is not Tier.DEVICE:
+            s.loaded_from = self.restore(s)
 
     def checkin(self, s: SessionKV) -> None:
         """After a turn (the KV went back to the session through the manager)."""
