@@ -176,7 +176,12 @@ def free_runs(r) -> list[str]:
     return [f"- {len(r['kvsession_runs'])} free-running append runs (fresh processes, agents "
             f"never waiting for one another): best {fmt(r['kvsession_makespan_best_s'])} s, "
             f"median {fmt(r['kvsession_makespan_median_s'])} s, spread "
-            f"+-{fmt(r['kvsession_makespan_spread'] * 100, 0)}% of the median (target <= 15%)"]
+            f"+-{fmt(r['kvsession_makespan_spread'] * 100, 0)}% of the median (target <= 15%)"
+            + ("" if "kvsession_goodput_tokens_per_s_median" not in r else
+               f"; throughput {fmt(r['kvsession_output_tokens_per_s_median'], 0)} output "
+               f"tok/s, **goodput {fmt(r['kvsession_goodput_tokens_per_s_median'], 0)} tok/s**,"
+               f" SLO attainment >= {fmt(r['kvsession_slo_attainment_min'] * 100, 0)}% (SLO: "
+               f"TTFT {r['slo'][0]:g} s, TPOT {r['slo'][1]:g} s; medians over the runs)")]
 
 
 def section_fp8(r) -> list[str]:
