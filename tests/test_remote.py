@@ -393,17 +393,21 @@ def test_an_idle_gap_longer_than_the_heartbeat_timeout_keeps_the_worker(llama_di
         assert_no_leak(llm)
 
 
-def test_a_request_completed_by_an_idle_tick_is_reported(llama_dir, worker):
-    # the client alone, driven from this thread: `schedule` hands its idle ticks to a queue
-    # that this thread runs (as the engine thread would); the request completes inside a
-    # tick, and the next poll must report it
+def idle_client(llama_dir, address: str, **timing):
+    """A NixlPrefillClient alone, driven from the test's thread: `schedule` hands its idle
+    ticks to the returned queue, which the test runs (as the engine thread would)."""
     with LLM(llama_dir, **KW) as llm:
-        rt = llm._rt
-        tensors = {n: torch.zeros_like(t) for n, t in rt.kv.tensors().items()}
-        compat = rt.compat
+        tensors = {n: torch.zeros_like(t) for n, t in llm._rt.kv.tensors().items()}
+        compat = llm._rt.compat
     ticks: queue.Queue = queue.Queue()
-    client = NixlPrefillClient([worker.address], tensors, compat, timeout_s=30.0,
-                               heartbeat_s=0.02, schedule=ticks.put)
+    client = NixlPrefillClient([address], tensors, compat, timeout_s=30.0,
+                               schedule=ticks.put, **timing)
+    return client, ticks, tensors
+
+
+def test_a_request_completed_by_an_idle_tick_is_reported(llama_dir, worker):
+    # the request completes inside a tick, and the next poll must report it
+    client, ticks, tensors = idle_client(llama_dir, worker.address, heartbeat_s=0.02)
     try:
         wait_for(lambda: client.poll(0.01) == [] and client.healthy(), 60, "the handshake")
         assert client.submit(7, [5] * 40, 0, [1, 2, 3], b"", None)
@@ -422,13 +426,8 @@ def test_a_long_heartbeat_does_not_slow_the_handshake_of_an_idle_caller(llama_di
     # a caller that pings rarely (30 s) and does no work: its Hello's answer is read by an
     # idle tick, which comes at the reconnect delay's pace (0.2 s), not the heartbeat's
     # (before, a HelloOk arriving while the engine was idle waited up to two heartbeats)
-    with LLM(llama_dir, **KW) as llm:
-        rt = llm._rt
-        tensors = {n: torch.zeros_like(t) for n, t in rt.kv.tensors().items()}
-        compat = rt.compat
-    ticks: queue.Queue = queue.Queue()
-    client = NixlPrefillClient([worker.address], tensors, compat, timeout_s=30.0,
-                               heartbeat_s=30.0, reconnect_min_s=0.2, schedule=ticks.put)
+    client, ticks, _ = idle_client(llama_dir, worker.address, heartbeat_s=30.0,
+                                   reconnect_min_s=0.2)
     try:
         assert not client.healthy()  # the Hello is sent; its answer has not been read
         for _ in range(100):  # bounded: the ticks' wait is, too
