@@ -74,7 +74,13 @@ def section_decode(r) -> list[str]:
             "range in brackets): batch 1 **"
             f"{fmt(steps['batch1_long_vs_short'])}x** ({fmt(spread[1][0])}-"
             f"{fmt(spread[1][-1])}), batch 8 {fmt(steps['batch8_long_vs_short'])}x "
-            f"({fmt(spread[8][0])}-{fmt(spread[8][-1])})."]
+            f"({fmt(spread[8][0])}-{fmt(spread[8][-1])}).",
+            "", "These are one run's. The machine's read bandwidth moves between ~30 and ~85 "
+            "GB/s from one phase to the next, and the step does not follow it all the way: "
+            "five runs of the same code read batch 1 at 1.11-1.58x / 1.13-1.69x the bound and "
+            "0.78-0.84 long/short, the worst in an 81 GB/s phase (runs of 2026-12-03 and -04). "
+            "At the bound itself long/short is 0.838 at batch 1 and 0.41 at batch 8: the "
+            "ratio measures attention's efficiency against the weights'."]
     frag = r.get("fragmented_table")
     if frag:
         out += ["", "One model step (batch 1, eager layers) over 2,048 cached tokens, blocks "
