@@ -28,8 +28,11 @@ def test_greedy_matches_transformers(model_dirs, arch):
     # chunked prefill: every long prompt is split into 32-token chunks
     got, _ = run(d, prompts, kv_cache_memory="4MiB", max_num_batched_tokens=32)
     assert got == ref
-    # a pool of 34 blocks (one 512-token sequence fits, the batch does not): preemption
-    got, preemptions = run(d, prompts, kv_cache_memory=34 * 16 * 512, block_size=16)
+    # a pool of 34 blocks (one 512-token sequence fits, the batch does not), prompts in
+    # 64-token chunks: preemption (admission keeps headroom for the running sequences'
+    # next blocks; a prompt growing chunk by chunk is what runs the pool out)
+    got, preemptions = run(d, prompts, kv_cache_memory=34 * 16 * 512, block_size=16,
+                           max_num_batched_tokens=64)
     assert preemptions > 0
     assert got == ref
 

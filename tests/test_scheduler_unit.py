@@ -264,3 +264,31 @@ def test_reclaimer_makes_room_for_admission():
     assert sched.prefix.queried_tokens - queried == 8 and sched.num_preemptions == 0
     assert m.num_held(HolderKind.SEQUENCE) == 3 and m.num_held(HolderKind.SESSION) == 0
     m.check_integrity(host)
+
+
+def test_admission_leaves_headroom_for_running_sequences_to_grow():
+    # 32 blocks: up to min(running, 32 // 16 = 2) blocks stay free at admission, so a new
+    # sequence is not let in only to be preempted the next time a running one needs a block
+    m, sched = build(num_blocks=32, budget=128)
+    a = Sequence(token_ids=list(range(116)), max_model_len=256,
+                 params=SamplingParams(max_tokens=8, temperature=0.0))
+    sched.add(a)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 116)] and len(a.blocks) == 29
+    run(sched, scheduled)
+    c = seq(range(200, 208))  # 2 blocks: they are free, but a's room would go with them
+    sched.add(c)
+    scheduled, _ = sched.schedule()  # a's 117th token takes block 30: 2 free, 1 kept back
+    assert work(scheduled) == [(a, 1)] and list(sched.waiting) == [c]
+    assert m.pool.num_free == 2
+    while a.status is not SequenceStatus.FINISHED:
+        run(sched, scheduled)
+        if a.num_tokens - a.num_prompt_tokens == 8:
+            sched.finish(a)
+            break
+        scheduled, _ = sched.schedule()
+        assert work(scheduled) == [(a, 1)] and list(sched.waiting) == [c]
+    assert sched.num_preemptions == 0  # before: c was admitted, then preempted
+    scheduled, _ = sched.schedule()  # nothing running: no headroom to keep
+    assert work(scheduled) == [(c, 8)] and not sched.waiting
+    m.check_integrity()
