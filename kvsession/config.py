@@ -113,8 +113,7 @@ def _auth_key_file(value) -> Path | None:
 
 def _durability(value) -> Durability:
     """How sessions persist in session_dir; without one nothing persists, whichever is set
-    (the default, "turn", is valid either way, as every default is). None: the default
-    (the signature's default before it was named)."""
+    (so the default, "turn", is valid either way). None reads as the default."""
     if value is None:
         return Durability.TURN
     _choice(value, "durability", {d.value for d in Durability})

@@ -32,7 +32,7 @@ class _Chunks:
 
     def _ids(self, end: int) -> list[int]:
         ids = self._seq.token_ids[self._sent:end]
-        self._sent = max(self._sent, end)
+        self._sent = end  # progress only grows
         return ids
 
     def update(self, n: int) -> TextChunk | None:

@@ -109,6 +109,9 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
                    "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
                    "logit_bias", "response_format")
 STRUCTURED_FIELDS = ("json_schema", "regex", "grammar", "json_object", "jump_forward")
+# what send / asend / stream take as per-turn overrides (structured is not part of the
+# sampling record: it is stored by sampling_record separately)
+OVERRIDE_FIELDS = (*SAMPLING_FIELDS, "structured")
 
 
 def sampling_record(params: SamplingParams) -> dict:
@@ -159,7 +162,7 @@ def _overrides(args: dict) -> dict:
     """The per-turn overrides given to send/asend/stream, unknown names included (they are
     refused with a suggestion by SamplingParams.with_overrides)."""
     given = {k: v for k, v in args.items()
-             if k in (*SAMPLING_FIELDS, "structured") and v is not UNSET}
+             if k in OVERRIDE_FIELDS and v is not UNSET}
     return given | args["unknown"]
 
 

@@ -403,7 +403,7 @@ class SessionStore:
         def share() -> None:
             self.rt.policy.prefetch(parent.kv)  # a spilled parent comes back first
             self.rt.manager.share(parent.kv, child.kv)
-            child.kv.loaded_from = parent.kv.loaded_from  # the same blocks, from there
+            self.rt.policy.forked(parent.kv, child.kv)
 
         try:
             parent.exclusive(share)

@@ -173,6 +173,11 @@ class TierPolicy:
         if s.tier is not Tier.DEVICE:
             s.loaded_from = self.restore(s)
 
+    def forked(self, parent: SessionKV, child: SessionKV) -> None:
+        """`child` now shares `parent`'s blocks: its first turn reports where they came
+        from, as the parent's does."""
+        child.loaded_from = parent.loaded_from
+
     def checkin(self, s: SessionKV) -> None:
         """After a turn (the KV went back to the session through the manager)."""
         s.busy = False
