@@ -77,8 +77,9 @@ def section_decode(r) -> list[str]:
             f"({fmt(spread[8][0])}-{fmt(spread[8][-1])}).",
             "", "These are one run's. The machine's read bandwidth moves between ~30 and ~85 "
             "GB/s from one phase to the next, and the step does not follow it all the way: "
-            "five runs of the same code read batch 1 at 1.11-1.58x / 1.13-1.69x the bound and "
-            "0.78-0.84 long/short, the worst in an 81 GB/s phase (runs of 2026-12-03 and -04). "
+            "six runs of the same decode code read batch 1 at 1.11-1.67x / 1.13-1.77x the "
+            "bound and 0.78-0.84 long/short; both runs over 1.5x were in ~80 GB/s phases "
+            "(runs of 2026-12-03 and -04). "
             "At the bound itself long/short is 0.838 at batch 1 and 0.41 at batch 8: the "
             "ratio measures attention's efficiency against the weights'."]
     frag = r.get("fragmented_table")
