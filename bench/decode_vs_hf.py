@@ -472,6 +472,9 @@ def main() -> None:
     # decode steps from a cached prompt: prefix caching on, so a repeated prompt is not
     # prefilled again
     llm = LLM(path, kv_cache_memory="1GiB", max_model_len=4096, max_num_seqs=8)
+    # which one-token path start-up measured faster (model/llama.py warm_up)
+    one_token = "compiled regions" if llm._rt.model.one_row is not None else "Linear kernels"
+    print(f"one-token steps run through the {one_token}", flush=True)
     steps = decode_steps(llm, hf, bw, args.steps, rng)
     llm.close()
     frag = fragmented(path, bw)
@@ -481,7 +484,8 @@ def main() -> None:
     print(f"DRAM read bandwidth (best in the run): {bw.best / 1e9:.1f} GB/s")
     write_result("decode_vs_hf", {"model": "mid-size llama (hidden 512, 8 layers, vocab 32000)",
                                   "new_tokens": n_new, "results": results,
-                                  "read_bandwidth_gb_s": bw.best / 1e9, "decode_steps": steps,
+                                  "read_bandwidth_gb_s": bw.best / 1e9, "one_token_path": one_token,
+                                  "decode_steps": steps,
                                   "fragmented_table": frag, "attention_alone": alone,
                                   "kernels": kern, "int8": q8})
     if args.plot:

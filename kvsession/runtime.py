@@ -213,7 +213,7 @@ class Runtime:
         self.kv = KVPool(spec.num_layers, num_blocks, cfg.block_size, spec.num_kv_heads,
                          spec.head_dim, cfg.kv_cache_dtype, cfg.device,
                          use_kernels=backend == AttentionBackend.TRITON)
-        self.model.warm_up(self.kv, attention_kernel=backend == AttentionBackend.CPU)
+        self.model.warm_up(self.kv, backend)
 
         # ---- the cache and the scheduler
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching,

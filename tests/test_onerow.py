@@ -152,9 +152,10 @@ def test_nothing_compiles_while_serving_after_the_warm_up(model_dirs, attention_
     d = model_dirs("llama")
     with LLM(d, max_model_len=256, kv_cache_memory="4MiB") as llm:
         model = llm._rt.model
-        model.one_row = OneRowKernels.for_model(model)
-        # what start-up does for a model that measured faster
-        model.warm_up(llm._rt.kv, attention_kernel)
+        kernels = model.one_row = OneRowKernels.for_model(model)
+        # what start-up compiles (and keeps, for a model that measured faster)
+        kernels.select_attention(attention_kernel)
+        assert kernels.warm_up(model.spec, llm._rt.kv, model.softmax_scale)
         compiled = counters["stats"]["unique_graphs"]
         for n in (1, 17, 150):
             llm.generate(prompt_token_ids=random_prompts(n, [n], 500), use_tqdm=False,
@@ -163,6 +164,44 @@ def test_nothing_compiles_while_serving_after_the_warm_up(model_dirs, attention_
         if governor is not None:  # several cores: it has probed one thread by now
             assert governor.used[1] > 0
     assert counters["stats"]["unique_graphs"] == compiled
+
+
+def test_start_up_times_a_decode_step_both_ways_and_keeps_the_faster(model_dirs, monkeypatch,
+                                                                     caplog):
+    """LlamaModel.warm_up times whole decode steps (forward and logits) through the regions
+    and through the Linear kernels, interleaved, and keeps the regions only if faster; the
+    steps it timed leave the pool's blocks as they were built."""
+    import logging
+    import re
+
+    from kvsession.attention import attention
+    from kvsession.config import AttentionBackend
+    from kvsession.model import llama, onerow
+
+    d = model_dirs("llama")
+    monkeypatch.setattr(onerow, "MEASURE_MIN_BYTES", 0)  # measured although tiny
+    with caplog.at_level(logging.INFO, logger="kvsession"), \
+            LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
+        model, kv = llm._rt.model, llm._rt.kv
+        said = [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("one-token step:")]
+        assert len(said) == 1
+        t_regions, t_linear = (float(t) for t in re.findall(r"([\d.e+-]+) ms", said[0]))
+        if t_regions != t_linear:  # not a tie in the log's 4 digits
+            assert (model.one_row is not None) == (t_regions < t_linear)
+        # both ways timed on the model's own forward: the regions' one region a step, the
+        # Linear kernels' step through the paged attention op at every layer
+        kernels = OneRowKernels.for_model(model)
+        kernels.select_attention(True)
+        assert kernels.warm_up(model.spec, kv, model.softmax_scale)
+        model.one_row, ops = kernels, []
+        decodes = count_calls(kernels, "decode")
+        model.attention_fn = lambda *a: ops.append(1) or attention(*a)
+        model._one_token_times(kv, AttentionBackend.CPU)
+        assert model.one_row is kernels
+        assert len(decodes) == llama.MEASURE_ROUNDS + 1
+        assert len(ops) == len(model.layers) * (llama.MEASURE_ROUNDS + 1)
+        assert all(not t[:, :2].any() for t in kv.tensors().values())
 
 
 def test_without_a_working_compiler_the_linear_kernels_serve(model_dirs, monkeypatch,

@@ -176,15 +176,20 @@ def weight_bytes(linears: list[Linear]) -> int:
                if lin.rows is not None)
 
 
-def best_times(fns: list, rounds: int) -> list[float]:
-    """The best wall time of each of `fns` over `rounds` interleaved rounds, after one
+def round_times(fns: list, rounds: int) -> list[list[float]]:
+    """The wall time of each of `fns` in each of `rounds` interleaved rounds, after one
     untimed call each (first touches, oneDNN's primitive cache, compiling)."""
     for fn in fns:
         fn()
-    best = [float("inf")] * len(fns)
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
             t = time.perf_counter()
             fn()
-            best[i] = min(best[i], time.perf_counter() - t)
-    return best
+            times[i].append(time.perf_counter() - t)
+    return times
+
+
+def best_times(fns: list, rounds: int) -> list[float]:
+    """The best wall time of each of `fns` over `rounds` interleaved rounds (`round_times`)."""
+    return [min(t) for t in round_times(fns, rounds)]

@@ -8,7 +8,9 @@ q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied embeddings, rope scaling.
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +18,14 @@ import torch.nn.functional as F
 
 from kvsession.attention import AttentionMetadata, attention
 from kvsession.cache.kv_pool import KVPool
+from kvsession.config import AttentionBackend
 from kvsession.model.config import ModelSpec, RopeSpec
-from kvsession.model.linear import Linear, measure_one_row, pack_rows
+from kvsession.model.linear import Linear, measure_one_row, pack_rows, round_times
 from kvsession.model.onerow import OneRowKernels
+
+log = logging.getLogger("kvsession")
+
+MEASURE_ROUNDS = 7  # interleaved rounds of warm_up's timing (compiled regions vs Linear kernels)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,7 +91,8 @@ class LlamaModel:
         weights.clear()  # the fused copies above replace them; free the originals
         # a batch-1 decode step's kernel, by measurement on this CPU (model/linear.py)
         measure_one_row(self.projections())
-        # a one-token step's dense work compiled, where that measured faster (model/onerow.py)
+        # a one-token step compiled (model/onerow.py): a candidate until warm_up measured it
+        # faster than the Linear kernels on this machine
         self.one_row = OneRowKernels.build(self) if weight_format == "both" else None
         positions = torch.arange(max_model_len, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(spec.rope, spec.head_dim))
@@ -187,13 +195,61 @@ class LlamaModel:
             h = k.post(h, o.reshape(1, spec.num_heads * spec.head_dim), *args.post)
         return rms_norm(h, self.norm, spec.rms_norm_eps)
 
-    def warm_up(self, kv: KVPool, attention_kernel: bool = False) -> None:
-        """Compile what a decode step on `kv` runs before the first step needs it (the
-        one-token regions' decode layer; its attention by kernels/cpu_decode with
-        `attention_kernel`); nothing for models without them. At start-up."""
-        if self.one_row is not None:
-            self.one_row.select_attention(attention_kernel)
-            self.one_row.warm_up(self.spec, kv, self.softmax_scale)
+    def warm_up(self, kv: KVPool, backend: AttentionBackend = AttentionBackend.TORCH) -> None:
+        """Compile what a one-token step on `kv` runs before the first step needs it (the
+        one-token regions; their decode layer reads attention with kernels/cpu_decode on
+        the CPU backend), and keep them only if a decode step through them measured faster
+        than through the Linear kernels (`_one_token_times`). Nothing for models without
+        them. At start-up, while no block holds anything."""
+        kernels = self.one_row
+        if kernels is None:
+            return
+        kernels.select_attention(backend == AttentionBackend.CPU)
+        if not kernels.warm_up(self.spec, kv, self.softmax_scale):
+            self.one_row = None  # did not compile (the log says why)
+            return
+        t_regions, t_linear = self._one_token_times(kv, backend)
+        faster = t_regions < t_linear
+        log.info("one-token step: %.4g ms through the compiled regions, %.4g ms through the "
+                 "Linear kernels: %s", t_regions * 1e3, t_linear * 1e3,
+                 "compiled" if faster else "Linear kernels")
+        self.one_row = kernels if faster else None
+
+    def _one_token_times(self, kv: KVPool, backend: AttentionBackend) -> tuple[float, float]:
+        """The median time of one decode step (forward and logits of a token at position
+        block_size, in blocks 0 and 1 of `kv`) through the one-token regions and through
+        the Linear kernels, over MEASURE_ROUNDS interleaved rounds; both blocks zeroed after.
+
+        Why the whole step, both ways: the regions fuse the norms, rotary, residuals and
+        (with the decode layer) attention, which the Linear path runs as separate ops. Timing
+        the regions' dense work against the Linear kernels' products alone was within the
+        noise on the AMD bench machine and chose the Linear kernels at one start in two,
+        where a decode step through them was ~20% slower for the model's whole life."""
+        regions, bs = self.one_row, kv.block_size
+
+        def step(kernels: OneRowKernels | None):
+            def run():
+                self.one_row = kernels
+                meta = AttentionMetadata(
+                    slot_mapping=torch.tensor([bs]), block_tables=torch.tensor([[0, 1]]),
+                    query_start_loc=[0, 1], seq_lens=[bs + 1],
+                    seq_lens_tensor=torch.tensor([bs + 1]), decode_only=True,
+                    softmax_scale=self.softmax_scale, backend=backend,
+                    query_start_loc_tensor=torch.tensor([0, 1]), max_query_len=1,
+                    all_slots_valid=True)
+                self.logits(self.forward(torch.zeros(1, dtype=torch.long),
+                                         torch.tensor([bs]), kv, meta))
+            return run
+
+        try:
+            times = round_times([step(regions), step(None)], MEASURE_ROUNDS)
+        finally:
+            self.one_row = regions
+            with torch.inference_mode():
+                for t in kv.tensors().values():
+                    t[:, :2].zero_()  # as the pool was built
+        t_regions, t_linear = (statistics.median(t) for t in times)
+        return t_regions, t_linear
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

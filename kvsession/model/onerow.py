@@ -22,9 +22,10 @@ one-token steps (an fp8 or bfloat16 cache, which the model's paged attention op 
 two regions per layer: before attention (input norm, fused q/k/v product, per-head q/k
 norms, rotary) and after it (o product, residual, post norm, gate/up product, SiLU-mul, down
 product, residual). One-row logits run the output head as a region. Used only where
-`OneRowKernels.build` measured the dense work faster than the projections alone through
-the Linear kernels (model/linear.py), on float32 CPU models large enough to be measured
-(linear.MEASURE_MIN_BYTES: smaller weights stay in the caches, where every kernel is fast).
+a one-token step through them measured faster than through the model's Linear kernels
+(model/linear.py; LlamaModel.warm_up times both), on float32 CPU models large enough to be
+measured (linear.MEASURE_MIN_BYTES: smaller weights stay in the caches, where every kernel
+is fast).
 
 Why these details:
 - `cpp.dynamic_threads`: the generated loops ask OpenMP for the thread count at each call,
@@ -50,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from kvsession.kernels import cpu_decode  # defines the kernel's op
-from kvsession.model.linear import MEASURE_MIN_BYTES, Linear, best_times, weight_bytes
+from kvsession.model.linear import MEASURE_MIN_BYTES, Linear, weight_bytes
 
 log = logging.getLogger("kvsession")
 
@@ -254,14 +255,15 @@ class OneRowKernels:
         self.decode = compile_region(decode_layers_kernel, dynamic=None) if kernel else \
             compile_region(decode_layer, dynamic=None, options=COMPILE_OPTIONS)
 
-    def warm_up(self, spec, kv, scale: float) -> None:
-        """Compile what the engine will run, before its first step needs it: dynamo
-        guards on the thread count, so each region is run at each count the engine's
-        ThreadGovernor may choose (all threads, one); the decode layer for `kv`'s cache, on
-        a step that writes and reads its first two blocks, or else the two regions. Inputs
-        as a step's (distinct cos and sin: dynamo also guards on aliasing). Only while no
-        block holds anything: at start-up."""
-        decodes = self.reads_cache(kv.layer(0)) and kv.num_blocks >= 2
+    def warm_up(self, spec, kv, scale: float) -> bool:
+        """Compile what the engine will run, before its first step needs it; False if that
+        failed (said in the log: the model then keeps its Linear kernels). Dynamo guards on
+        the thread count, so each region is run at each count the engine's ThreadGovernor
+        may choose (all threads, one); the decode layer for `kv`'s cache, on a step that
+        writes and reads its first two blocks, or else the two regions (also where the
+        decode layer fails to compile). Inputs as a step's (distinct cos and sin: dynamo
+        also guards on aliasing). Only while no block holds anything: at start-up."""
+        decodes = writes = self.reads_cache(kv.layer(0)) and kv.num_blocks >= 2
         before = torch.get_num_threads()
         try:
             with torch.inference_mode():
@@ -271,24 +273,31 @@ class OneRowKernels:
                     torch.set_num_threads(threads)
                     self.logits(h)
                     if decodes:
-                        n = kv.block_size + 1
-                        self.decode_step(h, rope, spec, kv, torch.tensor([n - 1]),
-                                         torch.tensor([0, 1]), torch.tensor(n), scale)
-                    else:
+                        try:
+                            n = kv.block_size + 1
+                            self.decode_step(h, rope, spec, kv, torch.tensor([n - 1]),
+                                             torch.tensor([0, 1]), torch.tensor(n), scale)
+                        except Exception as e:  # noqa: BLE001 - the two regions serve
+                            self.decode_compiles = decodes = False
+                            log.warning("decode steps run the one-token regions around the "
+                                        "attention op: compiling the decode layer failed "
+                                        "(%s: %s)", type(e).__name__, e)
+                    if not decodes:
                         self.pre(h, *self.layers[0].pre, *rope, spec.rms_norm_eps,
                                  spec.num_heads, spec.num_kv_heads)
                         self.post(h, torch.zeros(1, spec.num_heads * spec.head_dim),
                                   *self.layers[0].post)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: the two regions serve
-            self.decode_compiles = False
-            log.warning("decode steps run the one-token regions around the attention op: "
-                        "compiling the decode layer failed (%s: %s)", type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: keep the Linears
+            log.warning("one-token decode stays on the Linear kernels: compiling its regions "
+                        "failed (%s: %s)", type(e).__name__, e)
+            return False
         finally:
             torch.set_num_threads(before)
-            if decodes:
+            if writes:
                 with torch.inference_mode():
                     for t in kv.tensors().values():
                         t[:, :2].zero_()  # as the pool was built
+        return True
 
     @staticmethod
     def for_model(model) -> OneRowKernels | None:
@@ -304,42 +313,15 @@ class OneRowKernels:
             for lw in model.layers], _wb(model.lm_head), model.norm)
 
     @staticmethod
-    def build(model, rounds: int = 3) -> OneRowKernels | None:
-        """`for_model(model)`, compiled, if that runs the one-row dense work faster than the
-        model's Linear kernels on this machine (the regions' fused elementwise work counted
-        against the products alone); else None, also for weights under
-        linear.MEASURE_MIN_BYTES."""
+    def build(model) -> OneRowKernels | None:
+        """`for_model(model)`, nothing compiled yet, where its weights reach
+        linear.MEASURE_MIN_BYTES (smaller weights stay in the caches, where every kernel is
+        fast), else None: a candidate, which the model compiles (`warm_up`) and keeps only
+        if a one-token step measured faster through it (LlamaModel.warm_up)."""
         kernels = OneRowKernels.for_model(model)
-        linears = model.projections()
-        if kernels is None or weight_bytes(linears) < MEASURE_MIN_BYTES:
+        if kernels is None or weight_bytes(model.projections()) < MEASURE_MIN_BYTES:
             return None
-        spec = model.spec
-        with torch.inference_mode():  # as in a step (dynamo guards on dispatch keys)
-            h = torch.zeros(1, spec.hidden_size)
-            o = torch.zeros(1, spec.num_heads * spec.head_dim)
-            rope = (torch.zeros(1, 1, spec.head_dim), torch.zeros(1, 1, spec.head_dim))
-
-        def compiled():
-            for lw in kernels.layers:
-                kernels.pre(h, *lw.pre, *rope, spec.rms_norm_eps, spec.num_heads,
-                            spec.num_kv_heads)
-                kernels.post(h, o, *lw.post)
-            kernels.logits(h)
-
-        def linear_kernels():
-            for lin in linears:
-                lin(torch.zeros(1, lin.rows.shape[1]))
-
-        try:
-            with torch.inference_mode():
-                t_compiled, t_linear = best_times([compiled, linear_kernels], rounds)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: keep the Linears
-            log.warning("one-token decode stays on the Linear kernels: compiling its regions "
-                        "failed (%s: %s)", type(e).__name__, e)
-            return None
-        log.info("one-token dense work: compiled %.2f ms, Linear kernels %.2f ms",
-                 t_compiled * 1e3, t_linear * 1e3)
-        return kernels if t_compiled < t_linear else None
+        return kernels
 
 
 def _inference(t: torch.Tensor) -> torch.Tensor:
