@@ -75,11 +75,17 @@ def section_decode(r) -> list[str]:
             f"{fmt(steps['batch1_long_vs_short'])}x** ({fmt(spread[1][0])}-"
             f"{fmt(spread[1][-1])}), batch 8 {fmt(steps['batch8_long_vs_short'])}x "
             f"({fmt(spread[8][0])}-{fmt(spread[8][-1])}).",
-            "", "These are one run's. The machine's read bandwidth moves between ~30 and ~85 "
-            "GB/s from one phase to the next, and the step does not follow it all the way: "
-            "six runs of the same decode code read batch 1 at 1.11-1.67x / 1.13-1.77x the "
-            "bound and 0.78-0.84 long/short; both runs over 1.5x were in ~80 GB/s phases "
-            "(runs of 2026-12-03 and -04). "
+            "", "These are one run's (one-token steps through the "
+            f"{r.get('one_token_path', 'compiled regions')}, as start-up measured faster). "
+            "The machine's read bandwidth moves between ~30 and ~85 GB/s from one phase to "
+            "the next, and the step does not follow it all the way. Until 2026-12-04 start-up "
+            "chose the one-token path by timing the two regions a layer against the Linear "
+            "kernels' products, a near tie, and took the Linear kernels at 2 of 3 starts "
+            "sampled (a decode step ~20% slower); six runs then read batch 1 at 1.11-1.67x / "
+            "1.13-1.77x the bound and 0.78-0.84 long/short, the two over 1.5x both in ~80 "
+            "GB/s phases (which path each run took was not recorded). Timing whole steps both ways (model/llama.py warm_up), two runs in "
+            "70-77 GB/s phases read 1.46x / 1.57x and 1.47x / 1.51x, long/short 0.79 and 0.81: "
+            "at the target in fast phases, not below it with margin. "
             "At the bound itself long/short is 0.838 at batch 1 and 0.41 at batch 8: the "
             "ratio measures attention's efficiency against the weights'."]
     frag = r.get("fragmented_table")
