@@ -353,3 +353,16 @@ def test_integrity_catches_a_holder_dropped_without_release():
     gc.collect()
     with pytest.raises(AssertionError, match=re.escape("Block(0")):
         m.check_integrity()
+
+
+def test_reset_blocks_restores_the_first_blocks_as_built_and_leaves_the_rest():
+    """K/V back to zero and fp8 scales back to one in the first blocks of every layer (what
+    start-up's warm-up steps wrote); later blocks keep their data."""
+    kv = KVPool(2, 4, BS, 1, 4, torch.float8_e4m3fn, torch.device("cpu"))
+    for t in kv.tensors().values():
+        t.fill_(3.0)
+    kv.reset_blocks(2)
+    for name, t in kv.tensors().items():
+        built = 1.0 if name.endswith("scale") else 0.0
+        assert (t[:, :2].float() == built).all(), name
+        assert (t[:, 2:].float() == 3.0).all(), name

@@ -78,6 +78,15 @@ class KVPool:
             out |= {"k_scale": self.k_scale, "v_scale": self.v_scale}
         return out
 
+    def reset_blocks(self, num_blocks: int) -> None:
+        """Blocks [0, num_blocks) of every layer as the pool was built (K/V zero, fp8 scales
+        one): start-up's warm-up and timing steps write into the first blocks."""
+        self.k[:, :num_blocks] = 0
+        self.v[:, :num_blocks] = 0
+        if self.k_scale is not None:
+            self.k_scale[:, :num_blocks] = 1
+            self.v_scale[:, :num_blocks] = 1
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block `src` onto block `dst` in every layer, scales included (copy-on-write)."""
         if self.use_kernels:

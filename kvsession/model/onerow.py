@@ -294,9 +294,7 @@ class OneRowKernels:
         finally:
             torch.set_num_threads(before)
             if writes:
-                with torch.inference_mode():
-                    for t in kv.tensors().values():
-                        t[:, :2].zero_()  # as the pool was built
+                kv.reset_blocks(2)
         return True
 
     @staticmethod
