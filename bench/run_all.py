@@ -84,9 +84,9 @@ def section_decode(r) -> list[str]:
             "sampled (a decode step ~20% slower); six runs then read batch 1 at 1.11-1.67x / "
             "1.13-1.77x the bound and 0.78-0.84 long/short, the two over 1.5x both in ~80 "
             "GB/s phases (which path each run took was not recorded). Timing whole steps "
-            "both ways (model/llama.py warm_up), two runs in "
-            "70-77 GB/s phases read 1.46x / 1.57x and 1.47x / 1.51x, long/short 0.79 and 0.81: "
-            "at the target in fast phases, not below it with margin. "
+            "both ways (model/llama.py warm_up), four runs in "
+            "66-77 GB/s phases read 1.46-1.56x / 1.51-1.60x, long/short 0.79-0.82: at the "
+            "target in fast phases, not below it with margin. "
             "At the bound itself long/short is 0.838 at batch 1 and 0.41 at batch 8: the "
             "ratio measures attention's efficiency against the weights'."]
     frag = r.get("fragmented_table")
