@@ -201,10 +201,11 @@ def test_engine_batches_through_the_kernel_with_transformers_tokens(model_dirs, 
 
 
 def test_the_one_region_step_stores_every_layers_kv_and_reports_each_layer(model_dirs):
-    """A step through decode_layers_kernel (every layer in one region) against the same
-    step through decode_layer (a region per layer): the same hidden state, the new token's
-    K/V written at its slot of every layer's cache and nowhere else, and on_layer_done
-    called for each layer, in order."""
+    """A step through decode_logits_kernel (the whole step in one region, from the token
+    id) against the same step through decode_layer (a region per layer, from the token's
+    embedding row): the same hidden state, logits equal to the output head's product of
+    it, the new token's K/V written at its slot of every layer's cache and nowhere else,
+    and on_layer_done called for each layer, in order."""
     d = model_dirs("llama")
     with LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
         model, kv, spec = llm._rt.model, llm._rt.kv, llm._rt.model.spec
@@ -216,21 +217,27 @@ def test_the_one_region_step_stores_every_layers_kv_and_reports_each_layer(model
             before = {name: t.clone() for name, t in kv.tensors().items()}
             bs = kv.block_size
             table, pos = torch.tensor([2, 0]), bs + 4  # the new token: block 0, offset 4
-            h = torch.randn(1, spec.hidden_size, generator=g)
+            token = torch.tensor([37])
+            h = model.embed[token]
             rope = (model.cos[pos].view(1, 1, -1), model.sin_signed[pos].view(1, 1, -1))
+            step = (spec, kv, torch.tensor([4]), table, torch.tensor(pos + 1),
+                    model.softmax_scale)
             results = []
             for kernel in (True, False):
                 for name, t in kv.tensors().items():
                     t.copy_(before[name])
                 kernels.select_attention(kernel)
                 done = []
-                out = kernels.decode_step(h, rope, spec, kv, torch.tensor([4]), table,
-                                          torch.tensor(pos + 1), model.softmax_scale,
-                                          done.append)
+                out = kernels.decode_logits(token, torch.tensor([pos]), model.token_tables(),
+                                            *step, done.append) if kernel else \
+                    (kernels.decode_step(h, rope, *step, done.append), None)
                 results.append((out, {n: t.clone() for n, t in kv.tensors().items()}, done))
-    (one, caches, done), (per_layer, want, _) = results
+    ((one, logits), caches, done), ((per_layer, _), want, _) = results
     assert done == list(range(spec.num_layers))
     assert torch.allclose(one, per_layer, atol=1e-4)
+    head_w, head_b = kernels.head_args
+    assert logits.dtype == torch.float32 and head_b is None
+    assert torch.allclose(logits, one @ head_w.t(), atol=1e-4)
     for name, t in caches.items():
         assert torch.allclose(t, want[name], atol=1e-5)
         changed = (t != before[name]).flatten(3).any(-1)  # [layers, blocks, slots]

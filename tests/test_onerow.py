@@ -27,9 +27,14 @@ def count_calls(kernels: OneRowKernels, name: str) -> list:
     return calls
 
 
-@pytest.mark.parametrize("arch,overrides", [
-    ("llama", {}), ("qwen2", {"tie_word_embeddings": True}), ("qwen3", {})])
-def test_compiled_one_row_steps_match_transformers(model_dirs, arch, overrides):
+@pytest.mark.parametrize("arch,overrides,whole_step", [
+    ("llama", {}, False), ("qwen2", {"tie_word_embeddings": True}, False),
+    ("qwen3", {}, False), ("qwen2", {"tie_word_embeddings": True}, True),
+    ("qwen3", {}, True)])
+def test_compiled_one_row_steps_match_transformers(model_dirs, arch, overrides, whole_step):
+    """A region per layer (the torch attention backend's decode step), or the whole step
+    in one region from the token id to its logits (the kernel's attention; llama's in
+    test_cpu_decode.py)."""
     d = model_dirs(arch, **overrides)
     prompts = random_prompts(4, [1, 40], 500)
     ref = hf_greedy(d, prompts, GREEDY.max_tokens)
@@ -38,15 +43,19 @@ def test_compiled_one_row_steps_match_transformers(model_dirs, arch, overrides):
         # tiny weights stay in the caches: not measured, the Linear kernels serve them
         assert model.one_row is None and OneRowKernels.build(model) is None
         kernels = model.one_row = OneRowKernels.for_model(model)
-        heads, layers = count_calls(kernels, "head"), count_calls(kernels, "decode")
+        kernels.select_attention(whole_step)
+        heads, steps = count_calls(kernels, "head"), count_calls(kernels, "decode")
         got = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY,
                             use_tqdm=False)[0].token_ids for p in prompts]  # one row a step
     assert got == ref
     # every token's logits came from one row, and every one-token step (the decode steps,
-    # the 1-token prompt) ran each layer as one region
-    n = GREEDY.max_tokens
-    assert len(heads) == n * len(prompts)
-    assert len(layers) == len(model.layers) * ((n - 1) * len(prompts) + 1)
+    # the 1-token prompt) ran each layer as one region, or the whole step as one
+    n, one_token_steps = GREEDY.max_tokens, (GREEDY.max_tokens - 1) * len(prompts) + 1
+    if whole_step:
+        assert len(steps) == one_token_steps and len(heads) == n * len(prompts) - len(steps)
+    else:
+        assert len(heads) == n * len(prompts)
+        assert len(steps) == len(model.layers) * one_token_steps
 
 
 def test_a_cache_the_decode_layer_cannot_read_goes_through_the_regions(model_dirs):
@@ -155,7 +164,8 @@ def test_nothing_compiles_while_serving_after_the_warm_up(model_dirs, attention_
         kernels = model.one_row = OneRowKernels.for_model(model)
         # what start-up compiles (and keeps, for a model that measured faster)
         kernels.select_attention(attention_kernel)
-        assert kernels.warm_up(model.spec, llm._rt.kv, model.softmax_scale)
+        assert kernels.warm_up(model.spec, llm._rt.kv, model.softmax_scale,
+                               model.token_tables())
         compiled = counters["stats"]["unique_graphs"]
         for n in (1, 17, 150):
             llm.generate(prompt_token_ids=random_prompts(n, [n], 500), use_tqdm=False,
@@ -193,7 +203,7 @@ def test_start_up_times_a_decode_step_both_ways_and_keeps_the_faster(model_dirs,
         # Linear kernels' step through the paged attention op at every layer
         kernels = OneRowKernels.for_model(model)
         kernels.select_attention(True)
-        assert kernels.warm_up(model.spec, kv, model.softmax_scale)
+        assert kernels.warm_up(model.spec, kv, model.softmax_scale, model.token_tables())
         model.one_row, ops = kernels, []
         decodes = count_calls(kernels, "decode")
         model.attention_fn = lambda *a: ops.append(1) or attention(*a)

@@ -226,7 +226,4 @@ class ModelRunner:
 
     def _run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         input_ids, positions, meta, rows = self.prepare(batch)
-        hidden = self.model.forward(input_ids, positions, self.kv, meta)
-        if len(rows) < hidden.shape[0]:  # a decode step samples every row: no copy
-            hidden = hidden[rows]
-        return self.model.logits(hidden)
+        return self.model.step_logits(input_ids, positions, self.kv, meta, rows)

@@ -21,7 +21,7 @@ from kvsession.cache.kv_pool import KVPool
 from kvsession.config import AttentionBackend
 from kvsession.model.config import ModelSpec, RopeSpec
 from kvsession.model.linear import Linear, measure_one_row, pack_rows, round_times
-from kvsession.model.onerow import OneRowKernels
+from kvsession.model.onerow import OneRowKernels, TokenTables
 
 log = logging.getLogger("kvsession")
 
@@ -161,6 +161,8 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVPool,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the final norm; writes this step's K/V."""
+        if self._one_region(input_ids, kv, meta):
+            return self._decode_region(input_ids, positions, kv, meta)[0]
         eps = self.spec.rms_norm_eps
         h = self.embed.index_select(0, input_ids)
         # rotary tables for this step's positions, [T, 1, head_dim], shared by all layers
@@ -175,13 +177,50 @@ class LlamaModel:
             h += self.mlp(rms_norm(h, lw.post_norm, eps), lw)
         return rms_norm(h, self.norm, eps)
 
+    @torch.inference_mode()
+    def step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVPool,
+                    meta: AttentionMetadata, rows: list[int]) -> torch.Tensor:
+        """forward(), then logits() of the hidden states `rows` (the rows that sample):
+        float32 [len(rows), vocab]. A batch-1 decode step that samples its row runs as one
+        compiled region from the token id to the logits where the one-token path reads
+        attention with the kernel (model/onerow.py decode_logits_kernel)."""
+        if rows == [0] and self._one_region(input_ids, kv, meta):
+            return self._decode_region(input_ids, positions, kv, meta)[1]
+        hidden = self.forward(input_ids, positions, kv, meta)
+        if len(rows) < hidden.shape[0]:  # a decode step samples every row: no copy
+            hidden = hidden[rows]
+        return self.logits(hidden)
+
+    def _one_region(self, input_ids: torch.Tensor, kv: KVPool, meta: AttentionMetadata
+                    ) -> bool:
+        """Whether this step is a batch-1 decode step the whole-step region serves."""
+        k = self.one_row
+        return k is not None and input_ids.shape[0] == 1 and meta.decode_only \
+            and k.kernel_attention and k.reads_cache(kv.layer(0))
+
+    def _decode_region(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVPool,
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [1, hidden] after the final norm, float32 logits [1, vocab]) of a
+        `_one_region` step. (forward() of such a step computes the logits too, and drops
+        them: no step of the engine's does that but one whose row does not sample.)"""
+        num_blocks = -(-meta.seq_lens[0] // kv.block_size)
+        return self.one_row.decode_logits(
+            input_ids, positions, self.token_tables(), self.spec, kv, meta.slot_mapping,
+            meta.block_tables[0, :num_blocks], meta.seq_lens_tensor[0], self.softmax_scale,
+            meta.on_layer_done)
+
+    def token_tables(self) -> TokenTables:
+        """The tables a token's inputs are read from (embedding, rotary)."""
+        return TokenTables(self.embed, self.cos, self.sin_signed)
+
     def _forward_one_row(self, h: torch.Tensor, cos_sin: tuple, kv: KVPool,
                          meta: AttentionMetadata) -> torch.Tensor:
-        """forward() of one token through the compiled regions (model/onerow.py): a decode
-        step's layers in one region (or a region per layer) where the cache allows it, else
-        the regions around the same attention op as attention_block."""
+        """forward() of one token through the compiled regions (model/onerow.py), where
+        the whole-step region does not serve it: a decode step's layers a region per layer
+        where the cache allows it, else the regions around the same attention op as
+        attention_block."""
         spec, k = self.spec, self.one_row
-        if meta.decode_only and k.reads_cache(kv.layer(0)):
+        if meta.decode_only and k.reads_cache(kv.layer(0)) and not k.kernel_attention:
             num_blocks = -(-meta.seq_lens[0] // kv.block_size)
             return k.decode_step(h, cos_sin, spec, kv, meta.slot_mapping,
                                  meta.block_tables[0, :num_blocks], meta.seq_lens_tensor[0],
@@ -205,7 +244,7 @@ class LlamaModel:
         if kernels is None:
             return
         kernels.select_attention(backend == AttentionBackend.CPU)
-        if not kernels.warm_up(self.spec, kv, self.softmax_scale):
+        if not kernels.warm_up(self.spec, kv, self.softmax_scale, self.token_tables()):
             self.one_row = None  # did not compile (the log says why)
             return
         t_regions, t_linear = self._one_token_times(kv, backend)
@@ -237,8 +276,8 @@ class LlamaModel:
                     softmax_scale=self.softmax_scale, backend=backend,
                     query_start_loc_tensor=torch.tensor([0, 1]), max_query_len=1,
                     all_slots_valid=True)
-                self.logits(self.forward(torch.zeros(1, dtype=torch.long),
-                                         torch.tensor([bs]), kv, meta))
+                self.step_logits(torch.zeros(1, dtype=torch.long), torch.tensor([bs]), kv,
+                                 meta, [0])
             return run
 
         try:

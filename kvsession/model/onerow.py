@@ -13,9 +13,10 @@ at ~30 GB/s, the rate of the `sum` measured beside it.
 
 A batch-1 decode step on a float32 cache where the engine reads decode attention with the
 C++ kernel (attention_backend "cpu", the default on CPU when it builds) runs as one region
-(`decode_layers_kernel`): every layer's norm, q/k/v product, rotary, o product, MLP and
-residuals, the final norm, and for each layer the kernel called as an op that stores the
-new K/V and attends over the block list, whose length is the one dynamic dimension. With
+from the token id to its logits (`decode_logits_kernel`): the embedding and rotary rows,
+every layer's norm, q/k/v product, rotary, o product, MLP and residuals, the final norm,
+the output head, and for each layer the kernel called as an op that stores the new K/V and
+attends over the block list, whose length is the one dynamic dimension. With
 attention compiled instead (the "torch" backend), each layer is one region (`decode_layer`,
 the attention read token-major). Other
 one-token steps (an fp8 or bfloat16 cache, which the model's paged attention op reads) run
@@ -46,6 +47,7 @@ from __future__ import annotations
 import logging
 import types
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +136,34 @@ def decode_layers_kernel(h, layers, caches, cos, sin_signed, eps: float, heads: 
     return _norm(h, final_norm, eps)
 
 
+class TokenTables(NamedTuple):
+    """What a whole-step region reads a token's inputs from: the model's embedding [vocab,
+    hidden] and its rotary tables cos and sin_signed [max_model_len, head_dim] (as
+    LlamaModel.forward indexes them)."""
+
+    embed: torch.Tensor
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+
+
+def decode_logits_kernel(token, position, embed, cos_table, sin_table, layers, caches,
+                         eps: float, heads: int, kv_heads: int, slot, block_ids, num_tokens,
+                         scale: float, final_norm, head_w, head_b):
+    """A whole batch-1 decode step in one region: token [1]'s embedding row and position
+    [1]'s rotary rows, every layer and the final norm (decode_layers_kernel), then the
+    output head. (hidden [1, hidden] after the final norm, float32 logits [1, vocab]).
+    Why one region from the token id to the logits: as three calls (the embedding and
+    rotary rows in eager ops, the layers, the head) a step took ~0.25-0.3 ms longer on the
+    AMD bench machine (3.23-3.33 vs 2.98-3.04 ms at 66-79 GB/s, ~8%; the same logits to the
+    bit): each call's Python, guards and OpenMP start, with the memory idle meanwhile."""
+    h = embed.index_select(0, token)
+    cos = cos_table.index_select(0, position).unsqueeze(1)
+    sin_signed = sin_table.index_select(0, position).unsqueeze(1)
+    hidden = decode_layers_kernel(h, layers, caches, cos, sin_signed, eps, heads, kv_heads,
+                                  slot, block_ids, num_tokens, scale, final_norm)
+    return hidden, head(hidden, head_w, head_b)
+
+
 def kernel_store_attend(q, k, v, k_cache, v_cache, slot, block_ids, num_tokens,
                         scale: float):
     return torch.ops.kvsession.cpu_decode_store_attention(
@@ -205,32 +235,40 @@ class OneRowKernels:
         return self.decode_compiles and layer_kv.k_scale is None \
             and layer_kv.k.dtype == torch.float32 and layer_kv.k.device.type == "cpu"
 
+    def decode_logits(self, token, position, tables: TokenTables, spec, kv, slot,
+                      block_ids, num_tokens, scale: float, on_layer_done=None):
+        """A batch-1 decode step from token [1] at position [1] to its logits, in one region
+        (decode_logits_kernel; after select_attention(kernel=True)): (the hidden state after
+        the final norm [1, hidden], float32 logits [1, vocab]). Arguments as decode_step's;
+        `on_layer_done(i)` for every layer after the step, in order (one token's K/V leaves
+        nothing to overlap). Under inference mode."""
+        token, position, slot, block_ids, num_tokens = (
+            _inference(t) for t in (token, position, slot, block_ids, num_tokens))
+        torch._dynamo.decorators.mark_unbacked(block_ids, 0)
+        layers = range(len(self.layers))
+        if self._caches is None or self._caches[0] is not kv:  # a pool's tensors are
+            # allocated once: its per-layer views are built once too (~1% of a step)
+            self._caches = (kv, [(kv.layer(i).k, kv.layer(i).v) for i in layers])
+        out = self.decode(token, position, *tables, self.layer_pairs, self._caches[1],
+                          spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads, slot,
+                          block_ids, num_tokens, scale, self.final_norm, *self.head_args)
+        if on_layer_done is not None:
+            for i in layers:
+                on_layer_done(i)
+        return out
+
     def decode_step(self, h, cos_sin: tuple, spec, kv, slot, block_ids, num_tokens,
                     scale: float, on_layer_done=None):
-        """Every layer of a batch-1 decode step, then the final norm: the residual stream
-        after it. In one region with the kernel's attention (decode_layers_kernel), else a
-        region per layer (decode_layer). `block_ids` [n_blocks] int64, `num_tokens` a 0-dim
-        tensor; `on_layer_done(i)` once layer i's K/V is written (in the one region: after
-        the step, in order; one token's K/V leaves nothing to overlap). Under inference
-        mode."""
+        """Every layer of a batch-1 decode step, a region per layer (decode_layer; after
+        select_attention(kernel=False)), then the final norm: the residual stream after it.
+        `block_ids` [n_blocks] int64, `num_tokens` a 0-dim tensor; `on_layer_done(i)` once
+        layer i's K/V is written. Under inference mode."""
         # dynamo guards on a tensor's dispatch keys: the step's index tensors come from
         # outside inference mode, the warm-up's from inside; as inference tensors both match
         slot, block_ids, num_tokens = (_inference(t) for t in (slot, block_ids, num_tokens))
         # one compiled graph for every length, 1 included (unbacked: no 0/1 specialisation)
         torch._dynamo.decorators.mark_unbacked(block_ids, 0)
         eps, heads, kv_heads = spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads
-        layers = range(len(self.layers))
-        if self.kernel_attention:
-            if self._caches is None or self._caches[0] is not kv:  # a pool's tensors are
-                # allocated once: its per-layer views are built once too (~1% of a step)
-                self._caches = (kv, [(kv.layer(i).k, kv.layer(i).v) for i in layers])
-            caches = self._caches[1]
-            h = self.decode(h, self.layer_pairs, caches, *cos_sin, eps, heads, kv_heads, slot,
-                            block_ids, num_tokens, scale, self.final_norm)
-            if on_layer_done is not None:
-                for i in layers:
-                    on_layer_done(i)
-            return h
         for i, args in enumerate(self.layers):
             layer_kv = kv.layer(i)
             h = self.decode(h, *args.pre, *cos_sin, eps, heads, kv_heads, layer_kv.k,
@@ -244,25 +282,26 @@ class OneRowKernels:
         return self.head(_inference(hidden), *self.head_args)
 
     def select_attention(self, kernel: bool) -> None:
-        """A decode step's attention: the C++ kernel's op, all layers in one region
-        (decode_layers_kernel; where the engine's backend reads decode attention with
-        kernels/cpu_decode), or compiled code, one region per layer (decode_layer). The
-        block list's length varies (marked unbacked per step); the rest is static. Before
-        warm_up."""
+        """A decode step's attention: the C++ kernel's op, the whole step in one region
+        (decode_logits_kernel, run by decode_logits; where the engine's backend reads
+        decode attention with kernels/cpu_decode), or compiled code, one region per layer
+        (decode_layer, run by decode_step). The block list's length varies (marked unbacked
+        per step); the rest is static. Before warm_up."""
         self.kernel_attention = kernel
         if kernel:
             cpu_decode.register_op()  # the op's implementation: C++ where it builds
-        self.decode = compile_region(decode_layers_kernel, dynamic=None) if kernel else \
+        self.decode = compile_region(decode_logits_kernel, dynamic=None) if kernel else \
             compile_region(decode_layer, dynamic=None, options=COMPILE_OPTIONS)
 
-    def warm_up(self, spec, kv, scale: float) -> bool:
+    def warm_up(self, spec, kv, scale: float, tables: TokenTables) -> bool:
         """Compile what the engine will run, before its first step needs it; False if that
         failed (said in the log: the model then keeps its Linear kernels). Dynamo guards on
         the thread count, so each region is run at each count the engine's ThreadGovernor
-        may choose (all threads, one); the decode layer for `kv`'s cache, on a step that
-        writes and reads its first two blocks, or else the two regions (also where the
-        decode layer fails to compile). Inputs as a step's (distinct cos and sin: dynamo
-        also guards on aliasing). Only while no block holds anything: at start-up."""
+        may choose (all threads, one); the decode step for `kv`'s cache (the whole-step
+        region, reading the model's `tables`, or the decode layer), on a step that writes
+        and reads its first two blocks, or else the two regions (also where the decode step
+        fails to compile). Inputs as a step's (distinct cos and sin: dynamo also guards on
+        aliasing). Only while no block holds anything: at start-up."""
         decodes = writes = self.reads_cache(kv.layer(0)) and kv.num_blocks >= 2
         before = torch.get_num_threads()
         try:
@@ -275,8 +314,13 @@ class OneRowKernels:
                     if decodes:
                         try:
                             n = kv.block_size + 1
-                            self.decode_step(h, rope, spec, kv, torch.tensor([n - 1]),
-                                             torch.tensor([0, 1]), torch.tensor(n), scale)
+                            step = (spec, kv, torch.tensor([n - 1]), torch.tensor([0, 1]),
+                                    torch.tensor(n), scale)
+                            if self.kernel_attention:
+                                self.decode_logits(torch.zeros(1, dtype=torch.long),
+                                                   torch.tensor([n - 1]), tables, *step)
+                            else:
+                                self.decode_step(h, rope, *step)
                         except Exception as e:  # noqa: BLE001 - the two regions serve
                             self.decode_compiles = decodes = False
                             log.warning("decode steps run the one-token regions around the "
