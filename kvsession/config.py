@@ -30,8 +30,15 @@ from kvsession.validation import (
 
 
 class RemotePrefillMode(enum.Enum):
+    """Which prompts a prefill worker computes: AUTO, when the cost model's gain is
+    positive; ALWAYS, whenever a worker can take it; REQUIRED, every one (as ALWAYS), and
+    one that no worker prefills (none healthy, a timeout, a worker dying) fails with
+    RemotePrefillError instead of being prefilled locally; NEVER. Prompts with less than a
+    block of new tokens, and requests asking for prompt_logprobs, stay local in every mode."""
+
     AUTO = "auto"
     ALWAYS = "always"
+    REQUIRED = "required"
     NEVER = "never"
 
 

@@ -108,7 +108,8 @@ def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, bytes_per_token: int) -> i
 
 
 class RemoteOffload:
-    """remote_prefill: "always" when a worker is healthy; "auto": when the cost model's gain
+    """remote_prefill: "always" when a worker is healthy; "required": always (the engine
+    fails a prompt no worker takes: RemotePrefillMode); "auto": when the cost model's gain
     (decode time no longer stalled, minus the transfer of the KV the caller lacks, minus
     the worker's recompute of the context its cache probably lacks; docs/cost-model.md) is
     positive, with the transfer bandwidth measured on past transfers and the worker-side
@@ -138,6 +139,8 @@ class RemoteOffload:
             self.stall_ratio.value, self.prefill_tps.value)
 
     def should_offload(self, seq: Sequence, num_cached: int = 0) -> bool:
+        if self.mode is RemotePrefillMode.REQUIRED:
+            return True  # no local fallback: a prompt no worker can take fails at submit
         if self.mode is not RemotePrefillMode.ALWAYS and self.gain_ms(seq, num_cached) <= 0:
             return False
         conn = self.connector
@@ -259,7 +262,8 @@ class Runtime:
                                          needed, cfg.max_num_seqs, capture=True)
         self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.tokenizer.decode,
                              self.latency, prefill_tps, timers=[self.policy.housekeeping],
-                             connector=self.connector, stall_ratio=stall_ratio)
+                             connector=self.connector, stall_ratio=stall_ratio,
+                             remote_required=cfg.remote_prefill is RemotePrefillMode.REQUIRED)
         # ---- durability="turn": session logs, group-committed by one thread
         self.log_identity = Identity(**{k: self.header_fields[k] for k in IDENTITY_FIELDS})
         durable = self.disk is not None and cfg.durability is Durability.TURN

@@ -77,7 +77,7 @@ ENGINE_EDGE = {
     "enable_prefix_caching": st.booleans(),
     "max_pinned_fraction": st.sampled_from([0, 0.0, 1, 1.0]),
     "spill_after_s": st.sampled_from([None, 0, 5e-324, 1e308, float("inf")]),
-    "remote_prefill": st.sampled_from(["auto", "never", "always"]),
+    "remote_prefill": st.sampled_from(["auto", "never", "always", "required"]),
     "remote_prefill_timeout_s": st.sampled_from([5e-324, 1e308]),
     "gpu_memory_utilization": st.sampled_from([5e-324, 1, 1.0]),
     "attention_backend": st.sampled_from(["auto", "torch"]),

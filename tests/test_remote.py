@@ -24,7 +24,7 @@ import zmq
 from kvsession import LLM, SamplingParams
 from kvsession.connector.base import StatsQuery, WorkerStatus, decode, encode
 from kvsession.connector.nixl import NixlPrefillClient, make_agent
-from kvsession.errors import ConfigError
+from kvsession.errors import ConfigError, RemotePrefillError
 from kvsession.worker_faults import FAULTS_ENV, Faults
 
 G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -273,6 +273,43 @@ def test_unreachable_worker_falls_back(llama_dir):
         assert not llm._rt.connector.healthy()
         assert generate(llm, ps) == local(llama_dir, ps)
         assert llm.stats().remote.prefills == 0
+
+
+def test_required_mode_fails_what_no_worker_prefilled_and_serves_on(llama_dir):
+    """remote_prefill="required": a prompt no worker can take fails alone with
+    RemotePrefillError naming the reason, not prefilled locally; a prompt under one block
+    is still computed locally, nothing leaks, and the engine serves on."""
+    long_ps, short = prompts(6, 2), [[3, 5, 7]]
+    with unused_address() as address, \
+            LLM(llama_dir, prefill_worker=address, remote_prefill="required",
+                remote_prefill_timeout_s=0.5, **KW) as llm:
+        for p in long_ps:
+            with pytest.raises(RemotePrefillError, match="no healthy worker.*required"):
+                generate(llm, [p])
+        assert llm._rt.engine.prefill_tokens == 0  # nothing computed here in its place
+        assert generate(llm, short) == local(llama_dir, short)
+        st = llm.stats().remote
+        assert st.prefills == 0 and st.fallbacks == {"no healthy worker": len(long_ps)}
+        assert_no_leak(llm)
+
+
+def test_required_mode_fails_on_a_timeout_and_the_late_answer_frees_the_blocks(llama_dir):
+    """A worker slower than the timeout under "required": the request fails with the
+    reason; its blocks stay in quarantine until the worker's late answer fences them."""
+    slow = Worker(llama_dir, faults="delay_rate=1.0,delay_s=0.6,seed=1")
+    try:
+        ps = prompts(9, 2)
+        with LLM(llama_dir, prefill_worker=slow.address, remote_prefill="required",
+                 remote_prefill_timeout_s=0.2, **KW) as llm:
+            for p in ps:
+                with pytest.raises(RemotePrefillError, match="timeout"):
+                    generate(llm, [p])
+            assert llm.stats().remote.fallbacks.get("timeout") == len(ps)
+            wait_for(lambda: not llm._rt.scheduler.quarantine, 30,
+                     "the late answers to fence the quarantined blocks")
+            assert_no_leak(llm)
+    finally:
+        assert slow.stop() == 0
 
 
 def test_shared_prefix_sticks_to_one_worker(llama_dir, worker):

@@ -23,7 +23,7 @@ from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler, top_logprobs
 from kvsession.engine.scheduler import ScheduledSeq, Scheduler
 from kvsession.engine.sequence import Sequence, SequenceStatus
-from kvsession.errors import CacheFullError, EngineClosedError
+from kvsession.errors import CacheFullError, EngineClosedError, RemotePrefillError
 from kvsession.metrics import LatencyTracker, RequestMetrics
 
 log = logging.getLogger("kvsession")
@@ -61,6 +61,10 @@ class RemotePrefills(Protocol):
 
     def poll(self, timeout_s: float) -> list: ...
 
+    def healthy(self) -> bool: ...
+
+    def accepts(self, num_tokens: int) -> bool: ...
+
 
 class Engine:
     """One step at a time; not thread-safe (the engine thread owns it).
@@ -68,14 +72,17 @@ class Engine:
     `prefill_tps` is measured here (prompt tokens/s of steps that prefill) and read by the
     tier policy's load-vs-recompute rule, and `stall_ratio` (the share of decode steps' time
     added by prefills batched with them) by the remote-prefill decision; `timers` are called
-    between steps (the tier policy's idle spills, remote-prefill polling while idle)."""
+    between steps (the tier policy's idle spills, remote-prefill polling while idle).
+    `remote_required`: a prompt the workers did not prefill fails with RemotePrefillError
+    rather than being prefilled here (remote_prefill="required")."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
                  decode: Callable[[list[int]], str], latency: LatencyTracker,
                  prefill_tps: RateEstimator, timers: list[Timer] | None = None,
                  connector: RemotePrefills | None = None,
-                 stall_ratio: StallRatio | None = None):
+                 stall_ratio: StallRatio | None = None, remote_required: bool = False):
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
+        self.remote_required = remote_required
         self.decode, self.latency = decode, latency
         self.prefill_tps = prefill_tps
         self.stall_ratio = stall_ratio or StallRatio()
@@ -124,9 +131,11 @@ class Engine:
             if not conn.submit(seq.seq_id, seq.token_ids[: seq.num_tokens - 1], first,
                                [b.block_id for b in blocks], seq.block_hashes,
                                seq.params.cache_salt):
-                conn.fallbacks["no healthy worker"] = conn.fallbacks.get(
-                    "no healthy worker", 0) + 1
-                sched.remote_failed(seq, fenced=True)
+                reason = "no healthy worker" if not conn.healthy() else \
+                    "prompt too long for the workers" if not conn.accepts(
+                        seq.num_tokens - 1) else "the worker's queue refused it"
+                conn.fallbacks[reason] = conn.fallbacks.get(reason, 0) + 1
+                self._remote_failed(seq, True, reason)
         sched.new_remote = []
         for c in conn.poll(timeout_s):
             seq = sched.remote.get(c.seq_id)
@@ -135,7 +144,16 @@ class Engine:
             elif seq is not None and c.kind == "done":
                 sched.remote_done(seq)
             elif seq is not None:
-                sched.remote_failed(seq, fenced=c.fenced)
+                self._remote_failed(seq, c.fenced, c.reason)
+
+    def _remote_failed(self, seq: Sequence, fenced: bool, reason: str) -> None:
+        """A remote prefill did not happen: prefilled here, or with `remote_required` the
+        request fails (its blocks released, or quarantined until fenced, either way)."""
+        self.scheduler.remote_failed(seq, fenced, locally=not self.remote_required)
+        if self.remote_required:
+            self._fail(seq, RemotePrefillError(
+                f"remote prefill of request {seq.seq_id} failed ({reason or 'unknown'}), and "
+                f"remote_prefill='required' does not prefill it locally"))
 
     def step(self) -> None:
         if self.connector is not None:

@@ -268,12 +268,13 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def remote_failed(self, seq: Sequence, fenced: bool) -> None:
-        """Prefill it locally. Fenced (no remote write can land any more): it keeps the KV
-        it already had (a session's earlier turns, its prefix hits) and computes only the
-        rest. Otherwise every block goes to quarantine (a late write may still reach the
-        new ones, or a session's partial last block) until `release_quarantine`, and it
-        starts over (its full blocks, never written by the worker, are prefix hits)."""
+    def remote_failed(self, seq: Sequence, fenced: bool, locally: bool = True) -> None:
+        """Prefill it locally (unless not `locally`: then it waits nowhere, for the engine
+        to fail it). Fenced (no remote write can land any more): it keeps the KV it already
+        had (a session's earlier turns, its prefix hits) and computes only the rest.
+        Otherwise every block goes to quarantine (a late write may still reach the new
+        ones, or a session's partial last block) until `release_quarantine`, and it starts
+        over (its full blocks, never written by the worker, are prefix hits)."""
         self.remote.pop(seq.seq_id, None)
         self.prefix.clear_pending(seq.seq_id, seq.block_hashes)
         keep = seq.num_computed_tokens if fenced else 0
@@ -287,7 +288,8 @@ class Scheduler:
         seq.num_computed_tokens = keep
         seq.no_remote = True
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if locally:
+            self.waiting.appendleft(seq)
 
     def release_quarantine(self, seq_id: int) -> None:
         q = self.quarantine.pop(seq_id, None)
