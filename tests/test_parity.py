@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvsession import LLM, SamplingParams
+from kvsession.model import llama
 from oracle import ARCHS, hf_greedy, random_prompts
 
 LENGTHS = [1, 7, 16, 33, 130, 300]
@@ -19,11 +20,17 @@ def run(model_dir, prompts, **kwargs):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(model_dirs, arch):
+def test_greedy_matches_transformers(model_dirs, arch, monkeypatch):
     d = model_dirs(arch)
     prompts = random_prompts(1, LENGTHS, 500)
     ref = hf_greedy(d, prompts, 32)
     got, _ = run(d, prompts, kv_cache_memory="4MiB")
+    assert got == ref
+    # a layer's token-wise work in row chunks (forward's ROW_CHUNK) that cross the packed
+    # prompts' boundaries, attention over all rows at once
+    with monkeypatch.context() as m:
+        m.setattr(llama, "ROW_CHUNK", 13)
+        got, _ = run(d, prompts, kv_cache_memory="4MiB")
     assert got == ref
     # chunked prefill: every long prompt is split into 32-token chunks
     got, _ = run(d, prompts, kv_cache_memory="4MiB", max_num_batched_tokens=32)

@@ -80,7 +80,7 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def pre_attention(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps: float,
                   heads: int, kv_heads: int):
     """h [1, hidden] -> q [1, heads, D], k and v [1, kv_heads, D], rotated as the model's
-    attention_block does (cos and sin_signed [1, 1, D] of this token's position)."""
+    qkv_rows does (cos and sin_signed [1, 1, D] of this token's position)."""
     qkv = row_product(_norm(h[0], norm, eps), qkv_w, qkv_b).view(1, heads + 2 * kv_heads, -1)
     qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads:]
     if q_norm is not None:
