@@ -85,8 +85,11 @@ def section_decode(r) -> list[str]:
             "1.13-1.77x the bound and 0.78-0.84 long/short, the two over 1.5x both in ~80 "
             "GB/s phases (which path each run took was not recorded). Timing whole steps "
             "both ways (model/llama.py warm_up), four runs in "
-            "66-77 GB/s phases read 1.46-1.56x / 1.51-1.60x, long/short 0.79-0.82: at the "
-            "target in fast phases, not below it with margin. "
+            "66-77 GB/s phases read 1.46-1.56x / 1.51-1.60x, long/short 0.79-0.82. With the "
+            "whole step one region from the token id to its logits (model/onerow.py "
+            "decode_logits_kernel), three runs in 72-76 GB/s phases read 1.32-1.51x / "
+            "1.34-1.56x, long/short 0.81-0.82, and two in ~48 GB/s phases 1.09-1.10x / "
+            "1.10-1.14x: under the target in fast phases but for one run (1.51x / 1.56x). "
             "At the bound itself long/short is 0.838 at batch 1 and 0.41 at batch 8: the "
             "ratio measures attention's efficiency against the weights'."]
     frag = r.get("fragmented_table")
