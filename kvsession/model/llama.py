@@ -200,7 +200,8 @@ class LlamaModel:
         if self.one_row is not None and h.shape[0] == 1:
             return self._forward_one_row(h, cos_sin, kv, meta)
         num_tokens = h.shape[0]
-        chunk = ROW_CHUNK if h.device.type == "cpu" else max(num_tokens, 1)  # glibc: CPU
+        # in chunks on CPU (glibc's heaps, above); one chunk elsewhere
+        chunk = ROW_CHUNK if h.device.type == "cpu" else max(num_tokens, 1)
         rows = [(s, min(s + chunk, num_tokens)) for s in range(0, num_tokens, chunk)]
         width = self.spec.num_heads * self.spec.head_dim
         for i, lw in enumerate(self.layers):
@@ -255,7 +256,7 @@ class LlamaModel:
         """forward() of one token through the compiled regions (model/onerow.py), where
         the whole-step region does not serve it: a decode step's layers a region per layer
         where the cache allows it, else the regions around the same attention op as
-        attention_block."""
+        forward's layers."""
         spec, k = self.spec, self.one_row
         if meta.decode_only and k.reads_cache(kv.layer(0)) and not k.kernel_attention:
             num_blocks = -(-meta.seq_lens[0] // kv.block_size)
