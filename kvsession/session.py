@@ -460,8 +460,10 @@ class Session:
             try:
                 while (n := updates.get()) is not None:
                     ids = seq.token_ids[seq.num_prompt_tokens:n]
-                    text = delta.update(ids)
-                    if text or len(ids) > sent_tokens:
+                    # as LLM.stream: a chunk when there is new text, with the token ids
+                    # since the last one (ids whose text is held back, an incomplete
+                    # UTF-8 character or a possible stop string, wait for it)
+                    if text := delta.update(ids):
                         yield StreamChunk(text, ids[sent_tokens:])
                         sent_tokens = len(ids)
             except GeneratorExit:  # the caller closed the stream before the reply: cancelled

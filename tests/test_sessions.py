@@ -196,6 +196,7 @@ def test_stream_yields_the_reply(llama_dir):
         assert reply is not None and all(c.reply is None for c in chunks[:-1])
         assert "".join(c.text for c in chunks) == reply.text
         assert [t for c in chunks for t in c.token_ids] == reply.token_ids
+        assert all(c.text for c in chunks[:-1])  # as LLM.stream: no chunk without text
         s.close()
 
 
