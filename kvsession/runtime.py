@@ -144,8 +144,7 @@ class RemoteOffload:
         if self.mode is not RemotePrefillMode.ALWAYS and self.gain_ms(seq, num_cached) <= 0:
             return False
         conn = self.connector
-        reason = "no healthy worker" if not conn.healthy() else \
-            "" if conn.accepts(seq.num_tokens - 1) else "prompt too long for the workers"
+        reason = conn.refusal(seq.num_tokens - 1)
         if reason and seq.seq_id not in self._counted:
             self._counted.append(seq.seq_id)
             conn.fallbacks[reason] = conn.fallbacks.get(reason, 0) + 1

@@ -253,6 +253,14 @@ class PrefillConnector(abc.ABC):
         """A healthy worker takes a request of `num_tokens` tokens (its limits)."""
         return self.healthy()
 
+    def refusal(self, num_tokens: int) -> str:
+        """Why no worker would take a request of `num_tokens` tokens now ("" if one would):
+        the reason its local fallback (or, with remote_prefill="required", its failure) is
+        counted under in `fallbacks`."""
+        if not self.healthy():
+            return "no healthy worker"
+        return "" if self.accepts(num_tokens) else "prompt too long for the workers"
+
     def expected_cached_tokens(self, keys: list[bytes], num_tokens: int) -> int:
         """How many leading tokens of a request of `num_tokens` tokens with these block
         hashes the worker it would go to now probably has cached (its own prefix cache):

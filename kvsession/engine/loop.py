@@ -61,9 +61,7 @@ class RemotePrefills(Protocol):
 
     def poll(self, timeout_s: float) -> list: ...
 
-    def healthy(self) -> bool: ...
-
-    def accepts(self, num_tokens: int) -> bool: ...
+    def refusal(self, num_tokens: int) -> str: ...
 
 
 class Engine:
@@ -131,9 +129,7 @@ class Engine:
             if not conn.submit(seq.seq_id, seq.token_ids[: seq.num_tokens - 1], first,
                                [b.block_id for b in blocks], seq.block_hashes,
                                seq.params.cache_salt):
-                reason = "no healthy worker" if not conn.healthy() else \
-                    "prompt too long for the workers" if not conn.accepts(
-                        seq.num_tokens - 1) else "the worker's queue refused it"
+                reason = conn.refusal(seq.num_tokens - 1) or "the worker's queue refused it"
                 conn.fallbacks[reason] = conn.fallbacks.get(reason, 0) + 1
                 self._remote_failed(seq, True, reason)
         sched.new_remote = []

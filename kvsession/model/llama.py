@@ -241,11 +241,17 @@ class LlamaModel:
         """(hidden [1, hidden] after the final norm, float32 logits [1, vocab]) of a
         `_one_region` step. (forward() of such a step computes the logits too, and drops
         them: no step of the engine's does that but one whose row does not sample.)"""
-        num_blocks = -(-meta.seq_lens[0] // kv.block_size)
         return self.one_row.decode_logits(
-            input_ids, positions, self.token_tables(), self.spec, kv, meta.slot_mapping,
-            meta.block_tables[0, :num_blocks], meta.seq_lens_tensor[0], self.softmax_scale,
-            meta.on_layer_done)
+            input_ids, positions, self.token_tables(), self.spec, kv, *self._one_sequence(
+                kv, meta), self.softmax_scale, meta.on_layer_done)
+
+    @staticmethod
+    def _one_sequence(kv: KVPool, meta: AttentionMetadata) -> tuple:
+        """A batch-1 step's (slot [1], block ids [n_blocks], context length as a 0-dim
+        tensor), as the one-token regions take them."""
+        num_blocks = -(-meta.seq_lens[0] // kv.block_size)
+        return (meta.slot_mapping, meta.block_tables[0, :num_blocks],
+                meta.seq_lens_tensor[0])
 
     def token_tables(self) -> TokenTables:
         """The tables a token's inputs are read from (embedding, rotary)."""
@@ -258,10 +264,9 @@ class LlamaModel:
         where the cache allows it, else the regions around the same attention op as
         forward's layers."""
         spec, k = self.spec, self.one_row
-        if meta.decode_only and k.reads_cache(kv.layer(0)) and not k.kernel_attention:
-            num_blocks = -(-meta.seq_lens[0] // kv.block_size)
-            return k.decode_step(h, cos_sin, spec, kv, meta.slot_mapping,
-                                 meta.block_tables[0, :num_blocks], meta.seq_lens_tensor[0],
+        # (a decode step on a cache it reads with the kernel went to _decode_region)
+        if meta.decode_only and k.reads_cache(kv.layer(0)):
+            return k.decode_step(h, cos_sin, spec, kv, *self._one_sequence(kv, meta),
                                  self.softmax_scale, meta.on_layer_done)
         for i, args in enumerate(k.layers):
             q, key, v = k.pre(h, *args.pre, *cos_sin, spec.rms_norm_eps, spec.num_heads,

@@ -242,9 +242,8 @@ class OneRowKernels:
         the final norm [1, hidden], float32 logits [1, vocab]). Arguments as decode_step's;
         `on_layer_done(i)` for every layer after the step, in order (one token's K/V leaves
         nothing to overlap). Under inference mode."""
-        token, position, slot, block_ids, num_tokens = (
-            _inference(t) for t in (token, position, slot, block_ids, num_tokens))
-        torch._dynamo.decorators.mark_unbacked(block_ids, 0)
+        block_ids, token, position, slot, num_tokens = _step_indices(
+            block_ids, token, position, slot, num_tokens)
         layers = range(len(self.layers))
         if self._caches is None or self._caches[0] is not kv:  # a pool's tensors are
             # allocated once: its per-layer views are built once too (~1% of a step)
@@ -263,11 +262,7 @@ class OneRowKernels:
         select_attention(kernel=False)), then the final norm: the residual stream after it.
         `block_ids` [n_blocks] int64, `num_tokens` a 0-dim tensor; `on_layer_done(i)` once
         layer i's K/V is written. Under inference mode."""
-        # dynamo guards on a tensor's dispatch keys: the step's index tensors come from
-        # outside inference mode, the warm-up's from inside; as inference tensors both match
-        slot, block_ids, num_tokens = (_inference(t) for t in (slot, block_ids, num_tokens))
-        # one compiled graph for every length, 1 included (unbacked: no 0/1 specialisation)
-        torch._dynamo.decorators.mark_unbacked(block_ids, 0)
+        block_ids, slot, num_tokens = _step_indices(block_ids, slot, num_tokens)
         eps, heads, kv_heads = spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads
         for i, args in enumerate(self.layers):
             layer_kv = kv.layer(i)
@@ -364,6 +359,17 @@ class OneRowKernels:
         if kernels is None or weight_bytes(model.projections()) < MEASURE_MIN_BYTES:
             return None
         return kernels
+
+
+def _step_indices(block_ids: torch.Tensor, *others: torch.Tensor) -> tuple:
+    """A decode step's index tensors as the compiled regions take them: as inference
+    tensors (dynamo guards on a tensor's dispatch keys: a step's come from outside inference
+    mode, the warm-up's from inside; as inference tensors both match), and `block_ids`'s
+    length marked unbacked (one compiled graph for every length, 1 included: no 0/1
+    specialisation)."""
+    block_ids = _inference(block_ids)
+    torch._dynamo.decorators.mark_unbacked(block_ids, 0)
+    return (block_ids, *(_inference(t) for t in others))
 
 
 def _inference(t: torch.Tensor) -> torch.Tensor:
