@@ -87,10 +87,11 @@ def section_decode(r) -> list[str]:
             "both ways (model/llama.py warm_up), four runs in "
             "66-77 GB/s phases read 1.46-1.56x / 1.51-1.60x, long/short 0.79-0.82. With the "
             "whole step one region from the token id to its logits (model/onerow.py "
-            "decode_logits_kernel), eight runs read 1.11-1.51x / 1.26-1.56x in 65-76 GB/s "
-            "phases (four) and 1.09-1.11x / 1.09-1.14x in 42-49 GB/s phases (four), long/short "
-            "0.79-0.84 (median 0.82): under 1.5x in 7 of 8 runs, long/short at 0.8 or over in "
-            "6 of 8. "
+            "decode_logits_kernel), nine runs read 1.11-1.51x / 1.26-1.56x in 65-76 GB/s "
+            "phases (five) and 1.09-1.11x / 1.09-1.14x in 42-49 GB/s phases (four), long/short "
+            "0.79-0.84 (median 0.82): under 1.5x at both contexts in 7 of 9 runs (the other two "
+            "in 72-76 GB/s phases, 1.51x / 1.56x and 1.49x / 1.55x), long/short at 0.8 or over "
+            "in 7 of 9. "
             "At the bound itself long/short is 0.838 at batch 1 and 0.41 at batch 8: the "
             "ratio measures attention's efficiency against the weights'."]
     frag = r.get("fragmented_table")
