@@ -227,11 +227,11 @@ class EngineConfig:
             max_pinned_fraction=check_float(
                 "max_pinned_fraction", max_pinned_fraction, min_value=0.0, max_value=1.0),
             spill_after_s=check_float("spill_after_s", spill_after_s, min_value=0.0,
-                                      allow_none=True),
+                                      allow_none=True, finite=True),
             prefill_workers=tuple(workers), remote_prefill=RemotePrefillMode(remote_prefill),
             remote_prefill_timeout_s=check_float(
                 "remote_prefill_timeout_s", remote_prefill_timeout_s, min_value=0.0,
-                min_inclusive=False),
+                min_inclusive=False, finite=True),
             attention_backend=AttentionBackend(attention_backend),
             seed=check_int("seed", seed, min_value=SEED_RANGE[0], max_value=SEED_RANGE[1]),
             prefill_auth_key_file=auth_file,

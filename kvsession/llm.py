@@ -18,6 +18,7 @@ from concurrent.futures import Future, as_completed
 from tqdm.auto import tqdm
 
 from kvsession.config import EngineConfig
+from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError
 from kvsession.handles import AsyncTextStream, PinnedPrefix, TextStream
 from kvsession.metrics import Stats
@@ -127,22 +128,37 @@ class LLM:
 
     # ---- stateless generation --------------------------------------------------------
 
-    def _submit_all(self, ids: list[list[int]], params: list[SamplingParams]) -> list[Future]:
+    def _submit_all(self, ids: list[list[int]], params: list[SamplingParams]
+                    ) -> tuple[list[Sequence], list[Future]]:
         """Validate every request (ConfigError, nothing submitted) then submit them all."""
         rt = self._rt
         seqs = [rt.new_sequence(i, p) for i, p in zip(ids, params, strict=True)]
         rt.check_open()
-        return rt.submit_all(seqs)
+        return seqs, rt.submit_all(seqs)
+
+    def _cancel_unfinished(self, seqs: list[Sequence], futures: list[Future]) -> None:
+        """The caller stopped waiting (a request failed, Ctrl-C, a cancelled or timed-out
+        task): end the requests still running, which would otherwise compute on to
+        max_tokens for nobody, holding their blocks and batch slots."""
+        for seq, fut in zip(seqs, futures, strict=True):
+            # cancelled: asyncio cancels the Futures it wrapped, and the engine does not
+            # look at them, so such a request still runs
+            if not fut.done() or fut.cancelled():
+                self._rt.cancel(seq)
 
     def _run_batch(self, prompts: list[str | None], ids: list[list[int]],
                    params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         rt = self._rt
-        futures = self._submit_all(ids, params)
-        if use_tqdm and len(futures) > 1:
-            with tqdm(total=len(futures), desc="generate", unit="req") as bar:
-                for _ in as_completed(futures):
-                    bar.update(1)
-        done = [f.result() for f in futures]
+        seqs, futures = self._submit_all(ids, params)
+        try:
+            if use_tqdm and len(futures) > 1:
+                with tqdm(total=len(futures), desc="generate", unit="req") as bar:
+                    for _ in as_completed(futures):
+                        bar.update(1)
+            done = [f.result() for f in futures]
+        except BaseException:
+            self._cancel_unfinished(seqs, futures)
+            raise
         return [rt.output(s, p) for s, p in zip(done, prompts, strict=True)]
 
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None,
@@ -193,8 +209,12 @@ class LLM:
         return [chat.finish(o) for o in await self._arun(chat.texts, chat.ids, params)]
 
     async def _arun(self, texts, ids, params) -> list[RequestOutput]:
-        futures = self._submit_all(ids, params)
-        done = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        seqs, futures = self._submit_all(ids, params)
+        try:
+            done = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except BaseException:  # CancelledError too: the awaiting task was cancelled
+            self._cancel_unfinished(seqs, futures)
+            raise
         return [self._rt.output(s, t) for s, t in zip(done, texts, strict=True)]
 
     def stream(self, prompt=None, sampling_params=None, prompt_token_ids=None, messages=None,
@@ -279,7 +299,8 @@ class LLM:
         sessions with that system prompt hit it. A `cache_salt` pin is that tenant's own;
         an unsalted one is shared by every tenant's requests that start with it. Raises
         CacheFullError (nothing already pinned is affected) past max_pinned_fraction."""
-        ttl_s = check_float("ttl_s", ttl_s, min_value=0.0, min_inclusive=False, allow_none=True)
+        ttl_s = check_float("ttl_s", ttl_s, min_value=0.0, min_inclusive=False, allow_none=True,
+                            finite=True)  # None: no expiry
         check_str("cache_salt", cache_salt, allow_none=True)
         if (prefix is None) == (system is None):
             raise ConfigError("pass exactly one of prefix or system")

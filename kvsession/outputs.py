@@ -92,9 +92,10 @@ class DeltaText:
         self.sent = ""
 
     def update(self, ids: list[int]) -> str:
-        text = self._decode(ids)
+        # the incomplete character first, then the hold: held back the other way round, the
+        # U+FFFD used up the hold and the character before it (a stop string's) went out
+        text = self._decode(ids).rstrip("\ufffd")
         safe = text[: len(text) - self._hold] if self._hold else text
-        safe = safe.rstrip("\ufffd")
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""  # nothing new that is certain (never retract what was sent)
         delta, self.sent = safe[len(self.sent):], safe

@@ -26,6 +26,13 @@ from kvsession.validation import (
 # temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by a tinier
 # one overflows float32 to inf, and the tempered distribution is one-hot well before that
 SAMPLING_EPS = 1e-5
+# the other way: float32 logits divided by a temperature past ~3.4e38 (or by inf) become 0
+# and a masked -inf one NaN; the tempered distribution is uniform over the allowed tokens
+# long before this
+MAX_TEMPERATURE = 1e6
+# logits are divided (positive) or multiplied (negative) by it: a tinier one overflows
+# float32 to inf, and inf - inf is NaN in the sampler
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 # vLLM's default max_logprobs: asking for more there is an error, so it is here too
 MAX_LOGPROBS = 20
 # names users reach for that spelling alone does not lead back to the argument
@@ -271,7 +278,8 @@ class SamplingParams:
         max_tokens = check_int("max_tokens", max_tokens, min_value=1)
         values = {
             "max_tokens": max_tokens,
-            "temperature": check_float("temperature", temperature, min_value=0.0),
+            "temperature": check_float("temperature", temperature, min_value=0.0,
+                                       max_value=MAX_TEMPERATURE),
             "top_p": check_float("top_p", top_p, min_value=0.0, min_inclusive=False,
                                  max_value=1.0),
             "top_k": top_k,
@@ -286,8 +294,8 @@ class SamplingParams:
             "n": check_int("n", n, min_value=1, max_value=MAX_N),
             "min_p": check_float("min_p", min_p, min_value=0.0, max_value=1.0),
             "repetition_penalty": check_float("repetition_penalty", repetition_penalty,
-                                              min_value=0.0, min_inclusive=False,
-                                              max_value=1e6),
+                                              min_value=REPETITION_PENALTY_RANGE[0],
+                                              max_value=REPETITION_PENALTY_RANGE[1]),
             "presence_penalty": check_float("presence_penalty", presence_penalty,
                                             min_value=PENALTY_RANGE[0],
                                             max_value=PENALTY_RANGE[1]),

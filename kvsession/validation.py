@@ -48,19 +48,23 @@ def check_int(name: str, value, *, min_value: int | None = None, max_value: int 
 
 def check_float(name: str, value, *, min_value: float | None = None,
                 max_value: float | None = None, min_inclusive: bool = True,
-                max_inclusive: bool = True, allow_none: bool = False) -> float | None:
+                max_inclusive: bool = True, allow_none: bool = False,
+                finite: bool = False) -> float | None:
+    """finite: inf is refused too (durations: a timeout that never fires is a hang, and
+    a wait past threading.TIMEOUT_MAX raises where nobody catches it)."""
     if value is None and allow_none:
         return None
-    accepted = "a number" + _range(min_value, max_value, min_inclusive, max_inclusive)
+    accepted = ("a finite number" if finite else "a number") + _range(
+        min_value, max_value, min_inclusive, max_inclusive)
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         _fail(name, value, accepted, allow_none)
     try:
         f = float(value)
     except (OverflowError, TypeError, ValueError):  # a huge int, an odd Real subclass
         _fail(name, value, accepted, allow_none)
-    if math.isnan(f) or (min_value is not None and (f < min_value if min_inclusive
-                                                    else f <= min_value)) or (
-            max_value is not None and (f > max_value if max_inclusive else f >= max_value)):
+    below = min_value is not None and (f < min_value if min_inclusive else f <= min_value)
+    above = max_value is not None and (f > max_value if max_inclusive else f >= max_value)
+    if math.isnan(f) or (finite and math.isinf(f)) or below or above:
         _fail(name, value, accepted, allow_none)
     return f
 

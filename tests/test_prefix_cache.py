@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsession import LLM, CacheFullError, ConfigError, SamplingParams
+from kvsession.engine.loop import MAX_IDLE_WAIT_S
 from oracle import random_prompts
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -160,4 +162,20 @@ def test_pin_ttl_expires_after_idle_time(llama_dir):
         now[0] += 2.5
         llm._rt.call(housekeeping).result()
         assert not pin.active and llm.stats().prefix.num_pins == 0
+        llm.check_integrity()
+
+
+def test_far_deadlines_do_not_stop_the_engine(llama_dir):
+    """A pin's or an idle session's deadline centuries away: the idle engine waits at most
+    MAX_IDLE_WAIT_S at a time (Condition.wait raises OverflowError past
+    threading.TIMEOUT_MAX, which killed the engine thread), and keeps serving."""
+    with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256,
+             spill_after_s=1e10) as llm:
+        s = llm.session(system="far")
+        s.send("hello", max_tokens=2)
+        pin = llm.pin(random_prompts(35, [32], 500)[0], ttl_s=1e10)
+        wait_s = llm._rt.call(llm._rt.engine.housekeeping).result()
+        assert wait_s is not None and 0 < wait_s <= MAX_IDLE_WAIT_S < threading.TIMEOUT_MAX
+        assert gen(llm, [[5, 6, 7]])[0].token_ids and pin.active
+        s.send("again", max_tokens=2)
         llm.check_integrity()

@@ -186,6 +186,54 @@ def _idle(llm) -> bool:
     return not llm._rt.call(llm._rt.scheduler.has_work).result()
 
 
+def test_cancelled_agenerate_and_interrupted_generate_end_their_requests(llm, monkeypatch):
+    """A cancelled task awaiting agenerate / achat (asyncio.wait_for timing out), or a
+    generate whose caller stops waiting (a request failed, Ctrl-C), ends the requests
+    still running: they do not compute on to max_tokens for nobody."""
+    long = SamplingParams(max_tokens=400, ignore_eos=True, seed=2)
+    generated = llm.stats().generated_tokens
+
+    async def cancel(call):
+        task = asyncio.create_task(call)
+        await asyncio.sleep(0)  # the task runs up to awaiting its submitted requests
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel(llm.agenerate(["stop me", "and me"], long)))
+    # the cancels were posted to the engine thread before this call: FIFO
+    assert _idle(llm)
+    asyncio.run(cancel(llm.achat([{"role": "user", "content": "hi"}], long)))
+    assert _idle(llm)
+    # Ctrl-C while generate waits (here raised by its progress bar, once the batch is
+    # submitted)
+    interrupted = threading.Event()
+
+    def tqdm_interrupt(*args, **kwargs):
+        interrupted.set()
+        raise KeyboardInterrupt
+    monkeypatch.setattr("kvsession.llm.tqdm", tqdm_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a", "b"], long)
+    assert interrupted.is_set() and _idle(llm)
+    assert llm.stats().generated_tokens - generated < 2 * long.max_tokens
+    llm.check_integrity()
+    assert llm.generate("after", SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids
+
+
+def test_stream_holds_a_stop_string_ending_in_a_split_character(llm):
+    """A stop string whose last character is split over tokens: the incomplete character is
+    held back first, then the stop string's hold, so no part of the stop string leaks."""
+    enc = llm.tokenizer.encode
+    assert len(enc("\u00e9")) > 1  # byte-level: é is two tokens
+    p = SamplingParams(max_tokens=8, temperature=0.0, stop=["y\u00e9"],
+                       structured=StructuredOutput(regex="xy\u00e9"))
+    want = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=p, use_tqdm=False)[0]
+    assert want.text == "x"
+    check_deltas(list(llm.stream(prompt_token_ids=[1, 2, 3], sampling_params=p)), want.text,
+                 ["y\u00e9"])
+
+
 def test_cancelled_session_turn_never_happened(llm):
     """Closing a session's stream early, or cancelling the task awaiting asend, cancels the
     turn: the engine stops generating, and the session is exactly as before it (messages,

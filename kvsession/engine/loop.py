@@ -31,6 +31,8 @@ log = logging.getLogger("kvsession")
 OnUpdate = Callable[[Sequence], None]
 # how long close() waits for the step in progress to end
 CLOSE_TIMEOUT_S = 120.0
+# the longest the idle loop sleeps before it looks at its deadlines again
+MAX_IDLE_WAIT_S = 3600.0
 # prompt_logprobs: prompt positions turned into vocabulary-wide logits at a time (bounds the
 # float32 [rows, vocab] temporary: 256 x 128k is 128 MiB)
 PROMPT_LOGPROBS_ROWS = 256
@@ -96,8 +98,8 @@ class Engine:
         self.step_observers: list[Callable[[], None]] = []
 
     def housekeeping(self) -> float | None:
-        """Timed work between steps (pin expiry). Returns seconds until the next deadline,
-        or None when nothing is timed."""
+        """Timed work between steps (pin expiry). Returns seconds until the next deadline
+        (at most MAX_IDLE_WAIT_S), or None when nothing is timed."""
         pins = self.scheduler.prefix.pins
         now = self.scheduler.prefix.clock()
         pins.expire(now)
@@ -105,7 +107,10 @@ class Engine:
         waits = [] if deadline is None else [max(deadline - now, 0.0)]
         mono = time.monotonic()
         waits += [w for timer in self.timers if (w := timer(mono)) is not None]
-        return min(waits) + 1e-3 if waits else None
+        # capped: Condition.wait raises OverflowError past threading.TIMEOUT_MAX (~292
+        # years), which a pin's or an idle session's far deadline reaches; the loop wakes,
+        # finds nothing due and waits again
+        return min(min(waits) + 1e-3, MAX_IDLE_WAIT_S) if waits else None
 
     def add(self, seq: Sequence, fut: Future, on_update: OnUpdate | None) -> None:
         self.futures[seq.seq_id] = (fut, on_update)
