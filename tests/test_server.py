@@ -398,6 +398,61 @@ def test_disconnect_cancels_and_frees_blocks(server, hermes_dir):
     assert r.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_giving_up_on_a_batch_cancels_every_completion(server, hermes_dir):
+    """n > 1 (streamed or not) and several prompts in one request: the client going away
+    cancels every completion, not only the wait for them."""
+    wait_until(lambda: server.health()["requests_in_flight"] == 0, what="idle server")
+    baseline = server.health()["blocks_used"]
+    generated = _metric(server, "kvsession_generated_tokens")
+    long = dict(model=model_name(hermes_dir), max_tokens=900, temperature=0.8, seed=1,
+                ignore_eos=True)
+    msgs = [{"role": "user", "content": "many answers"}]
+    _give_up(server, "/v1/chat/completions", dict(long, messages=msgs, n=4))
+    _give_up(server, "/v1/chat/completions", dict(long, messages=msgs, n=4, stream=True))
+    _give_up(server, "/v1/completions", dict(long, prompt=["one", "two", "three", "four"]))
+    wait_until(lambda: _blocks_settled(server, baseline), what="blocks freed")
+    # 12 completions of 900 tokens each had they run on
+    assert _metric(server, "kvsession_generated_tokens") - generated < 900 * 4
+
+
+def test_identical_requests_keep_one_conversation(server, hermes_dir):
+    """The same conversation answered twice (a retry, a regenerate at temperature 0) files
+    its session under the same key: the one it replaces is closed, not leaked."""
+    c = server.client()
+    msgs = [{"role": "user", "content": "the same question every time"}]
+    used = []
+    for _ in range(4):
+        c.chat.completions.create(model=model_name(hermes_dir), messages=msgs, max_tokens=20,
+                                  temperature=0)
+        wait_until(lambda: server.health()["requests_in_flight"] == 0, what="idle server")
+        used.append(server.health()["blocks_used"])
+    # the replaced sessions are closed off the event loop: settled within the wait
+    wait_until(lambda: server.health()["blocks_used"] <= used[1], what="sessions closed")
+    assert used[3] <= used[1]
+
+
+def test_a_chunked_body_over_the_limit_is_413(server, hermes_dir):
+    """The body limit holds without a Content-Length (Transfer-Encoding: chunked): counted
+    as it arrives, refused at the limit, the connection closed."""
+    from kvsession.serve.app import MAX_BODY_BYTES
+    host, port = server.url.removeprefix("http://").split(":")
+    part = b"x" * (1 << 20)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+                     f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                     f"Transfer-Encoding: chunked\r\n\r\n".encode())
+        try:
+            for _ in range(MAX_BODY_BYTES // len(part) + 2):
+                sock.sendall(b"%x\r\n" % len(part) + part + b"\r\n")
+        except OSError:  # the server answered and closed before the end
+            pass
+        data = b""
+        while b"\r\n\r\n" not in data and (chunk := sock.recv(65536)):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 413"), data[:200]
+    assert server.health()["status"] == "ok"
+
+
 def test_overload_is_503_with_retry_after(server, hermes_dir):
     c = server.client()
     wait_until(lambda: server.health()["requests_in_flight"] == 0, what="idle server")

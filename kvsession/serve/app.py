@@ -150,11 +150,18 @@ class Server:
 
     async def _body(self, request: Request, kind: type):
         self._check_key(request)
+        too_large = P.APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
+                               code="body_too_large", headers={"Connection": "close"})
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            raise P.APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
-                             code="body_too_large")
-        req = P.decode_body(await request.body(), kind)
+            raise too_large
+        # counted as it arrives: a chunked body has no length up front
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > MAX_BODY_BYTES:
+                raise too_large
+        req = P.decode_body(bytes(body), kind)
         self._check_model(req.model)
         return req
 
@@ -246,19 +253,21 @@ class Server:
                          "its reply is sent again", rid, session_id)
                 res = self._stored_reply(plan)
                 if req.stream:
-                    return await self._chat_stream(req, rid, plan, _events_of(res), slot,
+                    return await self._chat_stream(request, req, rid, plan, _events_of(res),
+                                                   slot,
                                                    buffered=True, replayed=True)
             elif req.stream:
                 events = self._chat_events(plan, params, tool_kwargs, per_turn)
                 buffered = bool(req.tools) and req.tool_choice != "none"
-                return await self._chat_stream(req, rid, plan, events, slot, buffered)
+                return await self._chat_stream(request, req, rid, plan, events, slot,
+                                               buffered)
             elif plan.session is not None:  # no thread, no per-token hops: one await
                 work = self._reply(plan, turn_overrides(params, per_turn))
-                res = await self._until_disconnect(request, plan, work, slot)
+                res = await self._until_disconnect(request, work)
             else:
                 work = collect(stateless_events(self.llm, params, messages=plan.new,
                                                 tool_kwargs=tool_kwargs))
-                res = await self._until_disconnect(request, plan, work, slot)
+                res = await self._until_disconnect(request, work)
         except BaseException:
             if plan is not None:
                 self.conversations.abandon(plan)
@@ -287,11 +296,11 @@ class Server:
     async def _reply(plan: Plan, overrides: dict) -> P.Result:
         return P.Result.of_reply(await plan.session.asend(plan.new, **overrides))
 
-    async def _until_disconnect(self, request: Request, plan: Plan, work, slot: Slot
-                                ) -> P.Result:
-        """Await `work` (a coroutine giving a Result) unless the client disconnects first:
-        then it is cancelled (a session turn too: `Session.asend` cancels its turn, and
-        the session is left as it was before the turn)."""
+    async def _until_disconnect(self, request: Request, work):
+        """Await `work` (an awaitable: a Result, the results of a batch, a stream's first
+        event) unless the client disconnects first: then it is cancelled, and so are its
+        requests (a session turn too: `Session.asend` cancels its turn, and the session is
+        left as it was before the turn; `agenerate` / `achat` end their requests)."""
         work = asyncio.ensure_future(self._map_errors(work))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -312,21 +321,21 @@ class Server:
         except KVSessionError as e:
             raise P.from_engine_error(e, P.SAMPLING_FIELDS) from None
 
-    async def _first(self, events):
+    async def _first(self, request: Request, events):
         """The first event, before any header is sent: an error the engine raises at
-        submission (a bad schema, a prompt too long) is still an HTTP status."""
-        try:
-            return await events.__anext__()
-        except KVSessionError as e:
-            raise P.from_engine_error(e, P.SAMPLING_FIELDS) from None
+        submission (a bad schema, a prompt too long) is still an HTTP status. Watched for
+        the client leaving: a batched stream (n > 1) sends nothing until every completion
+        is done."""
+        return await self._until_disconnect(request, events.__anext__())
 
-    async def _chat_stream(self, req: P.ChatRequest, rid: str, plan: Plan, events, slot: Slot,
+    async def _chat_stream(self, request: Request, req: P.ChatRequest, rid: str, plan: Plan,
+                           events, slot: Slot,
                            buffered: bool, replayed: bool = False) -> Response:
         turn = events if isinstance(events, SessionTurn) else None
         source = turn.events() if turn else events
         # choice 0's text arrives as deltas unless held back (tools) or batched (n > 1)
         live = not buffered and (turn is not None or req.n == 1)
-        first = await self._first(source)
+        first = await self._first(request, source)
         created, model = int(time.time()), self.model_name
         usage = req.stream_options is not None and req.stream_options.include_usage
         lp = P.Logprobs(self.decode, req.top_logprobs or 0) if req.logprobs else None
@@ -394,7 +403,8 @@ class Server:
         try:
             rid = P.new_id("cmpl")
             if req.stream and len(prompts) == 1 and params.n == 1:
-                return await self._completion_stream(req, rid, prompts[0], params, slot)
+                return await self._completion_stream(request, req, rid, prompts[0], params,
+                                                     slot)
             results = await self._map_errors(self._generate_all(request, prompts, params))
         finally:
             if not (req.stream and len(prompts) == 1 and params.n == 1):
@@ -418,22 +428,22 @@ class Server:
             events = stateless_events(self.llm, params,
                                       prompt=p if isinstance(p, str) else None,
                                       prompt_token_ids=None if isinstance(p, str) else p)
-            plan = Plan(None, [], b"")
-            return [(p, await self._until_disconnect(request, plan, collect(events),
-                                                     Slot(lambda: None)))]
+            return [(p, await self._until_disconnect(request, collect(events)))]
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
-            outs = await self.llm.agenerate(texts, params)
+            work = self.llm.agenerate(texts, params)
         else:
-            outs = await self.llm.agenerate(prompt_token_ids=prompts, sampling_params=params)
+            work = self.llm.agenerate(prompt_token_ids=prompts, sampling_params=params)
+        outs = await self._until_disconnect(request, work)
         return [(p, P.Result.of_output(o)) for p, o in zip(prompts, outs, strict=True)]
 
-    async def _completion_stream(self, req, rid: str, prompt, params, slot: Slot) -> Response:
+    async def _completion_stream(self, request: Request, req, rid: str, prompt, params,
+                                 slot: Slot) -> Response:
         events = stateless_events(self.llm, params,
                                   prompt=prompt if isinstance(prompt, str) else None,
                                   prompt_token_ids=None if isinstance(prompt, str) else prompt)
         try:
-            first = await self._first(events)
+            first = await self._first(request, events)
         except BaseException:
             slot.release()
             raise

@@ -297,8 +297,7 @@ class Conversations:
             return
         if plan.session is None:
             return
-        self._auto[extend(plan.key, reply)] = plan.session
-        self._bound()
+        self._file(extend(plan.key, reply), plan.session)
 
     def abandon(self, plan: Plan) -> None:
         """The turn failed or its client went away (which cancels the turn). A reused auto
@@ -318,10 +317,20 @@ class Conversations:
             return
         if plan.prior_key is not None and len(plan.session.messages) == plan.prior_len \
                 and plan.session.state != "closed":
-            self._auto[plan.prior_key] = plan.session
-            self._bound()
+            self._file(plan.prior_key, plan.session)
             return
         self._close_later(plan.session)
+
+    def _file(self, key: bytes, sess: Session) -> None:
+        """File `sess` under `key`, the most recent entry. A session filed there already
+        holds the same conversation (an identical request answered twice: a retry, a
+        regenerate at temperature 0): it is closed; replaced silently, it held its KV
+        outside the table's bound for good."""
+        old = self._auto.pop(key, None)
+        if old is not None and old is not sess:
+            self._close_later(old)
+        self._auto[key] = sess
+        self._bound()
 
     def _bound(self) -> None:
         while len(self._auto) + len(self._named) > self.capacity:
