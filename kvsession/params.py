@@ -43,6 +43,8 @@ _HINTS = {"stop_strings": "stop", "stop_ids": "stop_token_ids", "max_new_tokens"
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # OpenAI's bounds for presence_penalty and frequency_penalty
 PENALTY_RANGE = (-2.0, 2.0)
+# larger than any vocabulary; an id past int64 cannot even be stored (a session's log)
+MAX_TOKEN_ID = 2**31 - 1
 # completions per request: each holds its own KV past the shared prompt
 MAX_N = 256
 
@@ -266,8 +268,10 @@ class SamplingParams:
         else:
             stop = _seq("stop", stop, "a non-empty string or a list of them",
                         lambda s: check_str("stop", s, non_empty=True))
-        ids = _seq("stop_token_ids", stop_token_ids, "a list of token ids (ints >= 0)",
-                   lambda i: check_int("stop_token_ids", i, min_value=0))
+        ids = _seq("stop_token_ids", stop_token_ids,
+                   f"a list of token ids (ints in [0, {MAX_TOKEN_ID}])",
+                   lambda i: check_int("stop_token_ids", i, min_value=0,
+                                       max_value=MAX_TOKEN_ID))
         if structured is not None and not isinstance(structured, StructuredOutput):
             raise ConfigError(f"structured must be None or a StructuredOutput(json_schema=..., "
                               f"regex=..., grammar=... or json_object=True), "

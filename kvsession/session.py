@@ -404,7 +404,10 @@ class Session:
         if commit is None:
             return
         try:
-            await asyncio.wait_for(asyncio.wrap_future(commit), DURABLE_TIMEOUT_S)
+            # shielded: a cancelled wait must not cancel the record's Future, which the
+            # commit thread settles
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(commit)),
+                                   DURABLE_TIMEOUT_S)
         except TimeoutError:
             raise SnapshotError(f"session {self.session_id!r}: the turn was not durable "
                                 f"within {DURABLE_TIMEOUT_S:.0f} s") from None
@@ -422,7 +425,14 @@ class Session:
         abandoned = False
         try:
             if prev is not None:
-                await asyncio.wrap_future(prev)
+                try:  # shielded: cancelling this wait must not cancel the turn before
+                    await asyncio.shield(asyncio.wrap_future(prev))
+                except asyncio.CancelledError:
+                    # cancelled in the queue: this place is given up once the turn before
+                    # it ends, so the turns after it still run in call order
+                    abandoned = True
+                    prev.add_done_callback(lambda _: self._leave_turn(mine))
+                    raise
             seq, info, fut = self._start(new_msgs, params, spec)
             try:
                 done = await asyncio.wrap_future(fut)

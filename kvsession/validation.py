@@ -81,7 +81,19 @@ def check_str(name: str, value, *, allow_none: bool = False,
         return None
     if not isinstance(value, str) or (non_empty and not value):
         _fail(name, value, "a non-empty string" if non_empty else "a string", allow_none)
-    return value
+    return check_unicode(name, value)
+
+
+def check_unicode(name: str, text: str) -> str:
+    """`text` if it is valid Unicode. A lone surrogate (what json.loads makes of "\\ud800")
+    is a str that no tokenizer takes (a TypeError from inside it) and no UTF-8 file holds
+    (a session log record would fail to encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{name} must be valid Unicode text, got a lone surrogate "
+                          f"{text[e.start]!r} at index {e.start}") from None
+    return text
 
 
 def check_path(name: str, value, *, allow_none: bool = False) -> Path | None:

@@ -93,6 +93,41 @@ def test_log_replays_every_record(tmp_path):
         wal.read_log(path, expect=other)
 
 
+def test_a_record_that_cannot_be_encoded_leaves_the_log_whole(tmp_path):
+    """A turn whose record fails to build (a value msgpack cannot hold) takes no sequence
+    number: the records after it follow on (a gap reads as corruption, which would lose
+    every turn), the first of them a whole rewrite holding the state; and the commit
+    thread outlives a record Future its waiter cancelled."""
+    gc = GroupCommit(tmp_path)
+    slog = SessionLog(tmp_path / "s.log", "s", IDENTITY)
+    messages = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "1"}]
+    try:
+        op, data = slog.record(messages, [1, 2], {"max_tokens": 4}, None, {"max_tokens": 4})
+        gc.submit(slog, op, data).result(timeout=30)
+        messages += [{"role": "user", "content": "two"}, {"role": "assistant", "content": "2"}]
+        with pytest.raises(SnapshotError, match="could not be encoded"):
+            slog.record(messages, [1, 2, 3], {"stop_token_ids": [2**70]}, None,
+                        {"max_tokens": 4})
+        messages += [{"role": "user", "content": "three"}, {"role": "assistant", "content": "3"}]
+        op, data = slog.record(messages, [1, 2, 3, 4], {"max_tokens": 4}, None,
+                               {"max_tokens": 4})
+        assert op is Op.REWRITE
+        fut = gc.submit(slog, op, data)
+        fut.cancel()  # an asend cancelled while it waits for durability
+        messages += [{"role": "user", "content": "four"}, {"role": "assistant", "content": "4"}]
+        op, data = slog.record(messages, [1, 2, 3, 4, 5], {"max_tokens": 4}, None,
+                               {"max_tokens": 4})
+        assert op is Op.APPEND
+        gc.submit(slog, op, data).result(timeout=30)  # the commit thread is alive
+        gc.submit(slog, Op.CLOSE).result(timeout=30)
+    finally:
+        gc.close()
+    st = wal.read_log(slog.path, expect=IDENTITY).state
+    assert st.seq == 3 and [m["content"] for m in st.messages] == [
+        "one", "1", "two", "2", "three", "3", "four", "4"]
+    assert st.tokens == [1, 2, 3, 4, 5]
+
+
 def test_power_loss_at_every_byte_of_the_last_record(tmp_path):
     """The log cut at every byte boundary of its last record (what a power loss can leave
     of an unacknowledged append): recovery yields exactly the records before it, cuts the

@@ -275,6 +275,28 @@ def test_cancelled_session_turn_never_happened(llm):
     llm.check_integrity()
 
 
+def test_cancelling_a_queued_asend_keeps_the_turn_order(llm):
+    """asend B, queued behind a running turn A and ahead of C, is cancelled: A still gets
+    its reply, C starts only after A, and the session's messages are A's then C's."""
+    s = llm.session(system="queue", sampling=SamplingParams(max_tokens=4, seed=5))
+
+    async def run():
+        a = asyncio.create_task(s.asend("A", max_tokens=200, ignore_eos=True))
+        b = asyncio.create_task(s.asend("B"))
+        c = asyncio.create_task(s.asend("C"))
+        await asyncio.sleep(0)  # all three have taken their places in the queue
+        b.cancel()
+        return await asyncio.gather(a, b, c, return_exceptions=True)
+
+    ra, rb, rc = asyncio.run(run())
+    assert isinstance(rb, asyncio.CancelledError)
+    assert len(ra.token_ids) == 200 and rc.token_ids
+    assert [m["content"] for m in s.messages if m["role"] == "user"] == ["A", "C"]
+    s.close()
+    assert _idle(llm)
+    llm.check_integrity()
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda llm: llm.stream("a", SamplingParams(n=2)), "n must be 1 to stream"),
     (lambda llm: llm.stream(["a", "b"]), "prompt must be a string"),

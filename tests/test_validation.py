@@ -144,6 +144,7 @@ BAD_SAMPLING = [
     ("ignore_eos", 1), ("ignore_eos", None), ("ignore_eos", "false"),
     ("stop", ""), ("stop", [""]), ("stop", 5), ("stop", ["ok", 5]), ("stop", {"x"}),
     ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", [1.0]),
+    ("stop_token_ids", [2**64]), ("stop", ["ok\ud800"]),
     ("stop_token_ids", 5), ("stop_token_ids", "12"),
 ]
 
@@ -302,6 +303,15 @@ BAD_CALLS = [
      r"^messages\[0\]\['meta'\] keys must be strings"),
     ("chat nan field", lambda llm, s: llm.chat([{**USER, "score": math.nan}], use_tqdm=False),
      r"^messages\[0\]\['score'\] must be a JSON value"),
+    # a lone surrogate (json.loads('"\\ud800"')) is a str no tokenizer or log file takes
+    ("chat surrogate", lambda llm, s: llm.chat([{"role": "user", "content": "a\ud800"}],
+                                               use_tqdm=False),
+     r"^messages\[0\]\['content'\] must be valid Unicode text, got a lone surrogate"),
+    ("generate surrogate", lambda llm, s: llm.generate("x\udfff", use_tqdm=False),
+     "must be valid Unicode text"),
+    ("send surrogate", lambda llm, s: s.send("\ud800"), "must be valid Unicode text"),
+    ("session system surrogate", lambda llm, s: llm.session(system="\ud800"),
+     "^system must be valid Unicode text"),
     ("chat add_generation_prompt", lambda llm, s: llm.chat(
         [USER], add_generation_prompt=1, use_tqdm=False), "^add_generation_prompt must be"),
     ("chat kw", lambda llm, s: llm.chat([USER], temperature=0),

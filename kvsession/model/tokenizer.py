@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from kvsession.errors import ConfigError, ModelLoadError
+from kvsession.validation import check_unicode
 
 # nesting allowed in a message's extra fields (tool calls, metadata); deeper is a mistake
 MAX_MESSAGE_DEPTH = 16
@@ -28,7 +29,10 @@ def _check_json(value, where: str, depth: int = 0) -> None:
     snapshots (at save, and when an idle session spills to disk on the engine thread)."""
     if depth > MAX_MESSAGE_DEPTH:
         raise ConfigError(f"{where} is nested more than {MAX_MESSAGE_DEPTH} levels deep")
-    if value is None or isinstance(value, (str, bool)):
+    if isinstance(value, str):
+        check_unicode(where, value)
+        return
+    if value is None or isinstance(value, bool):
         return
     if isinstance(value, int):
         if not -(2**63) <= value < 2**64:
@@ -55,11 +59,12 @@ def _check_json(value, where: str, depth: int = 0) -> None:
 def message_content(content, where: str) -> str:
     """A message's content as text: a string, or OpenAI-style text parts joined."""
     if isinstance(content, str):
-        return content
+        return check_unicode(where, content)
     if isinstance(content, list) and content and all(
             isinstance(part, dict) and part.get("type") == "text"
             and isinstance(part.get("text"), str) for part in content):
-        return "\n".join(part["text"] for part in content)  # as vLLM joins text parts
+        # as vLLM joins text parts
+        return check_unicode(where, "\n".join(part["text"] for part in content))
     raise ConfigError(f"{where} must be a string or a non-empty list of "
                       f"{{'type': 'text', 'text': str}} parts, got {content!r:.80}")
 
@@ -235,7 +240,9 @@ class Tokenizer:
         return frozenset(int(i) for i in ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; ConfigError if it is not valid Unicode (a lone surrogate)."""
+        return self._tok.encode(check_unicode("the text to tokenize", text),
+                                add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

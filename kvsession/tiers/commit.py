@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,20 +98,33 @@ class SessionLog:
         `sampling`: the turn's parameters, `defaults`: the session's; `history`:
         HistoryState's fields but the log, which `tokens` is). Caller's thread, in turn
         order."""
-        check_text_messages(self.path, messages)
-        hist = history_struct(self.path, {**(history or {"mode": "template"}), "log": []})
-        self.seq += 1
-        if self.needs_base or self.records >= REWRITE_RECORDS or self.size >= REWRITE_BYTES:
-            data = LOG_PREFIX + encode(base_record(
-                self.session_id, self.seq, self.identity, system,
-                sampling_struct(self.path, defaults), messages, tokens, hist))
+        seq = self.seq + 1  # taken only once the record is built: a gap in the sequence
+        # numbers reads as a corrupt log, which would lose every turn of the session
+        base = self.needs_base or self.records >= REWRITE_RECORDS or \
+            self.size >= REWRITE_BYTES
+        try:
+            check_text_messages(self.path, messages)
+            hist = history_struct(self.path, {**(history or {"mode": "template"}), "log": []})
+            if base:
+                data = LOG_PREFIX + encode(base_record(
+                    self.session_id, seq, self.identity, system,
+                    sampling_struct(self.path, defaults), messages, tokens, hist))
+            else:
+                keep = common_prefix_len(self.tokens, tokens)
+                data = encode(turn_record(seq, self.identity, messages[self.num_messages:],
+                                          keep, tokens[keep:],
+                                          sampling_struct(self.path, sampling), hist.pending))
+        except Exception as e:  # nothing written: the next record rewrites the whole state
+            self.needs_base = True
+            if isinstance(e, SnapshotError):
+                raise
+            raise SnapshotError(f"{self.path}: the turn's record could not be encoded "
+                                f"({type(e).__name__}: {e})") from e
+        self.seq = seq
+        if base:
             op = Op.REWRITE
             self.records, self.size, self.needs_base = 1, len(data), False
         else:
-            keep = common_prefix_len(self.tokens, tokens)
-            data = encode(turn_record(self.seq, self.identity, messages[self.num_messages:],
-                                      keep, tokens[keep:],
-                                      sampling_struct(self.path, sampling), hist.pending))
             op = Op.APPEND
             self.records += 1
             self.size += len(data)
@@ -187,7 +200,7 @@ class GroupCommit:
                     if now >= deadline:
                         break
                     self._cv.wait(min(deadline, *self._expected.values()) - now)
-                batch, self._pending = self._pending, []
+                batch, self._pending = _one_per_log(self._pending)
                 if not batch and self._closing:
                     return
             self._commit(batch)
@@ -277,7 +290,7 @@ class GroupCommit:
             if r.op is Op.APPEND:
                 slog.end += len(r.data)
             self.records += r.op in (Op.APPEND, Op.REWRITE)
-            r.future.set_result(None)
+            _resolve(r.future)
             return
         if r.op in (Op.APPEND, Op.REWRITE):
             slog.needs_base = True  # whatever reached the file, the next record rewrites it
@@ -288,8 +301,8 @@ class GroupCommit:
             with contextlib.suppress(OSError):
                 os.close(r.fd)
             remove_quietly(r.tmp)
-        err = SnapshotError(f"{slog.path}: the turn could not be made durable: {r.error}")
-        r.future.set_exception(err)
+        _resolve(r.future, SnapshotError(f"{slog.path}: the turn could not be made durable: "
+                                         f"{r.error}"))
 
     @staticmethod
     def _close_fd(slog: SessionLog) -> None:
@@ -316,3 +329,26 @@ def _write_all(fd: int, data: bytes, offset: int) -> None:
             raise OSError("short write")
         view, offset = view[n:], offset + n
 
+
+def _one_per_log(pending: list[_Request]) -> tuple[list[_Request], list[_Request]]:
+    """(a batch, what waits for the next): at most one request per session log in a batch,
+    in submission order. A batch appends at the offset known durable before it and
+    installs rewrites after its fsyncs, so a second record of one log in it would be
+    written over the first, or into the file a rewrite then replaces. (A session's turn
+    waits for its record before the next turn; a waiter that stopped waiting does not.)"""
+    batch, later, seen = [], [], set()
+    for r in pending:
+        (later if r.log in seen else batch).append(r)
+        seen.add(r.log)
+    return batch, later
+
+
+def _resolve(fut: Future, exc: BaseException | None = None) -> None:
+    """Settle a record's Future unless its waiter cancelled it (an `asend` task cancelled
+    during its durability wait): setting a cancelled Future raises, which would end the
+    commit thread and leave every later turn of every session undurable."""
+    with contextlib.suppress(InvalidStateError):
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
