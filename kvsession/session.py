@@ -22,7 +22,6 @@ import dataclasses
 import json
 import logging
 import queue
-import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -45,6 +44,7 @@ from kvsession.outputs import DeltaText
 from kvsession.params import SamplingParams, StructuredOutput
 from kvsession.tiers.snapshot import messages_to_text
 from kvsession.tools import ToolSpec
+from kvsession.turn_queue import TurnQueue
 from kvsession.validation import check_bool, check_float, check_path, check_str
 
 if TYPE_CHECKING:  # the store imports this module; only the type is needed here
@@ -195,10 +195,7 @@ class Session:
         self.system_key: tuple[int, ...] | None = None
         # the KV (tokens, blocks, tier): changed only on the engine thread, by the manager
         self.kv = SessionKV(self.session_id, meta=self._snapshot_meta)
-        self._closed = False
-        self._lock = threading.Lock()
-        self._last_turn: Future | None = None
-        self._in_flight = 0
+        self._turns = TurnQueue(self.session_id)
         self.stats = SessionStats()
 
     def _snapshot_meta(self) -> dict:
@@ -230,9 +227,9 @@ class Session:
     def state(self) -> str:
         """"active" (a turn is running), "idle" (KV on the device), "host", "disk" (KV
         spilled there) or "closed"."""
-        if self._closed:
+        if self._turns.closed:
             return "closed"
-        if self._in_flight:
+        if self._turns.in_flight:
             return "active"
         tier = self.kv.tier.value
         return "idle" if tier == "device" else tier
@@ -249,22 +246,7 @@ class Session:
         return len(self.kv.tokens)
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise SessionClosedError(f"session {self.session_id!r} is closed")
-
-    def _enqueue_turn(self) -> tuple[Future, Future | None]:
-        """Take a place in this session's queue: returns (mine, the one before me)."""
-        with self._lock:
-            self._check_open()
-            mine: Future = Future()
-            prev, self._last_turn = self._last_turn, mine
-            self._in_flight += 1
-            return mine, prev
-
-    def _leave_turn(self, mine: Future) -> None:
-        with self._lock:
-            self._in_flight -= 1
-        mine.set_result(None)
+        self._turns.check_open()
 
     # ---- one turn ----------------------------------------------------------------------
 
@@ -372,7 +354,7 @@ class Session:
         session's SamplingParams for this turn (unknown names: ConfigError)."""
         new_msgs, params, spec = self._prepare(message, _overrides(locals()),
                                               *_tool_args(locals()))
-        mine, prev = self._enqueue_turn()
+        mine, prev = self._turns.enter()
         try:
             if prev is not None:
                 prev.result()
@@ -381,7 +363,7 @@ class Session:
             self._wait_durable(self._store.commit(self, self._record_tokens(info), params))
             return reply
         finally:
-            self._leave_turn(mine)
+            self._turns.leave(mine)
 
     def _record_tokens(self, info: TurnInfo) -> tuple[int, ...]:
         """What the turn's log record holds: the token log (append history) or the token
@@ -421,7 +403,7 @@ class Session:
         """`send` for asyncio: awaits the engine without blocking the event loop."""
         new_msgs, params, spec = self._prepare(message, _overrides(locals()),
                                               *_tool_args(locals()))
-        mine, prev = self._enqueue_turn()
+        mine, prev = self._turns.enter()
         abandoned = False
         try:
             if prev is not None:
@@ -431,7 +413,7 @@ class Session:
                     # cancelled in the queue: this place is given up once the turn before
                     # it ends, so the turns after it still run in call order
                     abandoned = True
-                    prev.add_done_callback(lambda _: self._leave_turn(mine))
+                    self._turns.leave_after(prev, mine)
                     raise
             seq, info, fut = self._start(new_msgs, params, spec)
             try:
@@ -445,7 +427,7 @@ class Session:
             return reply
         finally:
             if not abandoned:
-                self._leave_turn(mine)
+                self._turns.leave(mine)
 
     def stream(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET,
              top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET,
@@ -456,8 +438,8 @@ class Session:
         """Like `send`, yielding text as it is generated; the last chunk has `.reply`."""
         new_msgs, params, spec = self._prepare(message, _overrides(locals()),
                                               *_tool_args(locals()))
-        mine, prev = self._enqueue_turn()
-        abandoned = False
+        mine, prev = self._turns.enter()
+        abandoned, st = False, None
         try:
             if prev is not None:
                 prev.result()
@@ -465,6 +447,7 @@ class Session:
             seq, info, fut = self._start(
                 new_msgs, params, spec, on_update=lambda s: updates.put(s.num_tokens))
             fut.add_done_callback(lambda f: updates.put(None))
+            st = self._turns.open_stream(seq, fut, mine)
             delta = DeltaText(self._store.tokenizer.decode, seq.params.stop_strings)
             sent_tokens = 0
             try:
@@ -478,16 +461,29 @@ class Session:
                         sent_tokens = len(ids)
             except GeneratorExit:  # the caller closed the stream before the reply: cancelled
                 abandoned = True
-                self._abandon(seq, fut, mine)
+                if self._turns.claim(st):
+                    self._abandon(seq, fut, mine)
                 raise
+            if not self._turns.claim(st):
+                abandoned = True  # the close that took it gives its place up
+                raise SessionClosedError(f"session {self.session_id!r} was closed while this "
+                                         f"stream was open: its turn was cancelled")
             reply = self._finish(fut.result(), new_msgs, info, spec)
             self._wait_durable(self._store.commit(self, self._record_tokens(info), params))
             sent_text = delta.sent
             tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
             yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)
         finally:
-            if not abandoned:
-                self._leave_turn(mine)
+            if not abandoned and (st is None or self._turns.claim(st)):
+                self._turns.leave(mine)
+
+    def _cancel_open_streams(self) -> None:
+        """Closing: a stream() its caller has neither finished nor closed would hold the
+        queue for ever (from the caller's own thread, and at interpreter exit too): its
+        turn is cancelled, as if the stream had been closed; resumed, the stream raises
+        SessionClosedError."""
+        for st in self._turns.take_open_streams():
+            self._abandon(st.seq, st.fut, st.mine)
 
     def _abandon(self, seq: Sequence, fut: Future, mine: Future) -> None:
         """The caller gave up on a running turn (a stream closed before its reply, an
@@ -497,7 +493,7 @@ class Session:
         The session's next turn starts once the engine has settled this one and the
         session holds its KV again; nothing here waits for it."""
         self._store.cancel(seq)
-        fut.add_done_callback(lambda _: self._leave_turn(mine))
+        self._turns.leave_after(fut, mine)
 
     def add(self, role: str, content: str, **fields) -> None:
         """Append a message (e.g. a tool result: `add("tool", text, tool_call_id=...)`)
@@ -506,7 +502,7 @@ class Session:
         check_str("role", role, non_empty=True)
         (msg,) = check_messages([{**fields, "role": role,
                                   "content": message_content(content, "content")}], "add()")
-        mine, prev = self._enqueue_turn()
+        mine, prev = self._turns.enter()
         try:
             if prev is not None:
                 prev.result()
@@ -514,20 +510,29 @@ class Session:
             self._pending += 1
             self._wait_durable(self._store.commit(self, None, self.sampling))
         finally:
-            self._leave_turn(mine)
+            self._turns.leave(mine)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def exclusive(self, fn):
+    def exclusive(self, fn, seal: bool = False):
         """Run fn() on the engine thread once this session's queued turns are done (the
-        store's way to act on this session between turns)."""
-        mine, prev = self._enqueue_turn()
+        store's way to act on this session between turns). `seal`: no turn may be queued
+        after this one (the LLM persisting the session at close: a turn run after the
+        snapshot would be acknowledged and lost); unsealed if fn fails, the session then
+        staying live."""
+        mine, prev = self._turns.enter(seal)
+        if seal:
+            self._cancel_open_streams()
         try:
             if prev is not None:
                 prev.result()
             return self._store.call(fn).result()
+        except BaseException:
+            if seal:
+                self._turns.unseal()
+            raise
         finally:
-            self._leave_turn(mine)
+            self._turns.leave(mine)
 
     def fork(self, session_id: str | None = None) -> Session:
         """A new session sharing every block so far (references, no copy); the first write
@@ -541,6 +546,11 @@ class Session:
         the session and any file already at `path` are unchanged."""
         check_path("path", path)
         self.exclusive(lambda: self._store.save(self.kv, path))
+
+    def save_sealed(self, path) -> None:
+        """`save`, the last thing this session does (the store's, at LLM close): a turn
+        queued after it raises SessionClosedError. Unsealed if the write fails."""
+        self.exclusive(lambda: self._store.save(self.kv, path), seal=True)
 
     def suspend(self, expected_idle_s: float | None = None) -> str:
         """The session is waiting (tool call, human). The engine decides, by expected waste,
@@ -559,22 +569,22 @@ class Session:
     def close(self, delete: bool = False) -> None:
         """Release this session's KV in every tier (idempotent); delete=True also removes its
         own snapshot file from session_dir (`<session_id>.kvs`; never the file it was
-        restored from elsewhere). Using it afterwards raises SessionClosedError."""
+        restored from elsewhere). Using it afterwards raises SessionClosedError. Queued
+        turns finish first; a `stream()` still open is cancelled (its turn never happened;
+        resumed, it raises SessionClosedError)."""
         check_bool("delete", delete)
-        with self._lock:
-            if self._closed:
-                return
-            prev = self._last_turn
+        closed, prev = self._turns.last()
+        if closed:
+            return
+        self._cancel_open_streams()
         if prev is not None:
             prev.result()
-        with self._lock:
-            self._closed = True
+        self._turns.mark_closed()
         self._store.close_session(self, delete)
 
     def mark_closed(self) -> None:
         """The LLM is closing: further use raises SessionClosedError."""
-        with self._lock:
-            self._closed = True
+        self._turns.mark_closed()
 
     def __enter__(self) -> Session:
         return self

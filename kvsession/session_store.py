@@ -547,7 +547,7 @@ class SessionStore:
         slog = self._logs.get(sess.session_id)
         if slog is not None:
             self._writeback_op(WriteOp.CLOSE, sess.session_id)
-        sess.save(self.rt.disk.path_for(sess.session_id))
+        sess.save_sealed(self.rt.disk.path_for(sess.session_id))
         if slog is not None:  # the snapshot is durable: segment and log are redundant
             self._writeback_op(WriteOp.DELETE, sess.session_id)
             self._log_op(slog, Op.DELETE)

@@ -25,7 +25,7 @@ import torch
 
 from kvsession import LLM, ConfigError, SamplingParams, SnapshotError
 from kvsession.cache.hashing import tail_key
-from kvsession.errors import SessionLockedError
+from kvsession.errors import EngineClosedError, SessionClosedError, SessionLockedError
 from kvsession.tiers import wal
 from kvsession.tiers.commit import GroupCommit, Op, SessionLog
 from kvsession.tiers.disk import DiskTier
@@ -126,6 +126,39 @@ def test_a_record_that_cannot_be_encoded_leaves_the_log_whole(tmp_path):
     assert st.seq == 3 and [m["content"] for m in st.messages] == [
         "one", "1", "two", "2", "three", "3", "four", "4"]
     assert st.tokens == [1, 2, 3, 4, 5]
+
+
+def test_close_while_another_thread_sends_loses_no_acknowledged_turn(llama_dir, tmp_path):
+    """llm.close() persists a session while another thread keeps sending on it: every turn
+    whose send() returned is in what a new LLM resumes, and the sends after the snapshot
+    raise (SessionClosedError, or EngineClosedError once the engine stopped) instead of
+    being acknowledged and lost."""
+    llm = new_llm(llama_dir, tmp_path)
+    s = llm.session(system="sys", session_id="a")
+    acked, errors, three = [], [], threading.Event()
+
+    def sender():
+        for k in range(10_000):
+            try:
+                s.send(f"turn {k}", max_tokens=2, ignore_eos=True)
+            except Exception as e:  # noqa: BLE001 - what ended the loop is asserted below
+                errors.append(e)
+                return
+            acked.append(f"turn {k}")
+            if k == 2:
+                three.set()
+
+    t = threading.Thread(target=sender)
+    t.start()
+    assert three.wait(60)
+    llm.close()
+    t.join(60)
+    assert not t.is_alive() and len(errors) == 1
+    assert isinstance(errors[0], (SessionClosedError, EngineClosedError)), errors
+    with new_llm(llama_dir, tmp_path) as again:
+        resumed = [m["content"] for m in again.session(session_id="a").messages
+                   if m["role"] == "user"]
+    assert resumed == acked
 
 
 def test_power_loss_at_every_byte_of_the_last_record(tmp_path):

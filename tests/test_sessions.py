@@ -143,15 +143,16 @@ def test_same_session_sends_run_in_call_order(llama_dir):
     with new_llm(llama_dir) as llm:
         s = llm.session(sampling=G)
         called = []
-        enqueue, record = s._enqueue_turn, threading.Lock()
+        turns = s._turns  # the session's TurnQueue
+        enqueue, record = turns.enter, threading.Lock()
 
-        def recording_enqueue():  # records the order in which sends queued up
+        def recording_enqueue(seal=False):  # records the order in which sends queued up
             with record:
-                turn = enqueue()
+                turn = enqueue(seal)
                 called.append(threading.current_thread().name)
                 return turn
 
-        s._enqueue_turn = recording_enqueue
+        turns.enter = recording_enqueue
         threads = [threading.Thread(target=s.send, args=(f"msg {i}",), name=f"msg {i}")
                    for i in range(6)]
         for t in threads:

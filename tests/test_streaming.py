@@ -10,7 +10,14 @@ import threading
 
 import pytest
 
-from kvsession import LLM, ConfigError, SamplingParams, StructuredOutput, TextChunk
+from kvsession import (
+    LLM,
+    ConfigError,
+    SamplingParams,
+    SessionClosedError,
+    StructuredOutput,
+    TextChunk,
+)
 from oracle import random_prompts
 
 
@@ -273,6 +280,33 @@ def test_cancelled_session_turn_never_happened(llm):
     s.close()
     assert _idle(llm)
     llm.check_integrity()
+
+
+def test_closing_a_session_with_an_open_stream_cancels_its_turn(llm, llama_dir, tmp_path):
+    """A session stream started and left open (neither finished nor closed) holds the
+    session's queue: closing the session from the same thread cancels that turn instead of
+    waiting for ever, and the stream, resumed, raises SessionClosedError. The same at
+    llm.close() with a session_dir (it persists the session first)."""
+    s = llm.session(system="open stream")
+    s.send("first", max_tokens=2)
+    stream = s.stream("ramble", max_tokens=300, ignore_eos=True)
+    next(stream)
+    s.close()  # same thread: returned
+    assert s.state == "closed" and _idle(llm)
+    with pytest.raises(SessionClosedError, match="closed while this stream was open"):
+        list(stream)
+    llm.check_integrity()
+    with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=512,
+             session_dir=tmp_path) as other:
+        kept = other.session(system="sys", session_id="kept")
+        kept.send("one", max_tokens=2)
+        open_stream = kept.stream("two", max_tokens=300, ignore_eos=True)
+        next(open_stream)
+    # closed (returned), persisting the session as it was before the cancelled turn
+    with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=512,
+             session_dir=tmp_path) as again:
+        assert [m["content"] for m in again.session(session_id="kept").messages
+                if m["role"] == "user"] == ["one"]
 
 
 def test_cancelling_a_queued_asend_keeps_the_turn_order(llm):
