@@ -256,20 +256,43 @@ def _json_values(body: str, separators: str = "") -> list:
         out.append(value)
 
 
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
-_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]{1,64})\[ARGS\](.*)\Z", re.S)
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_MISTRAL_MARK = "[TOOL_CALLS]"
+_MISTRAL_NAMED = re.compile(r"\s*([A-Za-z0-9_.\-]{1,64})\[ARGS\]")
+
+
+def _json_at(text: str, pos: int) -> tuple[object, int]:
+    """The JSON value at `pos` (after whitespace) and where it ends. Markup is looked for
+    only after a call's JSON: a string argument may hold the markup itself ("</tool_call>",
+    "[TOOL_CALLS]"), which splitting on it first would cut."""
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    try:
+        return json.JSONDecoder().raw_decode(text, pos)
+    except json.JSONDecodeError:
+        raise _Malformed from None
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
 
 
 def _parse_hermes(text: str, names) -> tuple[str, list[ToolCall]]:
-    start = text.find("<tool_call>")
+    start = text.find(_HERMES_OPEN)
     if start < 0:
         return text, []
-    calls = []
-    for m in _HERMES_CALL.finditer(text, start):
-        values = _json_values(m.group(1))
-        if len(values) != 1:
+    calls, pos = [], start
+    while pos >= 0:
+        value, pos = _json_at(text, pos + len(_HERMES_OPEN))
+        pos = _skip_space(text, pos)
+        if text.startswith(_HERMES_CLOSE, pos):
+            pos += len(_HERMES_CLOSE)
+        elif pos < len(text):  # only the last call may be cut short (max_tokens, a stop)
             raise _Malformed
-        calls.append(_call(values[0], ToolFormat.HERMES, names))
+        calls.append(_call(value, ToolFormat.HERMES, names))
+        pos = text.find(_HERMES_OPEN, pos)
     return text[:start], calls
 
 
@@ -289,29 +312,32 @@ def _parse_llama3(text: str, names) -> tuple[str, list[ToolCall]]:
 
 
 def _parse_mistral(text: str, names) -> tuple[str, list[ToolCall]]:
-    start = text.find("[TOOL_CALLS]")
+    start = text.find(_MISTRAL_MARK)
     if start >= 0:
-        content, body = text[:start], text[start + len("[TOOL_CALLS]"):]
+        content, body = text[:start], text[start + len(_MISTRAL_MARK):]
     elif text.lstrip().startswith("[{"):  # [TOOL_CALLS] is a special token, often not decoded
         content, body = "", text
     else:
         return text, []
-    calls = []
+    calls, pos = [], 0
     # v0.3: one JSON list of calls; v11+ templates: name[ARGS]{json} after each marker
-    for part in body.split("[TOOL_CALLS]"):
-        m = _MISTRAL_NAMED.match(part)
+    while True:
+        m = _MISTRAL_NAMED.match(body, pos)
         if m:
-            values = _json_values(m.group(2))
-            if len(values) != 1:
+            args, pos = _json_at(body, m.end())
+            calls.append(_call({"name": m.group(1), "arguments": args}, ToolFormat.MISTRAL,
+                               names))
+        else:
+            value, pos = _json_at(body, pos)
+            if not isinstance(value, list) or not value:
                 raise _Malformed
-            calls.append(_call({"name": m.group(1), "arguments": values[0]},
-                               ToolFormat.MISTRAL, names))
-            continue
-        values = _json_values(part)
-        if len(values) != 1 or not isinstance(values[0], list) or not values[0]:
+            calls += [_call(v, ToolFormat.MISTRAL, names) for v in value]
+        pos = _skip_space(body, pos)
+        if pos == len(body):
+            return content, calls
+        if not body.startswith(_MISTRAL_MARK, pos):
             raise _Malformed
-        calls += [_call(v, ToolFormat.MISTRAL, names) for v in values[0]]
-    return content, calls
+        pos += len(_MISTRAL_MARK)
 
 
 _PARSERS = {ToolFormat.HERMES: _parse_hermes, ToolFormat.LLAMA3_JSON: _parse_llama3,

@@ -170,6 +170,28 @@ def test_sampling_fields_logprobs_n_stop_seed(server, hermes_dir):
         assert stopped.choices[0].finish_reason == "stop"
 
 
+def test_streamed_completions_logprobs_and_usage(server, hermes_dir):
+    """A streamed completion sends its tokens' logprobs (with its last chunk), and a
+    batched one (several prompts) its usage once, in a last chunk of its own, only when
+    stream_options asks for it."""
+    c = server.client()
+    kw = dict(model=model_name(hermes_dir), max_tokens=5, temperature=0,
+              extra_body={"ignore_eos": True})
+    want = c.completions.create(prompt="the agent", logprobs=2, **kw).choices[0].logprobs
+    chunks = list(c.completions.create(prompt="the agent", logprobs=2, stream=True, **kw))
+    got = [ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs]
+    assert len(got) == 1 and got[0].tokens == want.tokens == got[0].tokens
+    assert got[0].token_logprobs == pytest.approx(want.token_logprobs)
+    for include in (False, True):
+        chunks = list(c.completions.create(prompt=["one", "two"], stream=True,
+                                           stream_options={"include_usage": include}, **kw))
+        with_usage = [ch for ch in chunks if ch.usage is not None]
+        assert len(with_usage) == include
+        assert sorted(ch.choices[0].index for ch in chunks if ch.choices) == [0, 1]
+        if include:
+            assert with_usage[0].choices == [] and with_usage[0].usage.completion_tokens == 10
+
+
 def test_response_format_json_schema(server, hermes_dir):
     jsonschema = pytest.importorskip("jsonschema")
     schema = {"type": "object", "properties": {
@@ -241,6 +263,11 @@ def test_named_session_binds_turns(server, hermes_dir):
                             {"role": "user", "content": "done?"}],
         extra_body={"session_id": "named-1"})
     assert r3.usage.prompt_tokens_details.cached_tokens >= r2.usage.prompt_tokens
+    # a stateful client's new message may repeat the session's first one
+    again = c.chat.completions.create(
+        model=model_name(hermes_dir), messages=[msgs[0]], max_tokens=4, temperature=0,
+        extra_body={"session_id": "named-1"})
+    assert again.usage.prompt_tokens_details.cached_tokens >= r3.usage.prompt_tokens
     # an edited history cannot continue the session
     with pytest.raises(openai.ConflictError):
         c.chat.completions.create(
@@ -255,6 +282,32 @@ READ_FILE = {"type": "function", "function": {
     "name": "read_file", "description": "Read a file of the project",
     "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 8}},
                    "required": ["path"], "additionalProperties": False}}}
+
+
+def test_a_named_session_keeps_its_tools(server, hermes_dir):
+    """A named session's tools are rendered into its history at its first turn: later
+    turns sending them again get them (a forced call works); other tools are a 400 naming
+    `tools`, never tools silently neither rendered nor parsed."""
+    c = server.client()
+    name = model_name(hermes_dir)
+    msgs = [{"role": "user", "content": "list the project"}]
+    r1 = c.chat.completions.create(model=name, messages=msgs, max_tokens=4, temperature=0,
+                                   tools=[READ_FILE], extra_body={"session_id": "tools-1"})
+    msgs += [r1.choices[0].message.model_dump(exclude_none=True),
+             {"role": "user", "content": "read the readme"}]
+    r2 = c.chat.completions.create(model=name, messages=msgs, max_tokens=200, temperature=0,
+                                   tools=[READ_FILE], tool_choice="required",
+                                   extra_body={"session_id": "tools-1"})
+    assert r2.choices[0].finish_reason == "tool_calls", r2
+    assert r2.choices[0].message.tool_calls[0].function.name == "read_file"
+    other = {"type": "function", "function": {**READ_FILE["function"], "name": "ls"}}
+    msgs += [r2.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": r2.choices[0].message.tool_calls[0].id,
+              "content": "# readme"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=name, messages=msgs, max_tokens=4, tools=[other],
+                                  extra_body={"session_id": "tools-1"})
+    assert e.value.body["param"] == "tools"
 
 
 def test_tool_choice_required_returns_tool_calls(server, hermes_dir):

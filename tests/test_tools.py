@@ -110,6 +110,13 @@ def test_rendered_call_parses_back(tokenizers, fam):
      [("add", {"a": 1})]),
     (ToolFormat.MISTRAL, 'ok [TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]read_file[ARGS]{}',
      "ok", [("add", {"a": 1}), ("read_file", {})]),
+    # the markup inside a string argument (a file about tool calls) is the argument's
+    (ToolFormat.HERMES, '<tool_call>{"name": "read_file", "arguments": {"path": '
+     '"</tool_call>"}}</tool_call>\n<tool_call>{"name": "add", "arguments": {}}</tool_call>',
+     "", [("read_file", {"path": "</tool_call>"}), ("add", {})]),
+    (ToolFormat.MISTRAL, '[TOOL_CALLS]read_file[ARGS]{"path": "[TOOL_CALLS]x"}'
+     '[TOOL_CALLS][{"name": "add", "arguments": {"a": "[TOOL_CALLS]"}}]', "",
+     [("read_file", {"path": "[TOOL_CALLS]x"}), ("add", {"a": "[TOOL_CALLS]"})]),
 ])
 def test_parse_forms(fmt, text, content, calls):
     got_content, got = parse_tool_calls(text, fmt, {"add", "read_file"})
@@ -128,6 +135,8 @@ def test_parse_forms(fmt, text, content, calls):
     (ToolFormat.LLAMA3_JSON, '{"answer": 42}'),
     (ToolFormat.MISTRAL, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}'),
     (ToolFormat.MISTRAL, "[TOOL_CALLS][]"),
+    (ToolFormat.HERMES, '<tool_call>{"name": "add", "arguments": {}} trailing</tool_call>'),
+    (ToolFormat.MISTRAL, '[TOOL_CALLS]add[ARGS]{"a": 1} then text'),
 ])
 def test_malformed_markup_stays_content(fmt, text):
     assert parse_tool_calls(text, fmt, {"add", "read_file"}) == (text, [])

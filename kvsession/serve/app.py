@@ -222,6 +222,11 @@ class Server:
                     ok = False  # the Session API cannot force a call: stateless
             elif k in SESSION_TAKES:
                 per_session[k] = v
+                if k == "tools" and k in SEND_TAKES:
+                    # every turn too: Session.send checks them against the session's (a
+                    # named session continued with other tools is a 400 naming why, not
+                    # a turn whose tools are silently neither rendered nor parsed)
+                    per_turn[k] = v
             else:
                 ok = False
         return per_session, per_turn, ok
@@ -417,7 +422,8 @@ class Server:
         self.requests[(request.url.path, 200)] += 1
         if not req.stream:
             return JSONResponse(body)
-        return SSEResponse(_replay(body), _nothing)
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return SSEResponse(_replay(body, usage), _nothing)
 
     def _prompt_text(self, prompt) -> str:
         return prompt if isinstance(prompt, str) else self.decode(prompt)
@@ -450,6 +456,8 @@ class Server:
         created, model = int(time.time()), self.model_name
         usage = req.stream_options is not None and req.stream_options.include_usage
         echo = self._prompt_text(prompt) if req.echo else ""
+        # the tokens' logprobs come with the last chunk, as a streamed chat sends them
+        lp = P.Logprobs(self.decode, req.logprobs) if req.logprobs is not None else None
 
         async def body() -> AsyncIterator[str]:
             try:
@@ -460,8 +468,10 @@ class Server:
                     yield sse(P.completion_chunk(rid, model, created, event[1]))
                     event = await events.__anext__()
                 res: P.Result = event[1]
-                yield sse(P.completion_chunk(rid, model, created, "",
-                                             res.choices[0].finish_reason))
+                c = res.choices[0]
+                yield sse(P.completion_chunk(rid, model, created, "", c.finish_reason,
+                                             lp.completion(c.token_ids, c.logprobs)
+                                             if lp else None))
                 if usage:
                     yield sse(P.usage_chunk(rid, model, created, "text_completion", res))
                 yield "data: [DONE]\n\n"
@@ -546,10 +556,14 @@ async def _events_of(res: P.Result) -> AsyncIterator[tuple[str, object]]:
     yield "done", res
 
 
-async def _replay(body: dict) -> AsyncIterator[str]:
-    """A finished batch completion as one SSE event per choice."""
+async def _replay(body: dict, usage: bool) -> AsyncIterator[str]:
+    """A finished batch completion as one SSE event per choice, then (stream_options
+    include_usage) the usage alone, as a streamed request sends it: never in every chunk,
+    where a client adding them up would count the request several times."""
     for c in body["choices"]:
-        yield sse({**body, "choices": [c]})
+        yield sse({**body, "choices": [c], "usage": None})
+    if usage:
+        yield sse({**body, "choices": []})
     yield "data: [DONE]\n\n"
 
 

@@ -272,8 +272,11 @@ class Conversations:
             n += 1
         if n == len(view):
             new = messages[n:]
-        elif n == 0:
-            new = messages  # a stateful client sends only the new messages
+        elif n == 0 or not any(m.get("role") == "assistant" for m in messages):
+            # a stateful client sends only the new messages; they may repeat the session's
+            # first ones ("continue" twice). A history holds the replies: one that differs
+            # from the session's is an edit, refused below
+            new = messages
         else:
             raise APIError(409, f"messages[{n}] differs from message {n} of session "
                                 f"{session_id!r}: a session's history can only be extended "

@@ -341,6 +341,7 @@ def completion_response(rid: str, model: str, results: list[tuple[str, Result]],
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str,
-                     finish: str | None = None) -> dict:
+                     finish: str | None = None, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish}]}
