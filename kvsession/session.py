@@ -573,14 +573,18 @@ class Session:
         turns finish first; a `stream()` still open is cancelled (its turn never happened;
         resumed, it raises SessionClosedError)."""
         check_bool("delete", delete)
-        closed, prev = self._turns.last()
-        if closed:
-            return
+        try:
+            mine, prev = self._turns.enter(closing=True)  # later sends are refused
+        except SessionClosedError:
+            return  # closed already
         self._cancel_open_streams()
-        if prev is not None:
-            prev.result()
-        self._turns.mark_closed()
-        self._store.close_session(self, delete)
+        try:
+            if prev is not None:
+                prev.result()
+            self._turns.mark_closed()
+            self._store.close_session(self, delete)
+        finally:
+            self._turns.leave(mine)
 
     def mark_closed(self) -> None:
         """The LLM is closing: further use raises SessionClosedError."""

@@ -9,7 +9,8 @@ Contract:
   run in order.
 - `enter(seal=True)` takes the last place: a later `enter` raises SessionClosedError (the
   LLM persisting the session at close: a turn run after the snapshot would be acknowledged
-  and lost). `unseal()` if what it sealed for failed.
+  and lost). `unseal()` if what it sealed for failed. The session's own close takes the
+  last place too (`closing=True`): a send racing it is refused, never run on released KV.
 - A `stream()` turn is registered from its start to its end (`open_stream`): either the
   stream decides its fate (`claim`: it finishes, or its caller closes it) or a close of
   the session takes it (`take_open_streams`: the turn is to be cancelled), never both. A
@@ -61,10 +62,14 @@ class TurnQueue:
             raise SessionClosedError(f"session {self.session_id!r} is closed"
                                      + (" (its LLM is closing)" if self._sealed else ""))
 
-    def enter(self, seal: bool = False) -> tuple[Future, Future | None]:
+    def enter(self, seal: bool = False, closing: bool = False
+              ) -> tuple[Future, Future | None]:
+        """`closing`: the session's close takes the last place, sealed or not (the LLM's
+        close may have sealed it); SessionClosedError only once it is closed."""
         with self._lock:
-            self.check_open()
-            if seal:
+            if not (closing and not self._closed):
+                self.check_open()
+            if seal or closing:
                 self._sealed = True
             mine: Future = Future()
             prev, self._last = self._last, mine
@@ -83,11 +88,6 @@ class TurnQueue:
     def unseal(self) -> None:
         with self._lock:
             self._sealed = False
-
-    def last(self) -> tuple[bool, Future | None]:
-        """(closed already, the last place taken): what a close waits for."""
-        with self._lock:
-            return self._closed, self._last
 
     def mark_closed(self) -> None:
         with self._lock:

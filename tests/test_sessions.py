@@ -146,9 +146,9 @@ def test_same_session_sends_run_in_call_order(llama_dir):
         turns = s._turns  # the session's TurnQueue
         enqueue, record = turns.enter, threading.Lock()
 
-        def recording_enqueue(seal=False):  # records the order in which sends queued up
+        def recording_enqueue(**kw):  # records the order in which sends queued up
             with record:
-                turn = enqueue(seal)
+                turn = enqueue(**kw)
                 called.append(threading.current_thread().name)
                 return turn
 
@@ -162,6 +162,36 @@ def test_same_session_sends_run_in_call_order(llama_dir):
         users = [m["content"] for m in s.messages if m["role"] == "user"]
         assert users == called and sorted(users) == [f"msg {i}" for i in range(6)]
         s.close()
+
+
+def test_close_refuses_sends_racing_it(llama_dir):
+    """A session closed while another thread keeps sending on it: the sends queued before
+    the close run, those after raise SessionClosedError; none runs on released KV."""
+    with new_llm(llama_dir) as llm:
+        s = llm.session(sampling=G)
+        errors, three, acked = [], threading.Event(), []
+
+        def sender():
+            for k in range(10_000):
+                try:
+                    s.send(f"msg {k}", max_tokens=2)
+                except Exception as e:  # noqa: BLE001 - asserted below
+                    errors.append(e)
+                    return
+                acked.append(k)
+                if k == 2:
+                    three.set()
+
+        t = threading.Thread(target=sender)
+        t.start()
+        assert three.wait(60)
+        s.close()
+        t.join(60)
+        assert not t.is_alive() and len(acked) >= 3
+        assert len(errors) == 1 and isinstance(errors[0], SessionClosedError), errors
+        llm.check_integrity()
+        dev = llm.stats().tiers["device"]
+        assert dev.blocks_used == dev.blocks_pinned
 
 
 def test_fork_shares_blocks_and_diverges(llama_dir):
