@@ -275,6 +275,28 @@ def test_unreachable_worker_falls_back(llama_dir):
         assert llm.stats().remote.prefills == 0
 
 
+def test_a_salted_session_turn_stays_salted_with_a_worker_configured(llama_dir):
+    """A salted session that starts with a public pinned system prompt: its later turns'
+    new blocks are hashed with the request's salt (re-rooted after the public prefix) when
+    a worker is configured too, so another tenant's unsalted request with the same tokens
+    hits the public system prompt only (the bare cache_salt hashed them unsalted)."""
+    g = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    with unused_address() as address, \
+            LLM(llama_dir, prefill_worker=address, remote_prefill="always",
+                remote_prefill_timeout_s=0.5, **KW) as llm:
+        s = llm.session(system="You are a helpful assistant.", sampling=g,
+                        cache_salt="tenant-a")
+        s.send("hi")
+        s.send("tell me a long story about cats and dogs and birds and fish " * 2)
+        public = llm.stats().prefix.pinned_blocks * llm.config.block_size
+        assert 0 < public < len(s.token_ids) - 2 * llm.config.block_size
+        other = llm.generate(prompt_token_ids=[s.token_ids + [5]], sampling_params=g,
+                             use_tqdm=False)[0]
+        assert other.num_cached_tokens <= public
+        s.close()
+        assert_no_leak(llm)
+
+
 def test_required_mode_fails_what_no_worker_prefilled_and_serves_on(llama_dir):
     """remote_prefill="required": a prompt no worker can take fails alone with
     RemotePrefillError naming the reason, not prefilled locally; a prompt under one block

@@ -234,9 +234,11 @@ class Scheduler:
         if self.pool.enable_caching:
             # the routing keys: the hash of every full block the worker will compute (a
             # session turn arrives with its earlier turns' hashes only); the same hashes
-            # `update` would publish
+            # `update` would publish. With the request's Salt (re-rooted after the public
+            # pinned prefix it starts with), as `match` hashes: the bare cache_salt would
+            # leave a session turn's private blocks unsalted, published for any tenant
             self.prefix.hasher.extend(seq.block_hashes, seq.token_ids, seq.num_tokens - 1,
-                                      seq.params.cache_salt)
+                                      seq.salt)
         return self.offload.should_offload(seq, num_cached)
 
     def _admit_remote(self, seq: Sequence, hits: list, num_cached: int):
