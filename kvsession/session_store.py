@@ -276,6 +276,9 @@ class SessionStore:
         vocab, max_len = self.rt.info.spec.vocab_size, self.rt.info.max_model_len
         if any(t >= vocab for t in token_ids):
             raise SnapshotError(f"{path}: token ids outside this model's vocabulary ({vocab})")
+        if len(token_ids) > max_len:  # it could never take another turn here
+            raise SnapshotError(f"{path}: a session of {len(token_ids)} tokens is longer than "
+                                f"this engine's max_model_len={max_len}")
         if system is not None and len(system) > SYSTEM_CHARS_PER_TOKEN * max_len:
             raise SnapshotError(f"{path}: a system prompt of {len(system)} characters "
                                 f"cannot fit this engine's max_model_len={max_len}")

@@ -175,6 +175,13 @@ def test_other_model_dtype_or_block_size_is_refused(llama_dir, model_dirs, saved
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=512, block_size=32) as o:
         with pytest.raises(SnapshotError, match="block size"):
             o.restore(saved)
+    # a session longer than this engine's max_model_len could never take a turn here:
+    # refused before anything is loaded
+    n = len(snap.read_header(saved).token_ids)
+    with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=n - 1) as short:
+        with pytest.raises(SnapshotError, match="longer than this engine's max_model_len"):
+            short.restore(saved)
+        assert short.stats().tiers["device"].blocks_used == 0
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

@@ -252,6 +252,26 @@ def test_suspend_decisions(llama_dir, tmp_path):
         s.close()
 
 
+def test_a_session_larger_than_the_host_tier_evicts_nobody_from_it(llama_dir):
+    """Making host room for a session that could never fit there (more blocks than the
+    whole host tier) does not evict the idle sessions already on the host: it is dropped
+    (no disk tier), and they keep their KV there."""
+    bytes_per_block = 16 * 512  # the tiny model: 512 bytes a token
+    with make_llm(llama_dir, host_cache_memory=5 * bytes_per_block) as llm:
+        small = llm.session(sampling=G)
+        small.send("hi")
+        assert small.suspend(expected_idle_s=120.0) == "host"
+        big = llm.session(sampling=G)
+        big.send("x " * 150)
+        assert len(big.kv.blocks) > 5
+        assert big.suspend(expected_idle_s=120.0) == "drop"
+        assert small.state == "host" and small.num_cached_tokens > 0
+        before = small.token_ids
+        r = small.send("again")
+        assert r.token_ids == expected_turn(llm, small, before, r, G)
+        assert r.cached_tokens >= len(before) - 1
+
+
 def test_spill_after_idle(llama_dir):
     with make_llm(llama_dir, spill_after_s=1e-3) as llm:
         s = llm.session(sampling=G)

@@ -130,13 +130,20 @@ class TierPolicy:
         return s.tier
 
     def _make_host_room(self, num_blocks: int) -> None:
-        for other in sorted(self.sessions, key=lambda x: x.last_used):
+        """Move the oldest idle host-tier sessions to disk (or drop them) until `num_blocks`
+        host blocks are free; none when all of them together would not free enough (the
+        session being spilled goes to disk or is dropped anyway: evicting them would only
+        cost them their place)."""
+        idle = [o for o in sorted(self.sessions, key=lambda x: x.last_used)
+                if o.tier is Tier.HOST and not o.busy]
+        if self.host.num_free + sum(len(o.host_ids) for o in idle) < num_blocks:
+            return
+        for other in idle:
             if self.host.num_free >= num_blocks:
                 return
-            if other.tier is Tier.HOST and not other.busy:
-                if not (self.disk is not None and self._to_disk(other, len(other.blocks),
-                                                                "host tier full")):
-                    self.drop(other, reason="host tier full, no disk tier")
+            if not (self.disk is not None and self._to_disk(other, len(other.blocks),
+                                                            "host tier full")):
+                self.drop(other, reason="host tier full, no disk tier")
 
     def _to_disk(self, s: SessionKV, lead: int, reason: str) -> bool:
         if not self.mover.to_disk(s, lead):
