@@ -297,6 +297,39 @@ def test_a_salted_session_turn_stays_salted_with_a_worker_configured(llama_dir):
         assert_no_leak(llm)
 
 
+def test_a_busy_worker_survives_another_workers_death(llama_dir):
+    """A worker dies while another is busy with a prefill longer than the connect timeout:
+    the fence re-sends Hello to the busy one, which reads it only after its job; as long as
+    it answers its heartbeats it is busy, not unreachable, and is not declared dead."""
+    slow = "delay_rate=1.0,delay_s=6.0,seed=2"  # > the 5 s connect timeout
+    ws = [Worker(llama_dir, faults=slow), Worker(llama_dir, faults=slow)]
+    try:
+        ps = prompts(9, 1)
+        with LLM(llama_dir, prefill_worker=[w.address for w in ws], remote_prefill="always",
+                 remote_prefill_timeout_s=60, **KW) as llm:
+            conn = llm._rt.connector
+            wait_for(lambda: all(w.state == "ready" for w in conn.workers), 60, "ready")
+            out = []
+            t = threading.Thread(target=lambda: out.append(generate(llm, ps)))
+            t.start()
+            wait_for(lambda: len(conn.pending) == 1, 30, "a request at a worker")
+            busy = next(iter(conn.pending.values())).worker.address
+            other = next(w for w in ws if w.address != busy)
+            other.proc.kill()
+            other.proc.wait(timeout=30)
+            t.join(60)
+            assert out == [local(llama_dir, ps)]
+            st = llm.stats().remote
+            assert st.workers[busy].deaths == {}, st.workers[busy]
+            wait_for(lambda: next(w for w in conn.workers if w.address == busy).state
+                     == "ready", 30, "the busy worker ready again")
+            assert_no_leak(llm)
+    finally:
+        for w in ws:
+            if w.proc.poll() is None:
+                w.stop()
+
+
 def test_required_mode_fails_what_no_worker_prefilled_and_serves_on(llama_dir):
     """remote_prefill="required": a prompt no worker can take fails alone with
     RemotePrefillError naming the reason, not prefilled locally; a prompt under one block

@@ -127,6 +127,9 @@ class _Worker:
     retry_at: float = 0.0
     backoff: float = 0.0
     died: bool = False  # dead since its last handshake (the next one is a reconnect)
+    # connecting again while alive: re-sent Hello after a fence (new memory keys), which
+    # the worker reads only after the jobs queued before it
+    rehello: bool = False
     num_requests: int = 0
     # counters, for stats().remote.workers
     prefills: int = 0  # completed
@@ -418,7 +421,7 @@ class NixlPrefillClient(PrefillConnector):
         elif isinstance(msg, HelloOk):
             if w.state != "connecting":
                 return
-            w.state, w.since, w.reason = "ready", time.monotonic(), ""
+            w.state, w.since, w.reason, w.rehello = "ready", time.monotonic(), "", False
             w.agent_name = msg.agent_name
             w.max_tokens, w.max_message_bytes = msg.max_tokens, msg.max_message_bytes
             w.connects += 1
@@ -484,7 +487,7 @@ class NixlPrefillClient(PrefillConnector):
             if now - r.started > self.timeout_s:
                 self._fail(req_id, "timeout", False, out)
         for w in self.workers:
-            if w.state == "ready":
+            if w.state == "ready" or (w.state == "connecting" and w.rehello):
                 if now - w.last_ping >= self.heartbeat_s:
                     w.last_ping = now
                     if w.awaiting_pong is None:
@@ -495,8 +498,14 @@ class NixlPrefillClient(PrefillConnector):
                         pass
                 if w.awaiting_pong is not None and now - w.awaiting_pong > self.dead_after_s:
                     self._declare_dead(w, "no heartbeat", out)
-            elif w.state == "connecting" and now - w.since > self.connect_timeout_s:
-                self._declare_dead(w, w.handshake_failure or "unreachable", out)
+                    continue
+            if w.state == "connecting":
+                # a re-sent Hello waits behind the worker's queued jobs, each bounded by the
+                # request timeout: a worker that answers its heartbeats meanwhile is busy,
+                # not unreachable (declared so, a healthy worker fell with another's death)
+                limit = self.connect_timeout_s + (self.timeout_s if w.rehello else 0.0)
+                if now - w.since > limit:
+                    self._declare_dead(w, w.handshake_failure or "unreachable", out)
             elif w.state == "dead" and now >= w.retry_at:
                 log.info("prefill worker %s: reconnecting (attempt %d)", w.address,
                          w.attempts + 1)
@@ -509,7 +518,7 @@ class NixlPrefillClient(PrefillConnector):
         if w.state in ("dead", "refused"):
             return
         was_ready = w.state == "ready"
-        w.state, w.reason, w.died = "dead", reason, True
+        w.state, w.reason, w.died, w.rehello = "dead", reason, True, False
         self.router.forget(w.address)  # it may come back restarted, with an empty cache
         w.deaths[reason] = w.deaths.get(reason, 0) + 1
         self._close_socket(w)
@@ -526,7 +535,9 @@ class NixlPrefillClient(PrefillConnector):
             self.reg = self.agent.register_memory(list(self.tensors.values()))
             for other in self.workers:
                 if other.state in ("ready", "connecting"):
+                    rehello = other.state == "ready" or other.rehello
                     self._hello(other)  # new memory keys; old in-flight writes fail
+                    other.rehello = rehello
         for q in mine:
             self._fail(q, reason, True, out)
         for q in stale:
