@@ -550,6 +550,9 @@ def test_errors_are_openai_json_and_fail_alone(server, hermes_dir):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model=name, messages=msgs, extra_body={"max_tokens": "x"})
     assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI refuses it too
+        c.chat.completions.create(model=name, messages=msgs, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model=name, messages=msgs, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})

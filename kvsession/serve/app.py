@@ -191,6 +191,8 @@ class Server:
         if not isinstance(req.messages, list) or not req.messages:
             raise P.APIError(400, "messages must be a non-empty list of message objects",
                              param="messages")
+        if req.top_logprobs is not None and not req.logprobs:  # as OpenAI answers it
+            raise P.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = req.top_logprobs if req.top_logprobs is not None else 0
         params = P.sampling_params(req, self.default_max_tokens,
                                    top if req.logprobs else None,
