@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import torch
 
@@ -45,3 +46,31 @@ def expected_turn(llm, s, before: list[int], reply, params) -> list[int]:
     assert prompt[: len(before)] == before, "the turn rewrote the session's token log"
     return llm.generate(prompt_token_ids=[prompt], sampling_params=params,
                         use_tqdm=False)[0].token_ids
+
+
+def sends_racing_a_close(session, close, **send_kw) -> tuple[list[str], list[Exception]]:
+    """A thread sends on `session` in a loop; once three sends have returned, `close()` runs
+    here. Returns (the messages whose send returned, in order; the exception that ended the
+    loop: exactly one when the loop ended as it should)."""
+    acked: list[str] = []
+    errors: list[Exception] = []
+    three = threading.Event()
+
+    def sender():
+        for k in range(10_000):
+            try:
+                session.send(f"turn {k}", **send_kw)
+            except Exception as e:  # noqa: BLE001 - the caller asserts what ended the loop
+                errors.append(e)
+                return
+            acked.append(f"turn {k}")
+            if k == 2:
+                three.set()
+
+    t = threading.Thread(target=sender)
+    t.start()
+    assert three.wait(60), errors
+    close()
+    t.join(60)
+    assert not t.is_alive()
+    return acked, errors

@@ -32,7 +32,7 @@ from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.snapshot import messages_to_text
 from kvsession.tiers.snapshot_read import read_blocks
 from kvsession.tiers.writeback import WriteOp
-from oracle import expected_turn
+from oracle import expected_turn, sends_racing_a_close
 
 G = SamplingParams(max_tokens=4, temperature=0.0)
 SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."
@@ -135,25 +135,8 @@ def test_close_while_another_thread_sends_loses_no_acknowledged_turn(llama_dir, 
     being acknowledged and lost."""
     llm = new_llm(llama_dir, tmp_path)
     s = llm.session(system="sys", session_id="a")
-    acked, errors, three = [], [], threading.Event()
-
-    def sender():
-        for k in range(10_000):
-            try:
-                s.send(f"turn {k}", max_tokens=2, ignore_eos=True)
-            except Exception as e:  # noqa: BLE001 - what ended the loop is asserted below
-                errors.append(e)
-                return
-            acked.append(f"turn {k}")
-            if k == 2:
-                three.set()
-
-    t = threading.Thread(target=sender)
-    t.start()
-    assert three.wait(60)
-    llm.close()
-    t.join(60)
-    assert not t.is_alive() and len(errors) == 1
+    acked, errors = sends_racing_a_close(s, llm.close, max_tokens=2, ignore_eos=True)
+    assert len(errors) == 1
     assert isinstance(errors[0], (SessionClosedError, EngineClosedError)), errors
     with new_llm(llama_dir, tmp_path) as again:
         resumed = [m["content"] for m in again.session(session_id="a").messages

@@ -10,7 +10,7 @@ import pytest
 
 from kvsession import LLM, ConfigError, SamplingParams, SessionClosedError
 from kvsession.cache.prefix import common_prefix_len
-from oracle import expected_turn
+from oracle import expected_turn, sends_racing_a_close
 
 SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."
 G = SamplingParams(max_tokens=10, temperature=0.0)
@@ -169,25 +169,8 @@ def test_close_refuses_sends_racing_it(llama_dir):
     the close run, those after raise SessionClosedError; none runs on released KV."""
     with new_llm(llama_dir) as llm:
         s = llm.session(sampling=G)
-        errors, three, acked = [], threading.Event(), []
-
-        def sender():
-            for k in range(10_000):
-                try:
-                    s.send(f"msg {k}", max_tokens=2)
-                except Exception as e:  # noqa: BLE001 - asserted below
-                    errors.append(e)
-                    return
-                acked.append(k)
-                if k == 2:
-                    three.set()
-
-        t = threading.Thread(target=sender)
-        t.start()
-        assert three.wait(60)
-        s.close()
-        t.join(60)
-        assert not t.is_alive() and len(acked) >= 3
+        acked, errors = sends_racing_a_close(s, s.close, max_tokens=2)
+        assert len(acked) >= 3
         assert len(errors) == 1 and isinstance(errors[0], SessionClosedError), errors
         llm.check_integrity()
         dev = llm.stats().tiers["device"]
