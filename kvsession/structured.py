@@ -35,8 +35,68 @@ CACHE_SIZE = 64
 # characters, '"' (\x22) and '\\' (\x5c), or an escape (one decoded character each)
 STRING_CHAR = ('([ !#-\\x5b\\x5d-\ud7ff\ue000-\U0010ffff]|\\\\["\\\\/bfnrt]'
                '|\\\\u[0-9a-fA-F]{4})')
-# keys whose values are data, not subschemas
-_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
+# where JSON Schema keeps subschemas: everything else in a schema is data (enum, const,
+# default, examples...), which may hold anything, keys named like keywords included
+_SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                             "dependentSchemas"})
+_SUBSCHEMA_ONE = frozenset({"items", "additionalProperties", "additionalItems", "not",
+                            "contains", "propertyNames", "if", "then", "else",
+                            "unevaluatedItems", "unevaluatedProperties"})
+_SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+# keywords xgrammar compiles but does not enforce (measured with its matcher: outputs that
+# break them end as "stop"): refused, as vLLM refuses them for xgrammar
+_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+               "dependencies", "contains", "minContains", "maxContains")
+
+
+def _subschemas(node: dict):
+    """(path suffix, subschema) of every subschema directly under `node`."""
+    for k, v in node.items():
+        if k in _SUBSCHEMA_MAPS and isinstance(v, dict):
+            for name, sub in v.items():
+                yield f"/{k}/{name}", sub
+        elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
+            for i, sub in enumerate(v):
+                yield f"/{k}/{i}", sub
+        elif k in _SUBSCHEMA_ONE and isinstance(v, dict | bool):
+            yield f"/{k}", v
+
+
+def refuse_unenforced(node, where: str, path: str = "") -> None:
+    """ConfigError naming the first keyword of `node` (a JSON schema) that xgrammar would
+    compile without enforcing, and where it is: the output could break it and still end as
+    "stop", where every output must validate."""
+    if not isinstance(node, dict):
+        return
+    at = path or "/"
+    for key in _UNENFORCED:
+        if key in node:
+            raise ConfigError(f"{where} uses {key!r} (at {at}), which the grammar engine "
+                              f"(xgrammar) does not enforce")
+    if node.get("uniqueItems") is True:
+        raise ConfigError(f"{where} uses 'uniqueItems' (at {at}), which the grammar engine "
+                          f"(xgrammar) does not enforce")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        raise ConfigError(f"{where} uses 'allOf' with {len(node['allOf'])} schemas (at "
+                          f"{at}); the grammar engine (xgrammar) takes one")
+    if ("minLength" in node or "maxLength" in node) and ("pattern" in node or
+                                                          "format" in node):
+        raise ConfigError(f"{where} bounds a string's length beside a pattern or format (at "
+                          f"{at}), which the grammar engine (xgrammar) ignores: put the "
+                          f"length into the pattern")
+    for suffix, sub in _subschemas(node):
+        refuse_unenforced(sub, where, path + suffix)
+
+
+def checked_schema(schema, where: str):
+    """`schema` as it is given to xgrammar: refuse_unenforced, then
+    bounded_strings_as_patterns."""
+    refuse_unenforced(schema, where)
+    return bounded_strings_as_patterns(schema)
+
+
+def _is_length(v) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 
 
 def bounded_strings_as_patterns(node):
@@ -46,21 +106,35 @@ def bounded_strings_as_patterns(node):
     `pattern` path is JSON-string aware, so such a string (without a pattern or format of its
     own) gets the equivalent pattern: same lengths, valid JSON. The class is written as
     positive ranges of literal characters (STRING_CHAR): xgrammar's negated classes also
-    admit overlong and surrogate UTF-8 byte sequences, which decode to U+FFFD runs.
-    Returns a rewritten copy; the input is not changed."""
-    if isinstance(node, list):
-        return [bounded_strings_as_patterns(v) for v in node]
+    admit overlong and surrogate UTF-8 byte sequences, which decode to U+FFFD runs. Only
+    subschemas are rewritten (a property named "default" is one; an enum's values are
+    data); a string among several types (`["string", "null"]`) becomes one branch of an
+    anyOf per type. Returns a rewritten copy; the input is not changed."""
     if not isinstance(node, dict):
         return node
-    out = {k: v if k in _DATA_KEYS else bounded_strings_as_patterns(v) for k, v in node.items()}
+    out = dict(node)
+    for k, v in node.items():
+        if k in _SUBSCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: bounded_strings_as_patterns(sub) for name, sub in v.items()}
+        elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
+            out[k] = [bounded_strings_as_patterns(sub) for sub in v]
+        elif k in _SUBSCHEMA_ONE and isinstance(v, dict):
+            out[k] = bounded_strings_as_patterns(v)
     lo, hi = out.get("minLength"), out.get("maxLength")
-    if out.get("type") == "string" and (lo is not None or hi is not None) and \
-            "pattern" not in out and "format" not in out and \
-            all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
-                for v in (lo, hi)):
+    if (lo is None and hi is None) or "pattern" in out or "format" in out or \
+            not (_is_length(lo) and _is_length(hi)):
+        return out
+    kind = out.get("type")
+    if kind == "string":
         out.pop("minLength", None)
         out.pop("maxLength", None)
         out["pattern"] = f"^{STRING_CHAR}{{{lo or 0},{'' if hi is None else hi}}}$"
+    elif isinstance(kind, list) and "string" in kind:
+        rest = {k: v for k, v in out.items() if k != "type"}
+        out = {"anyOf": [bounded_strings_as_patterns({**rest, "type": t}) if t == "string"
+                         else {k: v for k, v in rest.items()
+                               if k not in ("minLength", "maxLength")} | {"type": t}
+                         for t in kind]}
     return out
 
 
@@ -145,11 +219,12 @@ class GrammarCompiler:
 
     def _compile(self, fmt: StructuredOutput):
         c = self._compiler
+        schema = None if fmt.json_schema is None else checked_schema(
+            json.loads(fmt.json_schema), "structured.json_schema")
         try:
-            if fmt.json_schema is not None:
+            if schema is not None:
                 # compact separators, no free whitespace: a random (or bad) model cannot pad
-                # the document with whitespace until max_tokens
-                schema = bounded_strings_as_patterns(json.loads(fmt.json_schema))
+                # the document with whitespace until max_tokens;
                 # ensure_ascii=False: STRING_CHAR reaches xgrammar as literal characters (its
                 # regex parser knows no \U escape)
                 return c.compile_json_schema(json.dumps(schema, ensure_ascii=False),

@@ -373,12 +373,13 @@ def call_grammar(fmt: ToolFormat, tools: tuple[tuple[int, str, str], ...],
     arguments as xgrammar's grammar of the schema (written with the templates' separators,
     no free whitespace, so a random model cannot pad the call until max_tokens), the literal
     suffix. Cached: a session's turns reuse the same tools."""
-    from kvsession.structured import _xgrammar, bounded_strings_as_patterns
+    from kvsession.structured import _xgrammar, checked_schema
 
     xgr = _xgrammar()
     alternatives = []
     for index, name, schema_json in tools:
-        schema = bounded_strings_as_patterns(json.loads(schema_json))
+        schema = checked_schema(json.loads(schema_json),
+                                f"tools[{index}].function.parameters")
         try:
             args = xgr.Grammar.from_json_schema(
                 json.dumps(schema, ensure_ascii=False), any_whitespace=False,

@@ -13,8 +13,14 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
-from kvsession import LLM, ConfigError, SamplingParams, StructuredOutput  # noqa: E402
-from kvsession.structured import bounded_strings_as_patterns  # noqa: E402
+from kvsession import (  # noqa: E402
+    LLM,
+    ConfigError,
+    KVSessionError,
+    SamplingParams,
+    StructuredOutput,
+)
+from kvsession.structured import bounded_strings_as_patterns, checked_schema  # noqa: E402
 from oracle import random_prompts  # noqa: E402
 
 S = "string"
@@ -265,6 +271,56 @@ def test_bounded_strings_compile_as_json_aware_patterns():
     assert out["properties"]["p"] == schema["properties"]["p"]  # has its own pattern
     assert out["properties"]["e"] == schema["properties"]["e"]  # data, not a schema
     assert schema["properties"]["s"]["maxLength"] == 5  # the input is not changed
+
+
+def test_bounded_strings_are_rewritten_wherever_a_subschema_is():
+    """A property named like a data keyword is a subschema (rewritten); a string among
+    several types becomes an anyOf branch of its own (rewritten)."""
+    schema = {"type": "object", "properties": {
+        "default": {"type": S, "maxLength": 3},
+        "maybe": {"type": [S, "null"], "maxLength": 2, "description": "d"}}}
+    out = bounded_strings_as_patterns(schema)
+    assert out["properties"]["default"]["pattern"].endswith("{0,3}$")
+    branches = out["properties"]["maybe"]["anyOf"]
+    assert branches[0]["type"] == S and branches[0]["pattern"].endswith("{0,2}$")
+    assert branches[1] == {"type": "null", "description": "d"}
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "array", "items": {"type": INT}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "contains": {"const": 7}}, "contains"),
+    ({"type": INT, "not": {"const": 0}}, "not"),
+    ({"type": "object", "properties": {"a": {"if": {"const": 1}, "then": {"const": 1}}}},
+     "if"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"allOf": [{"type": INT, "minimum": 5}, {"type": INT, "maximum": 3}]}, "allOf"),
+    ({"type": "object", "properties": {"s": {"type": S, "maxLength": 3,
+                                             "pattern": "^[a-z]+$"}}}, "length"),
+])
+def test_keywords_xgrammar_does_not_enforce_are_config_errors(llm, schema, keyword):
+    """xgrammar compiles these without enforcing them (outputs that break them end as
+    "stop"): refused at submission, naming the keyword and where (a forced tool's parameters
+    go through the same check: checked_schema). A property only named like one is fine."""
+    p = SamplingParams(max_tokens=8, structured=StructuredOutput(json_schema=schema))
+    with pytest.raises(ConfigError, match=rf"^structured.json_schema .*{keyword}"):
+        llm.generate("x", p, use_tqdm=False)
+    with pytest.raises(ConfigError, match=rf"^tools\[0\].*{keyword}.*/properties/v"):
+        checked_schema({"type": "object", "properties": {"v": schema}},
+                       "tools[0].function.parameters")
+    named = {"type": "object", "properties": {"not": {"type": INT}, "if": {"type": S}}}
+    out = llm.generate("x", SamplingParams(max_tokens=40, structured=StructuredOutput(
+        json_schema=named)), use_tqdm=False)[0]
+    assert out.finish_reason == "length" or jsonschema.validate(json.loads(out.text), named) \
+        is None
+
+
+def test_a_format_that_allows_no_token_fails_as_a_kvsession_error(llm):
+    """A grammar whose language is empty compiles; its request fails alone with a
+    KVSessionError that names the format, and the engine serves on."""
+    p = SamplingParams(max_tokens=4, structured=StructuredOutput(grammar="root ::= root"))
+    with pytest.raises(KVSessionError, match="structured format allows no token"):
+        llm.generate("x", p, use_tqdm=False)
+    assert llm.generate("x", SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids
 
 
 def test_mask_covers_a_vocabulary_larger_than_the_tokenizer(model_dirs):

@@ -25,13 +25,20 @@ import numpy as np
 import torch
 
 from kvsession.engine.sequence import Sequence
+from kvsession.errors import KVSessionError
 from kvsession.structured import BatchMask
 
 Sampled = tuple[int, dict[int, float] | None]
 
 
-class SamplingFailed(FloatingPointError):
-    """One request's logits cannot be sampled (NaN, or no finite probability mass)."""
+class SamplingFailed(KVSessionError, FloatingPointError):
+    """One request's logits cannot be sampled (NaN, or no finite probability mass: e.g. a
+    structured format whose language is empty allows no token)."""
+
+
+def _format_hint(seq: Sequence) -> str:
+    return "" if seq.grammar is None else \
+        " (its structured format allows no token here: can its language match anything?)"
 
 
 def _needs_processing(seq: Sequence) -> bool:
@@ -114,7 +121,8 @@ def distribution(x: torch.Tensor, seq: Sequence) -> torch.Tensor:
     if not bool(torch.isfinite(probs).all()) or not float(total) > 0:
         # e.g. a +inf logit (inf - inf), or a format that allows no token
         raise SamplingFailed(f"the logits of request {seq.seq_id} give no valid "
-                             f"distribution at temperature {p.temperature}")
+                             f"distribution at temperature {p.temperature}"
+                             + _format_hint(seq))
     return probs / total
 
 
@@ -156,7 +164,8 @@ class Sampler:
                 if p.greedy:
                     token = greedy[row]
                     if not a[row, token] > -np.inf:  # +inf is a fine argmax
-                        raise SamplingFailed(f"no token of request {seq.seq_id} is allowed")
+                        raise SamplingFailed(f"no token of request {seq.seq_id} is allowed"
+                                             + _format_hint(seq))
                 else:
                     gen = seq.generator or self.generator
                     token = int(torch.multinomial(distribution(x[row], seq), 1, generator=gen))
