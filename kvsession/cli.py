@@ -21,7 +21,8 @@ def default_model_dir() -> Path:
 def ensure_tiny_model(path: Path) -> Path:
     from kvsession.testing import make_tiny_model
 
-    if not (path / "config.json").is_file():
+    # the weights are written last: without them an earlier build was interrupted
+    if not ((path / "config.json").is_file() and (path / "model.safetensors").is_file()):
         print(f"building the built-in tiny model in {path} ...")
         make_tiny_model(path, arch="llama", hidden_size=128, intermediate_size=256,
                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -99,14 +100,25 @@ def _missing_server_extra(why: str) -> int:
     return 1
 
 
+def _positive(text: str) -> int:
+    """An int >= 1 (argparse prints the usage line and this message for anything else)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvsession",
                                 description="kvsession: LLM sessions whose KV cache is state")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="agent demo on a built-in tiny model")
     d.add_argument("--model", help="a HF checkpoint directory (default: built-in tiny model)")
-    d.add_argument("--sessions", type=int, default=6, help="concurrent agent sessions")
-    d.add_argument("--turns", type=int, default=3, help="turns per session")
+    d.add_argument("--sessions", type=_positive, default=6, help="concurrent agent sessions")
+    d.add_argument("--turns", type=_positive, default=3, help="turns per session")
     d.add_argument("--session-dir", help="where sessions persist (default: a temp dir)")
     d.set_defaults(fn=cmd_demo)
     g = sub.add_parser("generate", help="generate a completion for one prompt")

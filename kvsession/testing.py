@@ -249,6 +249,8 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "cur
             "model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast"}
     if layout == "classic":
         tcfg["chat_template"] = template
+        # a template file left by an earlier build would take precedence over this one
+        (out / "chat_template.jinja").unlink(missing_ok=True)
     else:
         (out / "chat_template.jinja").write_text(template)
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from kvsession import LLM, ConfigError, KVSessionError, ModelLoadError, SamplingParams
@@ -83,6 +84,91 @@ def test_mistral_sliding_window_refused_unless_it_never_applies(model_dirs, tmp_
         LLM(d, kv_cache_memory="4MiB", max_model_len=512)
     with LLM(d, kv_cache_memory="4MiB", max_model_len=256) as llm:
         assert llm.runtime.max_model_len == 256
+
+
+def _write_json(d, name, value):
+    (d / name).write_text(json.dumps(value))
+
+
+@pytest.mark.parametrize("break_it, match", [
+    (lambda d: _write_json(d, "config.json", [1]), "config.json must hold a JSON object"),
+    (lambda d: edit_config(d, num_attention_heads=0), "must be positive"),
+    (lambda d: edit_config(d, num_hidden_layers=0), "must be positive"),
+    (lambda d: edit_config(d, rope_parameters=None, rope_scaling=[1]), "rope scaling"),
+    (lambda d: edit_config(d, quantization_config={"quant_method": "fp8"}),
+     "quantized checkpoints are not supported.*fp8"),
+    (lambda d: _write_json(d, "tokenizer_config.json", [1]), "tokenizer_config.json must"),
+    (lambda d: (d / "tokenizer_config.json").write_bytes(b'{"a": "\xff"}'),
+     "tokenizer_config.json is not valid JSON"),
+    (lambda d: _write_json(d, "generation_config.json", [1]), "generation_config.json must"),
+    (lambda d: _write_json(d, "generation_config.json", {"eos_token_id": "x"}),
+     "eos_token_id must be a token id"),
+    (lambda d: (d / "chat_template.jinja").write_text("{% for m in messages %}{{ m }"),
+     "chat template does not compile"),
+])
+def test_malformed_checkpoint_files_are_model_load_errors(llama_dir, tmp_path, break_it,
+                                                          match):
+    d = copy(llama_dir, tmp_path)
+    break_it(d)
+    with pytest.raises(ModelLoadError, match=match):
+        LLM(d, kv_cache_memory="4MiB")
+
+
+def test_quantized_weights_are_refused(llama_dir, tmp_path):
+    """Weights stored in a quantized dtype (fp8, int8) with no quantization_config: cast to
+    float their values are garbage, so they are refused by name."""
+    from safetensors.torch import load_file, save_file
+    d = copy(llama_dir, tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=rf"{name}.*float8_e4m3fn"):
+        LLM(d, kv_cache_memory="4MiB")
+
+
+def test_chat_templates_use_what_transformers_allows(llama_dir, tmp_path):
+    """{% break %} / {% continue %} and {% generation %} render as under transformers."""
+    d = copy(llama_dir, tmp_path)
+    (d / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+        "{% generation %}<{{ m['role'] }}>{{ m['content'] }}{% endgeneration %}"
+        "{% endfor %}")
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    with LLM(d, kv_cache_memory="4MiB") as llm:
+        assert llm.tokenizer.render_chat(msgs, add_generation_prompt=False) == "<user>hi"
+
+
+def test_rope_parameters_without_their_theta(llama_dir, tmp_path):
+    """The current layout's rope_parameters may leave rope_theta at the top level: the
+    scaling still applies (it was read as plain RoPE)."""
+    from kvsession.model.config import load_model_spec
+    d = copy(llama_dir, tmp_path)
+    edit_config(d, rope_parameters={"rope_type": "linear", "factor": 2.0}, rope_theta=5e5)
+    rope = load_model_spec(d).rope
+    assert (rope.rope_type, rope.factor, rope.theta) == ("linear", 2.0, 5e5)
+
+
+def test_eos_ids_follow_transformers(llama_dir, tmp_path):
+    """generation_config.json's eos_token_id, else config.json's (a list too), else the
+    tokenizer's eos_token."""
+    d = copy(llama_dir, tmp_path)
+    (d / "generation_config.json").unlink()
+    edit_config(d, eos_token_id=[2, 0])
+    with LLM(d, kv_cache_memory="4MiB") as llm:
+        assert llm.tokenizer.eos_token_ids == {0, 2}
+
+
+def test_a_mistral_config_without_a_window_has_mistrals_default(model_dirs, tmp_path):
+    """transformers' MistralConfig applies a 4096 window when config.json has no
+    sliding_window key: so does the check that refuses windows shorter than the context."""
+    d = copy(model_dirs("mistral"), tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("sliding_window", None)
+    cfg["max_position_embeddings"] = 8192
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="sliding_window=4096"):
+        LLM(d, kv_cache_memory="64MiB", max_model_len=8192)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -56,6 +56,10 @@ def test_cli_errors_are_one_line(tmp_path):
     bad = cli("inspect", str(junk))
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1
     assert "SnapshotError" in bad.stderr
+    for arg in ("--sessions", "--turns"):  # a usage error, before anything is built
+        bad = cli("demo", arg, "0")
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr
+        assert f"argument {arg}: must be >= 1, got 0" in bad.stderr
 
 
 def test_cli_make_model_and_generate(tmp_path):

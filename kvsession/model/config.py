@@ -60,19 +60,24 @@ class ModelSpec:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except FileNotFoundError:
         raise ModelLoadError(f"missing file: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _rope_spec(cfg: dict) -> RopeSpec:
     params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        theta, scaling = params["rope_theta"], params
+    if isinstance(params, dict) and params:  # current layout (its theta may sit outside it)
+        theta, scaling = params.get("rope_theta", cfg.get("rope_theta", 10000.0)), params
     else:  # classic layout
         theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise ModelLoadError(f"config.json: rope scaling must be an object, got {scaling!r:.80}")
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
@@ -90,6 +95,11 @@ def _rope_spec(cfg: dict) -> RopeSpec:
 
 def load_model_spec(model_dir: Path) -> ModelSpec:
     cfg = _read_json(Path(model_dir) / "config.json")
+    quant = cfg.get("quantization_config")
+    if quant:  # its weights are scaled integers or fp8: read as floats they are garbage
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ModelLoadError(f"quantized checkpoints are not supported (quantization_config: "
+                             f"{method!r}); use the float (float32, bfloat16, float16) weights")
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -124,10 +134,15 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
         raise ModelLoadError(f"config.json has a malformed field: {e}") from None
     if spec.hidden_act != "silu":
         raise ModelLoadError(f"unsupported hidden_act {spec.hidden_act!r}; supported: ['silu']")
+    if min(hidden, num_heads, num_kv_heads, head_dim, spec.num_layers, spec.vocab_size,
+           spec.intermediate_size) <= 0:
+        raise ModelLoadError("config.json: sizes (hidden_size, num_attention_heads, "
+                             "num_key_value_heads, head_dim, num_hidden_layers, vocab_size, "
+                             "intermediate_size) must be positive")
     if num_heads % num_kv_heads:
         raise ModelLoadError(
             f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads="
@@ -139,7 +154,8 @@ def _sliding_window(arch: str, cfg: dict) -> int | None:
     # Qwen2/3 configs carry sliding_window but only apply it with use_sliding_window=true.
     if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
         return None
-    window = cfg.get("sliding_window")
+    # MistralConfig's default when the key is absent (transformers applies it)
+    window = cfg.get("sliding_window", 4096 if arch.startswith("Mistral") else None)
     return None if window is None else int(window)
 
 

@@ -18,6 +18,8 @@ from safetensors import safe_open
 from kvsession.errors import ModelLoadError
 from kvsession.model.config import ModelSpec
 
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
     model_dir = Path(model_dir)
@@ -25,8 +27,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise ModelLoadError(f"{index} is malformed: {e!r}") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"{index} is malformed: weight_map must map tensor names to "
+                                 f"file names")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
     elif (model_dir / "model.safetensors").is_file():
         files = [model_dir / "model.safetensors"]
@@ -91,6 +97,10 @@ def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype,
                         raise ModelLoadError(
                             f"tensor {name!r} in {path.name} has shape {tuple(t.shape)}, "
                             f"expected {wanted[name]}")
+                    if t.dtype not in FLOAT_DTYPES:  # quantized: cast, its values are garbage
+                        raise ModelLoadError(
+                            f"tensor {name!r} in {path.name} is {t.dtype}: kvsession loads "
+                            f"float weights (float32, bfloat16, float16), not quantized ones")
                     out[name] = t.to(device=device, dtype=dtype)
         except ModelLoadError:
             raise

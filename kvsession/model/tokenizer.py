@@ -13,6 +13,8 @@ import math
 from datetime import datetime
 from pathlib import Path
 
+import jinja2
+import jinja2.ext
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
@@ -178,6 +180,31 @@ def _token_text(value) -> str | None:
     return value
 
 
+def _json_object(path: Path) -> dict:
+    """A checkpoint's optional JSON file ({} when absent); ModelLoadError if malformed."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path.name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path.name} must hold a JSON object, got "
+                             f"{type(value).__name__}")
+    return value
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's text
+    with it (for training masks); rendering, it is its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 class Tokenizer:
     """Encodes, decodes and renders chats for one checkpoint. Immutable after construction,
     safe to share between threads."""
@@ -191,24 +218,27 @@ class Tokenizer:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as e:
             raise ModelLoadError(f"cannot read {path}: {e}") from None
-        tcfg = {}
-        if (model_dir / "tokenizer_config.json").is_file():
-            try:
-                tcfg = json.loads((model_dir / "tokenizer_config.json").read_text())
-            except json.JSONDecodeError as e:
-                raise ModelLoadError(f"tokenizer_config.json is not valid JSON: {e}") from None
+        tcfg = _json_object(model_dir / "tokenizer_config.json")
         self.bos_token = _token_text(tcfg.get("bos_token"))
         self.eos_token = _token_text(tcfg.get("eos_token"))
         self.chat_template = self._find_template(model_dir, tcfg)
         self.eos_token_ids = self._find_eos_ids(model_dir, config_eos_ids)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # the extensions transformers' template environment has: {% break %} / {% continue %}
+        # and {% generation %} (a template using them renders there, so it must here)
+        self._env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _GenerationTag])
         self._env.globals["raise_exception"] = _raise_exception
         # as transformers provides it: templates (Llama 3.x) date their system turn with it
         self._env.globals["strftime_now"] = _strftime_now
         self._env.filters["tojson"] = _tojson
-        self._template = (self._env.from_string(self.chat_template)
-                          if self.chat_template else None)
+        try:
+            self._template = (self._env.from_string(self.chat_template)
+                              if self.chat_template else None)
+        except jinja2.TemplateError as e:
+            raise ModelLoadError(f"the checkpoint's chat template does not compile: "
+                                 f"{type(e).__name__}: {e}") from None
         self.digest = hashlib.sha256(path.read_bytes()).hexdigest()
         self.template_digest = hashlib.sha256((self.chat_template or "").encode()).hexdigest()
 
@@ -216,28 +246,35 @@ class Tokenizer:
     def _find_template(model_dir: Path, tcfg: dict) -> str | None:
         jinja = model_dir / "chat_template.jinja"
         if jinja.is_file():
-            return jinja.read_text()
+            try:
+                return jinja.read_text()
+            except UnicodeDecodeError as e:
+                raise ModelLoadError(f"{jinja} is not UTF-8 text: {e}") from None
         tpl = tcfg.get("chat_template")
         if isinstance(tpl, list):  # [{"name": "default", "template": "..."}, ...]
             named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
-            return named.get("default") or next(iter(named.values()), None)
+            tpl = named.get("default") or next(iter(named.values()), None)
+        if tpl is not None and not isinstance(tpl, str):
+            raise ModelLoadError(f"tokenizer_config.json: chat_template must be a string, "
+                                 f"got {tpl!r:.80}")
         return tpl
 
     def _find_eos_ids(self, model_dir: Path, config_eos_ids: list[int] | None) -> frozenset[int]:
-        ids: list[int] = []
-        gen = model_dir / "generation_config.json"
-        if gen.is_file():
-            try:
-                eos = json.loads(gen.read_text()).get("eos_token_id")
-            except json.JSONDecodeError as e:
-                raise ModelLoadError(f"generation_config.json is not valid JSON: {e}") from None
-            ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if not ids and config_eos_ids:
-            ids += config_eos_ids
+        """transformers' order: generation_config.json's eos_token_id, else config.json's
+        (both may be a list: Llama 3.1 stops on three), else the tokenizer's eos_token."""
+        def listed(name: str) -> list:
+            eos = _json_object(model_dir / name).get("eos_token_id")
+            return eos if isinstance(eos, list) else [] if eos is None else [eos]
+
+        ids = listed("generation_config.json") or list(config_eos_ids or ()) \
+            or listed("config.json")
         if not ids and self.eos_token is not None:
             tid = self._tok.token_to_id(self.eos_token)
             ids += [tid] if tid is not None else []
-        return frozenset(int(i) for i in ids)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ModelLoadError(f"eos_token_id must be a token id or a list of them, "
+                                 f"got {ids!r:.80}")
+        return frozenset(ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; ConfigError if it is not valid Unicode (a lone surrogate)."""
