@@ -266,6 +266,12 @@ class Session:
                               f"of them, got {message!r:.80}")
         new_msgs = check_messages(message, "message")
         params = self.sampling.with_overrides(**overrides) if overrides else self.sampling
+        if params.cache_salt != self.sampling.cache_salt:
+            # the turn extends the session's KV, hashed under the session's salt: its new
+            # blocks would be published in the session's namespace, not the turn's
+            raise ConfigError(f"cache_salt must be the session's ({self.sampling.cache_salt!r})"
+                              f" in its turns, got {params.cache_salt!r}: a session is one "
+                              f"tenant's (llm.session(cache_salt=...))")
         if tools is not UNSET and tools != self.renderer.tools and \
                 self.history is HistoryMode.APPEND:
             raise ConfigError("tools of a session with history='append' are rendered into its "

@@ -310,6 +310,10 @@ BAD_CALLS = [
     ("generate surrogate", lambda llm, s: llm.generate("x\udfff", use_tqdm=False),
      "must be valid Unicode text"),
     ("send surrogate", lambda llm, s: s.send("\ud800"), "must be valid Unicode text"),
+    # a turn extends its session's KV, hashed under the session's salt: another salt would
+    # publish the turn's blocks in the session's namespace
+    ("send other salt", lambda llm, s: s.send("x", cache_salt="b"),
+     r"^cache_salt must be the session's \(None\) in its turns, got 'b'"),
     ("session system surrogate", lambda llm, s: llm.session(system="\ud800"),
      "^system must be valid Unicode text"),
     ("chat add_generation_prompt", lambda llm, s: llm.chat(
