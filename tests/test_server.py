@@ -560,6 +560,13 @@ def test_errors_are_openai_json_and_fail_alone(server, hermes_dir):
     with pytest.raises(openai.APIStatusError) as e:
         c.chat.completions.create(model=name, messages=long, max_tokens=4)
     assert e.value.status_code == 413 and e.value.body["code"] == "context_length_exceeded"
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.APIStatusError) as e:  # named by the endpoint's own field
+        c.completions.create(model=name, prompt=long[0]["content"], max_tokens=4)
+    assert e.value.status_code == 413 and e.value.body["param"] == "prompt"
+    with pytest.raises(openai.APIStatusError) as e:  # per request: chat still says messages
+        c.chat.completions.create(model=name, messages=long, max_tokens=4)
+    assert e.value.body["param"] == "messages"
     with pytest.raises(openai.APIStatusError) as e:  # streamed: still an HTTP status
         list(c.chat.completions.create(model=name, messages=long, max_tokens=4, stream=True))
     assert e.value.status_code == 413

@@ -398,6 +398,7 @@ class Server:
     # ---- /v1/completions -------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
+        P.PROMPT_FIELD.set("prompt")  # this request's task (and those it starts) only
         req: P.CompletionRequest = await self._body(request, P.CompletionRequest)
         if req.suffix:
             raise P.APIError(400, "suffix is not supported", param="suffix")

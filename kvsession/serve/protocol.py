@@ -10,6 +10,7 @@ onto `SamplingParams` (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ig
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
 import time
@@ -54,12 +55,19 @@ _TOO_LONG = re.compile(r"prompt of \d+ tokens .*max_model_len")
 _LEADING_NAME = re.compile(r"^([a-z_][a-z0-9_]*)[\s\[=]")
 
 
+# the request field a prompt comes in, per endpoint ("prompt" for /v1/completions): what a
+# too-long prompt's error names (set by the endpoint; tasks it starts inherit it)
+PROMPT_FIELD: contextvars.ContextVar[str] = contextvars.ContextVar("prompt_field",
+                                                                  default="messages")
+
+
 def from_engine_error(e: Exception, fields: tuple[str, ...] = ()) -> APIError:
     """The HTTP answer to an error the engine raised for one request."""
     msg = str(e)
     if isinstance(e, ConfigError):
         if _TOO_LONG.search(msg):
-            return APIError(413, msg, param="messages", code="context_length_exceeded")
+            return APIError(413, msg, param=PROMPT_FIELD.get(),
+                            code="context_length_exceeded")
         m = _LEADING_NAME.match(msg)  # ConfigError messages start with the argument's name
         param = m.group(1) if m and (not fields or m.group(1) in fields) else None
         return APIError(400, msg, param=param)
