@@ -215,6 +215,22 @@ def test_a_summary_names_the_lock_holder():
     assert r.sessions_on("replica-1") == 1
 
 
+def test_a_refused_session_follows_the_summary_once_released():
+    """What the ingress does on a 409 session_locked (the session is open on another
+    replica than the router guessed): it releases the request's hold, then asks every
+    replica for its summary. A summary does not move a session a request still holds (a
+    stale one could), so the release comes first; then the retry goes to the holder."""
+    r = ready_router()
+    d = r.route_session("guessed-wrong")
+    holder = next(n for n in r.names if n != d.replica)
+    r.started(d, "guessed-wrong")
+    r.report(holder, set(), ["guessed-wrong"])
+    assert r.route_session("guessed-wrong").replica == d.replica  # held: not moved
+    r.finished(d, "guessed-wrong")
+    r.report(holder, set(), ["guessed-wrong"])
+    assert r.route_session("guessed-wrong").replica == holder
+
+
 def test_no_ready_replica_and_bad_arguments():
     r = ReplicaRouter(["a", "b"])
     assert r.route_session("s") is None and r.route_conversation([b"k"]) is None
@@ -388,6 +404,14 @@ def test_streams_models_and_errors_pass_through(cluster):
     assert [m.id for m in client.models.list().data] == [cluster.model]
     with pytest.raises(pytest.importorskip("openai").NotFoundError):  # the error JSON, relayed
         client.chat.completions.create(model="no-such-model", messages=msgs, max_tokens=2)
+    # the ingress's own errors are OpenAI's JSON too, and a body it cannot key (a lone
+    # surrogate) still reaches a replica, which answers its 400
+    for method, path, body, status in (
+            ("GET", "/v1/nothing", None, 404), ("GET", "/v1/chat/completions", None, 405),
+            ("POST", "/v1/chat/completions", {"model": cluster.model, "messages": [
+                {"role": "user", "content": "\ud800"}]}, 400)):
+        got, _, answer = cluster.request(method, path, body)  # JSON, or it raises
+        assert got == status and {"message", "type"} <= set(answer["error"]), answer
     text = client.completions.create(model=cluster.model, prompt="the agent reads",
                                      max_tokens=4, temperature=0).choices[0].text
     assert isinstance(text, str)

@@ -122,10 +122,8 @@ class Server:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     async def _http_error(self, request: Request, e: HTTPException) -> Response:
-        what = "route" if e.status_code == 404 else "method"
-        return await self._api_error(request, P.APIError(
-            e.status_code, f"{e.detail}: no {what} {request.method} {request.url.path}",
-            code="not_found" if e.status_code == 404 else None))
+        return await self._api_error(request, P.from_routing_error(
+            e.status_code, e.detail, request.method, request.url.path))
 
     async def _internal_error(self, request: Request, e: Exception) -> Response:
         # Starlette re-raises the exception after this answer: uvicorn logs its traceback

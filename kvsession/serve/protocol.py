@@ -61,6 +61,13 @@ PROMPT_FIELD: contextvars.ContextVar[str] = contextvars.ContextVar("prompt_field
                                                                   default="messages")
 
 
+def from_routing_error(status: int, detail: str, method: str, path: str) -> APIError:
+    """Starlette's routing errors (404 no route, 405 no method) as OpenAI error JSON."""
+    what = "route" if status == 404 else "method"
+    return APIError(status, f"{detail}: no {what} {method} {path}",
+                    code="not_found" if status == 404 else None)
+
+
 def from_engine_error(e: Exception, fields: tuple[str, ...] = ()) -> APIError:
     """The HTTP answer to an error the engine raised for one request."""
     msg = str(e)

@@ -25,6 +25,7 @@ from collections import Counter
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -190,10 +191,20 @@ class Ingress:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/admin/drain/{replica}", self.drain, methods=["POST"]),
         ]
-        return Starlette(routes=routes, exception_handlers={P.APIError: self._api_error})
+        # every answer is OpenAI's error JSON, as the single-process server's
+        return Starlette(routes=routes, exception_handlers={
+            HTTPException: self._http_error, P.APIError: self._api_error,
+            Exception: self._internal_error})
 
     async def _api_error(self, request: Request, e: P.APIError) -> Response:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    async def _http_error(self, request: Request, e: HTTPException) -> Response:
+        return await self._api_error(request, P.from_routing_error(
+            e.status_code, e.detail, request.method, request.url.path))
+
+    async def _internal_error(self, request: Request, e: Exception) -> Response:
+        return await self._api_error(request, P.from_engine_error(e))
 
     def _check(self, request: Request) -> None:
         check_bearer(request, self.api_key)
@@ -211,9 +222,12 @@ class Ingress:
         messages = req.get("messages")
         keys = []
         if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
-            keys = conversation_keys(messages, req.get("tools"),
-                                     req.get("chat_template_kwargs"),
-                                     req.get("cache_salt"))[1:]
+            # a body its keys cannot be computed from goes on without them: the replica
+            # answers its 400 (malformed tool calls, non-text parts, lone surrogates)
+            with contextlib.suppress(Exception):
+                keys = conversation_keys(messages, req.get("tools"),
+                                         req.get("chat_template_kwargs"),
+                                         req.get("cache_salt"))[1:]
         return await self._send(request, body, lambda: self.router.route_conversation(keys),
                                 keys=keys)
 
@@ -221,7 +235,9 @@ class Ingress:
         self._check(request)
         body = await request.body()
         prompt = _json(body).get("prompt")
-        keys = _prompt_keys(prompt if isinstance(prompt, str) else json.dumps(prompt))
+        keys = []
+        with contextlib.suppress(Exception):  # as for chat: the replica answers the 400
+            keys = _prompt_keys(prompt if isinstance(prompt, str) else json.dumps(prompt))
         return await self._send(request, body, lambda: self.router.route_other(keys))
 
     async def passthrough(self, request: Request) -> Response:
@@ -257,8 +273,12 @@ class Ingress:
                 upstream = await self._forward(d.replica, request, body)
                 if (upstream.status_code == 409 and session_id is not None
                         and not tried_locked and await _is_locked(upstream)):
-                    # open on a replica this ingress has not heard of: ask them all
-                    tried_locked = True
+                    # open on a replica this ingress has not heard of: ask them all. This
+                    # request's hold on the session is released first: a summary does not
+                    # move a session with a request in flight (a stale one could), so the
+                    # retry went to the same replica and its 409 reached the client
+                    tried_locked, handed = True, True
+                    self.router.finished(d, session_id)
                     await asyncio.gather(*(self._summary(n) for n in self.router.ready()))
                     continue
                 if upstream.status_code == 200 and keys:
