@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvsession import costmodel
-from kvsession.errors import ConfigError
+from kvsession.validation import check_float
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,9 @@ class SLO:
     tpot_s: float = 0.2
 
     def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.tpot_s > 0):
-            raise ConfigError(f"SLO targets must be > 0, got {self}")
+        for name in ("ttft_s", "tpot_s"):  # a number > 0 (not a bool, not inf)
+            object.__setattr__(self, name, check_float(
+                name, getattr(self, name), min_value=0.0, min_inclusive=False, finite=True))
 
 
 class RequestMetrics(msgspec.Struct):

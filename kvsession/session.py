@@ -55,8 +55,9 @@ log = logging.getLogger("kvsession")
 
 @dataclass
 class Reply:
-    """One turn's answer. prefill_tokens: prompt tokens computed this turn; cached_tokens:
-    prompt tokens whose KV was reused; restored_from: where that KV came from;
+    """One turn's answer. prefill_tokens: prompt tokens computed this turn (a prompt
+    computed again after a preemption counts again); cached_tokens: prompt tokens whose KV
+    was reused; prompt_tokens: the turn's prompt; restored_from: where that KV came from;
     diverged_at: first position where the re-rendered history differed from the cache
     (template history); reasoning: the reply's thinking when the template marks it
     (<think>...</think>; `text` is then the answer after it)."""
@@ -72,6 +73,7 @@ class Reply:
     logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
     reasoning: str | None = None
     tool_calls: list = field(default_factory=list)
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -339,7 +341,8 @@ class Session:
                       restored_from="remote" if seq.num_remote_tokens else
                       (info.restored_from or "device") if cached else None,
                       diverged_at=info.diverged_at, logprobs=out.logprobs,
-                      reasoning=reasoning, tool_calls=calls)
+                      reasoning=reasoning, tool_calls=calls,
+                      prompt_tokens=seq.num_prompt_tokens)
         st = self.stats
         st.turns += 1
         st.prompt_tokens += seq.num_prompt_tokens

@@ -4,11 +4,12 @@ and the nearest-rank percentile, on hand-built records whose answers are worked 
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from kvsession import costmodel
+from kvsession import LLM, ConfigError, SamplingParams, costmodel
 from kvsession.metrics import SLO, LatencyStats, LatencyTracker, RequestMetrics, percentile
 
 
@@ -123,3 +124,25 @@ def test_percentile_edge_cases():
     assert percentile(hundred, 99) == 99
     assert percentile(hundred, 100) == 100
     assert percentile([3.0, 3.0, 3.0, 9.0], 75) == 3.0  # duplicates keep their ranks
+
+
+@pytest.mark.parametrize("bad", [{"ttft_s": "2"}, {"ttft_s": None}, {"tpot_s": [1]},
+                                 {"ttft_s": True}, {"tpot_s": 0}, {"ttft_s": math.inf}])
+def test_slo_targets_are_finite_positive_numbers(bad):
+    with pytest.raises(ConfigError, match=f"^{next(iter(bad))} must be"):
+        SLO(**bad)
+
+
+def test_a_prompt_logprobs_request_waiting_for_blocks_queries_nothing(llama_dir):
+    """A request with prompt_logprobs never looks the prefix cache up: waiting for blocks,
+    step after step, it must not take back queries it never made (the counter went
+    negative, and the hit rate with it)."""
+    a, b = list(range(10, 110)), list(range(200, 260))  # b waits for a's blocks
+    with LLM(llama_dir, kv_cache_memory=80 * 1024, max_model_len=160) as llm:
+        llm.generate(prompt_token_ids=[a, b], sampling_params=[
+            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)],
+            use_tqdm=False)
+        st = llm.stats()
+        assert st.num_preemptions == 0 and st.prefix.queried_tokens == len(a) - 1
+        assert 0 <= st.prefix.hit_rate <= 1

@@ -177,6 +177,28 @@ def test_close_refuses_sends_racing_it(llama_dir):
         assert dev.blocks_used == dev.blocks_pinned
 
 
+def test_a_preempted_turn_reports_its_prompt_once(llama_dir):
+    """A turn preempted by a request that needs the whole pool computes its prompt again:
+    prefill_tokens counts that, prompt_tokens stays the prompt (the server's usage and
+    prompt-token metrics are built from it)."""
+    from kvsession.serve import protocol as P  # the server's usage from a Reply
+
+    async def both(llm, s):
+        return await asyncio.gather(
+            llm.agenerate(prompt_token_ids=[list(range(10, 60))], sampling_params=SamplingParams(
+                max_tokens=260, temperature=0, ignore_eos=True)),
+            s.asend("a user message that is a few tokens long " * 3, max_tokens=100,
+                    ignore_eos=True))
+
+    with LLM(llama_dir, kv_cache_memory=20 * 16 * 512, max_model_len=320) as llm:
+        s = llm.session(sampling=G)
+        _, r = asyncio.run(both(llm, s))
+        assert llm.stats().num_preemptions > 0  # the pool holds one of the two at the end
+        prompt = len(s.token_ids) - len(r.token_ids)
+        assert r.prompt_tokens == prompt == s.stats.prompt_tokens
+        assert P.Result.of_reply(r).usage()["prompt_tokens"] == prompt
+
+
 def test_fork_shares_blocks_and_diverges(llama_dir):
     with new_llm(llama_dir) as llm:
         parent = llm.session(system=SYSTEM, sampling=G)

@@ -191,7 +191,7 @@ class Scheduler:
         headroom = min(len(self.running), self.pool.num_blocks // HEADROOM_DIVISOR)
         if num_new_blocks + num_revived + headroom > self.pool.num_free:
             self._last_need = num_new_blocks + num_revived + headroom
-            if not attached:
+            if not attached and seq.params.prompt_logprobs is None:  # (those never query)
                 self._unquery(seq, num_cached)
             return None
         num_full = num_cached // self.pool.block_size

@@ -223,7 +223,8 @@ class Result:
     def of_reply(cls, r) -> Result:
         return cls([Choice(0, r.text, r.token_ids, r.finish_reason, r.logprobs,
                            list(getattr(r, "tool_calls", None) or ()))],
-                   r.prefill_tokens + r.cached_tokens, max(r.cached_tokens, 0))
+                   r.prompt_tokens, max(r.cached_tokens, 0))  # (not prefill + cached:
+        # a preempted turn computes its prompt again, counted in prefill_tokens)
 
     @classmethod
     def of_stored(cls, message: dict, token_ids: list[int], prompt_tokens: int) -> Result:
