@@ -439,7 +439,9 @@ class Runtime:
         with (unsalted, computed once for every tenant) and nothing after it."""
         if cache_salt is None:
             return None
-        return Salt(cache_salt, self.prefix.pins.public_blocks(ids))
+        pins = self.prefix.pins
+        after = pins.salted_after(ids, cache_salt)  # as the tenant's own pin was hashed
+        return Salt(cache_salt, pins.public_blocks(ids) if after is None else after)
 
     def completion(self, seq: Sequence) -> CompletionOutput:
         out_ids = seq.output_token_ids
@@ -498,8 +500,7 @@ class Runtime:
         self.manager.retarget_to_indexed(staged, seq.block_hashes[:num_blocks], seq.token_ids)
         try:
             return self.prefix.pins.add(seq.token_ids[: num_blocks * self.config.block_size],
-                                        staged, ttl_s, self.prefix.clock(),
-                                        seq.params.cache_salt)
+                                        staged, ttl_s, self.prefix.clock(), seq.salt)
         except CacheFullError:
             self.manager.release(staged)
             raise

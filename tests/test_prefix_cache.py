@@ -165,6 +165,34 @@ def test_pin_ttl_expires_after_idle_time(llama_dir):
         llm.check_integrity()
 
 
+def test_a_salted_pin_stays_its_tenants_when_public_pins_change(llama_dir):
+    """A tenant's requests hash as its pin was hashed (the public pins of pin time),
+    whatever public pins come or go afterwards: they keep hitting it (they missed it when
+    a public pin of its start appeared, or went), and other tenants still only share the
+    public part."""
+    rng = random.Random(7)
+    p, x, y = ([rng.randrange(3, 500) for _ in range(n)] for n in (32, 32, 10))
+    g = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def cached(llm, ids, salt):
+        return llm.generate(prompt_token_ids=[ids], sampling_params=g.with_overrides(
+            cache_salt=salt), use_tqdm=False)[0].num_cached_tokens
+
+    for public_first in (False, True):
+        with LLM(llama_dir, kv_cache_memory=320 * 1024, max_model_len=256) as llm:
+            public = llm.pin(p) if public_first else None
+            llm.pin(p + x, cache_salt="a")
+            assert cached(llm, p + x + y, "a") == 64
+            if public_first:
+                public.unpin()
+            else:
+                llm.pin(p)
+            assert cached(llm, p + x + y, "a") == 64
+            assert cached(llm, p + x + y, None) <= len(p)
+            assert cached(llm, p + x + y, "b") <= len(p)
+            llm.check_integrity()
+
+
 def test_far_deadlines_do_not_stop_the_engine(llama_dir):
     """A pin's or an idle session's deadline centuries away: the idle engine waits at most
     MAX_IDLE_WAIT_S at a time (Condition.wait raises OverflowError past

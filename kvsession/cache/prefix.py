@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from kvsession.cache.block_pool import Block
-from kvsession.cache.hashing import BlockHasher, SaltArg
+from kvsession.cache.hashing import BlockHasher, Salt, SaltArg
 from kvsession.cache.manager import Holder, HolderKind, KVCacheManager
 from kvsession.errors import CacheFullError
 
@@ -88,9 +88,11 @@ class Pin:
     holder_kind: ClassVar[HolderKind] = HolderKind.PIN
 
     def __init__(self, pin_id: int, token_ids: list[int], ttl_s: float | None, now: float,
-                 cache_salt: str | None = None):
+                 salt: Salt | None = None):
         self.pin_id, self.token_ids = pin_id, token_ids
-        self.cache_salt = cache_salt  # None: a public prefix every tenant may share
+        self.cache_salt = None if salt is None else salt.value  # None: public, shared
+        # a salted pin's leading blocks hashed unsalted (the public pins of its time)
+        self.salt_after = 0 if salt is None else salt.after_blocks
         self.blocks: tuple[Block, ...] = ()
         self.ttl_s, self.last_hit = ttl_s, now
         self.active = True
@@ -113,6 +115,8 @@ class PinRegistry:
         # the unsalted pins' full-block token prefixes, replaced whole on every change so
         # callers' threads may read it without a lock (salt layering: public_blocks)
         self.public: tuple[tuple[int, ...], ...] = ()
+        # the salted pins' (salt, tokens, leading unsalted blocks), published the same way
+        self.salted: tuple[tuple[str, tuple[int, ...], int], ...] = ()
         self._next_id = 0
 
     @property
@@ -139,16 +143,31 @@ class PinRegistry:
                 best = len(pre)
         return best // self.manager.block_size
 
+    def salted_after(self, token_ids: Sequence[int], cache_salt: str) -> int | None:
+        """The leading unsalted blocks of the longest pin of `cache_salt` that `token_ids`
+        start with, as it was hashed; None if none (any thread). A tenant's requests hash
+        as its pin did whatever public pins came or went since: with the public pins of
+        now they would miss it."""
+        best, after = 0, None
+        for salt, pre, pre_after in self.salted:
+            if salt == cache_salt and len(pre) > best and len(pre) <= len(token_ids) and \
+                    tuple(token_ids[: len(pre)]) == pre:
+                best, after = len(pre), pre_after
+        return after
+
     def _publish(self) -> None:
         self.public = tuple({tuple(p.token_ids) for p in self.pins.values()
                              if p.cache_salt is None and p.blocks})
+        self.salted = tuple({(p.cache_salt, tuple(p.token_ids), p.salt_after)
+                             for p in self.pins.values()
+                             if p.cache_salt is not None and p.blocks})
 
     def add(self, token_ids: list[int], source: Holder, ttl_s: float | None,
-            now: float, cache_salt: str | None = None) -> Pin:
+            now: float, salt: Salt | None = None) -> Pin:
         """Pin the blocks of `source` (its references are handed over to the pin). Raises
         CacheFullError, changing nothing, when over budget: `source` keeps them then."""
         self.check_budget(self.num_new_blocks(source.blocks))
-        pin = Pin(self._next_id, token_ids, ttl_s, now, cache_salt)
+        pin = Pin(self._next_id, token_ids, ttl_s, now, salt)
         self.manager.transfer(source, pin)
         self._next_id += 1
         self.pins[pin.pin_id] = pin
