@@ -51,13 +51,8 @@ from kvsession.model.tokenizer import Tokenizer
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
 from kvsession.runtime import Runtime
-from kvsession.session import (
-    Session,
-    SessionOptions,
-    TurnInfo,
-    sampling_from_record,
-    sampling_record,
-)
+from kvsession.sampling_record import sampling_from_record, sampling_record
+from kvsession.session import Session, SessionOptions, TurnInfo
 from kvsession.system_pins import SystemPins
 from kvsession.tiers import wal
 from kvsession.tiers.commit import Op, SessionLog

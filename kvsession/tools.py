@@ -265,10 +265,8 @@ def _json_at(text: str, pos: int) -> tuple[object, int]:
     """The JSON value at `pos` (after whitespace) and where it ends. Markup is looked for
     only after a call's JSON: a string argument may hold the markup itself ("</tool_call>",
     "[TOOL_CALLS]"), which splitting on it first would cut."""
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
     try:
-        return json.JSONDecoder().raw_decode(text, pos)
+        return json.JSONDecoder().raw_decode(text, _skip_space(text, pos))
     except json.JSONDecodeError:
         raise _Malformed from None
 

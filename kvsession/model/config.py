@@ -58,7 +58,8 @@ class ModelSpec:
         return d
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A checkpoint's JSON object file; ModelLoadError when missing or malformed."""
     try:
         value = json.loads(path.read_text())
     except FileNotFoundError:
@@ -94,7 +95,7 @@ def _rope_spec(cfg: dict) -> RopeSpec:
 
 
 def load_model_spec(model_dir: Path) -> ModelSpec:
-    cfg = _read_json(Path(model_dir) / "config.json")
+    cfg = read_json(Path(model_dir) / "config.json")
     quant = cfg.get("quantization_config")
     if quant:  # its weights are scaled integers or fp8: read as floats they are garbage
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant

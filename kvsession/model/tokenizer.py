@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from kvsession.errors import ConfigError, ModelLoadError
+from kvsession.model.config import read_json
 from kvsession.validation import check_unicode
 
 # nesting allowed in a message's extra fields (tool calls, metadata); deeper is a mistake
@@ -182,16 +183,7 @@ def _token_text(value) -> str | None:
 
 def _json_object(path: Path) -> dict:
     """A checkpoint's optional JSON file ({} when absent); ModelLoadError if malformed."""
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path.name} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ModelLoadError(f"{path.name} must hold a JSON object, got "
-                             f"{type(value).__name__}")
-    return value
+    return read_json(path) if path.is_file() else {}
 
 
 class _GenerationTag(jinja2.ext.Extension):
