@@ -24,9 +24,9 @@ class SLO:
     tpot_s: float = 0.2
 
     def __post_init__(self) -> None:
-        for name in ("ttft_s", "tpot_s"):  # a number > 0 (not a bool, not inf)
+        for name in ("ttft_s", "tpot_s"):  # a number > 0, not a bool (inf: no target)
             object.__setattr__(self, name, check_float(
-                name, getattr(self, name), min_value=0.0, min_inclusive=False, finite=True))
+                name, getattr(self, name), min_value=0.0, min_inclusive=False))
 
 
 class RequestMetrics(msgspec.Struct):

@@ -127,10 +127,11 @@ def test_percentile_edge_cases():
 
 
 @pytest.mark.parametrize("bad", [{"ttft_s": "2"}, {"ttft_s": None}, {"tpot_s": [1]},
-                                 {"ttft_s": True}, {"tpot_s": 0}, {"ttft_s": math.inf}])
-def test_slo_targets_are_finite_positive_numbers(bad):
+                                 {"ttft_s": True}, {"tpot_s": 0}, {"ttft_s": math.nan}])
+def test_slo_targets_are_positive_numbers(bad):
     with pytest.raises(ConfigError, match=f"^{next(iter(bad))} must be"):
         SLO(**bad)
+    assert SLO(ttft_s=math.inf, tpot_s=math.inf).ttft_s == math.inf  # no target
 
 
 def test_a_prompt_logprobs_request_waiting_for_blocks_queries_nothing(llama_dir):
