@@ -506,29 +506,38 @@ def test_a_chunked_body_over_the_limit_is_413(server, hermes_dir):
     assert server.health()["status"] == "ok"
 
 
-def test_overload_is_503_with_retry_after(server, hermes_dir):
-    c = server.client()
-    wait_until(lambda: server.health()["requests_in_flight"] == 0, what="idle server")
-    streams = []
+def test_overload_is_503_with_retry_after(model_dirs, tmp_path):
+    # A server of its own with a bound of 2, on a model big enough (~270 MB) that its two held
+    # streams of 1,000 tokens take seconds, while opening them and the third request takes
+    # milliseconds (the tiny model's 40 streams of 400 tokens could end, on CI, before the
+    # last one was open). A stream's response starts with its first token, so both streams
+    # must run at once: no --max-num-seqs 1.
+    model = model_dirs("llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=64)
+    s = start(model, tmp_path, "--api-key", KEY, "--max-concurrent-requests", "2")
     try:
-        for _ in range(MAX_CONCURRENT):  # fill the bound with cancellable streams
-            s = c.completions.create(model=model_name(hermes_dir), prompt="the agent",
-                                     max_tokens=400, temperature=0, stream=True,
-                                     extra_body={"ignore_eos": True})
-            streams.append(s)
-        with pytest.raises(openai.APIStatusError) as e:
-            c.chat.completions.create(model=model_name(hermes_dir), max_tokens=4,
-                                      messages=[{"role": "user", "content": "one more"}])
-        assert e.value.status_code == 503
-        assert e.value.response.headers["retry-after"] == "1"
-        assert e.value.body["code"] == "overloaded"
+        c = s.client()
+        streams = []
+        try:
+            for _ in range(2):  # fill the bound with cancellable streams
+                streams.append(c.completions.create(
+                    model=model_name(model), prompt="the agent", max_tokens=1000,
+                    temperature=0, stream=True, extra_body={"ignore_eos": True}))
+            with pytest.raises(openai.APIStatusError) as e:
+                c.chat.completions.create(model=model_name(model), max_tokens=4,
+                                          messages=[{"role": "user", "content": "one more"}])
+            assert e.value.status_code == 503
+            assert e.value.response.headers["retry-after"] == "1"
+            assert e.value.body["code"] == "overloaded"
+        finally:
+            for st in streams:
+                st.close()
+        wait_until(lambda: s.health()["requests_in_flight"] == 0, what="streams cancelled")
+        r = c.chat.completions.create(model=model_name(model), max_tokens=4,
+                                      messages=[{"role": "user", "content": "after the flood"}])
+        assert r.choices[0].message.content is not None
     finally:
-        for s in streams:
-            s.close()
-    wait_until(lambda: server.health()["requests_in_flight"] == 0, what="streams cancelled")
-    r = c.chat.completions.create(model=model_name(hermes_dir), max_tokens=4,
-                                  messages=[{"role": "user", "content": "after the flood"}])
-    assert r.choices[0].message.content is not None
+        assert s.stop() == 0, s.stderr_tail()
 
 
 def test_errors_are_openai_json_and_fail_alone(server, hermes_dir):
