@@ -479,7 +479,7 @@ class Runtime:
             num_blocks - self._num_pinned_among(ids, salt))).result()
         seq = Sequence(token_ids=list(ids), params=SamplingParams(
             max_tokens=1, temperature=0.0, cache_salt=cache_salt),
-            max_model_len=self.info.max_model_len, retain_blocks=True, salt=salt)
+            max_model_len=self.info.max_model_len, retain_blocks=True, salt=salt, internal=True)
         self.submit(seq).result()
         return self.call(lambda: self._hold_pin(seq, num_blocks, ttl_s)).result()
 

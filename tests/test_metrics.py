@@ -147,3 +147,19 @@ def test_a_prompt_logprobs_request_waiting_for_blocks_queries_nothing(llama_dir)
         st = llm.stats()
         assert st.num_preemptions == 0 and st.prefix.queried_tokens == len(a) - 1
         assert 0 <= st.prefix.hit_rate <= 1
+
+
+def test_pins_are_not_requests(llama_dir):
+    """A pin computes its prefix with an engine-internal one-token prefill: stats() counts
+    its prompt tokens as prefill work, never as a request, a latency sample or output."""
+    with LLM(llama_dir, device="cpu", kv_cache_memory="8MiB", max_model_len=256) as llm:
+        pin = llm.pin(list(range(5, 5 + 64)))
+        s = llm.stats()
+        assert (s.num_requests, s.generated_tokens) == (0, 0)
+        assert s.prefill_tokens == 64
+        assert s.latency == LatencyStats()
+        llm.generate(prompt_token_ids=[list(range(5, 75))], sampling_params=SamplingParams(
+            max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        s = llm.stats()
+        assert (s.num_requests, s.generated_tokens) == (1, 3)
+        pin.unpin()

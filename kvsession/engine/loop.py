@@ -278,7 +278,7 @@ class Engine:
         """Append the sampled token; a request it completes joins `completed` (resolved
         by the caller at the end of the step)."""
         seq.append_token(token, logprobs)
-        self.generated_tokens += 1
+        self.generated_tokens += not seq.internal
         done = seq.check_finished(self.decode)
         if not done and seq.grammar is not None and seq.params.structured.jump_forward:
             done = self._jump_forward(seq)
@@ -300,9 +300,9 @@ class Engine:
         if on_update is not None:
             self._notify(on_update, seq)
         if complete:
-            m = request_metrics(seq)
-            self.latency.record(owner.arrival_time, seq.finish_time, m,
-                                sum(x.num_output_tokens for x in members))
+            if not owner.internal:
+                self.latency.record(owner.arrival_time, seq.finish_time, request_metrics(seq),
+                                    sum(x.num_output_tokens for x in members))
             if fut is not None:
                 completed.append((fut, owner))
 

@@ -63,6 +63,9 @@ class Sequence:
     num_prompt_computed: int = 0  # prompt tokens computed, recomputation after preemption too
     num_preemptions: int = 0
     retain_blocks: bool = False  # on finish, hand the block references to the caller
+    # an engine-internal computation (a pin's prefill), not a request: stats() counts its
+    # prefill work but not it, its latency or its sampled token
+    internal: bool = False
     no_remote: bool = False  # a remote prefill failed: compute this one locally
     # prompt tokens whose KV a remote prefill worker wrote (after the KV this sequence
     # already had: prefix hits or a session's earlier turns); 0: prefilled here
