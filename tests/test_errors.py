@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvsession import LLM, ConfigError, KVSessionError, ModelLoadError, SamplingParams
+from kvsession.model.config import load_model_spec
 
 
 def copy(src, tmp_path):
@@ -142,7 +143,6 @@ def test_chat_templates_use_what_transformers_allows(llama_dir, tmp_path):
 def test_rope_parameters_without_their_theta(llama_dir, tmp_path):
     """The current layout's rope_parameters may leave rope_theta at the top level: the
     scaling still applies (it was read as plain RoPE)."""
-    from kvsession.model.config import load_model_spec
     d = copy(llama_dir, tmp_path)
     edit_config(d, rope_parameters={"rope_type": "linear", "factor": 2.0}, rope_theta=5e5)
     rope = load_model_spec(d).rope
@@ -220,3 +220,35 @@ def test_sampling_params_validation(kwargs):
 
 def test_all_errors_derive_from_base():
     assert issubclass(ConfigError, KVSessionError) and issubclass(ModelLoadError, KVSessionError)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("fields", [
+    {"use_sliding_window": False, "sliding_window": 64},
+    {"use_sliding_window": True, "sliding_window": 64},  # max_window_layers 28 > 2 layers
+    {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+    {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
+    {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+    {"use_sliding_window": True, "sliding_window": 64,
+     "layer_types": ["full_attention", "full_attention"]},
+    {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0,
+     "layer_types": ["full_attention", "full_attention"]},
+    {"use_sliding_window": True, "sliding_window": 64,
+     "layer_types": ["full_attention", "sliding_attention"]},
+])
+def test_a_qwen_window_counts_only_where_transformers_applies_it(model_dirs, tmp_path, arch,
+                                                                 fields):
+    """Qwen2/3 apply sliding_window only with use_sliding_window, and only on the layers
+    layer_types names (by default those from max_window_layers on): the window kvsession
+    refuses is the one transformers' layers use (the oracle), no more, no less."""
+    transformers = pytest.importorskip("transformers")
+    d = copy(model_dirs(arch), tmp_path)
+    edit_config(d, **fields)
+    hf = transformers.AutoConfig.from_pretrained(d)
+    applied = hf.sliding_window if "sliding_attention" in hf.layer_types else None
+    assert load_model_spec(d).sliding_window == applied
+    if applied is not None:
+        with pytest.raises(ModelLoadError, match=f"sliding_window={applied}"):
+            LLM(d, kv_cache_memory="4MiB", max_model_len=128)
+    with LLM(d, kv_cache_memory="4MiB", max_model_len=64) as llm:
+        assert llm.runtime.max_model_len == 64

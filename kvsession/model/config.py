@@ -152,9 +152,20 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
 
 
 def _sliding_window(arch: str, cfg: dict) -> int | None:
-    # Qwen2/3 configs carry sliding_window but only apply it with use_sliding_window=true.
-    if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
-        return None
+    """The attention window the checkpoint's layers apply, as transformers builds them; None
+    when no layer has one."""
+    if arch.startswith("Qwen"):
+        # Qwen2/3 configs carry sliding_window but apply it only with use_sliding_window, and
+        # then only on the layers layer_types names (by default those from max_window_layers
+        # on): with none of those, attention is full everywhere.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+        if window is None:
+            return None
+        layers = int(cfg.get("num_hidden_layers", 0))
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= int(cfg.get("max_window_layers", 28))
+            else "full_attention" for i in range(layers)]
+        return int(window) if "sliding_attention" in layer_types else None
     # MistralConfig's default when the key is absent (transformers applies it)
     window = cfg.get("sliding_window", 4096 if arch.startswith("Mistral") else None)
     return None if window is None else int(window)
