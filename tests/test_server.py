@@ -506,38 +506,87 @@ def test_a_chunked_body_over_the_limit_is_413(server, hermes_dir):
     assert server.health()["status"] == "ok"
 
 
-def test_overload_is_503_with_retry_after(model_dirs, tmp_path):
-    # A server of its own with a bound of 2, on a model big enough (~270 MB) that its two held
-    # streams of 1,000 tokens take seconds, while opening them and the third request takes
-    # milliseconds (the tiny model's 40 streams of 400 tokens could end, on CI, before the
-    # last one was open). A stream's response starts with its first token, so both streams
-    # must run at once: no --max-num-seqs 1.
+@pytest.fixture(scope="module")
+def slow_server(model_dirs, tmp_path_factory):
+    """A server with a bound of 2 on a model big enough (~270 MB) that a stream of 1,000
+    tokens takes seconds while opening a request takes milliseconds: what it holds is
+    still held when the next request arrives (with the tiny model, a 400-token stream could
+    end on CI before the test's next request)."""
     model = model_dirs("llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=64)
-    s = start(model, tmp_path, "--api-key", KEY, "--max-concurrent-requests", "2")
+    s = start(model, tmp_path_factory.mktemp("slow"), "--api-key", KEY,
+              "--max-concurrent-requests", "2")
+    s.model = model_name(model)
+    yield s
+    assert s.stop() == 0, s.stderr_tail()
+
+
+def hold(client, model: str, **kw):
+    """A cancellable stream of 1,000 tokens (a stream's response starts with its first
+    token: it is running once this returns)."""
+    return client.completions.create(model=model, prompt="the agent", max_tokens=1000,
+                                     temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True, **kw})
+
+
+def test_overload_is_503_with_retry_after(slow_server):
+    s = slow_server
+    c = s.client()
+    streams = []
     try:
-        c = s.client()
-        streams = []
-        try:
-            for _ in range(2):  # fill the bound with cancellable streams
-                streams.append(c.completions.create(
-                    model=model_name(model), prompt="the agent", max_tokens=1000,
-                    temperature=0, stream=True, extra_body={"ignore_eos": True}))
-            with pytest.raises(openai.APIStatusError) as e:
-                c.chat.completions.create(model=model_name(model), max_tokens=4,
-                                          messages=[{"role": "user", "content": "one more"}])
-            assert e.value.status_code == 503
-            assert e.value.response.headers["retry-after"] == "1"
-            assert e.value.body["code"] == "overloaded"
-        finally:
-            for st in streams:
-                st.close()
-        wait_until(lambda: s.health()["requests_in_flight"] == 0, what="streams cancelled")
-        r = c.chat.completions.create(model=model_name(model), max_tokens=4,
-                                      messages=[{"role": "user", "content": "after the flood"}])
-        assert r.choices[0].message.content is not None
+        for _ in range(2):  # fill the bound
+            streams.append(hold(c, s.model))
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model=s.model, max_tokens=4,
+                                      messages=[{"role": "user", "content": "one more"}])
+        assert e.value.status_code == 503
+        assert e.value.response.headers["retry-after"] == "1"
+        assert e.value.body["code"] == "overloaded"
     finally:
-        assert s.stop() == 0, s.stderr_tail()
+        for st in streams:
+            st.close()
+    wait_until(lambda: s.health()["requests_in_flight"] == 0, what="streams cancelled")
+    r = c.chat.completions.create(model=s.model, max_tokens=4,
+                                  messages=[{"role": "user", "content": "after the flood"}])
+    assert r.choices[0].message.content is not None
+
+
+def test_a_queued_named_turn_whose_client_left_never_runs(slow_server):
+    """A turn waiting behind its named session's running turn is dropped when its client
+    disconnects: it neither runs later nor joins the session's history."""
+    s = slow_server
+    c = s.client()
+    sid = {"session_id": "queued-1"}
+    hi = {"role": "user", "content": "hi"}
+    r0 = c.chat.completions.create(model=s.model, messages=[hi], max_tokens=2, temperature=0,
+                                   extra_body=sid)
+    history = [hi, {"role": "assistant", "content": r0.choices[0].message.content}]
+    running = c.chat.completions.create(
+        model=s.model, messages=[*history, {"role": "user", "content": "a long answer"}],
+        max_tokens=1000, temperature=0, stream=True, extra_body={"ignore_eos": True, **sid})
+    try:
+        host, port = s.url.removeprefix("http://").split(":")
+        body = json.dumps({"model": s.model, "max_tokens": 1, **sid, "messages": [
+            *history, {"role": "user", "content": "queued"}]}).encode()
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+                         f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            wait_until(lambda: s.health()["requests_in_flight"] == 2, what="the turn queued")
+        # its client is gone: its place in the bound is free at once, while the turn ahead
+        # of it still runs (it had waited for that turn to end, then noticed)
+        wait_until(lambda: s.health()["requests_in_flight"] == 1, what="the queued turn gone")
+        assert next(iter(running)).choices[0].finish_reason is None
+        assert s.health()["requests_in_flight"] == 1
+    finally:
+        running.close()
+    wait_until(lambda: s.health()["requests_in_flight"] == 0, what="both requests over")
+    # the session holds only its first turn: the next turn extends that history (a history
+    # with the queued turn in it would make this a 409)
+    r = c.chat.completions.create(
+        model=s.model, messages=[*history, {"role": "user", "content": "next"}], max_tokens=2,
+        temperature=0, extra_body=sid)
+    assert r.choices[0].message.content is not None
 
 
 def test_errors_are_openai_json_and_fail_alone(server, hermes_dir):
@@ -639,6 +688,35 @@ def test_conversation_key_ignores_how_a_client_sends_the_reply_back():
     assert canonical(reply) != canonical(other)
     msgs = [{"role": "user", "content": "x"}, reply]
     assert chain("", msgs)[-1] == chain("", [msgs[0], echoed])[-1] != chain("t", msgs)[-1]
+
+
+def test_work_a_gone_client_started_in_a_thread_is_handed_over():
+    """A Session opened on a worker thread for a client that left meanwhile is not lost
+    open (holding KV): the thread cannot be stopped, so its result goes to if_cancelled."""
+    import asyncio
+    import threading
+
+    from kvsession.serve.conversations import _in_thread
+
+    release, handed = threading.Event(), []
+
+    def opening():
+        release.wait(30)
+        return "a session"
+
+    async def main():
+        waiter = asyncio.ensure_future(_in_thread(opening, if_cancelled=handed.append))
+        await asyncio.sleep(0)  # the thread starts
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert handed == []
+        release.set()
+        while not handed:  # bounded by opening()'s own wait
+            await asyncio.sleep(0.01)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert handed == ["a session"]
 
 
 # ---- command line, shutdown --------------------------------------------------------------

@@ -243,11 +243,9 @@ class Server:
         slot = self._admit()
         plan: Plan | None = None
         try:
-            try:
-                plan = await self.conversations.plan(req.messages, salt, session_id,
-                                                     per_session, can_session)
-            except KVSessionError as e:
-                raise P.from_engine_error(e) from None
+            # a named session's turn may wait behind earlier ones: its client may leave
+            plan = await self._until_disconnect(request, self._plan(
+                req.messages, salt, session_id, per_session, can_session))
             rid = P.new_id("chatcmpl")
             log.info("%s: %s, %d new messages", rid, "stateless" if plan.session is None else
                      "session (continued)" if plan.reused or plan.named_len else "session (new)",
@@ -296,6 +294,12 @@ class Server:
         if plan.session is not None:
             return SessionTurn(plan.session, plan.new, turn_overrides(params, per_turn))
         return stateless_events(self.llm, params, messages=plan.new, tool_kwargs=tool_kwargs)
+
+    async def _plan(self, *args) -> Plan:
+        try:
+            return await self.conversations.plan(*args)
+        except KVSessionError as e:
+            raise P.from_engine_error(e) from None
 
     @staticmethod
     async def _reply(plan: Plan, overrides: dict) -> P.Result:

@@ -25,10 +25,12 @@ one at a time, in arrival order.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import inspect
 import json
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -41,6 +43,27 @@ log = logging.getLogger("kvsession.serve")
 # server uses sessions for tool conversations as soon as the API has them)
 SESSION_TAKES = set(inspect.signature(LLM.session).parameters)
 SEND_TAKES = set(inspect.signature(Session.send).parameters)
+
+
+async def _in_thread(fn, *args, if_cancelled):
+    """fn(*args) on a worker thread. A thread cannot be stopped: if the caller is cancelled
+    (its client went away), the result it would have had goes to `if_cancelled`."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        work.add_done_callback(functools.partial(_hand_over, if_cancelled))
+        raise
+
+
+def _hand_over(to, work: asyncio.Future) -> None:
+    if not work.cancelled() and work.exception() is None:
+        to(work.result())
+
+
+def _close_in_thread(session: Session) -> None:
+    """Close a Session nobody took (off the event loop: closing waits on the engine)."""
+    threading.Thread(target=session.close, daemon=True, name="kvsession-serve-close").start()
 
 
 def _content(value) -> str:
@@ -208,7 +231,8 @@ class Conversations:
             system, rest = _content(first.get("content")), messages[1:]
         if not rest or not session_safe(rest) or rest[-1].get("role") == "assistant":
             return Plan(None, messages, hashes[-1])
-        sess = await asyncio.to_thread(self._new_session, system, None, session_kwargs)
+        sess = await _in_thread(self._new_session, system, None, session_kwargs,
+                                if_cancelled=_close_in_thread)
         return Plan(sess, rest, hashes[-1], auto=True)
 
     def _new_session(self, system: str | None, session_id: str | None,
@@ -225,9 +249,11 @@ class Conversations:
                           kwargs: dict) -> Plan:
         entry = self._named.get(session_id)
         if entry is None:
-            entry = await asyncio.to_thread(self._open_named, session_id, messages, kwargs)
-            self._named[session_id] = entry
+            # filed even when its client goes away meanwhile: the client's retry finds it
+            entry = await asyncio.shield(self._open_and_file(session_id, messages, kwargs))
         self._named.move_to_end(session_id)
+        # the client leaving while earlier turns of this session run cancels the wait (the
+        # server watches for it): its turn never runs
         await entry.lock.acquire()  # released by finish() / abandon()
         try:
             replay = self._retried(entry, messages)
@@ -237,6 +263,12 @@ class Conversations:
             raise
         return Plan(entry.session, new, key, named=entry,
                     named_len=len(entry.session.messages), replay=replay)
+
+    async def _open_and_file(self, session_id: str, messages: list[dict],
+                             kwargs: dict) -> _Named:
+        entry = await asyncio.to_thread(self._open_named, session_id, messages, kwargs)
+        self._named[session_id] = entry
+        return entry
 
     def _open_named(self, session_id: str, messages: list[dict], kwargs: dict) -> _Named:
         if session_id in self.llm.sessions():  # persisted in --session-dir: resume it
