@@ -174,17 +174,18 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
              tool_choice="auto", chat_template_kwargs: dict | None = None,
-             **unknown) -> list[RequestOutput]:
+             parallel_tool_calls: bool = True, **unknown) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {role, content} dicts, OpenAI tool
         shapes included) or a list of conversations, rendered with the checkpoint's chat
         template. `tools` (OpenAI function tools) are rendered by the template and the calls
         parsed into `out.tool_calls` (`out.text` is then the content before them);
         tool_choice "required" or {"type": "function", "function": {"name": ...}} forces a
-        valid call, "none" parses none. `chat_template_kwargs`: extra template variables."""
+        valid call, "none" parses none. `parallel_tool_calls=False`: at most one call per
+        reply (the first). `chat_template_kwargs`: extra template variables."""
         reject_unknown("chat()", unknown, CHAT_ARGS, hints=TO_SAMPLING_PARAMS)
         check_bool("use_tqdm", use_tqdm)
         chat = self._requests.chat_inputs(messages, add_generation_prompt, tools, tool_choice,
-                                          chat_template_kwargs)
+                                          chat_template_kwargs, parallel_tool_calls)
         params = chat.params(self._requests.params_list(sampling_params, len(chat.ids)))
         return [chat.finish(o) for o in self._run_batch(chat.texts, chat.ids, params, use_tqdm)]
 
@@ -200,11 +201,12 @@ class LLM:
 
     async def achat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, tool_choice="auto",
-                    chat_template_kwargs: dict | None = None, **unknown) -> list[RequestOutput]:
+                    chat_template_kwargs: dict | None = None, parallel_tool_calls: bool = True,
+                    **unknown) -> list[RequestOutput]:
         """`chat` for asyncio."""
         reject_unknown("achat()", unknown, ACHAT_ARGS, hints=TO_SAMPLING_PARAMS)
         chat = self._requests.chat_inputs(messages, add_generation_prompt, tools, tool_choice,
-                                          chat_template_kwargs)
+                                          chat_template_kwargs, parallel_tool_calls)
         params = chat.params(self._requests.params_list(sampling_params, len(chat.ids)))
         return [chat.finish(o) for o in await self._arun(chat.texts, chat.ids, params)]
 
@@ -219,7 +221,8 @@ class LLM:
 
     def stream(self, prompt=None, sampling_params=None, prompt_token_ids=None, messages=None,
                tools: list[dict] | None = None, tool_choice="auto",
-               chat_template_kwargs: dict | None = None, **unknown) -> TextStream:
+               chat_template_kwargs: dict | None = None, parallel_tool_calls: bool = True,
+               **unknown) -> TextStream:
         """Generate for one prompt (a string, `prompt_token_ids`, or a conversation: a list
         of message dicts, in the prompt's place or as `messages`), yielding `TextChunk`s as
         tokens arrive: `chunk.text` deltas join to exactly the text `generate` returns (stop
@@ -231,18 +234,19 @@ class LLM:
         reject_unknown("stream()", unknown, STREAM_ARGS, hints=TO_SAMPLING_PARAMS)
         text, seq, chat = self._requests.one_request(prompt, sampling_params, prompt_token_ids,
                                                      messages, tools, tool_choice,
-                                                     chat_template_kwargs)
+                                                     chat_template_kwargs, parallel_tool_calls)
         return TextStream(self._rt, seq, text, chat.finish)
 
     def astream(self, prompt=None, sampling_params=None, prompt_token_ids=None,
                 messages=None, tools: list[dict] | None = None, tool_choice="auto",
-                chat_template_kwargs: dict | None = None, **unknown) -> AsyncTextStream:
+                chat_template_kwargs: dict | None = None, parallel_tool_calls: bool = True,
+                **unknown) -> AsyncTextStream:
         """`stream` for asyncio: `async for chunk in llm.astream(...)`; many concurrent
         streams batch together in the one engine loop."""
         reject_unknown("astream()", unknown, STREAM_ARGS, hints=TO_SAMPLING_PARAMS)
         text, seq, chat = self._requests.one_request(prompt, sampling_params, prompt_token_ids,
                                                      messages, tools, tool_choice,
-                                                     chat_template_kwargs)
+                                                     chat_template_kwargs, parallel_tool_calls)
         return AsyncTextStream(self._rt, seq, text, chat.finish)
 
     # ---- sessions ----------------------------------------------------------------------

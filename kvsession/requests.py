@@ -17,7 +17,7 @@ from kvsession.tools import ToolSpec
 from kvsession.validation import check_bool
 
 GENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids", "use_tqdm")
-TOOL_ARGS = ("tools", "tool_choice", "chat_template_kwargs")
+TOOL_ARGS = ("tools", "tool_choice", "chat_template_kwargs", "parallel_tool_calls")
 CHAT_ARGS = ("messages", "sampling_params", "use_tqdm", "add_generation_prompt", *TOOL_ARGS)
 SESSION_ARGS = ("system", "session_id", "pin_system", "sampling", "history", "tools",
                 "chat_template_kwargs", "cache_salt")
@@ -93,9 +93,9 @@ class RequestBuilder:
         return [None] * len(ids), ids
 
     def chat_inputs(self, messages, add_generation_prompt, tools=None, tool_choice="auto",
-                    chat_template_kwargs=None) -> ChatInputs:
+                    chat_template_kwargs=None, parallel_tool_calls=True) -> ChatInputs:
         check_bool("add_generation_prompt", add_generation_prompt)
-        spec = ToolSpec.from_args(tools, tool_choice, self.tokenizer)
+        spec = ToolSpec.from_args(tools, tool_choice, self.tokenizer, parallel_tool_calls)
         kwargs = check_template_kwargs(chat_template_kwargs)
         if not isinstance(messages, (list, tuple)):
             raise ConfigError(f"messages must be a list of message dicts (one conversation) "
@@ -111,8 +111,8 @@ class RequestBuilder:
                                   for t in texts], spec)
 
     def one_request(self, prompt, sampling_params, prompt_token_ids, messages, tools=None,
-                    tool_choice="auto",
-                    chat_template_kwargs=None) -> tuple[str | None, Sequence, ChatInputs]:
+                    tool_choice="auto", chat_template_kwargs=None,
+                    parallel_tool_calls=True) -> tuple[str | None, Sequence, ChatInputs]:
         if messages is None and isinstance(prompt, list) and prompt and \
                 all(isinstance(m, dict) for m in prompt):
             prompt, messages = None, prompt  # a conversation in the prompt's place
@@ -122,12 +122,15 @@ class RequestBuilder:
             if messages and not isinstance(messages[0], dict):
                 raise ConfigError("stream() takes one conversation: messages must be a list "
                                   "of message dicts")
-            chat = self.chat_inputs(messages, True, tools, tool_choice, chat_template_kwargs)
+            chat = self.chat_inputs(messages, True, tools, tool_choice, chat_template_kwargs,
+                                    parallel_tool_calls)
             texts, ids = chat.texts, chat.ids
         else:
             choice = None if tool_choice == "auto" else tool_choice
             given = [n for n, v in (("tools", tools), ("tool_choice", choice),
-                                    ("chat_template_kwargs", chat_template_kwargs))
+                                    ("chat_template_kwargs", chat_template_kwargs),
+                                    ("parallel_tool_calls",
+                                     None if parallel_tool_calls is True else 0))
                      if v is not None]
             if given:
                 raise ConfigError(f"{given[0]} needs a conversation: pass messages=")

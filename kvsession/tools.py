@@ -24,7 +24,9 @@ Contract (the API edge, `llm.chat` / `achat` / `stream`, and sessions use exactl
                            a structured format and a call is forced.
     spec.parse(text)       -> (content, [ToolCall]): the calls in the family's format and
                            the text before the first one. Malformed markup or an unknown tool
-                           name: (text, []). NONE: (text, []).
+                           name: (text, []). NONE: (text, []). parallel_tool_calls=False: the
+                           first call only (generation is not cut short: the weights decide
+                           how many calls they write; the reply keeps one).
     spec.apply(output)     -> the RequestOutput with each completion's `tool_calls` filled
                            and its `text` replaced by the content.
 
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field, replace
 
 from kvsession.errors import ConfigError
 from kvsession.params import SamplingParams, StructuredOutput
+from kvsession.validation import check_bool
 
 # OpenAI's function names (a-z, A-Z, 0-9, _ and -, at most 64) plus '.', which vLLM allows;
 # names go verbatim into the call grammar's literals, so nothing that needs escaping
@@ -406,9 +409,13 @@ class ToolSpec:
     # not special tokens, so a forced call is the bare JSON list (which the parser takes, as
     # decoding drops the marker anyway); the tiny test tokenizer has it as plain text
     bare: bool = False
+    # parallel_tool_calls=False: at most one call per reply (the first; as OpenAI's API)
+    parallel: bool = True
 
     @classmethod
-    def from_args(cls, tools, tool_choice, tokenizer) -> ToolSpec | None:
+    def from_args(cls, tools, tool_choice, tokenizer,
+                  parallel_tool_calls: bool = True) -> ToolSpec | None:
+        check_bool("parallel_tool_calls", parallel_tool_calls)
         tools = None if tools is None else check_tools(tools)
         names = [t["function"]["name"] for t in tools or ()]
         choice, name = check_tool_choice(tool_choice, names)
@@ -420,7 +427,7 @@ class ToolSpec:
                               "renders `tools` in a known tool-call format (Hermes/Qwen "
                               "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS])")
         bare = fmt is ToolFormat.MISTRAL and marker_is_special(tokenizer, "[TOOL_CALLS]")
-        return cls(tools, fmt, choice, name, bare)
+        return cls(tools, fmt, choice, name, bare, parallel_tool_calls)
 
     @property
     def names(self) -> list[str]:
@@ -453,7 +460,8 @@ class ToolSpec:
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.choice is ToolChoice.NONE:
             return text, []
-        return parse_tool_calls(text, self.format, set(self.names))
+        content, calls = parse_tool_calls(text, self.format, set(self.names))
+        return content, calls if self.parallel else calls[:1]
 
     def apply(self, output):
         """`output` (a RequestOutput) with every completion's calls parsed out."""

@@ -341,6 +341,39 @@ def test_tool_choice_required_returns_tool_calls(server, hermes_dir):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_parallel_tool_calls_false(server, hermes_dir):
+    """parallel_tool_calls=false: a reply has at most one call, the first (a grammar makes
+    the tiny model write two). A named session cannot keep the reply's other calls out of
+    its history, so there it is a 400 naming the field; true (the default) is accepted
+    everywhere."""
+    c = server.client()
+    msgs = [{"role": "user", "content": "read the two files"}]
+    reply = ('<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "read_file", "arguments": {"path": "b.py"}}\n</tool_call>')
+    kw = dict(model=model_name(hermes_dir), messages=msgs, tools=[READ_FILE], max_tokens=400,
+              temperature=0, response_format={"type": "grammar",
+                                              "ebnf": f"root ::= {json.dumps(reply)}"})
+
+    def paths(r):
+        assert r.choices[0].finish_reason == "tool_calls"
+        return [json.loads(t.function.arguments)["path"] for t in r.choices[0].message.tool_calls]
+
+    assert paths(c.chat.completions.create(**kw)) == ["a.py", "b.py"]
+    assert paths(c.chat.completions.create(parallel_tool_calls=False, **kw)) == ["a.py"]
+    chunks = list(c.chat.completions.create(parallel_tool_calls=False, stream=True, **kw))
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
+    assert [json.loads(tc.function.arguments)["path"] for tc in calls] == ["a.py"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(parallel_tool_calls=False,
+                                  extra_body={"session_id": "one-call"}, **kw)
+    assert e.value.body["param"] == "parallel_tool_calls"
+    r = c.chat.completions.create(parallel_tool_calls=True,
+                                  extra_body={"session_id": "one-call"}, **kw)
+    assert paths(r) == ["a.py", "b.py"]
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(extra_body={"parallel_tool_calls": "no"}, **kw)
+
+
 def test_agent_framework_two_step_tool_task(server, hermes_dir):
     """pydantic-ai drives the server: step 1 calls a tool, step 2 returns the structured
     answer through the output tool. The random tiny model follows only what the grammar

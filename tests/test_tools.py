@@ -290,6 +290,50 @@ def test_auto_parses_calls_and_none_leaves_them(llms):
     assert plain.text == reply and plain.tool_calls == [] and "<tools>" not in plain.prompt
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(llms):
+    """OpenAI's parallel_tool_calls=False: a reply has at most one call, the first (the
+    weights may write more: they are not cut short, the reply keeps one), in chat, achat,
+    stream and astream alike; the default keeps them all."""
+    import asyncio
+
+    from kvsession import SamplingParams, StructuredOutput
+
+    llm = llms("hermes")
+    reply = ('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 0.5}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>')
+    forced = SamplingParams(max_tokens=400, temperature=0.0,
+                            structured=StructuredOutput(grammar=f"root ::= {json.dumps(reply)}"))
+
+    def calls(out):
+        return [(c.name, c.arguments) for c in out.tool_calls]
+
+    both = [("add", {"a": 2, "b": 0.5}), ("read_file", {"path": "a.py"})]
+    (out,) = llm.chat(CONVERSATION, forced, tools=TOOLS, use_tqdm=False)
+    assert calls(out) == both
+    (one,) = llm.chat(CONVERSATION, forced, tools=TOOLS, parallel_tool_calls=False,
+                      use_tqdm=False)
+    assert calls(one) == both[:1] and one.token_ids == out.token_ids
+    stream = llm.stream(messages=CONVERSATION, sampling_params=forced, tools=TOOLS,
+                        parallel_tool_calls=False)
+    assert "".join(c.text for c in stream) == reply  # the deltas are the raw text
+    assert calls(stream.output) == both[:1]
+
+    async def run_async():
+        (a,) = await llm.achat(CONVERSATION, forced, tools=TOOLS, parallel_tool_calls=False)
+        s = llm.astream(messages=CONVERSATION, sampling_params=forced, tools=TOOLS,
+                        parallel_tool_calls=False)
+        async for _ in s:
+            pass
+        return a, s.output
+
+    for o in asyncio.run(run_async()):
+        assert calls(o) == both[:1]
+    with pytest.raises(ConfigError, match="parallel_tool_calls"):
+        llm.chat(CONVERSATION, forced, tools=TOOLS, parallel_tool_calls="no")
+    with pytest.raises(ConfigError, match="parallel_tool_calls needs a conversation"):
+        llm.stream("a prompt", forced, parallel_tool_calls=False)
+
+
 def test_forced_call_conflicts_and_bad_template_kwargs(llms):
     from kvsession import SamplingParams, StructuredOutput
 

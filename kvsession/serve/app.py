@@ -43,7 +43,7 @@ log = logging.getLogger("kvsession.serve")
 
 MAX_BODY_BYTES = 32 << 20
 CHAT_TAKES = set(inspect.signature(LLM.chat).parameters)
-TOOL_ARGS = ("tools", "tool_choice", "chat_template_kwargs")
+TOOL_ARGS = ("tools", "tool_choice", "chat_template_kwargs", "parallel_tool_calls")
 
 
 class ClientGone(Exception):
@@ -198,6 +198,8 @@ class Server:
                                    req.max_completion_tokens if req.max_completion_tokens
                                    is not None else req.max_tokens)
         tool_kwargs = {k: getattr(req, k) for k in TOOL_ARGS if getattr(req, k) is not None}
+        if tool_kwargs.get("parallel_tool_calls") is True or not req.tools:
+            tool_kwargs.pop("parallel_tool_calls", None)  # the default, or nothing to limit
         if tool_kwargs and not set(tool_kwargs) <= CHAT_TAKES:
             raise P.APIError(400, f"this kvsession version does not take "
                                   f"{sorted(set(tool_kwargs) - CHAT_TAKES)}",
@@ -239,7 +241,10 @@ class Server:
         per_session, per_turn, can_session = self._session_kwargs(params, tool_kwargs)
         if session_id is not None and not can_session:
             raise P.APIError(400, "a named session takes one completion (n=1) and the "
-                                  "tool arguments its Session API accepts", param="n")
+                                  "tool arguments its Session API accepts (not "
+                                  "parallel_tool_calls: false)",
+                             param="parallel_tool_calls" if "parallel_tool_calls" in
+                             tool_kwargs and req.n == 1 else "n")
         slot = self._admit()
         plan: Plan | None = None
         try:
