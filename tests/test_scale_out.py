@@ -5,11 +5,13 @@ under a skewed workload, a replica killed mid-workload, a replica drained."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -249,6 +251,52 @@ ENGINE = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "1
 PROMPT = "You are a coding agent working in a small repository. " * 2
 
 
+def test_a_connect_error_of_the_ingress_itself_blames_no_replica(tmp_path):
+    """A connect that fails because the ingress is out of file descriptors is the
+    ingress's (503, nothing restarted), while a refused connection is the replica's: told
+    apart on real httpx errors, in a child process whose descriptor table is filled."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("httpx")
+    script = tmp_path / "probe.py"
+    script.write_text("""
+import os, resource, socket
+import httpx
+from kvsession.serve.ray_ingress import ingress_side
+listening = socket.socket()
+listening.bind(("127.0.0.1", 0))
+listening.listen()
+free = socket.socket()
+free.bind(("127.0.0.1", 0))
+free_port = free.getsockname()[1]
+free.close()
+client = httpx.Client(timeout=5)
+
+def connect_error(port):
+    try:
+        client.get(f"http://127.0.0.1:{port}/")
+    except httpx.ConnectError as e:
+        return e
+
+refused = connect_error(free_port)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+fds = []
+try:
+    while True:
+        fds.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+full = connect_error(listening.getsockname()[1])
+for fd in fds:
+    os.close(fd)
+print(type(refused).__name__, ingress_side(refused), type(full).__name__, ingress_side(full))
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["ConnectError", "False", "ConnectError", "True"], out.stderr
+
+
 def _needs_ray():
     for module, extra in (("ray", "ray"), ("httpx", "ray"), ("starlette", "server"),
                           ("uvicorn", "server")):
@@ -264,6 +312,7 @@ class Cluster:
         self.proc = ServerProcess(
             model, *ENGINE, "--replicas", "2", "--ray-address", "local", "--ray-num-cpus", "2",
             "--session-dir", str(tmp / "sessions"), "--summary-interval-s", "0.2",
+            "--replica-unresponsive-s", "10",
             stderr_path=tmp / "ingress.stderr", start_timeout_s=120)
         self.url = self.proc.url
         self.model = model.name
@@ -307,6 +356,18 @@ class Cluster:
                 return h
             time.sleep(0.1)
         raise AssertionError(f"replicas not ready in {timeout} s: {self.health()}")
+
+    def replica(self, name: str) -> dict:
+        """The ingress's view of one replica (state, pid, requests in flight)."""
+        return next(r for r in self.health()["replicas"] if r["name"] == name)
+
+    def wait_for(self, pred, what: str, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}: {self.health()}")
 
 
 @pytest.fixture(scope="module")
@@ -466,6 +527,46 @@ def test_a_killed_replica_s_sessions_continue_on_the_other(cluster, reference):
     h = cluster.wait_ready()  # Ray restarted it: a new process
     assert next(r["pid"] for r in h["replicas"] if r["name"] == victim) != pid
     assert cluster.metric("kvsession_router_restarts_total", replica=victim) >= 1
+
+
+def test_a_hung_replica_is_restarted_and_its_sessions_continue(cluster, reference):
+    """A replica whose process is alive but answers nothing (SIGSTOP: a deadlock, a stuck
+    device) is found by its missing summaries (--replica-unresponsive-s), killed and
+    restarted by Ray; its sessions continue on the other replica with every turn."""
+    cluster.wait_ready()
+    sids = [f"hang-{i}" for i in range(4)]
+    histories = {sid: [{"role": "system", "content": PROMPT}] for sid in sids}
+    holder = {sid: run_turns(cluster, sid, histories[sid], range(2))[-1][0] for sid in sids}
+    victim = holder[sids[0]]
+    pid = cluster.replica(victim)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # a non-streamed request whose client leaves frees its place at once (its
+        # connection to the replica is closed), long before the replica is found hung
+        host, port = cluster.url.removeprefix("http://").split(":")
+        body = json.dumps({"model": cluster.model, "max_tokens": 8, "session_id": sids[0],
+                           "messages": [*histories[sids[0]], {"role": "user",
+                                                              "content": "gone"}]}).encode()
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(body)}"
+                         f"\r\n\r\n".encode() + body)
+            cluster.wait_for(lambda: cluster.replica(victim)["in_flight"] == 1, "the relay")
+        cluster.wait_for(lambda: cluster.replica(victim)["in_flight"] == 0, "its release",
+                         timeout=8)
+        assert (cluster.replica(victim)["state"], cluster.replica(victim)["pid"]) == \
+            ("ready", pid)  # not yet found hung: released for its client, not the loss
+        for sid in sids:  # the victim's first waits until it is found hung and killed
+            run_turns(cluster, sid, histories[sid], range(2, 3))
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed by then, unless it failed
+            os.kill(pid, signal.SIGCONT)
+    for sid in sids:
+        got = [m["content"] for m in histories[sid] if m["role"] == "assistant"]
+        assert got == reference_replies(reference, [user(sid, t) for t in range(3)]), sid
+    h = cluster.wait_ready()
+    assert next(r["pid"] for r in h["replicas"] if r["name"] == victim) != pid
+    assert "is hung" in cluster.proc.stderr_tail(20000)
 
 
 def test_a_released_session_resumes_with_its_turns(cluster, reference):

@@ -316,7 +316,7 @@ class Server:
         requests (a session turn too: `Session.asend` cancels its turn, and the session is
         left as it was before the turn; `agenerate` / `achat` end their requests)."""
         work = asyncio.ensure_future(self._map_errors(work))
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -581,7 +581,7 @@ async def _nothing() -> None:
     pass
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
     """Returns when the client has disconnected (the body was already read, so the next
     ASGI message is the disconnect)."""
     while True:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -31,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvsession.serve import protocol as P
-from kvsession.serve.app import SSEResponse
+from kvsession.serve.app import ClientGone, SSEResponse, disconnected
 from kvsession.serve.conversations import conversation_keys
 from kvsession.serve.prometheus import CONTENT_TYPE, Exposition
 from kvsession.serve.ray_replica import RELEASE_PATH, SUMMARY_PATH, check_bearer
@@ -45,6 +46,42 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per proxied
 HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
        "proxy-authorization", "proxy-authenticate", "host", "content-length"}
 PROMPT_CHUNK = 256  # characters per affinity key of a text completion's prompt
+SUMMARY_TIMEOUT_S = 10.0
+# a connect that fails with these failed in this process (out of descriptors, ports or
+# memory): the replica is not to blame, and must not be killed for it
+INGRESS_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL, errno.ENOBUFS,
+                            errno.ENOMEM})
+
+
+def ingress_side(e: BaseException) -> bool:
+    """Whether a connect error is this process's own (see INGRESS_ERRNOS)."""
+    seen = 0
+    while e is not None and seen < 16:  # httpx -> httpcore -> OSError, bounded
+        if isinstance(e, OSError) and e.errno in INGRESS_ERRNOS:
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+async def _unless_gone(request: Request, coro):
+    """Await `coro` unless the client disconnects first: it is then cancelled (closing its
+    connection to the replica) and ClientGone raised."""
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        raise ClientGone()
+    finally:
+        gone.cancel()
+        work.cancel()  # (nothing when done)
+
+
+def out_of_connections(e: BaseException) -> P.APIError:
+    return P.APIError(503, f"the ingress cannot open a connection now ({e}); retry shortly",
+                      type="server_error", code="ingress_overloaded",
+                      headers={"Retry-After": "1"})
 
 
 class Ingress:
@@ -53,7 +90,8 @@ class Ingress:
 
     def __init__(self, replicas, api_key: str | None = None, load_bound: float = 1.25,
                  summary_interval_s: float = 1.0, request_timeout_s: float = 600.0,
-                 drain_timeout_s: float = 60.0, routing: Routing = Routing.AFFINITY):
+                 drain_timeout_s: float = 60.0, routing: Routing = Routing.AFFINITY,
+                 unresponsive_s: float = 30.0):
         self.replicas = replicas
         self.api_key = api_key
         self.router = ReplicaRouter(replicas.names, load_bound, routing=routing)
@@ -63,6 +101,9 @@ class Ingress:
         self.restarts: Counter = Counter()
         self.summary_interval_s = summary_interval_s
         self.drain_timeout_s = drain_timeout_s
+        # a replica with no summary for this long is hung: killed, Ray restarts it
+        self.unresponsive_s = unresponsive_s
+        self._answered: dict[str, float] = {}  # replica -> when it last gave a summary
         self._stopped = {n: asyncio.Event() for n in replicas.names}
         self._recovering: dict[str, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -80,7 +121,8 @@ class Ingress:
         infos = await asyncio.gather(*(self.replicas.info(n) for n in self.replicas.names))
         for info in infos:
             self._up(info)
-        self._spawn(self._poll_summaries())
+        for name in self.replicas.names:  # one loop each: a hung replica stalls no other
+            self._spawn(self._poll_summaries(name))
 
     async def close(self) -> None:
         self.accepting = False
@@ -99,11 +141,13 @@ class Ingress:
         name = info["name"]
         self.urls[name], self.pids[name] = info["url"], info["pid"]
         self._stopped[name].clear()
+        self._answered[name] = time.monotonic()
         self.router.set_state(name, ReplicaState.READY)
         log.info("%s serves at %s (pid %s)", name, info["url"], info["pid"])
 
-    def _lost(self, name: str, reason: Reason = Reason.DEAD) -> None:
-        """`name` stopped answering: its sessions move, Ray restarts it."""
+    def _lost(self, name: str, reason: Reason = Reason.DEAD, hung: bool = False) -> None:
+        """`name` stopped answering: its sessions move, Ray restarts it (`hung`: its
+        process is alive but answers nothing; it is killed first)."""
         if self.router.state[name] in (ReplicaState.DEAD, ReplicaState.GONE,
                                        ReplicaState.STARTING):
             return
@@ -113,11 +157,13 @@ class Ingress:
         self._stopped[name].set()
         self.urls[name] = None
         if name not in self._recovering:
-            self._recovering[name] = self._spawn(self._recover(name, self.pids[name]))
+            self._recovering[name] = self._spawn(self._recover(name, self.pids[name], hung))
 
-    async def _recover(self, name: str, old_pid: int | None) -> None:
+    async def _recover(self, name: str, old_pid: int | None, hung: bool = False) -> None:
         try:
             self.router.set_state(name, ReplicaState.STARTING)
+            if hung:  # its actor would not answer either: asking it would wait in vain
+                self.replicas.kill(name, restart=True)
             info = await self.replicas.info(name)
             if info["pid"] == old_pid:  # alive but not serving: make Ray restart it
                 self.replicas.kill(name, restart=True)
@@ -149,11 +195,14 @@ class Ingress:
             return False
         return True
 
-    async def _poll_summaries(self) -> None:
+    async def _poll_summaries(self, name: str) -> None:
         while True:
-            await asyncio.gather(*(self._summary(n) for n in self.router.names
-                                   if self.router.state[n] in (ReplicaState.READY,
-                                                               ReplicaState.DRAINING)))
+            if self.router.state[name] in (ReplicaState.READY, ReplicaState.DRAINING):
+                await self._summary(name)
+                silent_s = time.monotonic() - self._answered[name]
+                if silent_s > self.unresponsive_s:
+                    log.error("%s answered no summary for %.0f s: it is hung", name, silent_s)
+                    self._lost(name, hung=True)
             await asyncio.sleep(self.summary_interval_s)
 
     async def _summary(self, name: str) -> None:
@@ -162,16 +211,20 @@ class Ingress:
             return
         try:
             r = await self.client.get(f"{url}{SUMMARY_PATH}", headers=self._auth(),
-                                      timeout=10.0)
+                                      timeout=min(SUMMARY_TIMEOUT_S, self.unresponsive_s))
             s = r.json()
-        except httpx.ConnectError:
-            self._lost(name)
+        except httpx.ConnectError as e:
+            if ingress_side(e):
+                log.warning("%s: no summary: this process cannot connect (%s)", name, e)
+            else:
+                self._lost(name)
             return
         except (httpx.HTTPError, ValueError) as e:
             log.warning("%s: no summary (%s)", name, e)
             return
         if r.status_code != 200 or s.get("pid") != self.pids[name]:
             return  # answered by another process than the one this state is about
+        self._answered[name] = time.monotonic()
         self.summaries[name] = s
         self.router.report(name, {bytes.fromhex(k) for k in s.get("conversations", ())},
                            s.get("sessions", ()))
@@ -194,7 +247,11 @@ class Ingress:
         # every answer is OpenAI's error JSON, as the single-process server's
         return Starlette(routes=routes, exception_handlers={
             HTTPException: self._http_error, P.APIError: self._api_error,
-            Exception: self._internal_error})
+            ClientGone: self._gone, Exception: self._internal_error})
+
+    @staticmethod
+    async def _gone(request: Request, e: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"
 
     async def _api_error(self, request: Request, e: P.APIError) -> Response:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
@@ -270,7 +327,10 @@ class Ingress:
             self.router.started(d, session_id)
             handed = False
             try:
-                upstream = await self._forward(d.replica, request, body)
+                # the client may leave while the replica works on it (non-streamed: no
+                # header comes before the answer): the connection to the replica is then
+                # closed, which cancels the request there, and its place is free at once
+                upstream = await _unless_gone(request, self._forward(d.replica, request, body))
                 if (upstream.status_code == 409 and session_id is not None
                         and not tried_locked and await _is_locked(upstream)):
                     # open on a replica this ingress has not heard of: ask them all. This
@@ -284,8 +344,10 @@ class Ingress:
                 if upstream.status_code == 200 and keys:
                     self.router.served(d.replica, keys)
                 handed = True
-                return await self._relay(upstream, d, session_id)
-            except httpx.ConnectError:
+                return await self._relay(request, upstream, d, session_id)
+            except httpx.ConnectError as e:
+                if ingress_side(e):  # out of descriptors here: no replica is to blame
+                    raise out_of_connections(e) from None
                 self._lost(d.replica)  # nothing reached it: send the request elsewhere
             except httpx.TransportError as e:
                 # the replica's process is gone (this request went out on a pooled
@@ -315,11 +377,11 @@ class Ingress:
         req = self.client.build_request(request.method, target, content=body, headers=headers)
         return await self.client.send(req, stream=True)
 
-    async def _relay(self, upstream: httpx.Response, d: Decision, session_id: str | None
-                     ) -> Response:
+    async def _relay(self, request: Request, upstream: httpx.Response, d: Decision,
+                     session_id: str | None) -> Response:
         """The replica's answer as this answer; the request's load is released when it has
-        been passed on (or the client went away: closing the upstream connection makes the
-        replica cancel it)."""
+        been passed on, or when the client went away (closing the upstream connection then
+        makes the replica cancel the request)."""
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP}
         headers["x-kvsession-replica"] = d.replica
         done = False
@@ -331,14 +393,11 @@ class Ingress:
                 self.router.finished(d, session_id)
 
         if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            try:
-                content = await upstream.aread()
-            except httpx.TransportError:
+            try:  # a TransportError: the replica is gone
+                content = await _unless_gone(request, upstream.aread())
+            finally:
                 await upstream.aclose()
                 finish()
-                raise
-            await upstream.aclose()
-            finish()
             return Response(content, status_code=upstream.status_code, headers=headers)
 
         async def body():

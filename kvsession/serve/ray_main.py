@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import signal
 from pathlib import Path
 
@@ -49,6 +50,11 @@ def add_replica_arguments(p: argparse.ArgumentParser) -> None:
                    help="how often the ingress asks each replica what it holds")
     g.add_argument("--drain-timeout-s", type=float, default=60.0,
                    help="how long a drain waits for a replica's requests in flight")
+    g.add_argument("--replica-unresponsive-s", type=float, default=30.0,
+                   help="a replica that answers no summary for this long (a hung process) "
+                        "is killed and restarted; its sessions resume elsewhere")
+    g.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="how long the ingress waits for a replica's answer to a request")
     g.add_argument("--replica-start-timeout-s", type=float, default=300.0,
                    help="how long a replica may take to load the model and listen")
 
@@ -65,9 +71,10 @@ def _check(p: argparse.ArgumentParser, args) -> None:
     if not args.load_bound >= 1.0:
         p.error(f"--load-bound must be >= 1.0, got {args.load_bound}")
     for name in ("summary_interval_s", "drain_timeout_s", "replica_start_timeout_s",
-                 "replica_num_cpus"):
-        if not getattr(args, name) > 0:
-            p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+                 "replica_num_cpus", "replica_unresponsive_s", "request_timeout_s"):
+        if not 0 < getattr(args, name) < math.inf:
+            p.error(f"--{name.replace('_', '-')} must be > 0 and finite, got "
+                    f"{getattr(args, name)}")
     if args.replica_max_restarts < 0:
         p.error(f"--replica-max-restarts must be >= 0, got {args.replica_max_restarts}")
     if args.ray_address != "local" and args.session_dir is None:
@@ -121,6 +128,8 @@ def _serve(args, sock, replicas, ingress_cls, gone_error, log) -> int:
     from kvsession.serve.main import LISTENING
     ingress = ingress_cls(replicas, args.api_key, args.load_bound, args.summary_interval_s,
                           drain_timeout_s=args.drain_timeout_s,
+                          request_timeout_s=args.request_timeout_s,
+                          unresponsive_s=args.replica_unresponsive_s,
                           routing=Routing(args.routing))
 
     @contextlib.asynccontextmanager
