@@ -297,6 +297,24 @@ print(type(refused).__name__, ingress_side(refused), type(full).__name__, ingres
     assert out.stdout.split() == ["ConnectError", "False", "ConnectError", "True"], out.stderr
 
 
+@pytest.mark.parametrize("flag", ["--replica-unresponsive-s", "--request-timeout-s",
+                                  "--summary-interval-s"])
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_replica_timing_flags_must_be_positive_and_finite(flag, value, capsys):
+    """Refused before Ray or the model is touched: a usage error naming the flag."""
+    import argparse
+
+    from kvsession.serve.ray_main import _check, add_replica_arguments
+
+    p = argparse.ArgumentParser()
+    add_replica_arguments(p)
+    p.add_argument("--session-dir")
+    args = p.parse_args(["--replicas", "2", flag, value])
+    with pytest.raises(SystemExit):
+        _check(p, args)
+    assert f"{flag} must be > 0 and finite" in capsys.readouterr().err
+
+
 def _needs_ray():
     for module, extra in (("ray", "ray"), ("httpx", "ray"), ("starlette", "server"),
                           ("uvicorn", "server")):
