@@ -9,8 +9,11 @@ replicas run with the same --api-key) and the answer comes back as it is, a stre
 stream. A replica that refuses the connection is taken as dead: the request is sent to
 another (nothing reached the dead one), its keys are forgotten, its sessions resume
 elsewhere from the shared --session-dir, and Ray restarts it. A connection lost after the
-request was sent is answered 502 `replica_lost` for a named session (its turn may or may not
-have been logged there; it was not acknowledged) and retried elsewhere for anything else.
+request was sent is retried elsewhere when the replica is gone (a named session's turn that
+its log holds is answered from the log there: no turn runs twice) and answered 502
+`replica_error` when it still answers; lost mid-stream, the stream ends with a
+`replica_lost` error event. A replica that answers no summary for --replica-unresponsive-s
+is hung: killed, and restarted by Ray. A client that leaves closes the upstream connection.
 """
 
 from __future__ import annotations
