@@ -356,6 +356,9 @@ def test_required_mode_fails_on_a_timeout_and_the_late_answer_frees_the_blocks(l
         ps = prompts(9, 2)
         with LLM(llama_dir, prefill_worker=slow.address, remote_prefill="required",
                  remote_prefill_timeout_s=0.2, **KW) as llm:
+            # the handshake may outlast the 0.2 s LLM() waits for it on a loaded machine:
+            # the first request would then find no healthy worker, not a timeout
+            wait_for(lambda: worker_stats(llm, slow.address).state == "ready", 60, "ready")
             for p in ps:
                 with pytest.raises(RemotePrefillError, match="timeout"):
                     generate(llm, [p])

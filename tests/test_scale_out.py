@@ -330,8 +330,8 @@ class Cluster:
         self.proc = ServerProcess(
             model, *ENGINE, "--replicas", "2", "--ray-address", "local", "--ray-num-cpus", "2",
             "--session-dir", str(tmp / "sessions"), "--summary-interval-s", "0.2",
-            "--replica-unresponsive-s", "10",
-            stderr_path=tmp / "ingress.stderr", start_timeout_s=120)
+            "--replica-unresponsive-s", "15",
+            stderr_path=tmp / "ingress.stderr", start_timeout_s=300)
         self.url = self.proc.url
         self.model = model.name
 

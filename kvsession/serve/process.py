@@ -4,6 +4,7 @@ port); every wait is bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import signal
@@ -57,7 +58,8 @@ class ServerProcess:
             except queue.Empty:
                 line = None
             if line is None:
-                self.stop(timeout=10)
+                with contextlib.suppress(subprocess.TimeoutExpired):  # killed: say why
+                    self.stop(timeout=10)
                 raise RuntimeError(f"no line matching {pattern!r} from the server (exit "
                                    f"status {self.proc.poll()}); stderr:\n{self.stderr_tail()}")
             if m := re.search(pattern, line):
