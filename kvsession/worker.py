@@ -96,7 +96,7 @@ class NixlPrefillService(PrefillService):
         self.local = describe_tensors(self.tensors)
         self.callers: dict[str, tuple[str, list]] = {}
 
-    def handshake(self, caller: str, hello: Hello) -> HelloOk | Refused:
+    def handshake(self, caller: str, hello: Hello) -> HelloOk | Refused | Rejected:
         if hello.compat != self.compat:
             return Refused("incompatible: model fingerprint, kv dtype, compute dtype, block "
                            "size, layout or protocol version differ")
@@ -109,12 +109,13 @@ class NixlPrefillService(PrefillService):
             if t.num_blocks < 1 or t.addr <= 0 or t.device_id < 0 or \
                     t.mem_type not in ("DRAM", "VRAM"):
                 return Refused(f"tensor {t.name}: invalid descriptor")
-        if caller not in self.callers and len(self.callers) >= MAX_CALLERS:
-            return Refused(f"this worker already serves {MAX_CALLERS} callers")
-        # a caller that reconnects (a new socket) keeps its agent: drop the old entry
-        for other, (name, _) in list(self.callers.items()):
-            if other == caller or name == hello.agent_name:
-                self.disconnect(other)
+        # a caller that reconnects (a new socket) keeps its agent: its old entries are
+        # replaced, and do not count against the bound
+        stale = [other for other, (name, _) in self.callers.items()
+                 if other == caller or name == hello.agent_name]
+        if not stale and len(self.callers) >= MAX_CALLERS:
+            # transient (callers leave): the caller tries again later, never gives up
+            return Rejected(f"this worker already serves {MAX_CALLERS} callers; retry later")
         try:
             name = self.agent.add_remote_agent(hello.agent_metadata)
         except Exception as e:  # NIXL refuses what it cannot deserialize
@@ -124,6 +125,13 @@ class NixlPrefillService(PrefillService):
             if all(n != name for n, _ in self.callers.values()):
                 self.agent.remove_remote_agent(name)
             return Refused("the agent metadata names another agent than agent_name")
+        # only now, the Hello proven to carry that agent's metadata (a refused Hello naming
+        # another caller's agent must not drop that caller's registration): the agent now
+        # names this registration, so an old entry of the same name keeps it
+        for other in stale:
+            old_name, _ = self.callers.pop(other)
+            if old_name != name:
+                self.agent.remove_remote_agent(old_name)
         self.callers[caller] = (name, hello.tensors)
         return HelloOk(self.agent.name, self.max_tokens, self.max_bytes)
 
@@ -291,6 +299,7 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
     service = NixlPrefillService(rt, stop, args.request_timeout_s)
     jobs: queue.Queue = queue.Queue(maxsize=args.max_queue)
     replies: queue.Queue = queue.Queue()  # one per job or status query at most
+    forgotten: queue.Queue = queue.Queue()  # callers whose Bye ran: out of `gone`
     counters = _Counters()
     rng = random.Random(faults.seed)
 
@@ -300,6 +309,8 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
             return service.handshake(caller, msg)
         if isinstance(msg, Bye):
             service.disconnect(caller)
+            # every job it queued before ran already: nothing left to end for it
+            forgotten.put(ident)
             return None
         if faults.delay_s and rng.random() < faults.delay_rate:
             release.wait(faults.delay_s)  # injected fault: slower than the timeout
@@ -424,12 +435,13 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
         elif isinstance(msg, Hello | Bye):
             if isinstance(msg, Hello):
                 seen[ident] = time.monotonic()
-            else:
-                seen.pop(ident, None)
             try:
                 jobs.put_nowait((ident, msg))
             except queue.Full:
-                reject(ident, f"worker busy: {jobs.maxsize} jobs queued; retry later")
+                # a Bye not queued leaves the caller in `seen`: the sweep forgets it
+                return reject(ident, f"worker busy: {jobs.maxsize} jobs queued; retry later")
+            if isinstance(msg, Bye):
+                seen.pop(ident, None)
         else:
             reject(ident, f"unexpected message {type(msg).__name__}")
 
@@ -472,6 +484,8 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
                         reject(ident, f"internal error: {type(e).__name__}")
             while not replies.empty():
                 send(*replies.get())
+            while not forgotten.empty():
+                gone.discard(forgotten.get())
             if time.monotonic() - last_sweep > 1.0:
                 last_sweep = time.monotonic()
                 sweep(last_sweep)

@@ -330,6 +330,55 @@ def test_a_busy_worker_survives_another_workers_death(llama_dir):
                 w.stop()
 
 
+def test_a_worker_whose_queue_another_caller_fills_survives_a_fence(llama_dir):
+    """As above, but the busy worker's job queue is full of another caller's work: it
+    answers the re-sent Hello "busy, retry later". It is asked again, not declared dead."""
+    import zmq
+
+    from kvsession.connector.base import PrefillRequest
+
+    slow = "delay_rate=1.0,delay_s=2.0,seed=2"
+    busy = Worker(llama_dir, "--max-queue", "1", faults=slow)
+    other = Worker(llama_dir)
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(busy.address)
+
+    def ask_stats():
+        peer.send(encode(StatsQuery()))
+        assert peer.poll(20_000)
+        while not isinstance(reply := decode(peer.recv()), WorkerStatus):
+            assert peer.poll(20_000)
+        return reply
+
+    try:
+        with LLM(llama_dir, prefill_worker=[busy.address, other.address],
+                 remote_prefill="always", remote_prefill_timeout_s=30, **KW) as llm:
+            conn = llm._rt.connector
+            wait_for(lambda: all(w.state == "ready" for w in conn.workers), 60, "ready")
+            req = PrefillRequest(1, [5] * 40, 0, [1, 2, 3])  # another caller's jobs
+            peer.send(encode(req))
+            wait_for(lambda: ask_stats().busy, 20, "the busy worker's job thread busy")
+            peer.send(encode(PrefillRequest(2, [5] * 40, 0, [1, 2, 3])))
+            wait_for(lambda: ask_stats().queued == 1, 20, "its queue full")
+            other.proc.kill()  # the fence re-sends Hello to the busy worker: rejected
+            other.proc.wait(timeout=30)
+            wait_for(lambda: worker_stats(llm, busy.address).rejected >= 1, 30,
+                     "the re-sent Hello rejected")
+            wait_for(lambda: worker_stats(llm, busy.address).state == "ready", 30,
+                     "the busy worker ready again")
+            assert worker_stats(llm, busy.address).deaths == {}
+            ps = prompts(9, 1)
+            assert generate(llm, ps) == local(llama_dir, ps)
+    finally:
+        peer.close()
+        ctx.term()
+        for w in (busy, other):
+            if w.proc.poll() is None:
+                w.stop()
+
+
 def test_required_mode_fails_what_no_worker_prefilled_and_serves_on(llama_dir):
     """remote_prefill="required": a prompt no worker can take fails alone with
     RemotePrefillError naming the reason, not prefilled locally; a prompt under one block

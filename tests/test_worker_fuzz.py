@@ -546,3 +546,90 @@ def test_sigterm_exits_within_a_bound_during_a_long_job(ctx, llama_dir):
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(timeout=30) == 0
     assert time.monotonic() - t0 < 15  # not the 120 s the job would have taken
+
+
+# ---- the caller table: a peer cannot cut others off ------------------------------------------
+
+def test_a_refused_hello_naming_a_callers_agent_leaves_it_registered(
+        ctx, target, caller_keys, caller, reference, status_peer):
+    """A Hello carrying a registered caller's agent name but metadata that does not parse is
+    refused without dropping that caller's registration (it was dropped first)."""
+    rt = caller._rt
+    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv.tensors(), rt.compat)
+    intruder = Peer(ctx, target.address, caller_keys)
+    try:
+        assert isinstance(fc.peer.ask(fc.hello), HelloOk)
+        before = status(status_peer).callers
+        h = fc.hello
+        reply = intruder.ask(Hello(h.compat, h.agent_name, b"junk", h.tensors))
+        assert isinstance(reply, Refused)
+        assert status(status_peer).callers == before
+    finally:
+        intruder.close()
+        fc.close()
+    still_serving(caller, reference, status_peer)
+
+
+def test_a_full_caller_table_is_a_transient_refusal(ctx, llama_dir):
+    """At MAX_CALLERS the worker answers Rejected (retry later), not Refused (give up for
+    good); a caller that reconnects replaces its own entry, which does not count."""
+    from kvsession.worker import MAX_CALLERS
+
+    w = Worker(llama_dir)
+    with LLM(llama_dir, **KW) as tmp:
+        rt = tmp._rt
+        fc = FuzzCaller(ctx, w.address, None, rt.kv.tensors(), rt.compat)
+    peers = []
+    try:
+        h, name = fc.hello, fc.agent.name
+        for start in range(0, MAX_CALLERS - 1, 50):  # other callers (agents named apart),
+            batch = []  # in batches the job queue (64) takes
+            for i in range(start, min(start + 50, MAX_CALLERS - 1)):
+                fake = name[:-8] + f"{i:08x}"
+                batch.append(Peer(ctx, w.address))
+                batch[-1].send(encode(Hello(h.compat, fake, h.agent_metadata.replace(
+                    name.encode(), fake.encode()), h.tensors)))
+            peers += batch
+            assert all(isinstance(p.recv(), HelloOk) for p in batch)
+        assert isinstance(fc.peer.ask(h), HelloOk)  # the last place
+        late = Peer(ctx, w.address)
+        peers.append(late)
+        fake = name[:-8] + "ffffffff"
+        reply = late.ask(Hello(h.compat, fake, h.agent_metadata.replace(
+            name.encode(), fake.encode()), h.tensors))
+        assert isinstance(reply, Rejected) and "retry later" in reply.reason
+        again = Peer(ctx, w.address)  # fc reconnects on a new socket: its entry is replaced
+        peers.append(again)
+        assert isinstance(again.ask(h), HelloOk)
+        assert again.ask(StatsQuery()).callers == MAX_CALLERS
+    finally:
+        for p in peers:
+            p.close()
+        fc.peer.close()
+        assert w.stop() == 0
+
+
+def test_a_bye_refused_by_a_full_queue_still_ends_the_registration(ctx, llama_dir):
+    """A Bye the full job queue cannot take is answered busy; the caller stays in the
+    silence sweep, which forgets it once the queue has room (it was leaked for good)."""
+    w = Worker(llama_dir, "--max-queue", "1", "--caller-timeout-s", "1",
+               faults="delay_rate=1,delay_s=1.5,seed=0")
+    with LLM(llama_dir, **KW) as tmp:
+        rt = tmp._rt
+        fc = FuzzCaller(ctx, w.address, None, rt.kv.tensors(), rt.compat)
+    busy, watcher = Peer(ctx, w.address), Peer(ctx, w.address)
+    try:
+        assert isinstance(fc.peer.ask(fc.hello), HelloOk)
+        req = PrefillRequest(1, [5] * 40, 0, [1, 2, 3])
+        busy.send(encode(req))  # the job thread sleeps in the injected delay
+        wait_for(lambda: watcher.ask(StatsQuery()).busy, 20, "the job thread to be busy")
+        busy.send(encode(msgspec.structs.replace(req, req_id=2)))  # queued: the queue is full
+        wait_for(lambda: watcher.ask(StatsQuery()).queued == 1, 20, "one queued job")
+        reply = fc.peer.ask(Bye())
+        assert isinstance(reply, Rejected) and "busy" in reply.reason
+        fc.peer.close()
+        wait_for(lambda: watcher.ask(StatsQuery()).callers == 0, 30, "the caller forgotten")
+    finally:
+        busy.close()
+        watcher.close()
+        assert w.stop() == 0

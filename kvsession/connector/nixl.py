@@ -9,9 +9,9 @@ interpreter exit crashes processes).
 Completion and fencing: a request is done when the caller has received the worker's NIXL
 notification for every layer (a notification is delivered after its transfer's data).
 A request that times out keeps its blocks in quarantine until the worker answers for it or
-is declared dead; a dead worker is fenced by re-registering the KV memory (its remote keys
-stop working) and re-handshaking the live workers, so a late write can never land in a
-block that was handed to someone else. A notification counts only when it comes from the
+is declared dead; a dead worker is fenced by re-registering the KV memory (meant to stop
+its remote keys working; with UCX measured not to: an open problem, docs/remote-prefill.md)
+and re-handshaking the live workers. A notification counts only when it comes from the
 agent of the worker the request was sent to. A dead worker is reconnected with backoff
 (docs/remote-prefill.md, "Connections").
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -53,6 +54,8 @@ from kvsession.errors import ConfigError
 from kvsession.routing import PrefixRouter
 
 log = logging.getLogger("kvsession")
+# a busy worker that rejected a re-sent Hello is asked again after this long
+HELLO_AGAIN_S = 0.2
 
 
 def make_agent(prefix: str):
@@ -130,6 +133,7 @@ class _Worker:
     # connecting again while alive: re-sent Hello after a fence (new memory keys), which
     # the worker reads only after the jobs queued before it
     rehello: bool = False
+    hello_again_at: float | None = None  # a re-sent Hello the busy worker rejected: resend
     num_requests: int = 0
     # counters, for stats().remote.workers
     prefills: int = 0  # completed
@@ -261,8 +265,10 @@ class NixlPrefillClient(PrefillConnector):
         w.monitor.close(linger=0)
         w.socket = w.monitor = None
 
-    def _hello(self, w: _Worker) -> None:
-        w.state, w.since, w.awaiting_pong = "connecting", time.monotonic(), None
+    def _hello(self, w: _Worker, again: bool = False) -> None:
+        if not again:  # (again: the same handshake, its window running on)
+            w.state, w.since, w.awaiting_pong = "connecting", time.monotonic(), None
+        w.hello_again_at = None
         try:
             w.socket.send(encode(Hello(self.compat, self.agent.name,
                                        self.agent.get_agent_metadata(),
@@ -436,7 +442,9 @@ class NixlPrefillClient(PrefillConnector):
         elif isinstance(msg, Rejected):
             w.rejected += 1
             log.warning("prefill worker %s rejected a message: %s", w.address, msg.reason)
-            if w.state == "connecting":  # e.g. its queue was full: try again later
+            if w.state == "connecting" and w.rehello:  # alive, busy with others' work:
+                w.hello_again_at = time.monotonic() + HELLO_AGAIN_S  # not dead: ask again
+            elif w.state == "connecting":  # e.g. its queue was full: try again later
                 self._declare_dead(w, "handshake rejected", out)
         elif isinstance(msg, PrefillDone):
             r = self.pending.get(msg.req_id) or self.quarantine.get(msg.req_id)
@@ -499,6 +507,8 @@ class NixlPrefillClient(PrefillConnector):
                 if w.awaiting_pong is not None and now - w.awaiting_pong > self.dead_after_s:
                     self._declare_dead(w, "no heartbeat", out)
                     continue
+            if w.state == "connecting" and now >= (w.hello_again_at or math.inf):
+                self._hello(w, again=True)
             if w.state == "connecting":
                 # a re-sent Hello waits behind the worker's queued jobs, each bounded by the
                 # request timeout: a worker that answers its heartbeats meanwhile is busy,
