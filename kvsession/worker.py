@@ -317,8 +317,9 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
         if stop.is_set():
             return PrefillFailed(msg.req_id, "the worker is shutting down")
         if ident in gone:  # queued before its caller vanished: nobody to compute it for
-            counters.failed += 1
-            return None
+            counters.failed += 1  # (answered all the same: a caller that was only quiet
+            # would keep the request's blocks in quarantine for good; nothing was written)
+            return PrefillFailed(msg.req_id, "the caller was silent past --caller-timeout-s")
         reply = service.prefill(caller, msg, lambda: ident in gone)
         if isinstance(reply, PrefillDone):
             counters.served += 1

@@ -330,6 +330,28 @@ def test_a_busy_worker_survives_another_workers_death(llama_dir):
                 w.stop()
 
 
+def test_a_timed_out_request_whose_answer_is_lost_leaves_quarantine(llama_dir):
+    """A worker slower than the timeout whose answers are all lost: the requests fall back
+    and their blocks wait in quarantine; every layer's NIXL notification arriving proves the
+    late writes landed, so the quarantine clears while the worker stays ready (it was held
+    until the worker died, which a healthy worker never does)."""
+    slow = Worker(llama_dir, faults="delay_rate=1.0,delay_s=0.6,drop_rate=1.0,seed=1")
+    try:
+        ps = prompts(9, 2)
+        with LLM(llama_dir, prefill_worker=slow.address, remote_prefill="always",
+                 remote_prefill_timeout_s=0.2, **KW) as llm:
+            wait_for(lambda: worker_stats(llm, slow.address).state == "ready", 60, "ready")
+            assert generate(llm, ps) == local(llama_dir, ps)  # prefilled here instead
+            assert llm.stats().remote.fallbacks.get("timeout") == len(ps)
+            wait_for(lambda: (llm._rt.call(lambda: llm._rt.engine.poll_remote(0.02)).result()
+                              or not llm._rt.scheduler.quarantine), 60,
+                     "the late writes' notifications")
+            assert worker_stats(llm, slow.address).deaths == {}
+            assert_no_leak(llm)
+    finally:
+        assert slow.stop() == 0
+
+
 def test_a_worker_whose_queue_another_caller_fills_survives_a_fence(llama_dir):
     """As above, but the busy worker's job queue is full of another caller's work: it
     answers the re-sent Hello "busy, retry later". It is asked again, not declared dead."""

@@ -633,3 +633,24 @@ def test_a_bye_refused_by_a_full_queue_still_ends_the_registration(ctx, llama_di
         busy.close()
         watcher.close()
         assert w.stop() == 0
+
+
+def test_a_quiet_callers_skipped_prefill_is_still_answered(ctx, llama_dir):
+    """A caller silent past --caller-timeout-s is forgotten and its queued prefill skipped;
+    the skip is answered (PrefillFailed), so a caller that was only quiet gets its blocks
+    back instead of keeping them in quarantine for good."""
+    w = Worker(llama_dir, "--caller-timeout-s", "1", faults="delay_rate=1,delay_s=2.5,seed=0")
+    busy, quiet = Peer(ctx, w.address), Peer(ctx, w.address)
+    try:
+        req = PrefillRequest(1, [5] * 40, 0, [1, 2, 3])
+        busy.send(encode(req))  # the job thread sleeps in the injected delay
+        wait_for(lambda: busy.ask(StatsQuery()).busy, 20, "the job thread to be busy")
+        quiet.send(encode(Hello("x", "y", b"", [])))  # known to the sweep from now on
+        quiet.send(encode(msgspec.structs.replace(req, req_id=7)))  # queued; then silent
+        replies = [quiet.recv(60), quiet.recv(60)]  # its Hello's answer, then the prefill's
+        failed = [r for r in replies if isinstance(r, PrefillFailed)]
+        assert [r.req_id for r in failed] == [7] and "silent" in failed[0].reason
+    finally:
+        busy.close()
+        quiet.close()
+        assert w.stop() == 0

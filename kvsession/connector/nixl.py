@@ -8,12 +8,12 @@ interpreter exit crashes processes).
 
 Completion and fencing: a request is done when the caller has received the worker's NIXL
 notification for every layer (a notification is delivered after its transfer's data).
-A request that times out keeps its blocks in quarantine until the worker answers for it or
-is declared dead; a dead worker is fenced by re-registering the KV memory (meant to stop
-its remote keys working; with UCX measured not to: an open problem, docs/remote-prefill.md)
-and re-handshaking the live workers. A notification counts only when it comes from the
-agent of the worker the request was sent to. A dead worker is reconnected with backoff
-(docs/remote-prefill.md, "Connections").
+A request that times out keeps its blocks in quarantine until the worker answers for it, all
+its notifications arrive, or the worker is declared dead; a dead worker is fenced by
+re-registering the KV memory (meant to stop its remote keys working; with UCX measured not
+to: an open problem, docs/remote-prefill.md) and re-handshaking the live workers. A
+notification counts only when it comes from the agent of the worker the request was sent
+to. A dead worker is reconnected with backoff (docs/remote-prefill.md, "Connections").
 """
 
 from __future__ import annotations
@@ -371,15 +371,19 @@ class NixlPrefillClient(PrefillConnector):
                 except ValueError:  # UnicodeDecodeError included
                     self._foreign(name, m)
                     continue
-                r = self.pending.get(req_id)
+                r = self.pending.get(req_id) or self.quarantine.get(req_id)
                 if r is None:
                     continue  # a late notification of a request that failed: harmless
                 if name != r.worker.agent_name or not 0 <= layer < r.num_layers:
                     self._foreign(name, m)
                     continue
                 r.layers_done.add(layer)
-                if len(r.layers_done) == r.num_layers:
+                if len(r.layers_done) < r.num_layers:
+                    continue
+                if req_id in self.pending:
                     self._done(req_id, out)
+                else:  # timed out, but every write has landed (its answer may be lost)
+                    out.append(Completion(self.quarantine.pop(req_id).seq_id, "fenced"))
 
     def _foreign(self, sender: str, msg: bytes) -> None:
         self.foreign_notifications += 1
