@@ -338,9 +338,7 @@ def test_a_timed_out_request_whose_answer_is_lost_leaves_quarantine(llama_dir):
     slow = Worker(llama_dir, faults="delay_rate=1.0,delay_s=0.6,drop_rate=1.0,seed=1")
     try:
         ps = prompts(9, 2)
-        with LLM(llama_dir, prefill_worker=slow.address, remote_prefill="always",
-                 remote_prefill_timeout_s=0.2, **KW) as llm:
-            wait_for(lambda: worker_stats(llm, slow.address).state == "ready", 60, "ready")
+        with ready_llm(llama_dir, slow, "always", 0.2) as llm:
             assert generate(llm, ps) == local(llama_dir, ps)  # prefilled here instead
             assert llm.stats().remote.fallbacks.get("timeout") == len(ps)
             wait_for(lambda: (llm._rt.call(lambda: llm._rt.engine.poll_remote(0.02)).result()
@@ -425,11 +423,7 @@ def test_required_mode_fails_on_a_timeout_and_the_late_answer_frees_the_blocks(l
     slow = Worker(llama_dir, faults="delay_rate=1.0,delay_s=0.6,seed=1")
     try:
         ps = prompts(9, 2)
-        with LLM(llama_dir, prefill_worker=slow.address, remote_prefill="required",
-                 remote_prefill_timeout_s=0.2, **KW) as llm:
-            # the handshake may outlast the 0.2 s LLM() waits for it on a loaded machine:
-            # the first request would then find no healthy worker, not a timeout
-            wait_for(lambda: worker_stats(llm, slow.address).state == "ready", 60, "ready")
+        with ready_llm(llama_dir, slow, "required", 0.2) as llm:
             for p in ps:
                 with pytest.raises(RemotePrefillError, match="timeout"):
                     generate(llm, [p])
@@ -534,6 +528,16 @@ def test_fault_flags_are_not_part_of_the_cli():
 
 def worker_stats(llm, address):
     return llm.stats().remote.workers[address]
+
+
+def ready_llm(llama_dir, worker, mode: str, timeout_s: float) -> LLM:
+    """An LLM on `worker` once its handshake is done: LLM() waits for it only up to the
+    timeout, which these tests keep short (on a loaded machine, the first request would
+    find no healthy worker instead of the timeout it tests)."""
+    llm = LLM(llama_dir, prefill_worker=worker.address, remote_prefill=mode,
+              remote_prefill_timeout_s=timeout_s, **KW)
+    wait_for(lambda: worker_stats(llm, worker.address).state == "ready", 60, "ready")
+    return llm
 
 
 def test_an_idle_gap_longer_than_the_heartbeat_timeout_keeps_the_worker(llama_dir, worker):

@@ -10,7 +10,7 @@ import signal
 import threading
 
 import pytest
-from test_remote import KW, Worker, wait_for, worker_stats
+from test_remote import KW, Worker, ready_llm, wait_for
 
 from kvsession import LLM, SamplingParams
 
@@ -165,10 +165,7 @@ def test_follow_ups_slower_than_the_timeout_fall_back_with_equal_tokens(llama_di
     # the late answer fences them, and the turn is prefilled locally
     slow = Worker(llama_dir, faults="delay_rate=1.0,delay_s=0.6")
     try:
-        with LLM(llama_dir, prefill_worker=slow.address, remote_prefill="always",
-                 remote_prefill_timeout_s=0.3, **KW) as llm, LLM(llama_dir, **KW) as ref:
-            # (the handshake may outlast the 0.3 s LLM() waits for it on a loaded machine)
-            wait_for(lambda: worker_stats(llm, slow.address).state == "ready", 60, "ready")
+        with ready_llm(llama_dir, slow, "always", 0.3) as llm, LLM(llama_dir, **KW) as ref:
             run_turns(llm, ref)
             st = llm.stats().remote
             assert st.fallbacks.get("timeout", 0) >= len(TURNS) and st.prefills == 0
