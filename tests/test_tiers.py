@@ -338,3 +338,13 @@ s.send("hello")
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert (sd / "left-open.kvs").is_file()
+
+
+def test_suspending_a_session_with_nothing_computed_keeps_it(llama_dir):
+    """suspend() answers one of its documented decisions even before the first turn."""
+    from kvsession import LLM
+
+    with LLM(llama_dir, device="cpu", kv_cache_memory="4MiB", max_model_len=256) as llm:
+        s = llm.session(system="You are terse.")
+        assert s.suspend() == "keep"
+        assert s.send("hi", max_tokens=2).text is not None

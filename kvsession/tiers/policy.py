@@ -255,7 +255,8 @@ class TierPolicy:
         keep when the wait is short next to a reload, or memory is plentiful; else the
         cheapest tier to come back from that has room."""
         if s.busy or s.tier is not Tier.DEVICE or not s.tokens:
-            return s.tier.value
+            # nothing to decide: where it is ("keep" on the device, as documented)
+            return "keep" if s.tier is Tier.DEVICE else s.tier.value
         n = len(s.tokens)
         reload_host = costmodel.load_ms(n, self.bytes_per_token,
                                         self.mover.bandwidth(Tier.HOST))
