@@ -36,7 +36,7 @@ def free_port() -> int:
 def raw_writer(conn, num_bytes: int) -> None:
     import torch
 
-    from kvsession.connector.nixl import make_agent
+    from kvsession.connector.descriptors import make_agent
 
     agent = make_agent("raw-writer")
     src = torch.ones(num_bytes, dtype=torch.uint8)
@@ -63,7 +63,7 @@ def raw_writer(conn, num_bytes: int) -> None:
 def raw_nixl_bytes_per_s(num_bytes: int) -> float:
     import torch
 
-    from kvsession.connector.nixl import make_agent
+    from kvsession.connector.descriptors import make_agent
 
     agent = make_agent("raw-reader")
     dst = torch.zeros(num_bytes, dtype=torch.uint8)

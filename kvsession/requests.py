@@ -130,7 +130,7 @@ class RequestBuilder:
             given = [n for n, v in (("tools", tools), ("tool_choice", choice),
                                     ("chat_template_kwargs", chat_template_kwargs),
                                     ("parallel_tool_calls",
-                                     None if parallel_tool_calls is True else 0))
+                                     None if parallel_tool_calls is True else parallel_tool_calls))
                      if v is not None]
             if given:
                 raise ConfigError(f"{given[0]} needs a conversation: pass messages=")

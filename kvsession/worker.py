@@ -59,7 +59,7 @@ from kvsession.connector.base import (
     recv_message,
     write_keys,
 )
-from kvsession.connector.nixl import describe_tensors, layer_descs, make_agent, slot_runs
+from kvsession.connector.descriptors import describe_tensors, layer_descs, make_agent, slot_runs
 from kvsession.flags import add_llm_flags, llm_kwargs
 from kvsession.llm import LLM
 from kvsession.runtime import Runtime
@@ -299,7 +299,6 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
     service = NixlPrefillService(rt, stop, args.request_timeout_s)
     jobs: queue.Queue = queue.Queue(maxsize=args.max_queue)
     replies: queue.Queue = queue.Queue()  # one per job or status query at most
-    forgotten: queue.Queue = queue.Queue()  # callers whose Bye ran: out of `gone`
     counters = _Counters()
     rng = random.Random(faults.seed)
 
@@ -310,7 +309,7 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
         if isinstance(msg, Bye):
             service.disconnect(caller)
             # every job it queued before ran already: nothing left to end for it
-            forgotten.put(ident)
+            gone.discard(ident)  # (one set operation: atomic beside the socket thread's)
             return None
         if faults.delay_s and rng.random() < faults.delay_rate:
             release.wait(faults.delay_s)  # injected fault: slower than the timeout
@@ -485,8 +484,6 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
                         reject(ident, f"internal error: {type(e).__name__}")
             while not replies.empty():
                 send(*replies.get())
-            while not forgotten.empty():
-                gone.discard(forgotten.get())
             if time.monotonic() - last_sweep > 1.0:
                 last_sweep = time.monotonic()
                 sweep(last_sweep)

@@ -23,7 +23,8 @@ import zmq
 
 from kvsession import LLM, SamplingParams
 from kvsession.connector.base import StatsQuery, WorkerStatus, decode, encode
-from kvsession.connector.nixl import NixlPrefillClient, make_agent
+from kvsession.connector.descriptors import make_agent
+from kvsession.connector.nixl import NixlPrefillClient
 from kvsession.errors import ConfigError, RemotePrefillError
 from kvsession.worker_faults import FAULTS_ENV, Faults
 

@@ -46,7 +46,7 @@ from kvsession.connector.base import (
     max_message_bytes,
     write_keys,
 )
-from kvsession.connector.nixl import describe_tensors, make_agent
+from kvsession.connector.descriptors import describe_tensors, make_agent
 
 MiB = 2**20
 REPORT: dict[str, dict[str, object]] = {}

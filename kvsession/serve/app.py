@@ -249,8 +249,8 @@ class Server:
         plan: Plan | None = None
         try:
             # a named session's turn may wait behind earlier ones: its client may leave
-            plan = await self._until_disconnect(request, self._plan(
-                req.messages, salt, session_id, per_session, can_session))
+            plan = await self._until_disconnect(request, self.conversations.plan(
+                req.messages, salt, session_id, per_session, can_session), fields=())
             rid = P.new_id("chatcmpl")
             log.info("%s: %s, %d new messages", rid, "stateless" if plan.session is None else
                      "session (continued)" if plan.reused or plan.named_len else "session (new)",
@@ -300,40 +300,25 @@ class Server:
             return SessionTurn(plan.session, plan.new, turn_overrides(params, per_turn))
         return stateless_events(self.llm, params, messages=plan.new, tool_kwargs=tool_kwargs)
 
-    async def _plan(self, *args) -> Plan:
-        try:
-            return await self.conversations.plan(*args)
-        except KVSessionError as e:
-            raise P.from_engine_error(e) from None
-
     @staticmethod
     async def _reply(plan: Plan, overrides: dict) -> P.Result:
         return P.Result.of_reply(await plan.session.asend(plan.new, **overrides))
 
-    async def _until_disconnect(self, request: Request, work):
+    async def _until_disconnect(self, request: Request, work,
+                                fields: tuple[str, ...] = P.SAMPLING_FIELDS):
         """Await `work` (an awaitable: a Result, the results of a batch, a stream's first
         event) unless the client disconnects first: then it is cancelled, and so are its
         requests (a session turn too: `Session.asend` cancels its turn, and the session is
-        left as it was before the turn; `agenerate` / `achat` end their requests)."""
-        work = asyncio.ensure_future(self._map_errors(work))
-        gone = asyncio.ensure_future(disconnected(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if work.done():
-            return work.result()
-        work.cancel()
-        with _suppress_all():
-            await work
-        raise ClientGone()
+        left as it was before the turn; `agenerate` / `achat` end their requests). `fields`:
+        the request fields an engine error may name."""
+        return await unless_disconnected(request, self._map_errors(work, fields))
 
     @staticmethod
-    async def _map_errors(coro):
+    async def _map_errors(coro, fields: tuple[str, ...] = P.SAMPLING_FIELDS):
         try:
             return await coro
         except KVSessionError as e:
-            raise P.from_engine_error(e, P.SAMPLING_FIELDS) from None
+            raise P.from_engine_error(e, fields) from None
 
     async def _first(self, request: Request, events):
         """The first event, before any header is sent: an error the engine raises at
@@ -581,13 +566,30 @@ async def _nothing() -> None:
     pass
 
 
-async def disconnected(request: Request) -> None:
+async def _disconnected(request: Request) -> None:
     """Returns when the client has disconnected (the body was already read, so the next
     ASGI message is the disconnect)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def unless_disconnected(request: Request, work):
+    """Await `work` unless the client disconnects first: it is then cancelled (and awaited)
+    and ClientGone raised."""
+    work = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with _suppress_all():
+        await work
+    raise ClientGone()
 
 
 class _suppress_all:

@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvsession.serve import protocol as P
-from kvsession.serve.app import ClientGone, SSEResponse, disconnected
+from kvsession.serve.app import ClientGone, SSEResponse, unless_disconnected
 from kvsession.serve.conversations import conversation_keys
 from kvsession.serve.prometheus import CONTENT_TYPE, Exposition
 from kvsession.serve.ray_replica import RELEASE_PATH, SUMMARY_PATH, check_bearer
@@ -64,21 +64,6 @@ def ingress_side(e: BaseException) -> bool:
             return True
         e, seen = e.__cause__ or e.__context__, seen + 1
     return False
-
-
-async def _unless_gone(request: Request, coro):
-    """Await `coro` unless the client disconnects first: it is then cancelled (closing its
-    connection to the replica) and ClientGone raised."""
-    work = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if work.done():
-            return work.result()
-        raise ClientGone()
-    finally:
-        gone.cancel()
-        work.cancel()  # (nothing when done)
 
 
 def out_of_connections(e: BaseException) -> P.APIError:
@@ -333,7 +318,8 @@ class Ingress:
                 # the client may leave while the replica works on it (non-streamed: no
                 # header comes before the answer): the connection to the replica is then
                 # closed, which cancels the request there, and its place is free at once
-                upstream = await _unless_gone(request, self._forward(d.replica, request, body))
+                upstream = await unless_disconnected(request,
+                                                     self._forward(d.replica, request, body))
                 if (upstream.status_code == 409 and session_id is not None
                         and not tried_locked and await _is_locked(upstream)):
                     # open on a replica this ingress has not heard of: ask them all. This
@@ -397,7 +383,7 @@ class Ingress:
 
         if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
             try:  # a TransportError: the replica is gone
-                content = await _unless_gone(request, upstream.aread())
+                content = await unless_disconnected(request, upstream.aread())
             finally:
                 await upstream.aclose()
                 finish()
