@@ -576,7 +576,18 @@ class Runtime:
         self.check_integrity_now()
         if self.scheduler.has_work():
             return
-        for kind in (HolderKind.SEQUENCE, HolderKind.QUARANTINE, HolderKind.TRANSIENT):
+        kinds = [HolderKind.SEQUENCE, HolderKind.QUARANTINE, HolderKind.TRANSIENT]
+        if self.connector is not None and self.scheduler.quarantine:
+            # blocks a worker may still write (one declared dead while perhaps only hung)
+            # stay held until it proves it cannot: legitimately, as long as the connector
+            # still waits for that proof
+            waiting = {r.seq_id for r in self.connector.quarantine.values()}
+            orphans = sorted(set(self.scheduler.quarantine) - waiting)
+            if orphans:
+                raise AssertionError(f"quarantined blocks of requests {orphans[:8]} no "
+                                     f"worker accounts for: never released")
+            kinds.remove(HolderKind.QUARANTINE)
+        for kind in kinds:
             if self.manager.num_held(kind):
                 raise AssertionError(f"{self.manager.num_held(kind)} block references still "
                                      f"held by {kind.value} holders with no request in flight: "

@@ -20,6 +20,7 @@ docs/remote-prefill.md "Testing: fault injection").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import queue
@@ -72,9 +73,14 @@ log = logging.getLogger("kvsession")
 CALLER_ONLY = frozenset({"session_dir", "durability", "spill_after_s", "max_pinned_fraction",
                          "prefill_worker", "remote_prefill", "remote_prefill_timeout_s",
                          "prefill_auth_key_file"})
+EXIT_WRITE_NOT_CANCELLED = 3  # the exit status when a NIXL write could not be cancelled
 SHUTDOWN_S = 10.0  # SIGTERM: the job thread gets this long to finish, then the process exits
 MAX_CALLERS = 256  # registered caller agents
 BURST = 256  # messages read per wake-up, so replies, signals and the job thread get a turn
+
+
+class WriteNotCancelled(RuntimeError):
+    """A NIXL write into a caller's memory could be neither released nor completed."""
 
 
 class NixlPrefillService(PrefillService):
@@ -135,11 +141,11 @@ class NixlPrefillService(PrefillService):
         self.callers[caller] = (name, hello.tensors)
         return HelloOk(self.agent.name, self.max_tokens, self.max_bytes)
 
-    def prefill(self, caller: str, req: PrefillRequest, abandoned=lambda: False
-                ) -> PrefillDone | PrefillFailed | None:
-        """None: a write could not be cancelled, so no answer may release the caller's
-        blocks (it keeps them in quarantine until it drops this worker). abandoned(): the
-        caller has vanished (silent past --caller-timeout-s): the job ends as a failure."""
+    def prefill(self, caller: str, req: PrefillRequest, abandoned=lambda: False,
+                stuck: bool = False) -> PrefillDone | PrefillFailed:
+        """abandoned(): the caller has vanished (silent past --caller-timeout-s): the job
+        ends as a failure. Raises WriteNotCancelled when a write it could not cancel is
+        still in flight past the request timeout (stuck: the fault that fakes it)."""
         from kvsession.engine.sequence import Sequence
         from kvsession.params import SamplingParams
 
@@ -244,22 +250,31 @@ class NixlPrefillService(PrefillService):
             reply = PrefillDone(req.req_id, moved, busy_s, max(seq.num_cached_tokens, 0))
         except Exception as e:
             reply = PrefillFailed(req.req_id, f"prefill or transfer failed: {e}")
-        cancelled = True
-        for h in handles:  # an active transfer is cancelled; one that cannot be is kept
-            try:
-                self.agent.release_xfer_handle(h)
-            except Exception:
-                cancelled = False
+        # an active transfer is cancelled by its release; one NIXL cannot release is
+        # waited for (the answer, or the caller's next handshake, tells the caller that
+        # its blocks are free: neither may come while a write can still land)
+        left, limit = list(handles), time.monotonic() + self.request_timeout_s
+        while left:
+            for h in list(left):
+                try:
+                    if stuck:
+                        raise RuntimeError("injected fault: the handle cannot be released")
+                    self.agent.release_xfer_handle(h)
+                    left.remove(h)
+                except Exception:
+                    with contextlib.suppress(Exception):
+                        self.agent.check_xfer_state(h)  # drives progress
+            if left and time.monotonic() > limit:
+                raise WriteNotCancelled(f"request {req.req_id}: {len(left)} NIXL writes "
+                                        f"could not be cancelled")
+            if left:
+                time.sleep(0.005)  # a poll interval, bounded by `limit`
         try:
             seq = fut.result(timeout=60)  # the engine finishes the sequence in any case
         except Exception:
             pass
         if seq.blocks:
             rt.call(lambda: rt.manager.release(seq)).result(timeout=60)
-        if not cancelled:
-            log.error("request %d: a NIXL write could not be cancelled; not answering it",
-                      req.req_id)
-            return None
         return reply
 
     def disconnect(self, caller: str) -> None:
@@ -319,7 +334,8 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
             counters.failed += 1  # (answered all the same: a caller that was only quiet
             # would keep the request's blocks in quarantine for good; nothing was written)
             return PrefillFailed(msg.req_id, "the caller was silent past --caller-timeout-s")
-        reply = service.prefill(caller, msg, lambda: ident in gone)
+        stuck = faults.stuck_rate and rng.random() < faults.stuck_rate
+        reply = service.prefill(caller, msg, lambda: ident in gone, stuck)
         if isinstance(reply, PrefillDone):
             counters.served += 1
         else:
@@ -338,11 +354,20 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
                 counters.busy = True
                 try:
                     reply = run_job(ident, msg)
+                except WriteNotCancelled as e:
+                    # a write into a caller's memory may still land: no answer, and no
+                    # handshake either, may tell that caller its blocks are free. Exiting
+                    # does (its connection closes: the caller fences at once), and a
+                    # supervisor restarts the worker
+                    print(f"kvsession worker: {e}; exiting", file=sys.stderr, flush=True)
+                    os._exit(EXIT_WRITE_NOT_CANCELLED)
                 except Exception as e:  # one job's failure never stops the thread
                     log.exception("worker job failed")
                     reply = (PrefillFailed(msg.req_id, f"internal error: {e}")
                              if isinstance(msg, PrefillRequest) else
-                             Refused(f"internal error: {e}") if isinstance(msg, Hello) else None)
+                             # transient: a caller reads Refused as another process
+                             Rejected(f"internal error: {e}") if isinstance(msg, Hello)
+                             else None)
                 finally:
                     counters.busy = False
                 if reply is not None:
@@ -490,14 +515,15 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
     finally:
         stop.set()
         worker.join(timeout=SHUTDOWN_S)
+        if worker.is_alive():  # stuck in NIXL or the engine: leave without releasing,
+            # before the socket closes (a caller reads that as this process gone)
+            print(f"kvsession worker: a job did not stop within {SHUTDOWN_S:.0f} s; exiting",
+                  file=sys.stderr, flush=True)
+            os._exit(0)
         sock.close(linger=0)
         if auth is not None:
             auth.stop()
         ctx.term()
-        if worker.is_alive():  # stuck in NIXL or the engine: leave without releasing
-            print(f"kvsession worker: a job did not stop within {SHUTDOWN_S:.0f} s; exiting",
-                  file=sys.stderr, flush=True)
-            os._exit(0)
     return 0
 
 

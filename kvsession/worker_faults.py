@@ -18,15 +18,18 @@ class Faults:
     delay_rate: the probability that a prefill request first sleeps `delay_s` seconds
     (slower than the caller's timeout; SIGUSR1 ends such sleeps from then on); drop_rate:
     the probability that a prefill's answer is never sent (the NIXL writes still happen);
-    seed: the random generator's seed."""
+    stuck_rate: the probability that a prefill's transfer handles refuse every release (as
+    if NIXL could not cancel them: the worker exits, see kvsession/worker.py); seed: the
+    random generator's seed."""
 
     delay_rate: float = 0.0
     delay_s: float = 0.0
     drop_rate: float = 0.0
+    stuck_rate: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("delay_rate", "drop_rate"):
+        for name in ("delay_rate", "drop_rate", "stuck_rate"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
@@ -35,7 +38,8 @@ class Faults:
 
     @property
     def active(self) -> bool:
-        return bool(self.delay_s and self.delay_rate) or bool(self.drop_rate)
+        return (bool(self.delay_s and self.delay_rate) or bool(self.drop_rate)
+                or bool(self.stuck_rate))
 
     @classmethod
     def parse(cls, text: str) -> Faults:

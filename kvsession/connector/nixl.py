@@ -9,19 +9,22 @@ interpreter exit crashes processes).
 
 Completion and fencing: a request is done when the caller has received the worker's NIXL
 notification for every layer (a notification is delivered after its transfer's data).
-A request that times out keeps its blocks in quarantine until the worker answers for it, all
-its notifications arrive, or the worker is declared dead; a dead worker is fenced by
-re-registering the KV memory (meant to stop its remote keys working; with UCX measured not
-to: an open problem, docs/remote-prefill.md) and re-handshaking the live workers. A
-notification counts only when it comes from the agent of the worker the request was sent
-to. A dead worker is reconnected with backoff (docs/remote-prefill.md, "Connections").
+A request that fails without proof that no write of it can land any more (a timeout, a
+worker silent past its heartbeat, a malformed message) keeps its blocks in quarantine until
+there is such proof: the worker's answer for it, all its notifications, a completed
+handshake with that worker (it runs jobs one at a time in arrival order and drops our older
+connection's registration first: docs/remote-prefill.md, "Fencing"), a worker at that
+address refusing the handshake (another process), or the connection closed by the worker
+(its process exited). Re-registering the KV memory is no fence: with UCX, measured not to
+stop the old remote keys. A notification counts only when it comes from the agent the
+request was sent to. A dead worker is reconnected with backoff (docs/remote-prefill.md,
+"Connections").
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -53,8 +56,6 @@ from kvsession.errors import ConfigError
 from kvsession.routing import PrefixRouter
 
 log = logging.getLogger("kvsession")
-# a busy worker that rejected a re-sent Hello is asked again after this long
-HELLO_AGAIN_S = 0.2
 
 
 @dataclass
@@ -76,10 +77,6 @@ class _Worker:
     retry_at: float = 0.0
     backoff: float = 0.0
     died: bool = False  # dead since its last handshake (the next one is a reconnect)
-    # connecting again while alive: re-sent Hello after a fence (new memory keys), which
-    # the worker reads only after the jobs queued before it
-    rehello: bool = False
-    hello_again_at: float | None = None  # a re-sent Hello the busy worker rejected: resend
     num_requests: int = 0
     # counters, for stats().remote.workers
     prefills: int = 0  # completed
@@ -99,6 +96,7 @@ class _Worker:
 class _Request:
     seq_id: int
     worker: _Worker
+    agent_name: str  # the worker's agent when it was sent: the only one that writes it
     started: float
     num_layers: int
     layers_done: set = field(default_factory=set)
@@ -211,10 +209,8 @@ class NixlPrefillClient(PrefillConnector):
         w.monitor.close(linger=0)
         w.socket = w.monitor = None
 
-    def _hello(self, w: _Worker, again: bool = False) -> None:
-        if not again:  # (again: the same handshake, its window running on)
-            w.state, w.since, w.awaiting_pong = "connecting", time.monotonic(), None
-        w.hello_again_at = None
+    def _hello(self, w: _Worker) -> None:
+        w.state, w.since, w.awaiting_pong = "connecting", time.monotonic(), None
         try:
             w.socket.send(encode(Hello(self.compat, self.agent.name,
                                        self.agent.get_agent_metadata(),
@@ -270,8 +266,8 @@ class NixlPrefillClient(PrefillConnector):
         except self.zmq.ZMQError:
             return False
         num_bytes = self._bytes_per_token * (len(token_ids) - first_token)
-        self.pending[req_id] = _Request(seq_id, w, time.monotonic(), self.num_layers,
-                                        num_bytes=num_bytes)
+        self.pending[req_id] = _Request(seq_id, w, w.agent_name, time.monotonic(),
+                                        self.num_layers, num_bytes=num_bytes)
         w.num_requests += 1
         if route.preferred:
             w.routed += 1
@@ -320,7 +316,7 @@ class NixlPrefillClient(PrefillConnector):
                 r = self.pending.get(req_id) or self.quarantine.get(req_id)
                 if r is None:
                     continue  # a late notification of a request that failed: harmless
-                if name != r.worker.agent_name or not 0 <= layer < r.num_layers:
+                if name != r.agent_name or not 0 <= layer < r.num_layers:
                     self._foreign(name, m)
                     continue
                 r.layers_done.add(layer)
@@ -377,24 +373,31 @@ class NixlPrefillClient(PrefillConnector):
         elif isinstance(msg, HelloOk):
             if w.state != "connecting":
                 return
-            w.state, w.since, w.reason, w.rehello = "ready", time.monotonic(), "", False
+            w.state, w.since, w.reason = "ready", time.monotonic(), ""
             w.agent_name = msg.agent_name
             w.max_tokens, w.max_message_bytes = msg.max_tokens, msg.max_message_bytes
             w.connects += 1
             w.reconnects += w.died
             w.died, w.backoff = False, self.reconnect_min_s
+            # every prefill sent to it before this Hello has ended, and none can write: the
+            # worker answers a Hello only after the jobs queued before it (one at a time),
+            # drops our older connection's registration in doing so (a job ends only with
+            # its writes completed or cancelled: the worker exits otherwise); a new agent
+            # is a restarted process
+            self._release_quarantine(w, out)
         elif isinstance(msg, Refused):
             w.state, w.reason = "refused", msg.reason
             self._close_socket(w)
+            # only another process refuses our handshake (an incompatible one, at that
+            # address now): the one our prefills went to is gone
+            self._release_quarantine(w, out)
             log.warning("prefill worker %s refused the handshake: %s", w.address, msg.reason)
             w.deaths["handshake refused"] = w.deaths.get("handshake refused", 0) + 1
             self.fallbacks["handshake refused"] = self.fallbacks.get("handshake refused", 0) + 1
         elif isinstance(msg, Rejected):
             w.rejected += 1
             log.warning("prefill worker %s rejected a message: %s", w.address, msg.reason)
-            if w.state == "connecting" and w.rehello:  # alive, busy with others' work:
-                w.hello_again_at = time.monotonic() + HELLO_AGAIN_S  # not dead: ask again
-            elif w.state == "connecting":  # e.g. its queue was full: try again later
+            if w.state == "connecting":  # e.g. its queue was full: try again later
                 self._declare_dead(w, "handshake rejected", out)
         elif isinstance(msg, PrefillDone):
             r = self.pending.get(msg.req_id) or self.quarantine.get(msg.req_id)
@@ -445,7 +448,7 @@ class NixlPrefillClient(PrefillConnector):
             if now - r.started > self.timeout_s:
                 self._fail(req_id, "timeout", False, out)
         for w in self.workers:
-            if w.state == "ready" or (w.state == "connecting" and w.rehello):
+            if w.state == "ready":
                 if now - w.last_ping >= self.heartbeat_s:
                     w.last_ping = now
                     if w.awaiting_pong is None:
@@ -457,14 +460,8 @@ class NixlPrefillClient(PrefillConnector):
                 if w.awaiting_pong is not None and now - w.awaiting_pong > self.dead_after_s:
                     self._declare_dead(w, "no heartbeat", out)
                     continue
-            if w.state == "connecting" and now >= (w.hello_again_at or math.inf):
-                self._hello(w, again=True)
             if w.state == "connecting":
-                # a re-sent Hello waits behind the worker's queued jobs, each bounded by the
-                # request timeout: a worker that answers its heartbeats meanwhile is busy,
-                # not unreachable (declared so, a healthy worker fell with another's death)
-                limit = self.connect_timeout_s + (self.timeout_s if w.rehello else 0.0)
-                if now - w.since > limit:
+                if now - w.since > self.connect_timeout_s:
                     self._declare_dead(w, w.handshake_failure or "unreachable", out)
             elif w.state == "dead" and now >= w.retry_at:
                 log.info("prefill worker %s: reconnecting (attempt %d)", w.address,
@@ -472,13 +469,16 @@ class NixlPrefillClient(PrefillConnector):
                 self._open(w)
 
     def _declare_dead(self, w: _Worker, reason: str, out: list[Completion]) -> None:
-        """Fence everything the worker could still write: re-register the KV memory (its
-        remote keys stop working), re-handshake live workers, then release quarantines.
-        Then schedule a reconnect."""
+        """Its requests fall back, then a reconnect is scheduled. A worker that closed our
+        connection has exited (it closes its socket only then, after its jobs: kvsession/
+        worker.py), so nothing of it can write any more: its requests' blocks are released
+        (fenced). Any other death (no heartbeat, a malformed message, a refused handshake)
+        may be a live process that still writes: its requests' blocks go to quarantine
+        until proof that no write can land (module docstring)."""
         if w.state in ("dead", "refused"):
             return
-        was_ready = w.state == "ready"
-        w.state, w.reason, w.died, w.rehello = "dead", reason, True, False
+        exited = reason == "connection lost"
+        w.state, w.reason, w.died = "dead", reason, True
         self.router.forget(w.address)  # it may come back restarted, with an empty cache
         w.deaths[reason] = w.deaths.get(reason, 0) + 1
         self._close_socket(w)
@@ -486,21 +486,16 @@ class NixlPrefillClient(PrefillConnector):
         w.since, w.retry_at = now, now + w.backoff
         w.backoff = min(w.backoff * 2, self.reconnect_max_s)
         mine = [q for q, r in self.pending.items() if r.worker is w]
-        stale = [q for q, r in self.quarantine.items() if r.worker is w]
-        fence = was_ready or mine or stale
-        log.warning("prefill worker %s: %s;%s retrying in %.1f s", w.address, reason,
-                    " fencing its transfers," if fence else "", w.retry_at - now)
-        if fence:
-            self.agent.deregister_memory(self.reg)
-            self.reg = self.agent.register_memory(list(self.tensors.values()))
-            for other in self.workers:
-                if other.state in ("ready", "connecting"):
-                    rehello = other.state == "ready" or other.rehello
-                    self._hello(other)  # new memory keys; old in-flight writes fail
-                    other.rehello = rehello
+        log.warning("prefill worker %s: %s; retrying in %.1f s%s", w.address, reason,
+                    w.retry_at - now, f" ({len(mine)} requests fall back)" if mine else "")
         for q in mine:
-            self._fail(q, reason, True, out)
-        for q in stale:
+            self._fail(q, reason, exited, out)
+        if exited:
+            self._release_quarantine(w, out)
+
+    def _release_quarantine(self, w: _Worker, out: list[Completion]) -> None:
+        """No write of a request sent to `w` can land any more: release their blocks."""
+        for q in [q for q, r in self.quarantine.items() if r.worker is w]:
             out.append(Completion(self.quarantine.pop(q).seq_id, "fenced"))
 
     # ---- idle ticks ---------------------------------------------------------------------

@@ -121,7 +121,8 @@ class Engine:
         conn = self.connector
         if conn.pending or conn.quarantine or self.scheduler.quarantine:
             self.poll_remote()
-            return 0.02
+            # only blocks held for a worker gone quiet (perhaps for good): a slower pace
+            return 0.02 if conn.pending else 0.1
         return None
 
     def poll_remote(self, timeout_s: float = 0.0) -> None:
