@@ -478,6 +478,10 @@ class NixlPrefillClient(PrefillConnector):
         if w.state in ("dead", "refused"):
             return
         exited = reason == "connection lost"
+        if exited:
+            # what its writes had sent before it exited may still wait in our sockets:
+            # progress applies it (and may complete requests) before anything is released
+            self._notifications(out)
         w.state, w.reason, w.died = "dead", reason, True
         self.router.forget(w.address)  # it may come back restarted, with an empty cache
         w.deaths[reason] = w.deaths.get(reason, 0) + 1
