@@ -623,3 +623,40 @@ def test_draining_a_replica_moves_its_sessions(cluster, reference):
     status, _, body = cluster.request("POST", "/admin/drain/replica-9")
     assert status == 404
     cluster.wait_ready()  # a fresh replica took the drained one's place
+
+
+def test_a_replica_lost_while_draining_is_restarted_once(cluster):
+    """The replica dies while a drain waits for its request in flight: its recovery (Ray
+    restarting it) is left alone. Before, the drain went on to stop and kill the process Ray
+    had just restarted (a second restart; with the restarts spent, the replica was dropped
+    although the drain was asked to restart it)."""
+    cluster.wait_ready()
+    sid, history = "drain-lost-1", [{"role": "system", "content": PROMPT}]
+    victim = run_turns(cluster, sid, history, range(1))[-1][0]
+    pid = cluster.replica(victim)["pid"]
+    before = cluster.metric("kvsession_router_restarts_total", replica=victim)
+    os.kill(pid, signal.SIGSTOP)  # its request stays in flight: the drain waits for it
+    out: dict = {}
+    try:
+        held = threading.Thread(target=lambda: out.update(turn=cluster.request(
+            "POST", "/v1/chat/completions", {"model": cluster.model, "max_tokens": 4,
+                                             "session_id": sid, "messages": [
+                                                 *history, {"role": "user", "content": "x"}]},
+            timeout=120)))
+        held.start()
+        cluster.wait_for(lambda: cluster.replica(victim)["in_flight"] == 1, "the request")
+        drain = threading.Thread(target=lambda: out.update(drain=cluster.request(
+            "POST", f"/admin/drain/{victim}", timeout=120)))
+        drain.start()
+        cluster.wait_for(lambda: cluster.replica(victim)["state"] == "draining", "the drain")
+    finally:
+        os.kill(pid, signal.SIGKILL)  # (a stopped process is killed all the same)
+    drain.join(timeout=120)
+    held.join(timeout=120)
+    status, _, body = out["drain"]
+    assert status == 200, body
+    assert out["turn"][0] == 200, out["turn"]  # failed over to the other replica
+    h = cluster.wait_ready()
+    assert next(r["pid"] for r in h["replicas"] if r["name"] == victim) != pid
+    assert cluster.metric("kvsession_router_restarts_total", replica=victim) == before + 1
+    assert body["lost"] is True and body["restart"] is True, body

@@ -39,7 +39,7 @@ from kvsession.serve.app import ClientGone, SSEResponse, unless_disconnected
 from kvsession.serve.conversations import conversation_keys
 from kvsession.serve.prometheus import CONTENT_TYPE, Exposition
 from kvsession.serve.ray_replica import RELEASE_PATH, SUMMARY_PATH, check_bearer
-from kvsession.serve.ray_replicas import ReplicaGone
+from kvsession.serve.ray_replicas import STOP_GRACE_S, ReplicaGone
 from kvsession.serve.router import Decision, Reason, ReplicaRouter, ReplicaState, Routing
 
 log = logging.getLogger("kvsession.serve")
@@ -137,8 +137,8 @@ class Ingress:
         """`name` stopped answering: its sessions move, Ray restarts it (`hung`: its
         process is alive but answers nothing; it is killed first)."""
         if self.router.state[name] in (ReplicaState.DEAD, ReplicaState.GONE,
-                                       ReplicaState.STARTING):
-            return
+                                       ReplicaState.STARTING, ReplicaState.STOPPING):
+            return  # (STOPPING: a drain owns it, and ends it either way)
         log.warning("%s (%s) is lost: its sessions resume elsewhere", name, self.urls[name])
         self.router.set_state(name, ReplicaState.DEAD)
         self.router.lost(name, reason)
@@ -162,7 +162,8 @@ class Ingress:
             log.error("%s is dropped: %s", name, e)
             self.router.set_state(name, ReplicaState.GONE)
         finally:
-            self._recovering.pop(name, None)
+            if self._recovering.get(name) is asyncio.current_task():  # (not another's)
+                del self._recovering[name]
 
     async def _probe(self, name: str) -> bool:
         """After a transport error: is the replica still serving? (On a connection of its
@@ -292,8 +293,9 @@ class Ingress:
     async def _session_request(self, request: Request, body: bytes, sid: str) -> Response:
         holder = self.router.waiting_on(sid)
         if holder is not None:  # it is persisting the session as it stops: wait for it
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped[holder].wait(), self.drain_timeout_s)
+            with contextlib.suppress(TimeoutError):  # the stop's own bound, and a margin
+                await asyncio.wait_for(self._stopped[holder].wait(),
+                                       self.drain_timeout_s + STOP_GRACE_S + 5.0)
 
         def route() -> Decision | None:
             return self.router.route_session(sid)
@@ -438,8 +440,23 @@ class Ingress:
         restart = request.query_params.get("restart", "true").lower() not in ("0", "false")
         t0 = time.monotonic()
         self.router.set_state(name, ReplicaState.DRAINING)
-        while self.router.load[name] and time.monotonic() - t0 < self.drain_timeout_s:
+        while (self.router.load[name] and self.router.state[name] is ReplicaState.DRAINING
+               and time.monotonic() - t0 < self.drain_timeout_s):
             await asyncio.sleep(0.05)  # the in-flight count has no waiter to notify
+        if self.router.state[name] is not ReplicaState.DRAINING:
+            # lost meanwhile (`_lost`): its sessions moved, and a recovery waits for the
+            # process Ray restarts. Killing that one too would spend another restart (the
+            # last one: the replica dropped although asked to restart)
+            recovery = self._recovering.get(name)
+            if restart or self.router.state[name] is ReplicaState.GONE:
+                return JSONResponse({"replica": name, "stopped_cleanly": False,
+                                     "sessions_moved": 0, "restart": restart, "lost": True,
+                                     "seconds": round(time.monotonic() - t0, 3)})
+            if recovery is not None:  # asked to drop it: it is not brought back
+                recovery.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await recovery
+            # (or back already: a fresh process, stopped below as asked)
         sessions = self.router.sessions_on(name)
         self.router.set_state(name, ReplicaState.STOPPING)
         stopped = await self.replicas.stop(name, self.drain_timeout_s)
@@ -451,7 +468,7 @@ class Ingress:
         if restart:
             self._recovering[name] = self._spawn(self._recover(name, self.pids[name]))
         return JSONResponse({"replica": name, "stopped_cleanly": stopped,
-                             "sessions_moved": sessions, "restart": restart,
+                             "sessions_moved": sessions, "restart": restart, "lost": False,
                              "seconds": round(time.monotonic() - t0, 3)})
 
     # ---- health, metrics -------------------------------------------------------------

@@ -18,6 +18,9 @@ from kvsession.serve.ray_replica import Replica
 # how often a restarting actor is asked again whether it is up (Ray answers "unavailable"
 # while it restarts, not "wait")
 _RETRY_S = 0.2
+# what a graceful stop may take beyond its drain timeout (the Ray round trip, then
+# `llm.close()` persisting the sessions): its bound, and the bound of what waits for it
+STOP_GRACE_S = 10.0
 
 
 class ReplicaGone(Exception):
@@ -72,7 +75,7 @@ class RayReplicas:
         `kill`. False when it did not answer in time (it is then killed anyway)."""
         try:
             return await asyncio.wait_for(self._actors[name].stop.remote(timeout_s),
-                                          timeout_s + 10)
+                                          timeout_s + STOP_GRACE_S)
         except (self._ray.exceptions.RayError, TimeoutError):
             return False
 
