@@ -15,6 +15,7 @@ the `SessionStore` talk to the engine thread only through the methods here (`cal
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import logging
@@ -573,14 +574,15 @@ class Runtime:
     def _check_at_rest(self) -> None:
         """Engine thread, at close: integrity, and when no request is in flight the pool is
         back to its baseline: only sessions and pins hold blocks."""
+        with contextlib.suppress(Exception):  # completions an idle tick read apply first
+            if self.connector is not None:
+                self.engine.poll_remote()
         self.check_integrity_now()
         if self.scheduler.has_work():
             return
         kinds = [HolderKind.SEQUENCE, HolderKind.QUARANTINE, HolderKind.TRANSIENT]
         if self.connector is not None and self.scheduler.quarantine:
-            # blocks a worker may still write (one declared dead while perhaps only hung)
-            # stay held until it proves it cannot: legitimately, as long as the connector
-            # still waits for that proof
+            # blocks a worker may still write stay held while the connector awaits proof
             waiting = {r.seq_id for r in self.connector.quarantine.values()}
             orphans = sorted(set(self.scheduler.quarantine) - waiting)
             if orphans:

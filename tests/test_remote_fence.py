@@ -6,9 +6,11 @@ again. Real worker processes on loopback (NIXL), as in test_remote."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
+import weakref
 
 from test_remote import (
     KW,
@@ -160,3 +162,34 @@ def test_a_worker_that_cannot_cancel_a_write_exits_and_the_caller_fences(llama_d
         if w.proc.poll() is None:
             w.proc.kill()
             w.proc.wait(timeout=30)
+
+
+def _close_and_watch(llama_dir, w, submit: bool) -> weakref.ref:
+    """Close a client (with a prefill held at the worker, or nothing in flight) and drop
+    every reference of ours to its KV memory: a weak reference to it."""
+    client, _, tensors = idle_client(llama_dir, w.address, heartbeat_s=0.1)
+    wait_for(lambda: client.poll(0.01) == [] and client.healthy(), 60, "the handshake")
+    if submit:
+        assert client.submit(7, [5] * 40, 0, [1, 2, 3], [], None)
+        wait_for(lambda: worker_status(w.address).busy, 30, "the job thread on it")
+    kept = weakref.ref(tensors["k"])
+    client.close()
+    client = tensors = None  # (the lambda above holds `client` through this frame)
+    gc.collect()
+    return kept
+
+
+def test_closing_while_a_worker_may_still_write_keeps_the_memory(llama_dir):
+    """Closing is no fence: a worker writes into the memory with no agent or registration
+    of the caller's left. A client closed with a prefill the worker may still write keeps
+    that memory allocated (no other tensor is placed where the late write lands); one
+    closed with nothing in flight frees it."""
+    w = Worker(llama_dir, faults="delay_rate=1,delay_s=120")
+    try:
+        assert _close_and_watch(llama_dir, w, submit=False)() is None  # freed
+        kept = _close_and_watch(llama_dir, w, submit=True)
+        assert kept() is not None  # no proof came within the close's wait: kept
+        w.proc.send_signal(signal.SIGUSR1)  # the held job goes on and writes
+        wait_for(lambda: kept()[:, [1, 2, 3]].abs().sum() > 0, 60, "the late write")
+    finally:
+        assert w.stop() == 0

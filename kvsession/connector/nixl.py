@@ -56,6 +56,10 @@ from kvsession.errors import ConfigError
 from kvsession.routing import PrefixRouter
 
 log = logging.getLogger("kvsession")
+CLOSE_WAIT_S = 5.0  # close() waits at most this long for proof that no write can land
+# KV memory a worker may still write into when its client closed (no proof came): kept
+# allocated for the life of the process, never handed to other tensors
+_UNFENCED: list[dict[str, torch.Tensor]] = []
 
 
 @dataclass
@@ -535,9 +539,25 @@ class NixlPrefillClient(PrefillConnector):
             self._error = e
 
     def close(self) -> None:
+        """Called once the engine no longer polls. Closing is no fence either (a worker
+        may write into the memory with no agent or registration of ours: measured): it
+        waits, bounded, for proof on every request a worker may still write; what stays
+        unproven keeps the KV memory allocated for good (`_UNFENCED`), so that no other
+        tensor is ever placed where a late write lands."""
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join(timeout=5.0)
+        deadline = time.monotonic() + min(self.timeout_s, CLOSE_WAIT_S)
+        while (self.pending or self.quarantine) and time.monotonic() < deadline:
+            try:
+                self.poll(0.01)  # (its completions have no engine to go to any more)
+            except Exception:  # noqa: BLE001 - closing: what failed is moot, keep the memory
+                break
+        if self.pending or self.quarantine:
+            log.warning("closing with %d remote prefills a worker may still write: their KV "
+                        "memory stays allocated until the process exits",
+                        len(self.pending) + len(self.quarantine))
+            _UNFENCED.append(self.tensors)
         for w in self.workers:
             if w.socket is not None:
                 try:
