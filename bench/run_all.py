@@ -477,7 +477,10 @@ SECTIONS = [
      "Mid-size model, float32 KV; limits measured in the same run.", section_spill,
      "spill_restore.png"),
     ("remote_prefill", "Remote prefill over NIXL",
-     "Worker and caller on this 2-core machine (they share the cores).", section_remote, None),
+     "Worker and caller on this 2-core machine (they share the cores: the worker's prefill "
+     "threads and its writes compete with the caller's decode steps, so both the bandwidth "
+     "ratio and the jitter comparison understate what separate machines give; both move "
+     "a lot between runs here).", section_remote, None),
     ("structured", "Structured output, n > 1",
      "Mid-size model; JSON-schema formats through xgrammar vs none, matched token counts.",
      section_structured, None),
