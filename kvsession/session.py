@@ -245,6 +245,8 @@ class Session:
             raise ConfigError(f"cache_salt must be the session's ({self.sampling.cache_salt!r})"
                               f" in its turns, got {params.cache_salt!r}: a session is one "
                               f"tenant's (llm.session(cache_salt=...))")
+        if tools is not UNSET and not tools:
+            tools = None  # [] is no tools, as llm.session(tools=[]) keeps it
         if tools is not UNSET and tools != self.renderer.tools and \
                 self.history is HistoryMode.APPEND:
             raise ConfigError("tools of a session with history='append' are rendered into its "

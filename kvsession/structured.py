@@ -17,6 +17,7 @@ only when a structured request arrives.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -34,7 +35,8 @@ CACHE_SIZE = 64
 # one character of a JSON string as written: any Unicode scalar value but the control
 # characters, '"' (\x22) and '\\' (\x5c), or an escape (one decoded character each)
 STRING_CHAR = ('([ !#-\\x5b\\x5d-\ud7ff\ue000-\U0010ffff]|\\\\["\\\\/bfnrt]'
-               '|\\\\u[0-9a-fA-F]{4})')
+               # \u escapes of scalar values only: a lone surrogate is no character
+               '|\\\\u([0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))')
 # where JSON Schema keeps subschemas: everything else in a schema is data (enum, const,
 # default, examples...), which may hold anything, keys named like keywords included
 _SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
@@ -73,6 +75,24 @@ def refuse_unenforced(node, where: str, path: str = "") -> None:
         if key in node:
             raise ConfigError(f"{where} uses {key!r} (at {at}), which the grammar engine "
                               f"(xgrammar) does not enforce")
+    required, props = node.get("required"), node.get("properties")
+    if isinstance(required, list):
+        missing = [r for r in required if not (isinstance(props, dict) and r in props)]
+        if missing:  # (xgrammar writes only listed properties: the output would lack it)
+            raise ConfigError(f"{where} requires {missing[0]!r} (at {at}) without listing it "
+                              f"in 'properties': the grammar engine (xgrammar) could never "
+                              f"write it; list it there")
+    if isinstance(node.get("oneOf"), list) and "discriminator" not in node:
+        raise ConfigError(f"{where} uses 'oneOf' (at {at}), which the grammar engine "
+                          f"(xgrammar) enforces as 'anyOf' (an output valid under two of its "
+                          f"schemas would break it): use 'anyOf', or a 'discriminator'")
+    step = node.get("multipleOf")
+    if isinstance(step, float) and not step.is_integer():
+        raise ConfigError(f"{where} uses a fractional 'multipleOf' ({step}, at {at}), which "
+                          f"the grammar engine (xgrammar) does not enforce")
+    if isinstance(node.get("pattern"), str) and re.search(r"\(\?<?[=!]", node["pattern"]):
+        raise ConfigError(f"{where} uses a lookaround in 'pattern' (at {at}), which the "
+                          f"grammar engine (xgrammar) drops")
     if node.get("uniqueItems") is True:
         raise ConfigError(f"{where} uses 'uniqueItems' (at {at}), which the grammar engine "
                           f"(xgrammar) does not enforce")

@@ -57,6 +57,7 @@ _TOOL_KEYS = ("type", "function")
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 # Mistral's templates require 9 alphanumeric characters in a tool call id
 _MISTRAL_ID_CHARS = string.ascii_letters + string.digits
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # (json.loads joins the valid pairs)
 # the separators the templates' `tojson` writes: forced calls look like rendered ones
 _SEPARATORS = (", ", ": ")
 
@@ -228,6 +229,18 @@ def _arguments(value) -> dict:
             raise _Malformed from None
     if not isinstance(value, dict):
         raise _Malformed
+    return _no_lone_surrogates(value)
+
+
+def _no_lone_surrogates(value):
+    """A `\\udxxx` escape alone (not one of a pair) decodes to a code point that no UTF-8
+    text can carry (the response would fail to encode): U+FFFD in its place."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_no_lone_surrogates(k): _no_lone_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_lone_surrogates(v) for v in value]
     return value
 
 
@@ -455,7 +468,10 @@ class ToolSpec:
             raise ConfigError(f"sampling_params.structured must be None with tool_choice="
                               f"{self.forced_name or self.choice.value!r} (no response_format "
                               f"either): the forced tool call is the output's format")
-        return params.with_overrides(structured=StructuredOutput(grammar=self.grammar()))
+        # the grammar ends the output: a stop string or id inside the call (a '\n' in a
+        # Hermes call, a '{') would cut it into text that is no call
+        return params.with_overrides(structured=StructuredOutput(grammar=self.grammar()),
+                                     stop=None, stop_token_ids=None)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         if self.choice is ToolChoice.NONE:

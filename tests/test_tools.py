@@ -117,6 +117,11 @@ def test_rendered_call_parses_back(tokenizers, fam):
     (ToolFormat.MISTRAL, '[TOOL_CALLS]read_file[ARGS]{"path": "[TOOL_CALLS]x"}'
      '[TOOL_CALLS][{"name": "add", "arguments": {"a": "[TOOL_CALLS]"}}]', "",
      [("read_file", {"path": "[TOOL_CALLS]x"}), ("add", {"a": "[TOOL_CALLS]"})]),
+    # an escaped lone surrogate is no character (no UTF-8 response could carry it): U+FFFD;
+    # a pair is one character
+    (ToolFormat.HERMES, '<tool_call>{"name": "add", "arguments": {"a": "\\ud800x", '
+     '"\\udc00": ["\\ud83d\\ude00"]}}</tool_call>', "",
+     [("add", {"a": "\ufffdx", "\ufffd": ["\U0001f600"]})]),
 ])
 def test_parse_forms(fmt, text, content, calls):
     got_content, got = parse_tool_calls(text, fmt, {"add", "read_file"})
@@ -425,3 +430,29 @@ def test_mistral_control_token_marker_is_left_out_of_forced_calls(model_dirs, tm
     text = tok.decode(tok.encode('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]'))
     assert text.startswith("[{")  # the marker is gone after decoding ...
     assert [(c.name, c.arguments) for c in spec.parse(text)[1]] == [("add", {"a": 1})]
+
+
+def test_stop_strings_and_ids_do_not_cut_a_forced_call(llms):
+    """The grammar ends a forced call: a stop string or id inside it (a Hermes call holds
+    '\\n' and '{') would leave text that is no call, ended as "stop"."""
+    from kvsession import SamplingParams
+
+    llm = llms("hermes")
+    brace = llm.tokenizer.encode("{")[-1]
+    params = SamplingParams(n=6, seed=0, temperature=1.0, max_tokens=160,
+                            stop=["\n", '"'], stop_token_ids=[brace])
+    (out,) = llm.chat(CONVERSATION, params, tools=TOOLS, tool_choice="required",
+                      use_tqdm=False)
+    for c in out.outputs:
+        assert c.finish_reason == "stop" and len(c.tool_calls) == 1, c.text
+
+
+def test_an_empty_tools_list_is_no_tools_in_a_session(llms):
+    """llm.session(tools=[]) and turns sending tools=[] (what the server passes on for a
+    request with "tools": []) agree: no tools, no refusal."""
+    llm = llms("hermes")
+    s = llm.session(tools=[])
+    try:
+        assert s.send("hi", tools=[], max_tokens=2).token_ids
+    finally:
+        s.close()
