@@ -208,6 +208,25 @@ def test_torn_and_corrupted_records(tmp_path):
         wal.read_log(path)
 
 
+def test_a_corrupted_record_before_intact_ones_is_refused_not_cut(tmp_path):
+    """Only the last record can be torn: a bad frame with intact records after it is
+    corruption (a flipped bit). Cutting the log there, or removing it when the bad frame
+    is the first, destroyed acknowledged turns at the next start-up; the log is refused
+    with SnapshotError and left as it is (the session is listed, resuming it says why)."""
+    path, ends = write_log(tmp_path, 3)
+    good = path.read_bytes()
+    for at in (len(wal.LOG_PREFIX) + 12, ends[0] + 12):  # in the first, then the second
+        bad = bytearray(good)
+        bad[at] ^= 0x01
+        path.write_bytes(bytes(bad))
+        with pytest.raises(SnapshotError, match="corrupted, and an intact one follows"):
+            wal.read_log(path)
+        recovered = DiskTier(tmp_path).recovered  # start-up recovery leaves it alone
+        assert not recovered["truncated_logs"] and not recovered["removed_logs"]
+        assert path.read_bytes() == bytes(bad)
+        assert DiskTier(tmp_path).has_session("s")
+
+
 @pytest.mark.parametrize("record, match", [
     (wal.TurnRecord(seq=9, identity_digest=IDENTITY.digest(), unix_s=0.0, messages=[],
                     keep=0, tokens=[], sampling=msgspec.convert({}, wal._Sampling)),

@@ -263,11 +263,13 @@ def read_log(path: Path, expect: Identity | None = None) -> LogScan:
             try:
                 length, crc = FRAME.unpack(_read_exact(fd, FRAME.size, pos))
                 if length > MAX_RECORD_BYTES or pos + FRAME.size + length > size:
+                    _refuse_if_intact_after(path, fd, pos, size)
                     break  # runs past the end (torn), or a torn length field
                 payload = _read_exact(fd, length, pos + FRAME.size)
             except OSError as e:
                 raise SnapshotError(f"{path}: cannot read: {e}") from None
             if len(payload) != length or crc32(payload) != crc:
+                _refuse_if_intact_after(path, fd, pos, size)
                 break  # torn
             try:
                 rec = _DECODER.decode(payload)
@@ -278,6 +280,31 @@ def read_log(path: Path, expect: Identity | None = None) -> LogScan:
         if state is None:
             return LogScan(None, len(LOG_PREFIX) if pos >= len(LOG_PREFIX) else 0, size)
         return LogScan(state, pos, size)
+
+
+def _refuse_if_intact_after(path: Path, fd: int, pos: int, size: int) -> None:
+    """The frame at `pos` is bad. Only the last record can be torn (an acknowledged record
+    was fsynced whole, and records are only appended): an intact record after it means
+    corruption (bit rot, a stray write), and cutting the log there would destroy
+    acknowledged turns. SnapshotError then, the file left as it is. (Reads the rest of
+    the file: after a torn append, at most one record's bytes.)"""
+    try:
+        tail = _read_exact(fd, size - pos, pos)
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot read: {e}") from None
+    for off in range(1, len(tail) - FRAME.size + 1):
+        length, crc = FRAME.unpack_from(tail, off)
+        end = off + FRAME.size + length
+        # (records are never empty: a run of zeros is no frame)
+        if 0 < length <= MAX_RECORD_BYTES and end <= len(tail) and \
+                crc32(tail[off + FRAME.size:end]) == crc:
+            try:
+                _DECODER.decode(tail[off + FRAME.size:end])
+            except (msgspec.MsgspecError, RecursionError, ValueError):
+                continue
+            raise SnapshotError(f"{path}: the record at byte {pos} is corrupted, and an "
+                                f"intact one follows at byte {pos + off}: not a torn "
+                                f"append; the log is left as it is")
 
 
 def truncate(path: Path, end: int) -> None:
