@@ -59,7 +59,12 @@ from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.locks import FileLock, NoLock, lock_session
 from kvsession.tiers.resume import build_plan, open_segment, open_shared
-from kvsession.tiers.snapshot import SnapshotHeader, messages_from_text, messages_to_text
+from kvsession.tiers.snapshot import (
+    SnapshotHeader,
+    fsync_dir,
+    messages_from_text,
+    messages_to_text,
+)
 from kvsession.tiers.snapshot_read import read_header
 from kvsession.tiers.writeback import WriteOp
 from kvsession.tools import ToolSpec
@@ -443,18 +448,21 @@ class SessionStore:
             self.rt.call(lambda: self.rt.policy.release(kv)).result()
         try:
             self._unpin_system(sess)
+            if delete and self.rt.disk is not None:
+                # the snapshot first, durably, the log (the truth) last: a crash in between
+                # leaves the whole session, never an older snapshot resurrected as it
+                own = self.rt.disk.path_for(sess.session_id)
+                try:
+                    own.unlink(missing_ok=True)
+                    fsync_dir(own.parent)
+                except OSError as e:
+                    raise SnapshotError(f"{own}: cannot delete: {e}") from None
             self._writeback_op(WriteOp.DELETE if delete else WriteOp.CLOSE, sess.session_id)
             slog = self._logs.pop(sess.session_id, None)
             if slog is not None:
                 self._log_op(slog, Op.DELETE if delete else Op.CLOSE)
-            if delete and self.rt.disk is not None:
-                own = self.rt.disk.path_for(sess.session_id)
-                try:
-                    own.unlink(missing_ok=True)
-                except OSError as e:
-                    raise SnapshotError(f"{own}: cannot delete: {e}") from None
-                if self.rt.writeback is not None:
-                    self.rt.disk.collect_shared()
+            if delete and self.rt.disk is not None and self.rt.writeback is not None:
+                self.rt.disk.collect_shared()
         finally:
             lock = self._locks.pop(sess.session_id, None)
             if lock is not None:

@@ -918,3 +918,35 @@ def test_a_closed_session_stays_listed_and_resumes_where_it_was_closed(llama_dir
             llm.session(session_id="t").close(delete=True)
         assert llm.sessions() == []
         assert sorted(os.listdir(sd)) == []
+
+
+DELETE_CHILD = r"""
+import os, signal, sys
+import kvsession.tiers.commit as commit
+from kvsession import LLM
+llm = LLM(sys.argv[1], kv_cache_memory="8MiB", max_model_len=512, session_dir=sys.argv[2])
+s = llm.session(session_id="a")
+s.send("turn 2")
+remove = commit.remove_quietly
+def remove_then_die(path):  # the crash lands right after the log is gone
+    remove(path)
+    if str(path).endswith(".log"):
+        os.kill(os.getpid(), signal.SIGKILL)
+commit.remove_quietly = remove_then_die
+s.close(delete=True)
+"""
+
+
+def test_a_crash_inside_close_delete_never_resurrects_an_older_snapshot(llama_dir, tmp_path):
+    """close(delete=True) removes the snapshot (durably) before the log, the truth: a crash
+    in between leaves the whole session or none of it. It removed the log first, and a
+    crash then brought back the older snapshot as the session, without the turns logged
+    since it was written."""
+    with new_llm(llama_dir, tmp_path) as llm:
+        llm.session(session_id="a").send("turn 0")
+    assert (tmp_path / "a.kvs").exists()  # closed: persisted as a snapshot of turn 0
+    p = subprocess.run([sys.executable, "-c", DELETE_CHILD, str(llama_dir), str(tmp_path)],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    with new_llm(llama_dir, tmp_path) as llm:
+        assert "a" not in llm.sessions()  # deleted (not turn 0's state back)
