@@ -117,7 +117,8 @@ def test_a_record_that_cannot_be_encoded_leaves_the_log_whole(tmp_path):
         messages += [{"role": "user", "content": "four"}, {"role": "assistant", "content": "4"}]
         op, data = slog.record(messages, [1, 2, 3, 4, 5], {"max_tokens": 4}, None,
                                {"max_tokens": 4})
-        assert op is Op.APPEND
+        # (a whole rewrite if the cancelled one is still unresolved: see the next test)
+        assert op in (Op.APPEND, Op.REWRITE)
         gc.submit(slog, op, data).result(timeout=30)  # the commit thread is alive
         gc.submit(slog, Op.CLOSE).result(timeout=30)
     finally:
@@ -142,6 +143,52 @@ def test_close_while_another_thread_sends_loses_no_acknowledged_turn(llama_dir, 
         resumed = [m["content"] for m in again.session(session_id="a").messages
                    if m["role"] == "user"]
     assert resumed == acked
+
+
+def test_a_record_after_an_unresolved_one_rewrites_the_state(tmp_path, monkeypatch):
+    """A turn's record built while the previous one is still being written (an asend
+    cancelled during its durability wait lets the next turn in) is a whole rewrite: that
+    previous write may yet fail, and a delta on top of it then left a gap in the sequence
+    ("record 3 follows record 1": every turn of the session unrecoverable)."""
+    import errno
+
+    import kvsession.tiers.commit as commit
+
+    gc = GroupCommit(tmp_path)
+    slog = SessionLog(tmp_path / "s.log", "s", IDENTITY)
+    messages = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "1"}]
+    gate, write, second = threading.Event(), commit._write_all, {}
+
+    def stalled_then_full(fd, data, offset):  # the second record's: a stalled disk that
+        if data is second.get("data"):  # then reports it full
+            gate.wait(30)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(fd, data, offset)
+
+    monkeypatch.setattr(commit, "_write_all", stalled_then_full)
+    try:
+        op, data = slog.record(messages, [1, 2], {"max_tokens": 4}, None, {"max_tokens": 4})
+        gc.submit(slog, op, data).result(timeout=30)
+        messages += [{"role": "user", "content": "two"}, {"role": "assistant", "content": "2"}]
+        op, second["data"] = slog.record(messages, [1, 2, 3], {"max_tokens": 4}, None,
+                                         {"max_tokens": 4})
+        assert op is Op.APPEND
+        failing = gc.submit(slog, op, second["data"])
+        messages += [{"role": "user", "content": "three"}, {"role": "assistant", "content": "3"}]
+        op, data = slog.record(messages, [1, 2, 3, 4], {"max_tokens": 4}, None,
+                               {"max_tokens": 4})
+        third = gc.submit(slog, op, data)  # (a rewrite: the second is unresolved)
+        gate.set()
+        with pytest.raises(SnapshotError, match="could not be made durable"):
+            failing.result(timeout=30)
+        third.result(timeout=30)
+        gc.submit(slog, Op.CLOSE).result(timeout=30)
+    finally:
+        gate.set()
+        gc.close()
+    st = wal.read_log(slog.path, expect=IDENTITY).state  # every turn of the state
+    assert [m["content"] for m in st.messages] == ["one", "1", "two", "2", "three", "3"]
+    assert st.tokens == [1, 2, 3, 4]
 
 
 def test_power_loss_at_every_byte_of_the_last_record(tmp_path):

@@ -88,6 +88,12 @@ class SessionLog:
         self.size = end
         # the next record must be a whole rewrite: no log yet, or a write failed
         self.needs_base = state is None
+        # records handed to the commit thread, and those it finished (each counter has one
+        # writer): while one is unresolved, the next record is a whole rewrite, since a
+        # delta on top of it would follow a record that may yet fail (an asend cancelled
+        # while it waits for durability lets the next turn in)
+        self.submitted = 0
+        self.finished = 0
         # commit thread side
         self.end = end  # bytes known durable
 
@@ -101,7 +107,7 @@ class SessionLog:
         seq = self.seq + 1  # taken only once the record is built: a gap in the sequence
         # numbers reads as a corrupt log, which would lose every turn of the session
         base = self.needs_base or self.records >= REWRITE_RECORDS or \
-            self.size >= REWRITE_BYTES
+            self.size >= REWRITE_BYTES or self.submitted != self.finished
         try:
             check_text_messages(self.path, messages)
             hist = history_struct(self.path, {**(history or {"mode": "template"}), "log": []})
@@ -176,6 +182,8 @@ class GroupCommit:
                 fut.set_exception(SnapshotError("the session log is closed"))
                 return fut
             self._pending.append(_Request(slog, op, data, fut))
+            if op in (Op.APPEND, Op.REWRITE):
+                slog.submitted += 1
             self._cv.notify()
         return fut
 
@@ -286,6 +294,8 @@ class GroupCommit:
 
     def _finish(self, r: _Request) -> None:
         slog = r.log
+        if r.op in (Op.APPEND, Op.REWRITE):
+            slog.finished += 1
         if r.error is None:
             if r.op is Op.APPEND:
                 slog.end += len(r.data)
