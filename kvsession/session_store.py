@@ -558,6 +558,15 @@ class SessionStore:
             self._writeback_op(WriteOp.DELETE, sess.session_id)
             self._log_op(slog, Op.DELETE)
             self._logs.pop(sess.session_id, None)
+        elif (old := self.rt.disk.log_path(sess.session_id)).exists():
+            # durability="close" resumed it from a log an earlier process left: the
+            # snapshot holds it all now, and the log (read first, as the truth) would
+            # hide this process's turns
+            try:
+                old.unlink()
+                fsync_dir(old.parent)
+            except OSError as e:
+                raise SnapshotError(f"{old}: cannot remove: {e}") from None
 
     def close_all(self) -> None:
         for sess in list(self.live.values()):

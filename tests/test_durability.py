@@ -997,3 +997,19 @@ def test_a_crash_inside_close_delete_never_resurrects_an_older_snapshot(llama_di
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
     with new_llm(llama_dir, tmp_path) as llm:
         assert "a" not in llm.sessions()  # deleted (not turn 0's state back)
+
+
+def test_a_log_left_by_turn_durability_does_not_hide_turns_taken_with_close(llama_dir,
+                                                                            tmp_path):
+    """A session resumed from a log in durability="close" is persisted as a snapshot at
+    close, and the log goes (read first, as the truth, it hid this process's turns)."""
+    with new_llm(llama_dir, tmp_path) as llm:
+        s = llm.session(session_id="a")
+        s.send("t0")
+        s.close()  # closed without delete: resumable from its log
+    assert (tmp_path / "a.log").exists()
+    with new_llm(llama_dir, tmp_path, durability="close") as llm:
+        llm.session(session_id="a").send("c1")
+    with new_llm(llama_dir, tmp_path) as llm:
+        resumed = llm.session(session_id="a")
+        assert [m["content"] for m in resumed.messages if m["role"] == "user"] == ["t0", "c1"]
