@@ -119,10 +119,16 @@ class NoLock:
         pass
 
 
+# another process's start-up takes the lock of every session nobody owns, for the moment
+# its check of that session's log takes: a lock held that long is not an owner's
+STARTUP_HOLD_S = 0.5
+
+
 def lock_session(path: Path, session_id: str) -> FileLock:
-    """The session's lock, taken now; SessionLockedError when another process holds it."""
+    """The session's lock, taken now (waiting out another process's start-up check);
+    SessionLockedError when another process holds it."""
     lock = FileLock(path)
-    if not lock.try_acquire():
+    if not lock.acquire(STARTUP_HOLD_S):
         raise SessionLockedError(
             f"session {session_id!r} is in use by another process ({path} is locked); "
             f"close it there first, or use another session_id")
