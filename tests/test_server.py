@@ -310,6 +310,35 @@ def test_a_named_session_keeps_its_tools(server, hermes_dir):
     assert e.value.body["param"] == "tools"
 
 
+def test_a_named_sessions_tools_hold_a_stream_back_without_tools_in_the_request(
+        server, hermes_dir):
+    """A stateful client sends only the new message: the named session parses the reply
+    with its own tools, and the streamed answer holds the call markup back as the
+    non-streamed one does (it streamed the raw markup as content, then the call)."""
+    c, name = server.client(), model_name(hermes_dir)
+    text = 'Adding.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a"}}\n</tool_call>'
+    fmt = {"type": "grammar", "ebnf": f"root ::= {json.dumps(text)}"}  # the reply, fixed
+    got = []
+    for stream in (False, True):
+        sid = f"tools-held-{stream}"
+        c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                  max_tokens=2, tools=[READ_FILE],
+                                  extra_body={"session_id": sid})
+        kw = dict(model=name, messages=[{"role": "user", "content": "read a"}], max_tokens=200,
+                  temperature=0, response_format=fmt, extra_body={"session_id": sid})
+        if stream:
+            with c.chat.completions.stream(**kw) as events:
+                for _ in events:
+                    pass
+                r = events.get_final_completion()
+        else:
+            r = c.chat.completions.create(**kw)
+        m = r.choices[0].message
+        got.append((r.choices[0].finish_reason, m.content,
+                    [(t.function.name, t.function.arguments) for t in m.tool_calls]))
+    assert got[0] == got[1] == ("tool_calls", "Adding.", [("read_file", '{"path": "a"}')])
+
+
 def test_tool_choice_required_returns_tool_calls(server, hermes_dir):
     jsonschema = pytest.importorskip("jsonschema")
     c = server.client()

@@ -256,17 +256,17 @@ class Server:
                      "session (continued)" if plan.reused or plan.named_len else "session (new)",
                      len(plan.new))
             if plan.replay is not None:  # a retried turn: its stored reply, nothing runs
-                # (streamed as one event: buffered, like a tool-call answer)
                 log.info("%s: the last turn of session %s answered this request already: "
                          "its reply is sent again", rid, session_id)
                 res = self._stored_reply(plan)
-                if req.stream:
+                if req.stream:  # as one event: buffered, like a tool-call answer
                     return await self._chat_stream(request, req, rid, plan, _events_of(res),
-                                                   slot,
-                                                   buffered=True, replayed=True)
+                                                   slot, buffered=True, replayed=True)
             elif req.stream:
                 events = self._chat_events(plan, params, tool_kwargs, per_turn)
-                buffered = bool(req.tools) and req.tool_choice != "none"
+                # (a named session parses with its own tools, the request may send none)
+                tools = req.tools or plan.session is not None and plan.session.renderer.tools
+                buffered = bool(tools) and req.tool_choice != "none"
                 return await self._chat_stream(request, req, rid, plan, events, slot,
                                                buffered)
             elif plan.session is not None:  # no thread, no per-token hops: one await
