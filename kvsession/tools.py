@@ -58,6 +58,14 @@ _FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 # Mistral's templates require 9 alphanumeric characters in a tool call id
 _MISTRAL_ID_CHARS = string.ascii_letters + string.digits
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # (json.loads joins the valid pairs)
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")  # (a ValueError: read as malformed markup)
+
+
+# NaN and Infinity are not JSON: a call holding them could not be sent back in a message
+_DECODER = json.JSONDecoder(parse_constant=_not_json)
 # the separators the templates' `tojson` writes: forced calls look like rendered ones
 _SEPARATORS = (", ", ": ")
 
@@ -224,8 +232,8 @@ def _arguments(value) -> dict:
         return {}
     if isinstance(value, str):  # some models (and OpenAI messages) write the JSON as text
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
+            value = _DECODER.decode(value)
+        except ValueError:  # (JSONDecodeError, or NaN / Infinity)
             raise _Malformed from None
     if not isinstance(value, dict):
         raise _Malformed
@@ -259,7 +267,7 @@ def _call(obj, fmt: ToolFormat, names) -> ToolCall:
 def _json_values(body: str, separators: str = "") -> list:
     """The JSON values that make up all of `body`, separated by whitespace (and any of
     `separators`, e.g. ';' between Llama 3 calls)."""
-    dec, pos, out = json.JSONDecoder(), 0, []
+    dec, pos, out = _DECODER, 0, []
     while True:
         while pos < len(body) and (body[pos].isspace() or (out and body[pos] in separators)):
             pos += 1
@@ -267,7 +275,7 @@ def _json_values(body: str, separators: str = "") -> list:
             return out
         try:
             value, pos = dec.raw_decode(body, pos)
-        except json.JSONDecodeError:
+        except ValueError:  # (JSONDecodeError, or NaN / Infinity)
             raise _Malformed from None
         out.append(value)
 
@@ -282,8 +290,8 @@ def _json_at(text: str, pos: int) -> tuple[object, int]:
     only after a call's JSON: a string argument may hold the markup itself ("</tool_call>",
     "[TOOL_CALLS]"), which splitting on it first would cut."""
     try:
-        return json.JSONDecoder().raw_decode(text, _skip_space(text, pos))
-    except json.JSONDecodeError:
+        return _DECODER.raw_decode(text, _skip_space(text, pos))
+    except ValueError:  # (JSONDecodeError, or NaN / Infinity)
         raise _Malformed from None
 
 
@@ -367,6 +375,11 @@ def parse_tool_calls(text: str, fmt: ToolFormat,
         content, calls = _PARSERS[fmt](text, names)
     except _Malformed:
         return text, []
+    seen: set[str] = set()
+    for i, c in enumerate(calls):  # ids the model wrote are kept, but made unique
+        if c.id in seen:
+            calls[i] = ToolCall(new_call_id(fmt), c.name, c.arguments)
+        seen.add(calls[i].id)
     return (content.rstrip(), calls) if calls else (text, [])
 
 

@@ -142,6 +142,9 @@ def test_parse_forms(fmt, text, content, calls):
     (ToolFormat.MISTRAL, "[TOOL_CALLS][]"),
     (ToolFormat.HERMES, '<tool_call>{"name": "add", "arguments": {}} trailing</tool_call>'),
     (ToolFormat.MISTRAL, '[TOOL_CALLS]add[ARGS]{"a": 1} then text'),
+    # NaN / Infinity are not JSON (the call could not be sent back in a message)
+    (ToolFormat.HERMES, '<tool_call>{"name": "add", "arguments": {"a": NaN}}</tool_call>'),
+    (ToolFormat.LLAMA3_JSON, '{"name": "add", "parameters": {"a": -Infinity}}'),
 ])
 def test_malformed_markup_stays_content(fmt, text):
     assert parse_tool_calls(text, fmt, {"add", "read_file"}) == (text, [])
@@ -456,3 +459,11 @@ def test_an_empty_tools_list_is_no_tools_in_a_session(llms):
         assert s.send("hi", tools=[], max_tokens=2).token_ids
     finally:
         s.close()
+
+
+def test_call_ids_the_model_repeats_are_made_unique():
+    text = ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "abcdefghi"}, '
+            '{"name": "add", "arguments": {"a": 2}, "id": "abcdefghi"}]')
+    _, calls = parse_tool_calls(text, ToolFormat.MISTRAL, {"add"})
+    assert calls[0].id == "abcdefghi" and calls[1].id != "abcdefghi"
+    assert len(calls[1].id) == 9 and calls[1].id.isalnum()
