@@ -296,7 +296,8 @@ class Session:
             reasoning, text = split_reasoning(out.text)
         calls = []
         if spec is not None:
-            text, calls = spec.parse(text)
+            text, calls = spec.parse(text) if reasoning is not None else \
+                spec.parse_output(out.token_ids, text)
         reply_msg = {"role": "assistant", "content": text}
         if reasoning is not None:  # what reasoning templates (Qwen3) read back
             reply_msg["reasoning_content"] = reasoning

@@ -437,6 +437,11 @@ class ToolSpec:
     bare: bool = False
     # parallel_tool_calls=False: at most one call per reply (the first; as OpenAI's API)
     parallel: bool = True
+    # (token id, text) of Mistral's markers that are special tokens of this tokenizer, and
+    # the tokenizer: decoding drops them, so the parser reads the token ids with them put
+    # back (content before a call, the name[ARGS]{...} form)
+    markers: tuple[tuple[int, str], ...] = ()
+    tokenizer: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_args(cls, tools, tool_choice, tokenizer,
@@ -453,7 +458,10 @@ class ToolSpec:
                               "renders `tools` in a known tool-call format (Hermes/Qwen "
                               "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS])")
         bare = fmt is ToolFormat.MISTRAL and marker_is_special(tokenizer, "[TOOL_CALLS]")
-        return cls(tools, fmt, choice, name, bare, parallel_tool_calls)
+        markers = tuple((tokenizer.encode(m, add_special_tokens=False)[0], m)
+                        for m in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+                        if fmt is ToolFormat.MISTRAL and marker_is_special(tokenizer, m))
+        return cls(tools, fmt, choice, name, bare, parallel_tool_calls, markers, tokenizer)
 
     @property
     def names(self) -> list[str]:
@@ -492,10 +500,25 @@ class ToolSpec:
         content, calls = parse_tool_calls(text, self.format, set(self.names))
         return content, calls if self.parallel else calls[:1]
 
+    def parse_output(self, token_ids, text: str) -> tuple[str, list[ToolCall]]:
+        """`parse` of a completion: its `text`, or where markers are special tokens, its
+        token ids decoded with them (the text as generated when no call is found)."""
+        if not self.markers:
+            return self.parse(text)
+        marks, parts, run = dict(self.markers), [], []
+        for t in token_ids:
+            if t in marks:
+                parts += [self.tokenizer.decode(run), marks[t]]
+                run = []
+            else:
+                run.append(t)
+        content, calls = self.parse("".join(parts) + self.tokenizer.decode(run))
+        return (content, calls) if calls else (text, [])
+
     def apply(self, output):
         """`output` (a RequestOutput) with every completion's calls parsed out."""
         outs = []
         for c in output.outputs:
-            content, calls = self.parse(c.text)
+            content, calls = self.parse_output(c.token_ids, c.text)
             outs.append(replace(c, text=content, tool_calls=calls))
         return replace(output, outputs=outs)

@@ -435,6 +435,30 @@ def test_mistral_control_token_marker_is_left_out_of_forced_calls(model_dirs, tm
     assert [(c.name, c.arguments) for c in spec.parse(text)[1]] == [("add", {"a": 1})]
 
 
+def test_mistral_special_markers_are_read_from_the_token_ids(model_dirs, tmp_path):
+    """Decoding drops special markers: content before a call, or the name[ARGS]{...} form,
+    left calls as content. The parser reads the token ids with the markers put back."""
+    import shutil
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    shutil.copytree(model_dirs("llama", chat_template="mistral"), tmp_path / "m")
+    hf = HFTokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
+    hf.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    hf.save(str(tmp_path / "m" / "tokenizer.json"))
+    tok = Tokenizer(tmp_path / "m")
+    spec = ToolSpec.from_args(TOOLS, "auto", tok)
+    for written, content in (('Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]',
+                              "Sure."),
+                             ('[TOOL_CALLS]add[ARGS]{"a": 1}', "")):
+        ids = tok.encode(written, add_special_tokens=False)
+        got_content, calls = spec.parse_output(ids, tok.decode(ids))
+        assert (got_content, [(c.name, c.arguments) for c in calls]) == (
+            content, [("add", {"a": 1})]), written
+    ids = tok.encode("no call [here]", add_special_tokens=False)
+    assert spec.parse_output(ids, tok.decode(ids)) == (tok.decode(ids), [])
+
+
 def test_stop_strings_and_ids_do_not_cut_a_forced_call(llms):
     """The grammar ends a forced call: a stop string or id inside it (a Hermes call holds
     '\\n' and '{') would leave text that is no call, ended as "stop"."""
