@@ -368,6 +368,8 @@ def test_tool_choice_required_returns_tool_calls(server, hermes_dir):
     calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
     assert [tc.function.name for tc in calls] == ["read_file"]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # no text: content None, as in the non-streamed answer (not "")
+    assert all(ch.choices[0].delta.content is None for ch in chunks if ch.choices)
 
 
 def test_parallel_tool_calls_false(server, hermes_dir):

@@ -343,8 +343,8 @@ class Server:
 
         async def body() -> AsyncIterator[str]:
             try:
-                yield sse(P.chat_chunk(rid, model, created, 0, {"role": "assistant",
-                                                                "content": ""}))
+                yield sse(P.chat_chunk(rid, model, created, 0, {  # (None: as non-streamed
+                    "role": "assistant", "content": None if buffered else ""}))  # if no text)
                 event = first
                 while event[0] == "delta":
                     if not buffered:  # tool calls are parsed from the whole text
