@@ -21,7 +21,7 @@ RESULTS = HERE / "results"
 IMG = ROOT / "docs" / "img"
 
 BENCHES = {
-    "decode_vs_hf": ("decode_vs_hf.py", ["--plot"]),
+    "decode_vs_hf": ("decode_vs_hf.py", ["--plot", "--kernels", "--int8"]),
     "prefix_cache": ("prefix_cache.py", ["--plot"]),
     "agent_workload": ("agent_workload.py", ["--plot"]),
     "fp8_capacity": ("fp8_capacity.py", []),
@@ -91,7 +91,9 @@ def section_decode(r) -> list[str]:
             "phases (five) and 1.09-1.11x / 1.09-1.14x in 42-49 GB/s phases (four), long/short "
             "0.79-0.84 (median 0.82): under 1.5x at both contexts in 7 of 9 runs (the other two "
             "in 72-76 GB/s phases, 1.51x / 1.56x and 1.49x / 1.55x), long/short at 0.8 or over "
-            "in 7 of 9. "
+            "in 7 of 9. Three more runs on 2026-12-05 (one in a 77 GB/s phase, two in 49 GB/s "
+            "phases) read 1.31x / 1.34x, 1.05x / 1.08x and 1.05x / 1.07x, long/short 0.83, "
+            "0.81 and 0.81: twelve runs, under 1.5x in 10 and long/short at 0.8 or over in 10. "
             "At the bound itself long/short is 0.838 at batch 1 and 0.41 at batch 8: the "
             "ratio measures attention's efficiency against the weights'."]
     frag = r.get("fragmented_table")
