@@ -28,7 +28,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvsession import LLM, KVSessionError
-from kvsession.model.tokenizer import check_messages
 from kvsession.serve import protocol as P
 from kvsession.serve.conversations import (
     SEND_TAKES,
@@ -45,11 +44,14 @@ log = logging.getLogger("kvsession.serve")
 MAX_BODY_BYTES = 32 << 20
 CHAT_TAKES = set(inspect.signature(LLM.chat).parameters)
 TOOL_ARGS = ("tools", "tool_choice", "chat_template_kwargs", "parallel_tool_calls")
-REPLAYED = {"X-KVSession-Replayed": "true"}  # on a repeated stored reply (a retried request)
 
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
+
+
+# on a response that repeats a named session's stored reply (a retried request)
+REPLAYED = {"X-KVSession-Replayed": "true"}
 
 
 class SSEResponse(StreamingResponse):
@@ -187,7 +189,6 @@ class Server:
         if not isinstance(req.messages, list) or not req.messages:
             raise P.APIError(400, "messages must be a non-empty list of message objects",
                              param="messages")
-        check_messages(req.messages, "messages")  # (a session checks only its new ones)
         if req.top_logprobs is not None and not req.logprobs:  # as OpenAI answers it
             raise P.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = req.top_logprobs if req.top_logprobs is not None else 0
@@ -263,7 +264,7 @@ class Server:
                                                    slot, buffered=True, replayed=True)
             elif req.stream:
                 events = self._chat_events(plan, params, tool_kwargs, per_turn)
-                # (a named session's own tools parse it: the request may send none)
+                # (a named session parses with its own tools, the request may send none)
                 tools = req.tools or plan.session is not None and plan.session.renderer.tools
                 buffered = bool(tools) and req.tool_choice != "none"
                 return await self._chat_stream(request, req, rid, plan, events, slot,
