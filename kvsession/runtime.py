@@ -15,7 +15,6 @@ the `SessionStore` talk to the engine thread only through the methods here (`cal
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import json
 import logging
@@ -574,22 +573,12 @@ class Runtime:
     def _check_at_rest(self) -> None:
         """Engine thread, at close: integrity, and when no request is in flight the pool is
         back to its baseline: only sessions and pins hold blocks."""
-        with contextlib.suppress(Exception):  # completions an idle tick read apply first
-            if self.connector is not None:
-                self.engine.poll_remote()
         self.check_integrity_now()
         if self.scheduler.has_work():
             return
-        kinds = [HolderKind.SEQUENCE, HolderKind.QUARANTINE, HolderKind.TRANSIENT]
-        if self.connector is not None and self.scheduler.quarantine:
-            # blocks a worker may still write stay held while the connector awaits proof
-            waiting = {r.seq_id for r in self.connector.quarantine.values()}
-            orphans = sorted(set(self.scheduler.quarantine) - waiting)
-            if orphans:
-                raise AssertionError(f"quarantined blocks of requests {orphans[:8]} no "
-                                     f"worker accounts for: never released")
-            kinds.remove(HolderKind.QUARANTINE)
-        for kind in kinds:
+        held_for_proof = self.engine.quarantine_at_rest()  # (blocks a worker may still write)
+        for kind in (HolderKind.SEQUENCE, HolderKind.TRANSIENT,
+                     *(() if held_for_proof else (HolderKind.QUARANTINE,))):
             if self.manager.num_held(kind):
                 raise AssertionError(f"{self.manager.num_held(kind)} block references still "
                                      f"held by {kind.value} holders with no request in flight: "

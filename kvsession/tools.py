@@ -457,10 +457,10 @@ class ToolSpec:
             raise ConfigError("tools were given but this checkpoint's chat template never "
                               "renders `tools` in a known tool-call format (Hermes/Qwen "
                               "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS])")
-        bare = fmt is ToolFormat.MISTRAL and marker_is_special(tokenizer, "[TOOL_CALLS]")
         markers = tuple((tokenizer.encode(m, add_special_tokens=False)[0], m)
                         for m in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
                         if fmt is ToolFormat.MISTRAL and marker_is_special(tokenizer, m))
+        bare = any(m == "[TOOL_CALLS]" for _, m in markers)
         return cls(tools, fmt, choice, name, bare, parallel_tool_calls, markers, tokenizer)
 
     @property

@@ -21,9 +21,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the API and application layer: the facade, sessions, the runtime that wires the engine
-# (kvsession.worker, the prefill worker, and kvsession.numerics build a Runtime)
+# (kvsession.worker, the prefill worker with its service, and kvsession.numerics build a
+# Runtime)
 API = {"kvsession.llm", "kvsession.session", "kvsession.session_store", "kvsession.cli",
        "kvsession.demo", "kvsession.testing", "kvsession.worker", "kvsession.worker_faults",
+       "kvsession.worker_service",
        "kvsession.runtime", "kvsession.system_pins",
        "kvsession.numerics", "kvsession.requests", "kvsession.handles", "kvsession",
        "kvsession.serve"}

@@ -141,7 +141,7 @@ def test_a_worker_that_cannot_cancel_a_write_exits_and_the_caller_fences(llama_d
     """NIXL cannot release a transfer (faked: stuck_rate): the worker waits for it up to its
     request timeout, then exits (status 3) rather than answer or handshake while a write
     may still land; the caller reads the closed connection as the process gone."""
-    from kvsession.worker import EXIT_WRITE_NOT_CANCELLED
+    from kvsession.worker_service import EXIT_WRITE_NOT_CANCELLED
 
     w = Worker(llama_dir, "--request-timeout-s", "1", faults="stuck_rate=1")
     ps = prompts(23, 2)

@@ -573,7 +573,7 @@ def test_a_refused_hello_naming_a_callers_agent_leaves_it_registered(
 def test_a_full_caller_table_is_a_transient_refusal(ctx, llama_dir):
     """At MAX_CALLERS the worker answers Rejected (retry later), not Refused (give up for
     good); a caller that reconnects replaces its own entry, which does not count."""
-    from kvsession.worker import MAX_CALLERS
+    from kvsession.worker_service import MAX_CALLERS
 
     w = Worker(llama_dir)
     with LLM(llama_dir, **KW) as tmp:

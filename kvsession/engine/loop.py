@@ -125,6 +125,26 @@ class Engine:
             return 0.02 if conn.pending else 0.1
         return None
 
+    def quarantine_at_rest(self) -> bool:
+        """Engine thread, at close: whether quarantined blocks are held legitimately (each
+        for a request the connector still awaits proof on, that no write can land);
+        AssertionError for one no request accounts for (never released). Completions an
+        idle tick read are applied first."""
+        if self.connector is None:
+            return False
+        try:
+            self.poll_remote()
+        except Exception:  # noqa: BLE001 - closing: the accounting below still holds
+            log.debug("closing: a last poll of the prefill workers failed", exc_info=True)
+        if not self.scheduler.quarantine:
+            return False
+        waiting = {r.seq_id for r in self.connector.quarantine.values()}
+        orphans = sorted(set(self.scheduler.quarantine) - waiting)
+        if orphans:
+            raise AssertionError(f"quarantined blocks of requests {orphans[:8]} no worker "
+                                 f"accounts for: never released")
+        return True
+
     def poll_remote(self, timeout_s: float = 0.0) -> None:
         """Submit newly offloaded prefills; apply what the workers finished or failed."""
         sched, conn = self.scheduler, self.connector
