@@ -9,6 +9,7 @@ from kvsession.errors import (
     RemotePrefillError,
     SessionClosedError,
     SessionLockedError,
+    SessionLostError,
     SnapshotError,
     UnsupportedArchitectureError,
 )
@@ -25,7 +26,7 @@ __all__ = [
     "RequestOutput", "CompletionOutput", "StructuredOutput", "ToolCall", "TextStream", "TextChunk",
     "AsyncTextStream", "RequestMetrics", "Stats", "SLO",
     "KVSessionError", "ConfigError", "ModelLoadError", "CacheFullError", "SnapshotError",
-    "SessionClosedError", "EngineClosedError", "SessionLockedError", "RemotePrefillError",
-    "UnsupportedArchitectureError",
+    "SessionClosedError", "EngineClosedError", "SessionLockedError", "SessionLostError",
+    "RemotePrefillError", "UnsupportedArchitectureError",
 ]
 __version__ = "0.1.0"

@@ -42,3 +42,13 @@ class EngineClosedError(SessionClosedError):
 class SessionLockedError(KVSessionError):
     """The session is owned by another live process (its lock file in session_dir is held):
     one process at a time works on a session."""
+
+
+class SessionLostError(SnapshotError):
+    """Crash recovery removed the session's log (no intact record was left) and nothing
+    else of the session remains: the id is a tombstone, not a fresh session, until the
+    caller asks for one (`llm.session(session_id=..., fresh=True)`)."""
+
+    def __init__(self, message: str, session_id: str):
+        super().__init__(message)
+        self.session_id = session_id

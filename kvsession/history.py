@@ -59,13 +59,19 @@ class HistoryMode(enum.StrEnum):
 
 def check_template_kwargs(chat_template_kwargs) -> dict | None:
     """A validated copy of `chat_template_kwargs` (None or a dict of extra template
-    variables holding JSON values: it is stored in snapshots and logs)."""
+    variables holding JSON values: it is stored in snapshots and logs). Its keys become
+    template variable names: identifiers, none starting with '_' (a dunder such as
+    `__class__` names Python internals; no template reads a private name)."""
     if chat_template_kwargs is None:
         return None
     if not isinstance(chat_template_kwargs, dict) or not all(
             isinstance(k, str) for k in chat_template_kwargs):
         raise ConfigError(f"chat_template_kwargs must be None or a dict with str keys, "
                           f"got {chat_template_kwargs!r:.80}")
+    for k in chat_template_kwargs:
+        if not k.isidentifier() or k.startswith("_"):
+            raise ConfigError(f"chat_template_kwargs keys must be template variable names "
+                              f"(identifiers not starting with '_'), got {k!r:.80}")
     return json_copy(chat_template_kwargs, "chat_template_kwargs") or None
 
 

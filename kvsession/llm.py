@@ -255,7 +255,7 @@ class LLM:
                 pin_system: bool = True, sampling: SamplingParams | None = None,
                 history: str = "append", tools: list[dict] | None = None,
                 chat_template_kwargs: dict | None = None, cache_salt: str | None = None,
-                **unknown) -> Session:
+                fresh: bool = False, **unknown) -> Session:
         """A multi-turn conversation whose KV stays cached between turns. The system prompt
         is pinned (once, shared by every session with the same system prompt and tools).
         history: "append" (the token log is the truth; only new messages are rendered and
@@ -263,10 +263,13 @@ class LLM:
         chat_template_kwargs are rendered by the chat template; cache_salt isolates this
         session's blocks after the shared, pinned system prompt. With session_dir set, an
         id that was persisted there resumes that session (with its stored history, tools
-        and salt)."""
+        and salt); an id whose log crash recovery removed (nothing else of it left) raises
+        SessionLostError rather than starting empty, unless fresh=True: a new, empty
+        session under that id (an id that still names a persisted session is refused)."""
         reject_unknown("session()", unknown, SESSION_ARGS)
         check_str("system", system, allow_none=True)
         check_bool("pin_system", pin_system)
+        check_bool("fresh", fresh)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise ConfigError(f"sampling must be None or a SamplingParams, got {sampling!r:.80}")
         check_str("cache_salt", cache_salt, allow_none=True)
@@ -275,7 +278,7 @@ class LLM:
                         ).with_overrides(cache_salt=cache_salt)
         options = self._store.options(history, tools, chat_template_kwargs)
         self._rt.check_open()
-        return self._store.session(system, session_id, pin_system, sampling, options)
+        return self._store.session(system, session_id, pin_system, sampling, options, fresh)
 
     def sessions(self) -> list[str]:
         """Ids of the sessions persisted in session_dir: each snapshot file's name

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvsession import costmodel
+from kvsession.tiers.recovery import LogRecovery
 from kvsession.validation import check_float
 
 
@@ -117,6 +118,9 @@ class Stats(msgspec.Struct):
     prefill_tokens: int = 0
     # tokens sampled (every completion's, cancelled and failed requests' included)
     generated_tokens: int = 0
+    # the cuts crash recovery made to session logs in session_dir: the start-up scan's and
+    # those of sessions this LLM resumed (tiers/recovery.py)
+    recovery: list[LogRecovery] = msgspec.field(default_factory=list)
 
 
 def percentile(values: list[float], q: float) -> float:

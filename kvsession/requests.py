@@ -20,7 +20,7 @@ GENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids", "use_tqdm")
 TOOL_ARGS = ("tools", "tool_choice", "chat_template_kwargs", "parallel_tool_calls")
 CHAT_ARGS = ("messages", "sampling_params", "use_tqdm", "add_generation_prompt", *TOOL_ARGS)
 SESSION_ARGS = ("system", "session_id", "pin_system", "sampling", "history", "tools",
-                "chat_template_kwargs", "cache_salt")
+                "chat_template_kwargs", "cache_salt", "fresh")
 AGENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids")
 ACHAT_ARGS = ("messages", "sampling_params", "add_generation_prompt", *TOOL_ARGS)
 STREAM_ARGS = ("prompt", "sampling_params", "prompt_token_ids", "messages", *TOOL_ARGS)

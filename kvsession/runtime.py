@@ -517,6 +517,7 @@ class Runtime:
             d.blocks_free = self.disk.free_bytes() // (d.bytes_per_token * bs)
             d.blocks_total = d.blocks_used + d.blocks_free
             d.tokens_capacity = d.blocks_total * bs
+            st.recovery = list(self.disk.recoveries)
         return st
 
     def stats_now(self) -> Stats:

@@ -43,6 +43,7 @@ from kvsession.model.tokenizer import check_messages, message_content
 from kvsession.outputs import DeltaText
 from kvsession.params import SamplingParams
 from kvsession.sampling_record import OVERRIDE_FIELDS, sampling_record
+from kvsession.tiers.recovery import LogRecovery
 from kvsession.tiers.snapshot import messages_to_text
 from kvsession.tools import ToolSpec
 from kvsession.turn_queue import TurnQueue
@@ -94,6 +95,8 @@ class SessionStats:
     cached_tokens: int = 0
     computed_tokens: int = 0
     ttfts_s: list[float] = field(default_factory=list)
+    # what crash recovery cut from this session's log, oldest first (tiers/recovery.py)
+    recovery: list[LogRecovery] = field(default_factory=list)
 
 
 @dataclass

@@ -54,7 +54,7 @@ from kvsession.runtime import Runtime
 from kvsession.sampling_record import sampling_from_record, sampling_record
 from kvsession.session import Session, SessionOptions, TurnInfo
 from kvsession.system_pins import SystemPins
-from kvsession.tiers import wal
+from kvsession.tiers import recovery, wal
 from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.locks import FileLock, NoLock, lock_session
@@ -90,7 +90,10 @@ class SessionStore:
     # ---- creating and resuming (the API edge) ------------------------------------------------
 
     def session(self, system: str | None, session_id: str | None, pin_system: bool,
-                sampling: SamplingParams | None, options: SessionOptions) -> Session:
+                sampling: SamplingParams | None, options: SessionOptions,
+                fresh: bool = False) -> Session:
+        """fresh: a new session under `session_id` even where crash recovery removed its
+        log (the tombstone is dropped); an id with a persisted session is refused."""
         disk = self.rt.disk
         if session_id is None or disk is None or session_id in self.live:
             if session_id is not None:
@@ -101,10 +104,20 @@ class SessionStore:
         check_session_id(session_id)
         lock = self._lock(session_id)  # first: the files are only ours to read once held
         try:
+            persisted = disk.log_path(session_id).is_file() or \
+                disk.path_for(session_id).is_file()
+            if fresh and persisted:
+                raise ConfigError(f"fresh=True: session_id {session_id!r} names a session "
+                                  f"persisted in session_dir; resume it, or close it with "
+                                  f"delete=True first")
             if disk.log_path(session_id).is_file():
                 return self._resume(session_id, lock, system, sampling, pin_system, options)
             if disk.path_for(session_id).is_file():
                 return self.restore(disk.path_for(session_id), session_id, lock)
+            if fresh:
+                recovery.clear(disk.root, session_id)
+            else:
+                recovery.refuse_lost(disk.root, session_id)
             return self._new_session(session_id, system, sampling,
                                      self.pins.key(system, options.renderer)
                                      if pin_system else None, lock=lock, options=options)
@@ -166,6 +179,8 @@ class SessionStore:
         if self.rt.journal is not None:
             self._logs[session_id] = slog or SessionLog(
                 disk.log_path(session_id), session_id, self.rt.log_identity)
+        if disk is not None and given:  # what recovery cut from it, whoever did
+            sess.stats.recovery = recovery.read_events(disk.root, session_id)
         self.live[sess.session_id] = sess
         return sess
 
@@ -213,17 +228,15 @@ class SessionStore:
         attached for the first turn to load (or recompute, by the cost model)."""
         rt, disk = self.rt, self.rt.disk
         path = disk.log_path(session_id)
-        scan = wal.read_log(path, expect=rt.log_identity)
-        if scan.torn:
-            wal.truncate(path, scan.end)
+        scan = wal.read_log(path, expect=rt.log_identity, session_id=session_id)
+        event = recovery.repair_log(path, session_id, scan)  # reported, and kept
+        if event is not None:
+            disk.recoveries.append(event)
         state = scan.state
-        if state is None:  # its first record never completed: nothing was acknowledged
-            path.unlink(missing_ok=True)
+        if state is None:  # no intact record: the snapshot is what is left, or nothing
             if disk.path_for(session_id).is_file():
                 return self.restore(disk.path_for(session_id), session_id, lock)
-            return self._new_session(session_id, system, sampling,
-                                     self.pins.key(system, options.renderer)
-                                     if pin_system else None, lock=lock, options=options)
+            recovery.refuse_lost(disk.root, session_id)
         self._check_untrusted(path, state.tokens, state.system)
         try:  # values from the file: refused as the file's fault
             params = sampling_from_record(state.sampling)
@@ -455,6 +468,7 @@ class SessionStore:
                 try:
                     own.unlink(missing_ok=True)
                     fsync_dir(own.parent)
+                    recovery.clear(own.parent, sess.session_id)
                 except OSError as e:
                     raise SnapshotError(f"{own}: cannot delete: {e}") from None
             self._writeback_op(WriteOp.DELETE if delete else WriteOp.CLOSE, sess.session_id)

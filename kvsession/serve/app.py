@@ -35,6 +35,7 @@ from kvsession.serve.conversations import (
     Conversations,
     Plan,
     conversation_salt,
+    turn_prompt_tokens,
 )
 from kvsession.serve.prometheus import CONTENT_TYPE, Exposition
 from kvsession.serve.runs import SessionTurn, Slot, collect, stateless_events, turn_overrides
@@ -52,6 +53,9 @@ class ClientGone(Exception):
 
 # on a response that repeats a named session's stored reply (a retried request)
 REPLAYED = {"X-KVSession-Replayed": "true"}
+# on a response whose token limit (max_tokens, max_completion_tokens, --default-max-tokens)
+# did not fit in the context after the prompt: the limit it ran under, the room left
+MAX_TOKENS_HEADER = "x-kvsession-max-tokens"
 
 
 class SSEResponse(StreamingResponse):
@@ -90,6 +94,7 @@ class Server:
         self.max_concurrent = max_concurrent
         self.max_model_len = llm.runtime.max_model_len
         self.default_max_tokens = default_max_tokens or self.max_model_len
+        self.configured_max_tokens = default_max_tokens  # None: up to the context's end
         self.conversations = Conversations(llm, max_conversations)
         self.in_flight = 0
         self.accepting = True
@@ -148,6 +153,8 @@ class Server:
 
     async def _body(self, request: Request, kind: type):
         self._check_key(request)
+        # before the body is read: one declared as something else is refused unread
+        P.check_content_type(request.headers.get("content-type"))
         too_large = P.APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes",
                                code="body_too_large", headers={"Connection": "close"})
         size = request.headers.get("content-length")
@@ -189,6 +196,10 @@ class Server:
         if not isinstance(req.messages, list) or not req.messages:
             raise P.APIError(400, "messages must be a non-empty list of message objects",
                              param="messages")
+        P.check_chat_messages(req.messages)
+        P.check_template_kwarg_names(req.chat_template_kwargs)
+        P.check_chat_schemas(req.response_format, req.tools)
+        P.check_max_tokens(req, self.max_model_len)
         if req.top_logprobs is not None and not req.logprobs:  # as OpenAI answers it
             raise P.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = req.top_logprobs if req.top_logprobs is not None else 0
@@ -234,8 +245,15 @@ class Server:
         return per_session, per_turn, ok
 
     async def chat(self, request: Request) -> Response:
+        # set here too, not left to the default: a request may start in the context of the
+        # one before it on its connection (uvicorn starts a keep-alive connection's next
+        # request from the previous one's task when it had paused reading a large body),
+        # where a text completion set "prompt"
+        P.PROMPT_FIELD.set("messages")
         req: P.ChatRequest = await self._body(request, P.ChatRequest)
         params, tool_kwargs = self._chat_params(req)
+        limit = self._limit(req.max_completion_tokens if req.max_completion_tokens is not None
+                            else req.max_tokens)
         session_id = req.session_id or request.headers.get("x-session-id")
         salt = conversation_salt(req.tools, req.chat_template_kwargs, req.cache_salt)
         per_session, per_turn, can_session = self._session_kwargs(params, tool_kwargs)
@@ -263,12 +281,14 @@ class Server:
                     return await self._chat_stream(request, req, rid, plan, _events_of(res),
                                                    slot, buffered=True, replayed=True)
             elif req.stream:
+                # (counted before the turn starts: the turn changes the session)
+                prompt = None if limit is None else await self._chat_prompt_tokens(req, plan)
                 events = self._chat_events(plan, params, tool_kwargs, per_turn)
                 # (a named session parses with its own tools, the request may send none)
                 tools = req.tools or plan.session is not None and plan.session.renderer.tools
                 buffered = bool(tools) and req.tool_choice != "none"
                 return await self._chat_stream(request, req, rid, plan, events, slot,
-                                               buffered)
+                                               buffered, limit=limit, prompt_tokens=prompt)
             elif plan.session is not None:  # no thread, no per-token hops: one await
                 work = self._reply(plan, turn_overrides(params, per_turn))
                 res = await self._until_disconnect(request, work)
@@ -287,7 +307,37 @@ class Server:
         self.requests[(request.url.path, 200)] += 1
         lp = P.Logprobs(self.decode, params.logprobs) if req.logprobs else None
         return JSONResponse(P.chat_response(rid, self.model_name, res, lp),
-                            headers=REPLAYED if plan.replay is not None else None)
+                            headers=REPLAYED if plan.replay is not None
+                            else self._cut(limit, res.prompt_tokens))
+
+    # ---- the token limit -----------------------------------------------------------------
+
+    def _limit(self, requested: int | None) -> int | None:
+        """The token limit a request runs under when one was set (by the request, or
+        --default-max-tokens); None: up to the end of the context, nothing is cut."""
+        return requested if requested is not None else self.configured_max_tokens
+
+    def _cut(self, limit: int | None, prompt_tokens: int | None) -> dict[str, str]:
+        """{x-kvsession-max-tokens: the room the context leaves after the prompt} when it
+        is less than the limit (the engine stops there, "length"): a limit that fits the
+        context but not after this prompt is cut, and the answer says so. (A limit above
+        the whole context is a 400: P.check_max_tokens.)"""
+        if limit is None or prompt_tokens is None:
+            return {}
+        room = self.max_model_len - prompt_tokens
+        return {MAX_TOKENS_HEADER: str(room)} if limit > room else {}
+
+    async def _chat_prompt_tokens(self, req: P.ChatRequest, plan: Plan) -> int | None:
+        """A streamed chat's prompt length, for its headers, which go out before its usage
+        is known (None: told by its first event, or not at all). Rendered off the event
+        loop, as the turn will render it."""
+        if plan.session is not None:
+            return await asyncio.to_thread(turn_prompt_tokens, plan.session, plan.new)
+        if req.n > 1:
+            return None  # a batch: its first event is its result, usage included
+        tokenizer = self.llm.tokenizer  # the conversation as llm.astream renders it
+        return await asyncio.to_thread(_best_effort, lambda: len(tokenizer.encode_chat(
+            plan.new, True, req.tools or None, req.chat_template_kwargs)))
 
     def _stored_reply(self, plan: Plan) -> P.Result:
         text = plan.replay.get("content") or ""
@@ -328,8 +378,9 @@ class Server:
         return await self._until_disconnect(request, events.__anext__())
 
     async def _chat_stream(self, request: Request, req: P.ChatRequest, rid: str, plan: Plan,
-                           events, slot: Slot,
-                           buffered: bool, replayed: bool = False) -> Response:
+                           events, slot: Slot, buffered: bool, replayed: bool = False,
+                           limit: int | None = None,
+                           prompt_tokens: int | None = None) -> Response:
         turn = events if isinstance(events, SessionTurn) else None
         source = turn.events() if turn else events
         # choice 0's text arrives as deltas unless held back (tools) or batched (n > 1)
@@ -385,7 +436,10 @@ class Server:
                 self.conversations.abandon(plan)
                 slot.release()
 
-        return SSEResponse(body(), on_close, REPLAYED if replayed else None)
+        if first[0] == "done":  # a batch (n > 1), or a turn over at once: its usage is known
+            prompt_tokens = first[1].prompt_tokens
+        return SSEResponse(body(), on_close,
+                           REPLAYED if replayed else self._cut(limit, prompt_tokens))
 
     # ---- /v1/completions -------------------------------------------------------------
 
@@ -397,14 +451,16 @@ class Server:
         if req.best_of not in (None, req.n):
             raise P.APIError(400, "best_of must equal n (or be omitted)", param="best_of")
         prompts = _prompts(req.prompt)
+        P.check_max_tokens(req, self.max_model_len)
         params = P.sampling_params(req, self.default_max_tokens, req.logprobs, None,
                                    req.max_tokens)
+        limit = self._limit(req.max_tokens)
         slot = self._admit()
         try:
             rid = P.new_id("cmpl")
             if req.stream and len(prompts) == 1 and params.n == 1:
                 return await self._completion_stream(request, req, rid, prompts[0], params,
-                                                     slot)
+                                                     slot, limit)
             results = await self._map_errors(self._generate_all(request, prompts, params))
         finally:
             if not (req.stream and len(prompts) == 1 and params.n == 1):
@@ -415,10 +471,12 @@ class Server:
         texts = [(self._prompt_text(p) if req.echo else "", r) for p, r in results]
         body = P.completion_response(rid, self.model_name, texts, lp, req.echo)
         self.requests[(request.url.path, 200)] += 1
+        # several prompts: the longest leaves the least room
+        cut = self._cut(limit, max(r.prompt_tokens for _, r in results))
         if not req.stream:
-            return JSONResponse(body)
+            return JSONResponse(body, headers=cut)
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return SSEResponse(_replay(body, usage), _nothing)
+        return SSEResponse(_replay(body, usage), _nothing, cut)
 
     def _prompt_text(self, prompt) -> str:
         return prompt if isinstance(prompt, str) else self.decode(prompt)
@@ -439,12 +497,19 @@ class Server:
         return [(p, P.Result.of_output(o)) for p, o in zip(prompts, outs, strict=True)]
 
     async def _completion_stream(self, request: Request, req, rid: str, prompt, params,
-                                 slot: Slot) -> Response:
+                                 slot: Slot, limit: int | None = None) -> Response:
         events = stateless_events(self.llm, params,
                                   prompt=prompt if isinstance(prompt, str) else None,
                                   prompt_token_ids=None if isinstance(prompt, str) else prompt)
         try:
+            # its headers go out before its usage is known: the prompt counted beforehand,
+            # as llm.generate counts it
+            prompt_tokens = None if limit is None else _best_effort(
+                lambda: len(self.llm.tokenizer.encode(prompt) if isinstance(prompt, str)
+                            else prompt))
             first = await self._first(request, events)
+            if first[0] == "done":
+                prompt_tokens = first[1].prompt_tokens
         except BaseException:
             slot.release()
             raise
@@ -480,7 +545,7 @@ class Server:
             await events.aclose()  # cancels the request if it has not finished
             slot.release()
 
-        return SSEResponse(body(), on_close)
+        return SSEResponse(body(), on_close, self._cut(limit, prompt_tokens))
 
     # ---- models, health, metrics -------------------------------------------------------
 
@@ -544,6 +609,15 @@ def _prompts(prompt) -> list:
         raise P.APIError(400, "prompt must be a string, a list of strings, a list of token "
                               "ids or a list of such lists (non-empty)", param="prompt")
     return list(prompt)
+
+
+def _best_effort(count):
+    """count(), or None if it raises: a prompt that cannot be counted fails its request,
+    which says why."""
+    try:
+        return count()
+    except Exception:
+        return None
 
 
 async def _events_of(res: P.Result) -> AsyncIterator[tuple[str, object]]:

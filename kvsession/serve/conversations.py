@@ -140,6 +140,28 @@ def session_safe(messages: list[dict]) -> bool:
     return all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
 
 
+def turn_prompt_tokens(session: Session, new: list[dict]) -> int | None:
+    """How many tokens the prompt of `session`'s next turn on `new` will have (None when
+    it cannot be told): the prompt the session builds (append history: its token log and
+    the template's delta for the messages not in it; else the whole conversation),
+    rendered here beforehand, because a stream's headers go out before its usage is known
+    (x-kvsession-max-tokens). Called before the turn starts, while this request holds the
+    session, so nothing changes it meanwhile."""
+    opts, messages = session.options(), session.messages
+    try:
+        if opts.history == "append" and opts.log:
+            pending = messages[len(messages) - opts.pending:] if opts.pending else []
+            lead = [m for m in messages[:1] if m.get("role") == "system"]
+            try:
+                return len(opts.log) + len(session.renderer.delta(lead, pending + new,
+                                                                  opts.log[-1]))
+            except Exception:  # not append-stable for these messages: the turn re-renders
+                pass           # the whole conversation, as below
+        return len(session.renderer.encode(messages + new))
+    except Exception:  # the turn fails too, and says why
+        return None
+
+
 @dataclass
 class Plan:
     """How one request runs: on `session` (sending it `new`), or stateless (session None).

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from kvsession import (
     CacheFullError,
@@ -28,6 +29,7 @@ from kvsession import (
     SamplingParams,
     SessionClosedError,
     SessionLockedError,
+    SessionLostError,
     ToolCall,
 )
 
@@ -80,6 +82,8 @@ def from_engine_error(e: Exception, fields: tuple[str, ...] = ()) -> APIError:
         return APIError(400, msg, param=param)
     if isinstance(e, SessionLockedError):
         return APIError(409, msg, code="session_locked")
+    if isinstance(e, SessionLostError):  # a tombstone: the client should start anew
+        return APIError(410, msg, param="session_id", code="session_lost")
     if isinstance(e, (EngineClosedError, SessionClosedError)):
         return APIError(503, msg, type="server_error", code="shutting_down",
                         headers={"Retry-After": "1"})
@@ -148,11 +152,87 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 _AT = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
+# How deep a request body may nest arrays and objects (the body itself is level 1). The
+# deepest part of a real request is a JSON schema (response_format, a tool's parameters):
+# two levels per nested object ("properties", then the property), so a schema 30 objects
+# deep, far beyond any real one, is ~65 levels with the body's own. Every recursive step a
+# body meets below this bound (msgspec's decoder, the schema checks, json.dumps, the chat
+# template) stays far from Python's recursion limit (1,000 frames), which a deeper body
+# reached: a 500 (RecursionError) instead of a 400.
+MAX_NESTING = 128
+_SCAN_CHUNK = 1 << 20  # bytes whose running depth is summed at once (int32 each)
+
+
+def _unescaped(body: bytes) -> bytes:
+    """`body` with its escaped backslashes and quotes blanked (same length), so that every
+    '"' left opens or closes a string. A run of backslashes is escapes from its first one,
+    so its pairs replaced left to right leave the odd one beside the character it escapes
+    (bytes.replace: no per-escape Python work whatever the body holds)."""
+    return body.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+
+
+def _nesting_excess(body: bytes, limit: int) -> int | None:
+    """Where the top-level value in which `body` first nests deeper than `limit` begins (-1
+    when it is the body itself), or None when it nests no deeper. A scan of the bytes: a
+    decoder or any walk of the decoded value would recurse as deep as the body nests.
+    Vectorised with numpy, so a 32 MiB body of brackets costs milliseconds, not a Python
+    loop per byte. Exact for valid JSON; invalid JSON is refused by the decoder at the first
+    byte that makes it invalid, and up to there the scan read it as the decoder does."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return None  # too few openers to nest that deep: most bodies stop here
+    a = np.frombuffer(_unescaped(body), np.uint8)
+    in_string = np.bitwise_xor.accumulate((a == ord('"')).view(np.uint8)).view(bool)
+    step = (((a == ord("[")) | (a == ord("{"))).view(np.int8)
+            - ((a == ord("]")) | (a == ord("}"))).view(np.int8))
+    step[in_string] = 0  # brackets inside strings are text
+    depth, top = 0, -1
+    for start in range(0, len(step), _SCAN_CHUNK):
+        s = step[start:start + _SCAN_CHUNK]
+        d = np.cumsum(s, dtype=np.int32) + np.int32(depth)
+        over = np.flatnonzero(d > limit)
+        end = int(over[0]) if over.size else len(s)
+        # openers of the body's own values (the body is level 1): the last one before the
+        # excess starts the field it is in
+        opens = np.flatnonzero((d[:end] == 2) & (s[:end] == 1))
+        if opens.size:
+            top = start + int(opens[-1])
+        if over.size:
+            return top
+        depth = int(d[-1])
+    return None
+
+
+def _key_before(body: bytes, at: int) -> str | None:
+    """The key of the object member whose value starts at `at` (`"key": [`), or None."""
+    plain = _unescaped(body[:at])
+    close = plain.rfind(b'"')
+    open_ = plain.rfind(b'"', 0, max(close, 0))
+    if open_ < 0 or plain[close + 1:].strip() != b":":
+        return None
+    try:
+        key = json.loads(body[open_:close + 1])
+    except ValueError:
+        return None
+    return key if isinstance(key, str) and len(key) <= 64 else None
+
+
+def check_nesting(body: bytes, limit: int = MAX_NESTING) -> None:
+    """400 naming the top-level field (where it is one) when `body` nests arrays and
+    objects deeper than `limit` (MAX_NESTING), before anything recursive reads it."""
+    at = _nesting_excess(body, limit)
+    if at is None:
+        return
+    name = _key_before(body, at) if at >= 0 else None
+    raise APIError(400, f"{name or 'the request body'} nests arrays and objects more than "
+                        f"{limit} levels deep (the body itself is level 1)", param=name)
+
 
 def decode_body(body: bytes, kind: type):
-    """Decode and type-check a request body (400 naming the field if it is wrong)."""
+    """Decode and type-check a request body (400 naming the field if it is wrong, or nested
+    deeper than MAX_NESTING)."""
     if not body:
         raise APIError(400, "the request body is empty: send a JSON object")
+    check_nesting(body)
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
@@ -160,6 +240,155 @@ def decode_body(body: bytes, kind: type):
         raise APIError(400, f"invalid request: {e}", param=m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # (check_nesting bounds valid JSON; this is a last guard)
+        raise APIError(400, "the request body nests arrays and objects too deeply") from None
+
+
+# media types a POST body may declare (any parameter, e.g. charset=utf-8, is ignored: JSON
+# is UTF-8); a missing Content-Type is taken as JSON
+JSON_TYPES = ("application/json",)
+
+
+def check_content_type(value: str | None) -> None:
+    """A body declared as something else than JSON (text/plain; a form, which `curl -d`
+    declares) is a 400 naming its Content-Type, as OpenAI answers it. Without a
+    Content-Type the body is read as JSON: some clients send none, and a body that is not
+    JSON is a 400 anyway."""
+    if value is None or not value.strip():
+        return
+    media = value.split(";", 1)[0].strip().lower()
+    if media in JSON_TYPES or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise APIError(400, f"the request body must be JSON: send Content-Type: application/json, "
+                        f"not {value[:100]!r}", code="unsupported_content_type")
+
+
+# the roles OpenAI's chat API takes ("developer": o1's system; "function": the deprecated
+# tool results). The library renders any role its chat template knows; OpenAI clients
+# expect these to be checked
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def check_chat_messages(messages: list) -> None:
+    """400 naming the message (param "messages") for what OpenAI refuses and the library
+    lets through: an unknown role, a tool result without the `tool_call_id` of the call it
+    answers. Checked for every message of the request, before anything runs (a turn on a
+    kept session sends the library only the new ones). Other faults (a message that is not a
+    dict, a bad content) are the library's to name."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {list(ROLES)}, got "
+                                f"{role!r:.40}", param="messages")
+        if role == "tool" and m.get("tool_call_id") is None:
+            raise APIError(400, f"messages[{i}].tool_call_id is required for a tool message "
+                                f"(the id of the tool call it answers)", param="messages")
+
+
+def check_template_kwarg_names(kwargs: dict | None) -> None:
+    """The names chat_template_kwargs may set: template variables, so identifiers, and none
+    that starts with '_' (dunders reach Python internals in a template). The rule of
+    kvsession.history.check_template_kwargs (which the server, on the public API only,
+    cannot import), checked here before anything runs: a named session already open
+    would not read them at all."""
+    for k in kwargs or ():
+        if not k.isidentifier() or k.startswith("_"):
+            raise APIError(400, f"chat_template_kwargs keys must be template variable names "
+                                f"(identifiers not starting with '_'), got {k!r:.80}",
+                           param="chat_template_kwargs")
+
+
+def check_max_tokens(req: _Sampling, max_model_len: int) -> None:
+    """A token limit above the whole context is a 400 naming the field: no prompt leaves
+    room for it, so it is a mistake (10**12), not a wish to fill the context (omit it for
+    that). One that fits the context but not after this prompt is cut to the room left, and
+    the answer says so (x-kvsession-max-tokens)."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, name, None)
+        if isinstance(value, int) and value > max_model_len:
+            raise APIError(400, f"{name}={value} is more than this model's whole context "
+                                f"(max_model_len={max_model_len}); omit it to generate up to "
+                                f"the end of the context", param=name)
+
+
+# JSON Schema keywords whose values are subschemas (a map of them, one, or a list); what
+# else a schema holds is data (enum, const, default, examples), which may hold anything
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "not", "contains",
+                  "propertyNames", "if", "then", "else", "unevaluatedItems",
+                  "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def _regex_error(pattern: str) -> str | None:
+    """Why `pattern` is no regular expression, or None. JSON Schema's dialect is ECMA 262's,
+    which Python's `re` approximates and xgrammar (which compiles it for structured output)
+    knows a subset of: a pattern is refused only when both reject it, so a valid one is
+    never refused here (what the grammar engine cannot enforce, the engine refuses itself
+    when it must compile it)."""
+    try:
+        re.compile(pattern)
+        return None
+    except re.error as e:
+        why = str(e)
+    except (RecursionError, OverflowError, ValueError):
+        why = None  # too deep for Python's parser to tell
+    try:
+        import xgrammar
+    except ImportError:
+        return why
+    try:
+        xgrammar.Grammar.from_regex(pattern)
+        return None
+    except (RuntimeError, ValueError, TypeError) as e:
+        # xgrammar reports "[time] file.cc:line: message": keep the message
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return why or (msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg)
+
+
+def check_schema_patterns(schema, field: str, where: str, path: str = "") -> None:
+    """400 naming `field` when a `pattern` (or a patternProperties key) in the JSON schema
+    `schema` is no regular expression; `where` names the schema in the message. Recursive,
+    on a body already bounded by MAX_NESTING."""
+    if not isinstance(schema, dict):
+        return
+    at = path or "/"
+    regexes = [("pattern", schema["pattern"])] if isinstance(schema.get("pattern"), str) else []
+    if isinstance(schema.get("patternProperties"), dict):
+        regexes += [("patternProperties", k) for k in schema["patternProperties"]]
+    for keyword, regex in regexes:
+        why = _regex_error(regex)
+        if why is not None:
+            raise APIError(400, f"{where} has an invalid regular expression in {keyword!r} "
+                                f"(at {at}): {regex!r:.80}: {why}", param=field)
+    for k, v in schema.items():
+        if k in _SUBSCHEMA_MAPS and isinstance(v, dict):
+            for name, sub in v.items():
+                check_schema_patterns(sub, field, where, f"{path}/{k}/{name}")
+        elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
+            for i, sub in enumerate(v):
+                check_schema_patterns(sub, field, where, f"{path}/{k}/{i}")
+        elif k in _SUBSCHEMA_ONE and isinstance(v, dict):
+            check_schema_patterns(v, field, where, f"{path}/{k}")
+
+
+def check_chat_schemas(response_format, tools) -> None:
+    """The regexes of a chat request's JSON schemas (response_format's, the tools'
+    parameters), checked before anything runs: a tool's schema is compiled only when a call
+    is forced, so a bad pattern there was answered 200 otherwise."""
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        spec = response_format.get("json_schema")
+        if isinstance(spec, dict):
+            check_schema_patterns(spec.get("schema"), "response_format",
+                                  "response_format.json_schema.schema")
+    for i, tool in enumerate(tools or ()):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict):
+            check_schema_patterns(fn.get("parameters"), "tools",
+                                  f"tools[{i}].function.parameters")
 
 
 SAMPLING_FIELDS = tuple(f for f in ChatRequest.__struct_fields__)

@@ -529,10 +529,13 @@ class Ingress:
 
 def _json(body: bytes) -> dict:
     """The body as a dict when it is one (a bad body goes to a replica, which answers the
-    400 as the single-process server does)."""
+    400 as the single-process server does). One nested deeper than P.MAX_NESTING is not
+    parsed here (json.loads recurses: a RecursionError, a 500): it goes on as it is, and
+    the replica's decode_body answers the 400 naming the field."""
     try:
+        P.check_nesting(body)
         obj = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError, P.APIError):
         return {}
     return obj if isinstance(obj, dict) else {}
 

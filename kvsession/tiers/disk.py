@@ -12,9 +12,10 @@ writes or deletes the files of its own id.
 
 Start-up recovery (`DiskTier.__init__`): temporary files of writers that died are removed,
 lock files nobody holds are removed, and every log whose session nobody owns is checked:
-a torn last record is cut off, a log with no intact record (its first write never
-completed, so nothing of it was acknowledged) is removed, and so is a segment without a
-log. A segment's torn tail is cut off by the session's next owner when it resumes.
+a torn last record is cut off, a log with no intact record is removed (each cut reported
+and kept in the session's `<id>.recovery` file: tiers/recovery.py), and so is a segment
+without a log. A segment's torn tail is cut off by the session's next owner when it
+resumes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from kvsession.errors import ConfigError, SnapshotError
 from kvsession.tiers import wal
 from kvsession.tiers.locks import DIR_LOCK_NAME, FileLock, directory_lock, sweep_stale_locks
+from kvsession.tiers.recovery import LogRecovery, RecoveryAction, repair_log
 from kvsession.tiers.snapshot import SESSION_ID_PATTERN, TEMP_NAME, fcntl
 from kvsession.tiers.snapshot_read import read_frame
 
@@ -41,10 +43,24 @@ STALE_TEMP_S = 60.0
 SHARED_NAME = ".shared.seg"
 
 
+# names Windows reserves for devices, whatever their extension (`nul.txt` is the device
+# too): a session directory may move to Windows or an SMB share, where such a file cannot
+# be created or opened
+WINDOWS_RESERVED = frozenset({"con", "prn", "aux", "nul", *(f"com{i}" for i in range(1, 10)),
+                              *(f"lpt{i}" for i in range(1, 10))})
+
+
 def check_session_id(session_id: str) -> str:
     if not isinstance(session_id, str) or not SESSION_ID.fullmatch(session_id):
         raise ConfigError(f"session_id must match {SESSION_ID.pattern} (it names a file), "
                           f"got {session_id!r}")
+    if session_id.split(".", 1)[0].lower() in WINDOWS_RESERVED:
+        raise ConfigError(f"session_id {session_id!r} is a name Windows reserves for a "
+                          f"device (CON, PRN, AUX, NUL, COM1-9, LPT1-9, with any extension): "
+                          f"its files could not move to Windows or an SMB share")
+    if session_id.endswith("."):
+        raise ConfigError(f"session_id {session_id!r} ends with '.', which Windows drops "
+                          f"from file names (it would name another session's files there)")
     return session_id
 
 
@@ -55,6 +71,9 @@ class DiskTier:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"session_dir={str(root)!r} cannot be created: {e}") from None
+        # the cuts recovery made to logs, this process's (a session's own, whoever made
+        # them, are in its recovery file: Session.stats.recovery)
+        self.recoveries: list[LogRecovery] = []
         self.recovered: dict[str, list[Path]] = {
             "temporaries": self.remove_stale_temporaries(),
             "locks": sweep_stale_locks(self.root, _is_lock_name)}
@@ -108,8 +127,9 @@ class DiskTier:
 
     def recover_logs(self) -> dict[str, list[Path]]:
         """Check the log of every session nobody owns (its lock is taken for the check):
-        cut a torn tail, remove a log without an intact record. Logs that are corrupted
-        (an intact record that does not decode) are left as they are, with a warning:
+        cut a torn tail, remove a log without an intact record, each reported
+        (tiers/recovery.py; `self.recoveries`). Logs that are corrupted (an intact record
+        that does not decode, another session's log) are left as they are, with a warning:
         resuming such a session raises SnapshotError naming the cause."""
         truncated, removed = [], []
         for path in self._session_files(".log"):
@@ -117,19 +137,15 @@ class DiskTier:
             try:
                 if not lock.try_acquire():
                     continue  # owned by a live process: its log is its business
-                scan = wal.read_log(path)
-                if scan.state is None:
-                    path.unlink()
-                    removed.append(path)
-                elif scan.torn:
-                    wal.truncate(path, scan.end)
-                    truncated.append(path)
+                event = repair_log(path, path.stem, wal.read_log(path, session_id=path.stem))
+                if event is not None:
+                    self.recoveries.append(event)
+                    (removed if event.action is RecoveryAction.REMOVED else
+                     truncated).append(path)
             except (OSError, SnapshotError) as e:
                 log.warning("session log %s: %s", path, e)
             finally:
                 lock.release()
-        for path in truncated:
-            log.info("%s: torn last record removed", path)
         return {"truncated_logs": truncated, "removed_logs": removed,
                 "removed_segments": self._remove_orphan_segments(),
                 "removed_shared": [self.shared_path()] if self.collect_shared() else []}

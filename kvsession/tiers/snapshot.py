@@ -71,7 +71,7 @@ SESSION_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 # `.<target name>.<pid>.<8 hex>.tmp`: a snapshot (or a session log or segment being
 # rewritten) being written (see write_snapshot, tiers/commit.py)
 TEMP_NAME = re.compile(
-    r"\.(?P<target>.+\.(?:kvs|log|seg))\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
+    r"\.(?P<target>.+\.(?:kvs|log|seg|recovery))\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
 
 
 class Chunk(msgspec.Struct, frozen=True):
@@ -266,7 +266,7 @@ def write_snapshot(path: Path, fields: dict, blocks: Iterable[dict[str, torch.Te
         f.write(header)
         f.write(_FOOTER.pack(len(header), crc32(header)) + END_MAGIC)
 
-    return _atomic_write(path, fill)
+    return atomic_write(path, fill)
 
 
 def write_snapshot_chunks(path: Path, fields: dict, chunks: Iterable[tuple], tokens_for
@@ -297,7 +297,7 @@ def write_snapshot_chunks(path: Path, fields: dict, chunks: Iterable[tuple], tok
         f.write(_FOOTER.pack(len(header), crc32(header)) + END_MAGIC)
         written[0] = len(table)
 
-    _atomic_write(path, fill)
+    atomic_write(path, fill)
     return written[0]
 
 
@@ -307,7 +307,7 @@ def copy_snapshot(src: Path, dst: Path) -> int:
         with open_regular(Path(src)) as s:
             shutil.copyfileobj(s, f, 1 << 20)
 
-    return _atomic_write(Path(dst), fill)
+    return atomic_write(Path(dst), fill)
 
 
 # a message field whose value is not a string (tool_calls, a None content) is stored as
@@ -360,7 +360,7 @@ def check_text_messages(path: Path, messages) -> None:
                                 f"strings")
 
 
-def _atomic_write(path: Path, fill: Callable) -> int:
+def atomic_write(path: Path, fill: Callable) -> int:
     """fill(f) writes the content into a temporary file next to `path` (named TEMP_NAME,
     locked while open so a directory scan knows it is live); fsync, rename over `path`,
     fsync the directory. Returns the size. Any failure removes the temporary file and
@@ -383,7 +383,7 @@ def _atomic_write(path: Path, fill: Callable) -> int:
                 tmp.unlink(missing_ok=True)
             raise
     except OSError as e:
-        raise SnapshotError(f"{path}: cannot write the snapshot: {e}") from e
+        raise SnapshotError(f"{path}: cannot write: {e}") from e
 
 
 def open_regular(path: Path):

@@ -30,11 +30,16 @@ are built (msgpack array and map headers state their lengths), and the replayed 
 bounded as it grows (tokens, and messages against tokens). Nothing is unpickled.
 
 Recovery rules (`read_log`): the valid log is the longest prefix of intact frames. A frame
-that runs past the end of the file or whose checksum does not match ends the log: it is
-the torn tail of a write that was never acknowledged (an acknowledged record was fsynced
-in full, and records are only ever appended), and the owner truncates it away. A frame
-that is intact but does not decode, or breaks the sequence, is corruption, not a torn
-write: the log is refused (SnapshotError) rather than silently shortened.
+that runs past the end of the file, whose checksum does not match, or of length 0 (a
+record is never empty: zeros are what a file system leaves when a crash kept an append's
+size but not its data) ends the log: it is the torn tail of a write that was never
+acknowledged (an acknowledged record was fsynced in full, and records are only ever
+appended), and the owner cuts it away (tiers/recovery.py, which reports every cut: a
+damaged last record that *was* acknowledged looks the same). Such a tail followed by an
+intact record is not a torn write but damage in the middle: refused (SnapshotError), the
+file left as it is. A frame that is intact but does not decode, or breaks the sequence, is
+corruption, not a torn write: the log is refused rather than silently shortened. So is a
+base record of another session than the one whose name the file bears.
 """
 
 from __future__ import annotations
@@ -147,11 +152,15 @@ class LogState:
 @dataclass
 class LogScan:
     """What reading a log found: the state (None: no intact record), where the intact
-    records end, the file's size (bytes past `end` are a torn tail)."""
+    records end, the file's size (bytes past `end` are a torn tail); for a torn tail, the
+    records begun in it (frame headers with a length) and why the first of its bytes is no
+    intact record."""
 
     state: LogState | None
     end: int
     size: int
+    dropped_records: int = 0
+    cause: str = ""
 
     @property
     def torn(self) -> bool:
@@ -236,9 +245,12 @@ def _read_exact(fd: int, n: int, offset: int) -> bytes:
     return out
 
 
-def read_log(path: Path, expect: Identity | None = None) -> LogScan:
+def read_log(path: Path, expect: Identity | None = None,
+             session_id: str | None = None) -> LogScan:
     """Replay a log (see the module docstring for the rules). Reads record by record: the
-    memory used is the replayed state plus one record."""
+    memory used is the replayed state plus one record. session_id: the session the file is
+    the log of (its name): a base record of another session is refused (a copy of another
+    session's log must not resume as this one)."""
     path = Path(path)
     with open_regular(path) as f:
         fd = f.fileno()
@@ -247,39 +259,81 @@ def read_log(path: Path, expect: Identity | None = None) -> LogScan:
             head = _read_exact(fd, len(LOG_PREFIX), 0)
         except OSError as e:
             raise SnapshotError(f"{path}: cannot read: {e}") from None
+        # a log is created whole (its base record written to a temporary file, fsynced,
+        # renamed in): a file without a whole header, or zeros where it should be, is one
+        # whose data did not reach the disk before a crash (the rename did), or a cut file
+        if not any(head) or (len(head) < len(LOG_PREFIX) and LOG_PREFIX.startswith(head)):
+            _refuse_if_intact_after(path, fd, 0, size)
+            return LogScan(None, 0, size, 0, "no whole log header" if any(head)
+                           else "zeros where the log header should be")
         if len(head) < len(LOG_PREFIX):
-            # the file was created but its first record never completed: nothing was
-            # acknowledged from it
-            if LOG_PREFIX.startswith(head):
-                return LogScan(None, 0, size)
             raise SnapshotError(f"{path}: not a kvsession log (bad magic)")
         if head[:len(LOG_MAGIC)] != LOG_MAGIC:
             raise SnapshotError(f"{path}: not a kvsession log (bad magic)")
         if head != LOG_PREFIX:
             raise SnapshotError(f"{path}: unknown log format version "
                                 f"{struct.unpack('<I', head[len(LOG_MAGIC):])[0]}")
-        state, pos = None, len(LOG_PREFIX)
+        state, pos, cause = None, len(LOG_PREFIX), ""
         while pos + FRAME.size <= size:
             try:
                 length, crc = FRAME.unpack(_read_exact(fd, FRAME.size, pos))
-                if length > MAX_RECORD_BYTES or pos + FRAME.size + length > size:
+                # a record is never empty: a frame of length 0 (crc32 of nothing is 0, so
+                # it "checks") is a tail of zeros, the size of an append that reached the
+                # disk before its data (XFS, ext4 data=writeback, network file systems)
+                if length == 0 or length > MAX_RECORD_BYTES or \
+                        pos + FRAME.size + length > size:
+                    cause = ("zeros" if length == 0 else
+                             f"a frame of {length} bytes runs past the end")
                     _refuse_if_intact_after(path, fd, pos, size)
-                    break  # runs past the end (torn), or a torn length field
+                    break  # runs past the end (torn), a torn length field, or zeros
                 payload = _read_exact(fd, length, pos + FRAME.size)
             except OSError as e:
                 raise SnapshotError(f"{path}: cannot read: {e}") from None
             if len(payload) != length or crc32(payload) != crc:
+                cause = "a checksum mismatch"
                 _refuse_if_intact_after(path, fd, pos, size)
                 break  # torn
             try:
                 rec = _DECODER.decode(payload)
             except (msgspec.MsgspecError, RecursionError, ValueError) as e:
                 raise SnapshotError(f"{path}: malformed record at byte {pos}: {e}") from None
+            if session_id is not None and isinstance(rec, BaseRecord) and \
+                    rec.session_id != session_id:
+                raise SnapshotError(f"{path}: the log of session {rec.session_id!r}, not of "
+                                    f"{session_id!r} (a copy of another session's log?); "
+                                    f"the file is left as it is")
             state = _apply(path, state, rec, expect)
             pos += FRAME.size + length
+        if pos < size and not cause:
+            cause = f"{size - pos} bytes, less than a frame header"
+        dropped = _frames_begun(fd, pos, size) if pos < size else 0
         if state is None:
-            return LogScan(None, len(LOG_PREFIX) if pos >= len(LOG_PREFIX) else 0, size)
-        return LogScan(state, pos, size)
+            return LogScan(None, len(LOG_PREFIX) if pos >= len(LOG_PREFIX) else 0, size,
+                           dropped, f"the first record at byte {pos}: {cause}" if cause
+                           else "no record")
+        return LogScan(state, pos, size, dropped,
+                       f"the record at byte {pos}: {cause}" if cause else "")
+
+
+def _frames_begun(fd: int, pos: int, size: int) -> int:
+    """The records begun in a torn tail [pos, size): frame headers with a length, followed
+    from one to the next (a tail of zeros begins none). Reads only the headers."""
+    count = 0
+    while pos + FRAME.size <= size:
+        try:
+            length, _ = FRAME.unpack(_read_exact(fd, FRAME.size, pos))
+        except OSError:
+            break
+        if length == 0:
+            break
+        count += 1
+        pos += FRAME.size + length
+    if count == 0 and pos < size:
+        try:  # a cut inside a frame header: a record was begun when its bytes are not zeros
+            count = int(any(_read_exact(fd, size - pos, pos)))
+        except OSError:
+            pass
+    return count
 
 
 def _refuse_if_intact_after(path: Path, fd: int, pos: int, size: int) -> None:

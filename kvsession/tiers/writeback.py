@@ -540,7 +540,8 @@ class WriteBehind:
         tail and is left out), and the tokens it acknowledges. None when it has no
         acknowledged record or cannot be read."""
         try:
-            state = read_log(self.disk.log_path(sid), expect=self._identity).state
+            state = read_log(self.disk.log_path(sid), expect=self._identity,
+                             session_id=sid).state
         except (OSError, SnapshotError) as e:
             log.warning("compaction of session %s: its log: %s", sid, e)
             return None
