@@ -57,14 +57,11 @@ from kvsession.system_pins import SystemPins
 from kvsession.tiers import recovery, wal
 from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
+from kvsession.tiers.files import fsync_dir
 from kvsession.tiers.locks import FileLock, NoLock, lock_session
 from kvsession.tiers.resume import build_plan, open_segment, open_shared
-from kvsession.tiers.snapshot import (
-    SnapshotHeader,
-    fsync_dir,
-    messages_from_text,
-    messages_to_text,
-)
+from kvsession.tiers.snapshot import messages_from_text, messages_to_text
+from kvsession.tiers.snapshot_format import SnapshotHeader
 from kvsession.tiers.snapshot_read import read_header
 from kvsession.tiers.writeback import WriteOp
 from kvsession.tools import ToolSpec
