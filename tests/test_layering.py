@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 API = {"kvsession.llm", "kvsession.session", "kvsession.session_store", "kvsession.cli",
        "kvsession.demo", "kvsession.testing", "kvsession.worker", "kvsession.worker_faults",
        "kvsession.worker_service",
-       "kvsession.runtime", "kvsession.system_pins",
+       "kvsession.runtime", "kvsession.system_pins", "kvsession.sizing",
+       "kvsession.remote_offload", "kvsession.sequence_factory", "kvsession.pinning",
+       "kvsession.observability", "kvsession.integrity",
        "kvsession.numerics", "kvsession.requests", "kvsession.handles", "kvsession",
        "kvsession.serve"}
 # module prefix -> the kvsession modules (by prefix) it must not import
