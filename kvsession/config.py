@@ -2,7 +2,7 @@
 
 Validation happens here, before any memory is taken; every failure is a ConfigError that
 names the argument and the accepted values. Runtime facts (the model spec, the number of
-blocks actually allocated, the resolved device) live elsewhere (`RuntimeInfo` in llm.py).
+blocks actually allocated, the resolved device) live elsewhere (`RuntimeInfo` in sizing.py).
 """
 
 from __future__ import annotations

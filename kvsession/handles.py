@@ -43,7 +43,7 @@ class _Chunks:
         return None
 
     def last(self, result) -> TextChunk:
-        out = self._rt.output(result, self._prompt)
+        out = self._rt.sequences.output(result, self._prompt)
         tail = self._text.finish(out.text)
         out = out if self._finish is None else self._finish(out)
         return TextChunk(tail, self._ids(len(self._seq.token_ids)), out)
@@ -154,7 +154,7 @@ class PinnedPrefix:
 
     def unpin(self) -> None:
         """Release the pin's references (idempotent); the blocks stay cached until evicted."""
-        self._rt.unpin(self._pin)
+        self._rt.pinning.unpin(self._pin)
 
     def __repr__(self) -> str:
         state = "active" if self.active else "released"

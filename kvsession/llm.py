@@ -132,7 +132,7 @@ class LLM:
                     ) -> tuple[list[Sequence], list[Future]]:
         """Validate every request (ConfigError, nothing submitted) then submit them all."""
         rt = self._rt
-        seqs = [rt.new_sequence(i, p) for i, p in zip(ids, params, strict=True)]
+        seqs = [rt.sequences.new(i, p) for i, p in zip(ids, params, strict=True)]
         rt.check_open()
         return seqs, rt.submit_all(seqs)
 
@@ -159,7 +159,7 @@ class LLM:
         except BaseException:
             self._cancel_unfinished(seqs, futures)
             raise
-        return [rt.output(s, p) for s, p in zip(done, prompts, strict=True)]
+        return [rt.sequences.output(s, p) for s, p in zip(done, prompts, strict=True)]
 
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None,
                  use_tqdm: bool = True, **unknown) -> list[RequestOutput]:
@@ -217,7 +217,7 @@ class LLM:
         except BaseException:  # CancelledError too: the awaiting task was cancelled
             self._cancel_unfinished(seqs, futures)
             raise
-        return [self._rt.output(s, t) for s, t in zip(done, texts, strict=True)]
+        return [self._rt.sequences.output(s, t) for s, t in zip(done, texts, strict=True)]
 
     def stream(self, prompt=None, sampling_params=None, prompt_token_ids=None, messages=None,
                tools: list[dict] | None = None, tool_choice="auto",
@@ -320,14 +320,14 @@ class LLM:
         else:
             raise ConfigError(f"prefix must be a string or a list of token ids, "
                               f"got {prefix!r:.80}")
-        ids = self._rt.validate_prompt(ids)
+        ids = self._rt.sequences.validate_prompt(ids)
         bs = self.config.block_size
         if len(ids) < bs:
             raise ConfigError(f"a pinned prefix needs at least block_size={bs} tokens, "
                               f"got {len(ids)}")
         if not self.config.enable_prefix_caching:
             raise ConfigError("pin() needs enable_prefix_caching=True")
-        return PinnedPrefix(self._rt, self._rt.pin(ids, ttl_s, cache_salt))
+        return PinnedPrefix(self._rt, self._rt.pinning.pin(ids, ttl_s, cache_salt))
 
     # ---- observability ---------------------------------------------------------------
 
@@ -353,7 +353,7 @@ class LLM:
         """Check, on the engine thread, the block pool's invariants and that every block
         reference is held by a known holder (sequence, session, pin, quarantine) and every
         host block by one session or free. Raises AssertionError (tests call this)."""
-        self._rt.call(self._rt.check_integrity_now).result()
+        self._rt.call(self._rt.integrity.now).result()
 
     def __repr__(self) -> str:
         if self._rt is None or self._rt.closed:

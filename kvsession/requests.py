@@ -30,7 +30,7 @@ TO_SAMPLING_PARAMS = {name: "sampling_params" for name in SAMPLING_ARG_NAMES}
 
 def token_id_lists(prompt_token_ids) -> list[list[int]]:
     """One prompt (a list of ids) or a batch (a list of such lists); the ids themselves
-    are checked by Runtime.validate_prompt."""
+    are checked by SequenceFactory.validate_prompt."""
     ids = prompt_token_ids
     if not isinstance(ids, (list, tuple)):
         raise ConfigError(f"prompt_token_ids must be a list of token ids or a list of such "
@@ -143,6 +143,6 @@ class RequestBuilder:
         (params,) = chat.params(self.params_list(sampling_params, 1))
         if params.n != 1:
             raise ConfigError(f"n must be 1 to stream (one text), got {params.n}")
-        seq = self._rt.new_sequence(ids[0], params)
+        seq = self._rt.sequences.new(ids[0], params)
         self._rt.check_open()
         return texts[0], seq, chat

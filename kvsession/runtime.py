@@ -1,63 +1,55 @@
 """Runtime: builds and wires the engine side of one `LLM`, in dependency order.
 
-    config -> model spec, tokenizer, cache identity, pool size   (all validation: no memory yet)
+    config -> model spec, tokenizer, KV sizing (sizing.py)   (all validation: no memory yet)
            -> weights, model, KV pool
            -> BlockPool -> KVCacheManager -> PrefixCache -> Scheduler
            -> host / disk tiers -> TierMover -> TierPolicy (reads the scheduler's queue depth;
               the scheduler asks it to reclaim blocks: attached once, explicitly)
-           -> prefill connector + RemoteOffload (optional) -> ModelRunner -> Engine -> EngineLoop
+           -> prefill connector + RemoteOffload (optional: remote_offload.py)
+           -> ModelRunner -> Engine -> EngineLoop
+           -> what the API asks of the engine: SequenceFactory (requests in, outputs out),
+              Pinning (prefixes held in the cache), StatsCollector (llm.stats())
 
-Every component gets its collaborators as typed constructor arguments. The `LLM` facade and
-the `SessionStore` talk to the engine thread only through the methods here (`call`,
-`submit`, `pin`, `stats_now`, ...).
+Every component gets its collaborators as typed constructor arguments. Beyond building,
+the Runtime is the gateway to the engine thread (`call`, `submit`, `cancel`, `close`) and
+checks the whole engine's integrity (the test suite turns it on after every step).
 """
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import hashlib
 import json
 import logging
-import numbers
-import os
-import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-
-import torch
 
 from kvsession import costmodel
 from kvsession.attention import resolve_backend
 from kvsession.cache.block_pool import BlockPool, blocks_for
-from kvsession.cache.hashing import CacheIdentity, Salt
-from kvsession.cache.kv_pool import KVPool, kv_bytes_per_token
-from kvsession.cache.manager import HolderKind, KVCacheManager, Tier, Transient
+from kvsession.cache.hashing import CacheIdentity
+from kvsession.cache.kv_pool import KVPool
+from kvsession.cache.manager import KVCacheManager
 from kvsession.cache.prefix import Pin, PrefixCache
 from kvsession.config import AttentionBackend, Durability, EngineConfig, RemotePrefillMode
 from kvsession.engine.graphs import DecodeGraphs
-from kvsession.engine.loop import Engine, EngineLoop, OnUpdate, request_metrics
+from kvsession.engine.loop import Engine, EngineLoop, OnUpdate
 from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler
 from kvsession.engine.scheduler import Scheduler
 from kvsession.engine.sequence import Sequence
-from kvsession.errors import CacheFullError, ConfigError, EngineClosedError
-from kvsession.metrics import (
-    SLO,
-    LatencyTracker,
-    PrefixStats,
-    RemoteStats,
-    Stats,
-    TierStats,
-    WorkerStats,
-)
-from kvsession.model.config import ModelSpec, check_sliding_window, load_model_spec
+from kvsession.errors import EngineClosedError
+from kvsession.integrity import IntegrityCheck
+from kvsession.metrics import SLO, LatencyTracker, Stats
+from kvsession.model.config import load_model_spec
 from kvsession.model.llama import LlamaModel
 from kvsession.model.loader import load_weights, weights_digest
 from kvsession.model.tokenizer import Tokenizer
-from kvsession.outputs import CompletionOutput, RequestOutput
-from kvsession.params import SamplingParams
+from kvsession.observability import StatsCollector
+from kvsession.pinning import Pinning
+from kvsession.remote_offload import RemoteOffload, connect_workers, remote_client_class
+from kvsession.sequence_factory import SequenceFactory
+from kvsession.sizing import RuntimeInfo, size_kv
 from kvsession.tiers.commit import GroupCommit
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
@@ -67,114 +59,10 @@ from kvsession.tiers.wal import IDENTITY_FIELDS, Identity
 from kvsession.tiers.writeback import SnapshotLocks, WriteBehind
 
 log = logging.getLogger("kvsession")
-CPU_DEFAULT_KV_BYTES = 2**30
-# set (to anything) by the test suite: check holder-level integrity after every step of
-# small pools and when the LLM closes, and raise from close() if it ever failed
-CHECK_INTEGRITY_ENV = "KVSESSION_CHECK_INTEGRITY"
+# pools up to this many blocks are checked after every step when checking is on (the
+# test suite's tiny models); larger ones at close only
 CHECK_EVERY_STEP_MAX_BLOCKS = 4096
 PinHandle = Pin
-
-
-@dataclass(frozen=True)
-class RuntimeInfo:
-    """Facts established at start-up (not configuration)."""
-
-    spec: ModelSpec
-    max_model_len: int
-    num_blocks: int
-    kv_bytes_per_token: int
-    model_fingerprint: str
-
-
-def weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
-    h, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    per_layer = h * hd * (2 * spec.num_heads + 2 * spec.num_kv_heads) + 3 * h * inter
-    embed = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
-    return (spec.num_layers * per_layer + embed) * torch.empty((), dtype=dtype).element_size()
-
-
-def num_kv_blocks(cfg: EngineConfig, spec: ModelSpec, bytes_per_token: int) -> int:
-    """How many blocks the KV budget holds (on CUDA without a budget: what is left of
-    gpu_memory_utilization after the weights)."""
-    budget = cfg.kv_cache_memory_bytes
-    if budget is None and cfg.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(cfg.device)
-        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - weight_bytes(
-            spec, cfg.dtype)
-        budget = max(budget, 0)
-    elif budget is None:
-        budget = CPU_DEFAULT_KV_BYTES
-    return budget // (bytes_per_token * cfg.block_size)
-
-
-class RemoteOffload:
-    """remote_prefill: "always" when a worker is healthy; "required": always (the engine
-    fails a prompt no worker takes: RemotePrefillMode); "auto": when the cost model's gain
-    (decode time no longer stalled, minus the transfer of the KV the caller lacks, minus
-    the worker's recompute of the context its cache probably lacks; docs/cost-model.md) is
-    positive, with the transfer bandwidth measured on past transfers and the worker-side
-    hit predicted by the connector's router. A session's follow-up turn is decided like a
-    fresh prompt: only its new tokens would move. A request that should go remote but that
-    no worker can take is counted once in the connector's fallbacks (so a dead worker shows
-    in stats().remote even while nothing is sent to it)."""
-
-    def __init__(self, connector, mode: RemotePrefillMode, latency: LatencyTracker,
-                 kv_bytes_per_token: int, prefill_tps: costmodel.RateEstimator,
-                 stall_ratio: costmodel.StallRatio):
-        self.connector, self.mode, self.latency = connector, mode, latency
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.prefill_tps, self.stall_ratio = prefill_tps, stall_ratio
-        # admission may ask again for a sequence it could not place: count each once
-        self._counted: collections.deque[int] = collections.deque(maxlen=4096)
-
-    def gain_ms(self, seq: Sequence, num_cached: int) -> float:
-        """The cost model's gain of offloading `seq`, whose first `num_cached` tokens the
-        caller holds (its block hashes cover the tokens the worker would compute)."""
-        num_tokens = seq.num_tokens - 1  # the worker computes all but the last
-        tpot_ms = (self.latency.tpot_p50_s() or 0.025) * 1000
-        worker_hit = self.connector.expected_cached_tokens(seq.block_hashes, num_tokens)
-        return costmodel.remote_prefill_gain_ms(
-            num_tokens - num_cached, num_cached, worker_hit, seq.params.max_tokens,
-            self.kv_bytes_per_token, self.connector.bandwidth_bytes_per_s or 5e9, tpot_ms,
-            self.stall_ratio.value, self.prefill_tps.value)
-
-    def should_offload(self, seq: Sequence, num_cached: int = 0) -> bool:
-        if self.mode is RemotePrefillMode.REQUIRED:
-            return True  # no local fallback: a prompt no worker can take fails at submit
-        if self.mode is not RemotePrefillMode.ALWAYS and self.gain_ms(seq, num_cached) <= 0:
-            return False
-        conn = self.connector
-        reason = conn.refusal(seq.num_tokens - 1)
-        if reason and seq.seq_id not in self._counted:
-            self._counted.append(seq.seq_id)
-            conn.fallbacks[reason] = conn.fallbacks.get(reason, 0) + 1
-        return not reason
-
-
-def check_memory_fits(cfg: EngineConfig, kv_bytes: int) -> None:
-    """On CPU the KV pool is committed up front and the host tier can grow to its size: a
-    budget beyond this machine's memory is a ConfigError now, not an allocator failure
-    (or the OOM killer) later."""
-    if cfg.device.type != "cpu":
-        return
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to check
-        return
-    if kv_bytes + cfg.host_cache_memory_bytes > physical:
-        raise ConfigError(
-            f"kv_cache_memory ({kv_bytes} bytes) + host_cache_memory "
-            f"({cfg.host_cache_memory_bytes} bytes) exceed this machine's memory "
-            f"({physical} bytes); lower them")
-
-
-def _remote_client_class():
-    try:
-        from kvsession.connector.nixl import NixlPrefillClient
-    except ImportError as e:
-        raise ConfigError(f"prefill_worker needs the remote extra (nixl, pyzmq): "
-                          f"pip install 'kvsession[remote]' ({e})") from None
-    return NixlPrefillClient
 
 
 class Runtime:
@@ -183,22 +71,12 @@ class Runtime:
         self._loop: EngineLoop | None = None
         # ---- everything that can be refused, before any memory is taken
         spec = load_model_spec(cfg.model)
-        max_model_len = cfg.max_model_len or spec.max_position_embeddings
-        check_sliding_window(spec, max_model_len)
         self.tokenizer = Tokenizer(cfg.model)
-        bpt = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                 cfg.kv_cache_dtype)
-        num_blocks = num_kv_blocks(cfg, spec, bpt)
-        needed = blocks_for(max_model_len, cfg.block_size)
-        if num_blocks < needed:
-            raise ConfigError(
-                f"kv_cache_memory holds {num_blocks} blocks of {cfg.block_size} tokens "
-                f"({num_blocks * cfg.block_size} tokens at {bpt} bytes/token), but one sequence "
-                f"of max_model_len={max_model_len} needs {needed}; raise kv_cache_memory or "
-                f"lower max_model_len")
-        check_memory_fits(cfg, num_blocks * cfg.block_size * bpt)
+        sizing = size_kv(cfg, spec)
+        max_model_len, bpt, num_blocks = (sizing.max_model_len, sizing.kv_bytes_per_token,
+                                          sizing.num_blocks)
         remote = bool(cfg.prefill_workers) and cfg.remote_prefill != RemotePrefillMode.NEVER
-        client_class = _remote_client_class() if remote else None
+        client_class = remote_client_class() if remote else None
         backend = resolve_backend(cfg.attention_backend, cfg.device, cfg.block_size)
         fingerprint = hashlib.sha256(json.dumps(
             [spec.to_dict(), weights_digest(cfg.model)], sort_keys=True).encode()).hexdigest()
@@ -230,7 +108,8 @@ class Runtime:
         self.connector = None
         offload = None
         if client_class is not None:
-            self.connector = self._connect(client_class)
+            self.connector = connect_workers(cfg, client_class, self.kv.tensors(),
+                                             self.compat, self._schedule)
             offload = RemoteOffload(self.connector, cfg.remote_prefill, self.latency, bpt,
                                     prefill_tps, stall_ratio)
         self.scheduler = Scheduler(self.manager, self.prefix, cfg.max_num_seqs,
@@ -258,7 +137,8 @@ class Runtime:
         runner = ModelRunner(self.model, self.kv, cfg.device, backend)
         if cfg.device.type == "cuda" and backend == AttentionBackend.TRITON:
             runner.graphs = DecodeGraphs(self.model, self.kv, cfg.device, backend,
-                                         needed, cfg.max_num_seqs, capture=True)
+                                         blocks_for(max_model_len, cfg.block_size),
+                                         cfg.max_num_seqs, capture=True)
         self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.tokenizer.decode,
                              self.latency, prefill_tps, timers=[self.policy.housekeeping],
                              connector=self.connector, stall_ratio=stall_ratio,
@@ -271,42 +151,30 @@ class Runtime:
         self.writeback = WriteBehind(self.disk, self.header_fields, snapshot_locks) \
             if durable else None
 
-        self._grammars = None  # kvsession.structured.GrammarCompiler, on first use
-        self._grammar_lock = threading.Lock()
-        self._integrity_failure: AssertionError | None = None
-        self.checking = bool(os.environ.get(CHECK_INTEGRITY_ENV))
-        if self.checking and num_blocks <= CHECK_EVERY_STEP_MAX_BLOCKS:
-            self.engine.step_observers.append(self._check_after_step)
+        # ---- what the API asks of the engine: requests in and out, pins, stats
+        self.sequences = SequenceFactory(cfg.model, self.tokenizer, spec.vocab_size,
+                                         max_model_len, self.prefix.pins)
+        self.pinning = Pinning(self, self.sequences, self.prefix, self.manager,
+                               cfg.block_size)
+        self.stats_collector = StatsCollector(
+            self.pool, self.prefix, self.host, self.disk, self.policy, self.scheduler,
+            self.engine, self.latency, self.connector, cfg.block_size, bpt)
+        self.integrity = IntegrityCheck(self.manager, self.host, self.scheduler, self.engine)
+        if self.integrity.checking and num_blocks <= CHECK_EVERY_STEP_MAX_BLOCKS:
+            self.engine.step_observers.append(self.integrity.after_step)
         self._loop = EngineLoop(self.engine)
         log.info("kvsession: %s on %s, kv %s: %d blocks x %d tokens = %d tokens, %d bytes/token",
                  spec.architecture, cfg.device, cfg.kv_cache_dtype_name, num_blocks,
                  cfg.block_size, num_blocks * cfg.block_size, bpt)
 
-    def _connect(self, client_class):
-        """Connect the prefill workers (with the caller's CURVE keys when configured);
-        handshakes finish here, before the engine thread starts. Later the client asks the
-        engine thread for a poll whenever it idles (heartbeats, reconnects)."""
-        from kvsession.connector.base import load_keys
-
-        cfg = self.config
-        auth = None if cfg.prefill_auth_key_file is None else load_keys(
-            cfg.prefill_auth_key_file, "caller")
-
-        def schedule(fn: Callable[[], None]) -> None:  # any thread
-            loop = self._loop
-            if loop is not None:
-                loop.call(fn)
-
-        conn = client_class(list(cfg.prefill_workers), self.kv.tensors(),
-                            self.compat, cfg.remote_prefill_timeout_s,
-                            auth=auth, schedule=schedule)
-        deadline = time.monotonic() + min(cfg.remote_prefill_timeout_s, 5.0)
-        while time.monotonic() < deadline and any(
-                w.state == "connecting" for w in conn.workers):
-            conn.poll(0.05)
-        return conn
-
     # ---- the engine thread ---------------------------------------------------------------
+
+    def _schedule(self, fn: Callable[[], None]) -> None:
+        """Run fn on the engine thread when it runs (any thread; the prefill connector
+        asks for its polls this way)."""
+        loop = self._loop
+        if loop is not None:
+            loop.call(fn)
 
     @property
     def closed(self) -> bool:
@@ -343,20 +211,18 @@ class Runtime:
         loop = self._loop
         if loop is None:
             return
-        if self.checking and loop.failure is None:
+        if self.integrity.checking and loop.failure is None:
             try:
-                loop.call(self._check_at_rest).result(timeout=60)
-            except AssertionError as e:
-                self._integrity_failure = self._integrity_failure or e
+                loop.call(self.integrity.at_rest).result(timeout=60)
+            except AssertionError:  # (recorded: raised below)
+                pass
             except EngineClosedError:  # the engine thread died meanwhile: checked below
                 pass
         loop.close()
         self._loop = None
-        if self.checking and loop.failure is not None and not loop.alive:
-            try:  # the engine thread is gone: its state is safe to read from here
-                self._check_at_rest()
-            except AssertionError as e:
-                self._integrity_failure = self._integrity_failure or e
+        if self.integrity.checking and loop.failure is not None and not loop.alive:
+            with contextlib.suppress(AssertionError):  # (recorded: raised below)
+                self.integrity.at_rest()  # the engine thread is gone: its state is ours
         if self.connector is not None:
             self.connector.close()
         if self.writeback is not None:
@@ -364,228 +230,10 @@ class Runtime:
         if self.journal is not None:
             self.journal.close()
         self.kv = None
-        if self._integrity_failure is not None:
-            raise self._integrity_failure
-
-    def _check_after_step(self) -> None:
-        try:
-            self.check_integrity_now()
-        except AssertionError as e:
-            self._integrity_failure = self._integrity_failure or e
-            raise
-
-    # ---- requests --------------------------------------------------------------------------
-
-    def validate_prompt(self, ids: list[int]) -> list[int]:
-        if not ids:
-            raise ConfigError("a prompt must have at least one token")
-        # bool is an int to Python but never a token id; numpy ints are fine. Plain ints
-        # are checked by type first: a session validates its whole history every turn, and
-        # the ABC check alone took ~1.5 ms per 1,000 ids
-        bad = [t for t in ids if type(t) is not int and (
-            not isinstance(t, numbers.Integral) or isinstance(t, bool))]
-        if bad:
-            raise ConfigError(f"prompt token ids must be ints, got {bad[:5]!r:.80}")
-        ids = [int(t) for t in ids]
-        vocab = self.info.spec.vocab_size
-        bad = [] if 0 <= min(ids) and max(ids) < vocab else [
-            t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.info.max_model_len:
-            raise ConfigError(
-                f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len="
-                f"{self.info.max_model_len}")
-        return list(ids)
-
-    def validate_params(self, params: SamplingParams, retain_blocks: bool) -> None:
-        """What SamplingParams cannot check alone: token ids against the vocabulary, the
-        structured format against the tokenizer (compiled here, in the caller's thread),
-        and what a session turn (retain_blocks) cannot do."""
-        vocab = self.info.spec.vocab_size
-        bad = [t for t, _ in params.logit_bias or () if t >= vocab]
-        if bad:
-            raise ConfigError(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
-                              f"[0, {vocab})")
-        if retain_blocks and params.n > 1:
-            raise ConfigError(f"n must be 1 for a session turn (one reply), got {params.n}")
-        if retain_blocks and params.prompt_logprobs is not None:
-            raise ConfigError("prompt_logprobs must be None for a session turn (its prompt "
-                              "is mostly cached KV, whose logits are not kept)")
-
-    def grammars(self):
-        """The structured-output compiler (built, and xgrammar imported, on first use)."""
-        with self._grammar_lock:
-            if self._grammars is None:
-                from kvsession.structured import GrammarCompiler
-
-                self._grammars = GrammarCompiler(self.config.model / "tokenizer.json",
-                                                 self.info.spec.vocab_size,
-                                                 self.tokenizer.eos_token_ids)
-            return self._grammars
-
-    def new_sequence(self, ids: list[int], params: SamplingParams,
-                     retain_blocks: bool = False) -> Sequence:
-        self.validate_params(params, retain_blocks)
-        ids = self.validate_prompt(ids)
-        grammar = None if params.structured is None else \
-            self.grammars().new_state(params.structured)
-        return Sequence(token_ids=ids, params=params, max_model_len=self.info.max_model_len,
-                        eos_token_ids=self.tokenizer.eos_token_ids, retain_blocks=retain_blocks,
-                        grammar=grammar, salt=self.salt_for(ids, params.cache_salt))
-
-    def salt_for(self, ids: list[int], cache_salt: str | None) -> Salt | None:
-        """Layered isolation: a salted request shares the public pinned prefix it starts
-        with (unsalted, computed once for every tenant) and nothing after it."""
-        if cache_salt is None:
-            return None
-        pins = self.prefix.pins
-        after = pins.salted_after(ids, cache_salt)  # as the tenant's own pin was hashed
-        return Salt(cache_salt, pins.public_blocks(ids) if after is None else after)
-
-    def completion(self, seq: Sequence) -> CompletionOutput:
-        out_ids = seq.output_token_ids
-        text = self.tokenizer.decode(out_ids)
-        if seq.stop_text_len is not None:
-            text = text[: seq.stop_text_len]
-        return CompletionOutput(
-            index=seq.index, text=text, token_ids=out_ids, finish_reason=seq.finish_reason,
-            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None)
-
-    def output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
-        members = seq.group or [seq]
-        last = max(members, key=lambda m: m.finish_time or 0.0)
-        prompt_lp = None
-        if seq.params.prompt_logprobs is not None:
-            prompt_lp = [None] + [seq.prompt_logprobs.get(i)
-                                  for i in range(1, seq.num_prompt_tokens)]
-        return RequestOutput(
-            request_id=seq.seq_id, prompt=prompt, prompt_token_ids=seq.token_ids[
-                : seq.num_prompt_tokens], outputs=[self.completion(m) for m in members],
-            num_cached_tokens=max(seq.num_cached_tokens, 0), metrics=request_metrics(last),
-            prompt_logprobs=prompt_lp)
-
-    # ---- pins ------------------------------------------------------------------------------
-
-    def pin(self, ids: list[int], ttl_s: float | None, cache_salt: str | None = None) -> Pin:
-        """Compute `ids` into the cache if absent and pin its full blocks (CacheFullError,
-        nothing already pinned affected, past the pin budget). A salted pin is its tenant's
-        own (hashed with the salt after any public pinned prefix it starts with)."""
-        ids = self.validate_prompt(ids)  # every caller's pin fits the engine, or ConfigError
-        num_blocks = len(ids) // self.config.block_size
-        pins = self.prefix.pins
-        salt = self.salt_for(ids, cache_salt)
-        self.call(lambda: pins.check_budget(
-            num_blocks - self._num_pinned_among(ids, salt))).result()
-        seq = Sequence(token_ids=list(ids), params=SamplingParams(
-            max_tokens=1, temperature=0.0, cache_salt=cache_salt),
-            max_model_len=self.info.max_model_len, retain_blocks=True, salt=salt, internal=True)
-        self.submit(seq).result()
-        return self.call(lambda: self._hold_pin(seq, num_blocks, ttl_s)).result()
-
-    def unpin(self, pin: Pin) -> None:
-        if self._loop is not None:
-            self.call(lambda: self.prefix.pins.remove(pin)).result()
-
-    def _num_pinned_among(self, ids: list[int], salt: Salt | None) -> int:
-        hashes = self.prefix.hasher.extend([], ids, len(ids), salt)
-        blocks = self.prefix.lookup_blocks(ids, hashes, len(hashes))
-        return len(blocks) - self.prefix.pins.num_new_blocks(blocks)
-
-    def _hold_pin(self, seq: Sequence, num_blocks: int, ttl_s: float | None) -> Pin:
-        """Engine thread: the prefill's references move onto the indexed copy of each full
-        block, then to the pin."""
-        staged = Transient()
-        self.manager.transfer(seq, staged, num_blocks)
-        self.manager.retarget_to_indexed(staged, seq.block_hashes[:num_blocks], seq.token_ids)
-        try:
-            return self.prefix.pins.add(seq.token_ids[: num_blocks * self.config.block_size],
-                                        staged, ttl_s, self.prefix.clock(), seq.salt)
-        except CacheFullError:
-            self.manager.release(staged)
-            raise
-
-    # ---- observability (engine thread) -----------------------------------------------------
+        if self.integrity.failure is not None:
+            raise self.integrity.failure
 
     def stats(self) -> Stats:
-        """`stats_now` on the engine thread; then, on the caller's, the disk tier's room
-        (a file-system query, kept off the engine thread: a slow mount must not stall
-        decoding): free = what is left on session_dir's file system, in blocks."""
-        st = self.call(self.stats_now).result()
-        if self.disk is not None:
-            d, bs = st.tiers["disk"], self.config.block_size
-            d.blocks_free = self.disk.free_bytes() // (d.bytes_per_token * bs)
-            d.blocks_total = d.blocks_used + d.blocks_free
-            d.tokens_capacity = d.blocks_total * bs
-            st.recovery = list(self.disk.recoveries)
-        return st
-
-    def stats_now(self) -> Stats:
-        pool, bs, bpt = self.pool, self.config.block_size, self.info.kv_bytes_per_token
-        pins = self.prefix.pins
-        device = TierStats(
-            blocks_total=pool.num_blocks, blocks_used=pool.num_blocks - pool.num_free,
-            blocks_free=pool.num_free, blocks_pinned=pins.num_pinned_blocks,
-            bytes_per_token=bpt, tokens_capacity=pool.num_blocks * bs)
-        host = TierStats(bytes_per_token=bpt)
-        if self.host is not None:
-            hp = self.host
-            host = TierStats(blocks_total=hp.num_blocks, blocks_used=hp.num_blocks - hp.num_free,
-                             blocks_free=hp.num_free, bytes_per_token=bpt,
-                             tokens_capacity=hp.num_blocks * bs)
-        disk = TierStats(bytes_per_token=bpt)
-        if self.disk is not None:  # sessions whose KV lives only there (free: see stats())
-            disk.blocks_used = sum(blocks_for(len(s.tokens), bs) for s in self.policy.sessions
-                                   if s.tier is Tier.DISK)
-        q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
-        lat, goodput, attainment = self.latency.summary(self.slo)
-        return Stats(
-            tiers={"device": device, "host": host, "disk": disk},
-            prefix=PrefixStats(queried_tokens=q, hit_tokens=h, hit_rate=h / q if q else 0.0,
-                               evictions=pool.num_evictions, cached_blocks=len(pool.index),
-                               pinned_blocks=pins.num_pinned_blocks,
-                               pinned_bytes=pins.num_pinned_blocks * bs * bpt,
-                               num_pins=len(pins.pins),
-                               eviction_policy=pool.eviction.value,
-                               evictions_by_copy=dict(pool.evictions_by_copy),
-                               evictions_by_reason=dict(pool.evictions_by_reason)),
-            spills=dict(self.policy.spills), restores=dict(self.policy.restores),
-            recomputes=self.policy.recomputes, remote=self._remote_stats(), latency=lat,
-            goodput_tokens_per_s=goodput, slo_attainment=attainment,
-            num_requests=self.latency.num_requests,
-            num_preemptions=self.scheduler.num_preemptions,
-            prefill_tokens=self.engine.prefill_tokens,
-            generated_tokens=self.engine.generated_tokens)
-
-    def _remote_stats(self) -> RemoteStats:
-        conn = self.connector
-        if conn is None:
-            return RemoteStats()
-        workers = {w.address: WorkerStats(
-            state=w.state, reason=w.reason, attempts=w.attempts, connects=w.connects,
-            reconnects=w.reconnects, deaths=dict(w.deaths), heartbeats=w.heartbeats,
-            rejected=w.rejected, requests=w.num_requests, prefills=w.prefills, bytes=w.bytes,
-            routed=w.routed, spilled=w.spilled, cached_tokens=w.cached_tokens)
-            for w in conn.workers}
-        return RemoteStats(prefills=conn.num_prefills, fallbacks=dict(conn.fallbacks),
-                           bytes=conn.bytes, bandwidth_gbps=conn.bandwidth_bytes_per_s * 8 / 1e9,
-                           workers=workers, foreign_notifications=conn.foreign_notifications)
-
-    def _check_at_rest(self) -> None:
-        """Engine thread, at close: integrity, and when no request is in flight the pool is
-        back to its baseline: only sessions and pins hold blocks."""
-        self.check_integrity_now()
-        if self.scheduler.has_work():
-            return
-        held_for_proof = self.engine.quarantine_at_rest()  # (blocks a worker may still write)
-        for kind in (HolderKind.SEQUENCE, HolderKind.TRANSIENT,
-                     *(() if held_for_proof else (HolderKind.QUARANTINE,))):
-            if self.manager.num_held(kind):
-                raise AssertionError(f"{self.manager.num_held(kind)} block references still "
-                                     f"held by {kind.value} holders with no request in flight: "
-                                     f"{self.manager.holders()}")
-
-    def check_integrity_now(self) -> None:
-        """Engine thread: the pool's invariants, every device reference accounted to a
-        holder, every host block held once or free."""
-        self.manager.check_integrity(self.host)
+        """llm.stats(): the counters on the engine thread, the disk's room on this one."""
+        st = self.call(lambda: self.stats_collector.now(self.slo)).result()
+        return self.stats_collector.add_disk_room(st)

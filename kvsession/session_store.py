@@ -57,14 +57,11 @@ from kvsession.system_pins import SystemPins
 from kvsession.tiers import recovery, wal
 from kvsession.tiers.commit import Op, SessionLog
 from kvsession.tiers.disk import check_session_id
+from kvsession.tiers.files import fsync_dir
 from kvsession.tiers.locks import FileLock, NoLock, lock_session
 from kvsession.tiers.resume import build_plan, open_segment, open_shared
-from kvsession.tiers.snapshot import (
-    SnapshotHeader,
-    fsync_dir,
-    messages_from_text,
-    messages_to_text,
-)
+from kvsession.tiers.snapshot import messages_from_text, messages_to_text
+from kvsession.tiers.snapshot_format import SnapshotHeader
 from kvsession.tiers.snapshot_read import read_header
 from kvsession.tiers.writeback import WriteOp
 from kvsession.tools import ToolSpec
@@ -253,7 +250,7 @@ class SessionStore:
                                  lock=lock, slog=slog, options=opts)
         try:
             hashes = rt.mover.block_hashes(
-                state.tokens, rt.salt_for(state.tokens, params.cache_salt))
+                state.tokens, rt.sequences.salt_for(state.tokens, params.cache_salt))
             segment = open_segment(disk, session_id, rt.header_fields)
             plan = build_plan(disk, session_id, state.tokens, hashes, rt.header_fields,
                               segment, shared)
@@ -321,7 +318,7 @@ class SessionStore:
         # hashes are recomputed from the tokens: the file's could name other prefixes'
         # blocks and poison the shared prefix cache
         hashes = self.rt.mover.block_hashes(
-            header.token_ids, self.rt.salt_for(header.token_ids, sampling.cache_salt))
+            header.token_ids, self.rt.sequences.salt_for(header.token_ids, sampling.cache_salt))
         sess = self._new_session(sid, header.system, sampling, system_key, messages,
                                  source=path, lock=lock, options=opts)
         try:
@@ -347,10 +344,10 @@ class SessionStore:
         return self.rt.call(fn)
 
     def validate_prompt(self, ids: list[int]) -> list[int]:
-        return self.rt.validate_prompt(ids)
+        return self.rt.sequences.validate_prompt(ids)
 
     def output(self, seq: Sequence) -> RequestOutput:
-        return self.rt.output(seq, prompt=None)
+        return self.rt.sequences.output(seq, prompt=None)
 
     def commit(self, sess: Session, tokens, params: SamplingParams) -> Future | None:
         """durability="turn": the session's state after a turn (its messages, `tokens`: the
@@ -374,7 +371,7 @@ class SessionStore:
         spilled tier, or dropping them when recomputing is cheaper) and taken back when it
         ends. Exactly one of the two holds them at any moment."""
         rt = self.rt
-        seq = rt.new_sequence(ids, params, retain_blocks=True)
+        seq = rt.sequences.new(ids, params, retain_blocks=True)
         info = TurnInfo()
         bs = rt.config.block_size
 

@@ -158,7 +158,8 @@ def bounded_strings_as_patterns(node):
     return out
 
 
-def _xgrammar():
+def xgrammar_module():
+    """xgrammar, imported on first use (ConfigError naming the extra without it)."""
     try:
         import xgrammar
     except ImportError as e:
@@ -202,7 +203,7 @@ class GrammarCompiler:
     """Compiles formats for one tokenizer, caching the results; thread-safe."""
 
     def __init__(self, tokenizer_file: Path, vocab_size: int, stop_token_ids):
-        xgr = _xgrammar()
+        xgr = xgrammar_module()
         from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerFast  # xgrammar depends on transformers
 
@@ -284,7 +285,7 @@ class BatchMask:
         must not be sampled)."""
         if not logits.is_contiguous():  # the CPU kernel indexes rows as if contiguous
             raise ValueError("the logits to mask must be a contiguous [rows, vocab] tensor")
-        xgr = _xgrammar()
+        xgr = xgrammar_module()
         rows, vocab = logits.shape
         words = (vocab + 31) // 32
         if self._buf is None or self._buf.shape[0] < rows or self._buf.shape[1] != words:

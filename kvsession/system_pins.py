@@ -53,7 +53,7 @@ class SystemPins:
             entry = self._pins.get(key)
             if entry is None:
                 try:
-                    entry = self._pins[key] = [self.rt.pin(list(key), None), 0]
+                    entry = self._pins[key] = [self.rt.pinning.pin(list(key), None), 0]
                 except CacheFullError as e:
                     log.warning("system prompt not pinned: %s", e)
                     return False
@@ -71,7 +71,7 @@ class SystemPins:
                     del self._pins[key]
                     pin = entry[0]
         if pin is not None:
-            self.rt.unpin(pin)
+            self.rt.pinning.unpin(pin)
 
     def warm_from_directory(self, key: SystemKey) -> None:
         """Before `key` is pinned here: its blocks from the session_dir's shared prefix store
@@ -87,7 +87,7 @@ class SystemPins:
             shared = open_shared(rt.disk, rt.header_fields)
             if shared is None:
                 return
-            hashes = rt.mover.block_hashes(ids, rt.salt_for(ids, None))
+            hashes = rt.mover.block_hashes(ids, rt.sequences.salt_for(ids, None))
             rt.call(lambda: warm_prefix(rt.mover, shared, rt.disk.shared_path(), ids,
                                         hashes)).result()
         except (SnapshotError, OSError) as e:

@@ -400,9 +400,9 @@ def call_grammar(fmt: ToolFormat, tools: tuple[tuple[int, str, str], ...],
     arguments as xgrammar's grammar of the schema (written with the templates' separators,
     no free whitespace, so a random model cannot pad the call until max_tokens), the literal
     suffix. Cached: a session's turns reuse the same tools."""
-    from kvsession.structured import _xgrammar, checked_schema
+    from kvsession.structured import checked_schema, xgrammar_module
 
-    xgr = _xgrammar()
+    xgr = xgrammar_module()
     alternatives = []
     for index, name, schema_json in tools:
         schema = checked_schema(json.loads(schema_json),

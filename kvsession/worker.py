@@ -198,7 +198,7 @@ def _serve(rt: Runtime, args, faults: Faults, keys: AuthKeys | None,
     def snapshot():  # engine thread: the pool, and its invariants
         integrity = "ok"
         try:
-            rt.check_integrity_now()
+            rt.integrity.now()
         except AssertionError as e:
             integrity = str(e)[:300] or "failed"
         held = sum(rt.manager.num_held(k) for k in

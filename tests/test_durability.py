@@ -276,13 +276,13 @@ def test_a_corrupted_record_before_intact_ones_is_refused_not_cut(tmp_path):
 
 @pytest.mark.parametrize("record, match", [
     (wal.TurnRecord(seq=9, identity_digest=IDENTITY.digest(), unix_s=0.0, messages=[],
-                    keep=0, tokens=[], sampling=msgspec.convert({}, wal._Sampling)),
+                    keep=0, tokens=[], sampling=msgspec.convert({}, wal.SamplingFields)),
      "record 9 follows record 3"),
     (wal.TurnRecord(seq=4, identity_digest="0" * 32, unix_s=0.0, messages=[], keep=0,
-                    tokens=[], sampling=msgspec.convert({}, wal._Sampling)),
+                    tokens=[], sampling=msgspec.convert({}, wal.SamplingFields)),
      "written by another engine"),
     (wal.TurnRecord(seq=4, identity_digest=IDENTITY.digest(), unix_s=0.0, messages=[],
-                    keep=10_000, tokens=[], sampling=msgspec.convert({}, wal._Sampling)),
+                    keep=10_000, tokens=[], sampling=msgspec.convert({}, wal.SamplingFields)),
      "keeps 10000 of"),
 ])
 def test_records_that_break_the_sequence_are_refused(tmp_path, record, match):
@@ -748,7 +748,7 @@ def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path
         wb = llm._rt.writeback
         wb.request(WriteOp.FLUSH, None).result(timeout=60)
         assert wb.compactions >= 1
-        from kvsession.tiers.resume import snapshot_prefix
+        from kvsession.tiers.snapshot_format import snapshot_prefix
         from kvsession.tiers.snapshot_read import read_header
 
         h = read_header(sd / "c.kvs")  # the blocks of the history when it was compacted
@@ -792,7 +792,7 @@ def test_a_resumed_session_with_a_shared_prefix_is_compacted_without_losing_its_
     """A process that resumed a session has never written the shared prefix store: its
     compaction must still copy the session's leading blocks from it (it found no block 0,
     wrote nothing and removed the segment: every block of the session was lost)."""
-    from kvsession.tiers.resume import snapshot_prefix
+    from kvsession.tiers.snapshot_format import snapshot_prefix
     from kvsession.tiers.snapshot_read import read_header
     from kvsession.tiers.writeback import WriteBehind
 

@@ -16,7 +16,7 @@ def test_stress_random_requests_keep_pool_consistent(llama_dir):
              max_num_seqs=20, max_num_batched_tokens=64) as llm:
         steps = []
         engine = llm._rt.engine
-        engine.step_observers.append(llm._rt.check_integrity_now)
+        engine.step_observers.append(llm._rt.integrity.now)
         engine.step_observers.append(lambda: steps.append(1))
         shared = [rng.randrange(500) for _ in range(40)]
         prompts, params = [], []

@@ -40,7 +40,7 @@ def one_batch(llm):
 def submit_batch(llm, prompts, params):
     rt = llm._rt
     with one_batch(llm):
-        return [rt.submit(rt.new_sequence(p, sp)) for p, sp in zip(prompts, params, strict=True)]
+        return [rt.submit(rt.sequences.new(p, sp)) for p, sp in zip(prompts, params, strict=True)]
 
 
 def tokens(futures):
@@ -79,7 +79,7 @@ def test_engine_thread_death_fails_pending_and_later_calls(llama_dir):
         assert isinstance(err, EngineClosedError) and err.__cause__ is boom
         assert "housekeeping broke" in str(err)
     # later calls fail at once (the future is resolved before submit returns)
-    fut = rt.submit(rt.new_sequence([1, 2, 3], GREEDY))
+    fut = rt.submit(rt.sequences.new([1, 2, 3], GREEDY))
     assert fut.done() and fut.exception().__cause__ is boom
     for call in (lambda: llm.generate("hi", GREEDY, use_tqdm=False), llm.stats,
                  lambda: llm.session(system="sys")):
@@ -129,7 +129,7 @@ def test_a_cancelled_call_does_not_stop_the_engine(llama_dir):
         with one_batch(llm):
             fut = s.prefetch()  # a Future the caller holds, and may cancel before it runs
             assert fut.cancel()
-        again = llm._rt.submit(llm._rt.new_sequence([1, 2, 3], GREEDY))
+        again = llm._rt.submit(llm._rt.sequences.new([1, 2, 3], GREEDY))
         assert len(again.result(timeout=WAIT_S).output_token_ids) == 8
         assert len(s.send("hi").token_ids) == 2
         s.close()
@@ -276,7 +276,7 @@ def test_a_finish_callback_that_raises_fails_its_request_alone(llama_dir):
 
         with one_batch(llm):
             for i, p in enumerate(prompts):
-                seq = rt.new_sequence(p, GREEDY)
+                seq = rt.sequences.new(p, GREEDY)
                 seq.on_finish = broken if i == 1 else record
                 futures.append(rt.submit(seq))
         assert [len(f.result(timeout=WAIT_S).output_token_ids) for f in (futures[0],

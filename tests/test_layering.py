@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 API = {"kvsession.llm", "kvsession.session", "kvsession.session_store", "kvsession.cli",
        "kvsession.demo", "kvsession.testing", "kvsession.worker", "kvsession.worker_faults",
        "kvsession.worker_service",
-       "kvsession.runtime", "kvsession.system_pins",
+       "kvsession.runtime", "kvsession.system_pins", "kvsession.sizing",
+       "kvsession.remote_offload", "kvsession.sequence_factory", "kvsession.pinning",
+       "kvsession.observability", "kvsession.integrity",
        "kvsession.numerics", "kvsession.requests", "kvsession.handles", "kvsession",
        "kvsession.serve"}
 # module prefix -> the kvsession modules (by prefix) it must not import
@@ -168,3 +170,109 @@ def test_the_server_uses_only_the_public_api(tmp_path):
     f.write_text("from kvsession import LLM\nfrom kvsession.serve import protocol\n"
                  "def g():\n    from kvsession.session import Session\n")
     assert violations("kvsession.serve.app", f) == ["kvsession.session"]
+
+
+# ---- structure: no cycles, no private names across modules ----------------------------------
+
+def runtime_imports(module: str, path: Path) -> set[str]:
+    """`imports`, less those inside `if TYPE_CHECKING:` (never run), as modules: a name a
+    module defines counts as an edge to that module."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for n in ast.walk(node) if n is not node.test}
+    package = package_of(module, path)
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            source = resolve(package, node.level, node.module)
+            if source == "kvsession" or source.startswith("kvsession."):
+                out |= {f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source
+                        for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("kvsession")}
+    return {m for m in out if m in MODULES and m != module}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    cycles.append(sorted(comp))
+    return cycles
+
+
+def test_no_import_cycles():
+    """Imports form no cycle (lazy ones inside functions included: a cycle they hide is
+    still two modules that cannot be understood, or split, apart); the package's
+    __init__ re-exports the API and is left out as a target."""
+    graph = {m: runtime_imports(m, p) - {"kvsession"} for m, p in modules()}
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def private_imports(module: str, path: Path) -> list[str]:
+    """`from kvsession... import _name` in `module`: a private name of another module."""
+    package = package_of(module, path)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            source = resolve(package, node.level, node.module)
+            if source != "kvsession" and not source.startswith("kvsession."):
+                continue
+            found += [f"{source}.{a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+@pytest.mark.parametrize("module, path", list(modules()), ids=lambda x: str(x).split("/")[-1])
+def test_no_private_name_is_imported_across_modules(module, path):
+    assert private_imports(module, path) == []
+
+
+def test_private_imports_are_seen(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from kvsession.structured import _xgrammar, checked\n"
+                 "def f():\n    from .snapshot import _FOOTER\n")
+    assert private_imports("kvsession.tiers.m", f) == ["kvsession.structured._xgrammar",
+                                                       "kvsession.tiers.snapshot._FOOTER"]

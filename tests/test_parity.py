@@ -14,7 +14,7 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 def run(model_dir, prompts, **kwargs):
     with LLM(model_dir, max_model_len=512, **kwargs) as llm:
-        llm._rt.engine.step_observers.append(llm._rt.check_integrity_now)
+        llm._rt.engine.step_observers.append(llm._rt.integrity.now)
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         return [o.token_ids for o in outs], llm._rt.scheduler.num_preemptions
 

@@ -19,7 +19,7 @@ from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
 from kvsession.tiers.mover import TierMover
 from kvsession.tiers.policy import TierPolicy
-from kvsession.tiers.snapshot import read_header
+from kvsession.tiers.snapshot_read import read_header
 
 BS = 4
 BPT = kv_bytes_per_token(2, 1, 4, torch.float32)

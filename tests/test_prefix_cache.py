@@ -24,7 +24,7 @@ def gen(llm, prompts, params=GREEDY):
 @pytest.fixture(scope="module")
 def cached(llama_dir):
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=512, block_size=BS) as llm:
-        llm._rt.engine.step_observers.append(llm._rt.check_integrity_now)
+        llm._rt.engine.step_observers.append(llm._rt.integrity.now)
         yield llm
 
 
@@ -102,7 +102,7 @@ def test_outputs_with_cache_equal_outputs_without(llama_dir, data):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     with LLM(llama_dir, **kwargs) as on, LLM(llama_dir, enable_prefix_caching=False,
                                              **kwargs) as off:
-        on._rt.engine.step_observers.append(on._rt.check_integrity_now)
+        on._rt.engine.step_observers.append(on._rt.integrity.now)
         got = [o.token_ids for o in gen(on, prompts, params)]
         got += [o.token_ids for o in gen(on, prompts[::-1], params)]
         want = [o.token_ids for o in gen(off, prompts, params)]

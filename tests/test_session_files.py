@@ -22,7 +22,7 @@ import pytest
 
 from kvsession import LLM, ConfigError, SamplingParams, SessionClosedError, SnapshotError
 from kvsession.cli import main as cli_main
-from kvsession.tiers import snapshot as snap
+from kvsession.tiers import snapshot_read as snap_read
 from oracle import expected_turn
 
 G = SamplingParams(max_tokens=4, temperature=0.0)
@@ -57,7 +57,7 @@ def test_a_copied_file_resumes_under_its_own_name(llama_dir, tmp_path):
         alice = llm.session(session_id="alice")
         alice.send("second from alice")
         alice.send("third from alice")
-    alice_file = snap.read_header(sd / "alice.kvs")
+    alice_file = snap_read.read_header(sd / "alice.kvs")
     with new_llm(llama_dir, sd) as llm:
         assert llm.sessions() == ["alice", "alice-backup"]
         backup = llm.session(session_id="alice-backup")
@@ -66,10 +66,10 @@ def test_a_copied_file_resumes_under_its_own_name(llama_dir, tmp_path):
         alice = llm.session(session_id="alice")  # both at once: two sessions
         assert len(alice.messages) == 6
     # the backup's turns went to its own file; alice's newer turns are intact
-    after = snap.read_header(sd / "alice.kvs")
+    after = snap_read.read_header(sd / "alice.kvs")
     assert (after.messages, after.token_ids) == (alice_file.messages, alice_file.token_ids)
-    assert snap.read_header(sd / "alice-backup.kvs").session_id == "alice-backup"
-    assert len(snap.read_header(sd / "alice-backup.kvs").messages) == 4
+    assert snap_read.read_header(sd / "alice-backup.kvs").session_id == "alice-backup"
+    assert len(snap_read.read_header(sd / "alice-backup.kvs").messages) == 4
 
 
 def test_restoring_an_external_file_never_overwrites_another_session(llama_dir, tmp_path):
@@ -297,10 +297,11 @@ CRASHING_SAVE = r"""
 import os, signal, sys
 from pathlib import Path
 from kvsession.tiers import snapshot as snap
+from kvsession.tiers import snapshot_read as snap_read
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
-h = snap.read_header(src)
+h = snap_read.read_header(src)
 blocks = [{n: t.clone() for n, t in ts.items()}
-          for _, ts in snap.read_blocks(src, h, list(range(h.num_blocks)))]
+          for _, ts in snap_read.read_blocks(src, h, list(range(h.num_blocks)))]
 fields = {f: getattr(h, f) for f in h.__struct_fields__
           if f not in ("format_version", "chunks", "created_unix_s")}
 

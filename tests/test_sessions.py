@@ -32,7 +32,7 @@ def as_list(msg):
 
 def new_llm(model_dir, **kw):
     llm = LLM(model_dir, **{"kv_cache_memory": "8MiB", "max_model_len": 1024, **kw})
-    llm._rt.engine.step_observers.append(llm._rt.check_integrity_now)
+    llm._rt.engine.step_observers.append(llm._rt.integrity.now)
     return llm
 
 

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from kvsession import LLM, SamplingParams, SnapshotError
 from kvsession.cli import main as cli_main
 from kvsession.tiers import snapshot as snap
+from kvsession.tiers import snapshot_format as fmt
+from kvsession.tiers import snapshot_read as snap_read
 from oracle import expected_turn
 
 G = SamplingParams(max_tokens=6, temperature=0.0)
@@ -48,12 +50,12 @@ def saved(llm, tmp_path_factory):
 
 def rewrite_header(src: Path, dst: Path, **changes) -> Path:
     data = src.read_bytes()
-    h = snap.read_header(src)
+    h = snap_read.read_header(src)
     header_len = struct.unpack("<Q", data[-20:-12])[0]
     payload = data[: len(data) - 20 - header_len]
     new = msgspec.json.encode(msgspec.structs.replace(h, **changes))
     dst.write_bytes(payload + new + struct.pack("<QI", len(new), zlib.crc32(new))
-                    + snap.END_MAGIC)
+                    + fmt.END_MAGIC)
     return dst
 
 
@@ -92,7 +94,7 @@ def test_corruptions_raise_snapshot_error(llm, saved, tmp_path, corrupt, match):
 
 def test_payload_checksum(llm, saved, tmp_path):
     # the last block is partial: never resident in the device prefix cache, always read
-    h = snap.read_header(saved)
+    h = snap_read.read_header(saved)
     at = h.chunks[-1].offset + 10
     raw = saved.read_bytes()
     bad = tmp_path / "bad.kvs"
@@ -107,10 +109,10 @@ def test_stored_chunks_read_in_place_equal_the_decoded_ones(saved):
     block's memory); the bytes must equal what the decoding path yields."""
     import torch
 
-    h = snap.read_header(saved)
+    h = snap_read.read_header(saved)
     assert {c.codec for c in h.chunks} == {"none"}  # random-model KV: incompressible
     decoded = {i: {n: t.clone() for n, t in tensors.items()}
-               for i, tensors in snap.read_blocks(saved, h, list(range(h.num_blocks)))}
+               for i, tensors in snap_read.read_blocks(saved, h, list(range(h.num_blocks)))}
     names = sorted(decoded[0])
     mem = {i: {n: torch.zeros_like(decoded[i][n]) for n in names} for i in decoded}
 
@@ -118,7 +120,7 @@ def test_stored_chunks_read_in_place_equal_the_decoded_ones(saved):
         return [memoryview(mem[i][n][layer].view(torch.uint8).numpy()).cast("B")
                 for n in names for layer in range(h.num_layers)]
 
-    got = list(snap.read_blocks(saved, h, list(range(h.num_blocks)), dest=dest))
+    got = list(snap_read.read_blocks(saved, h, list(range(h.num_blocks)), dest=dest))
     assert [i for i, _ in got] == list(range(h.num_blocks)) and all(t is None for _, t in got)
     for i in decoded:
         for n in names:
@@ -128,7 +130,7 @@ def test_stored_chunks_read_in_place_equal_the_decoded_ones(saved):
 def test_in_place_chunk_with_a_foreign_layout_is_refused(llm, saved, tmp_path):
     """A stored chunk whose bytes pass the checksum but whose safetensors header is not the
     expected layout is refused, also when it was read straight into the pool."""
-    h = snap.read_header(saved)
+    h = snap_read.read_header(saved)
     last = h.chunks[-1]
     raw = bytearray(saved.read_bytes())
     at = last.offset + 8 + raw[last.offset + 8:last.offset + last.length].index(b'"dtype"')
@@ -156,7 +158,7 @@ def test_fingerprint_mismatch(llm, saved, tmp_path, field, value, match):
 
 
 def test_header_that_does_not_match_the_payload(llm, saved, tmp_path):
-    h = snap.read_header(saved)
+    h = snap_read.read_header(saved)
     bad = rewrite_header(saved, tmp_path / "x.kvs", token_ids=h.token_ids[:-20])
     with pytest.raises(SnapshotError, match="does not match the payload"):
         llm.restore(bad, session_id="bad")
@@ -177,7 +179,7 @@ def test_other_model_dtype_or_block_size_is_refused(llama_dir, model_dirs, saved
             o.restore(saved)
     # a session longer than this engine's max_model_len could never take a turn here:
     # refused before anything is loaded
-    n = len(snap.read_header(saved).token_ids)
+    n = len(snap_read.read_header(saved).token_ids)
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=n - 1) as short:
         with pytest.raises(SnapshotError, match="longer than this engine's max_model_len"):
             short.restore(saved)
@@ -212,6 +214,7 @@ def test_fuzzed_files_only_ever_raise_snapshot_error(llm, saved, tmp_path_factor
 SAVER = """
 import sys, threading
 from kvsession import LLM, SamplingParams
+from kvsession.tiers import files
 from kvsession.tiers import snapshot as snap
 
 model, path, point = sys.argv[1:4]
@@ -248,13 +251,13 @@ def next_block():
         stop_at("chunks")
 
 
-snap._atomic_write = wrap(snap._atomic_write, before=start_save)
+snap.atomic_write = wrap(snap.atomic_write, before=start_save)
 snap.encode_block = wrap(snap.encode_block, before=next_block)
 # written and fsynced, not yet renamed over the previous file
-snap._replace_releasing_later = wrap(snap._replace_releasing_later,
-                                     before=lambda: stop_at("renaming"))
+files._replace_releasing_later = wrap(files._replace_releasing_later,
+                                      before=lambda: stop_at("renaming"))
 # renamed, the directory not yet fsynced
-snap.fsync_dir = wrap(snap.fsync_dir, before=lambda: stop_at("renamed"))
+files.fsync_dir = wrap(files.fsync_dir, before=lambda: stop_at("renamed"))
 for _ in range(2):
     s.save(path)
     print("saved", saves[0], s.num_cached_tokens, flush=True)
@@ -266,9 +269,9 @@ def test_a_flush_failing_mid_write_leaves_the_previous_file(saved, tmp_path, mon
     it, the file it was replacing is untouched and no temporary file is left."""
     import shutil
 
-    h = snap.read_header(saved)
+    h = snap_read.read_header(saved)
     blocks = [{n: t.clone() for n, t in tensors.items()}
-              for _, tensors in snap.read_blocks(saved, h, list(range(h.num_blocks)))]
+              for _, tensors in snap_read.read_blocks(saved, h, list(range(h.num_blocks)))]
     fields = {f: getattr(h, f) for f in h.__struct_fields__
               if f not in ("format_version", "chunks", "created_unix_s")}
     target = tmp_path / "s.kvs"
@@ -288,7 +291,7 @@ def test_a_flush_failing_mid_write_leaves_the_previous_file(saved, tmp_path, mon
     assert [p.name for p in tmp_path.iterdir()] == ["s.kvs"]
     monkeypatch.undo()
     snap.write_snapshot(target, fields, iter(blocks))  # and a healthy write still works
-    assert snap.read_header(target).token_ids == h.token_ids
+    assert snap_read.read_header(target).token_ids == h.token_ids
 
 
 @pytest.mark.parametrize("point, replaced", [
@@ -338,7 +341,7 @@ def test_no_code_execution_on_load():
 def test_chunks_are_standard_safetensors(saved):
     from safetensors.torch import load
 
-    h = snap.read_header(saved)
+    h = snap_read.read_header(saved)
     raw = saved.read_bytes()
     for c in h.chunks:
         data = raw[c.offset:c.offset + c.length]
@@ -358,7 +361,7 @@ def test_restored_block_hashes_are_recomputed_not_trusted(llm, saved, tmp_path):
     with that other prefix: the hashes are recomputed from the tokens on load."""
     bs = llm.config.block_size
     hasher = llm._rt.prefix.hasher
-    h = snap.read_header(saved)
+    h = snap_read.read_header(saved)
     full = len(h.token_ids) // bs
     one = SamplingParams(max_tokens=1, temperature=0.0)
     # the victim: another prefix of as many full blocks, computed and cached

@@ -19,7 +19,8 @@ import lz4.frame
 import pytest
 
 from kvsession import LLM, SamplingParams, SnapshotError
-from kvsession.tiers import snapshot as snap
+from kvsession.tiers import snapshot_format as fmt
+from kvsession.tiers import snapshot_read as snap_read
 
 SEED = 20240611
 G = SamplingParams(max_tokens=6, temperature=0.0)
@@ -40,7 +41,7 @@ def assemble(payload: bytes, header) -> bytes:
     """A file with this payload and header, footer and header checksum made valid."""
     hb = header if isinstance(header, bytes) else json.dumps(
         header, separators=(",", ":"), ensure_ascii=False).encode()
-    return payload + hb + struct.pack("<QI", len(hb), zlib.crc32(hb)) + snap.END_MAGIC
+    return payload + hb + struct.pack("<QI", len(hb), zlib.crc32(hb)) + fmt.END_MAGIC
 
 
 def chunk_bytes(raw: bytes) -> list[bytes]:
@@ -52,14 +53,14 @@ def with_chunks(raw: bytes, datas: list[bytes], codecs: list[str] | None = None,
                 **chunk_changes) -> bytes:
     """The file with these chunk bytes, laid out back to back, each with a valid crc32."""
     payload, h = parts(raw)
-    pos, chunks = len(snap.MAGIC) + 4, []
+    pos, chunks = len(fmt.MAGIC) + 4, []
     for i, (data, old) in enumerate(zip(datas, h["chunks"], strict=True)):
         codec = codecs[i] if codecs else old["codec"]
         chunks.append({**old, "offset": pos, "length": len(data),
                        "crc32": zlib.crc32(data), "codec": codec, **chunk_changes})
         pos += len(data)
     h["chunks"] = chunks
-    return assemble(payload[: len(snap.MAGIC) + 4] + b"".join(datas), h)
+    return assemble(payload[: len(fmt.MAGIC) + 4] + b"".join(datas), h)
 
 
 def lz4_variant(raw: bytes) -> bytes:
@@ -234,7 +235,7 @@ def try_case(llm, path: Path, outcome: dict) -> int:
         outcome["snapshot_error"] += 1
     peak = tracemalloc.get_traced_memory()[1] - base
     try:
-        snap.describe(snap.read_header(path), path)
+        snap_read.describe(snap_read.read_header(path), path)
     except SnapshotError:
         pass
     return peak
@@ -351,9 +352,9 @@ def test_large_crafted_headers_and_bombs_stay_bounded_in_rss(llama_dir, healthy,
         files[name].write_bytes(data)
     big = tmp_path / "over_cap.kvs"  # claims a header over the cap: sparse, never read
     with open(big, "wb") as f:
-        f.write(snap.MAGIC + struct.pack("<I", snap.FORMAT_VERSION))
-        f.seek(snap.MAX_HEADER_BYTES + MiB)
-        f.write(struct.pack("<QI", snap.MAX_HEADER_BYTES + 1, 0) + snap.END_MAGIC)
+        f.write(fmt.MAGIC + struct.pack("<I", fmt.FORMAT_VERSION))
+        f.seek(fmt.MAX_HEADER_BYTES + MiB)
+        f.write(struct.pack("<QI", fmt.MAX_HEADER_BYTES + 1, 0) + fmt.END_MAGIC)
     files["over cap"] = big
     out = subprocess.run([sys.executable, "-c", RSS, str(llama_dir), str(healthy),
                           *map(str, files.values())], capture_output=True, text=True,

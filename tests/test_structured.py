@@ -251,7 +251,7 @@ def test_structured_output_is_frozen_hashable_and_compiled_once(llm):
     b = StructuredOutput(json_schema='{"type":   "object"}')
     assert a == b and hash(a) == hash(b) and a.kind == "json_schema"
     assert StructuredOutput(json_object=True).kind == "json_object"
-    compiler = llm._rt.grammars()
+    compiler = llm._rt.sequences.grammars()
     fmt = StructuredOutput(regex=r"[ab]{1,3}")
     sample(llm, fmt, 2, 8, 1)
     compiled = compiler.num_compiled

@@ -26,7 +26,7 @@ def make_llm(model_dir, **kw):
     a recompute set a rate explicitly)."""
     llm = LLM(model_dir, **{"kv_cache_memory": "8MiB", "max_model_len": 512,
                             "host_cache_memory": "2MiB", **kw})
-    llm._rt.engine.step_observers.append(llm._rt.check_integrity_now)
+    llm._rt.engine.step_observers.append(llm._rt.integrity.now)
     mover = llm._rt.mover
     mover.host_bytes_per_s.fix(1e12)
     mover.disk_read_bytes_per_s.fix(1e11)

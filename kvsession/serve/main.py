@@ -17,17 +17,14 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvicorn
 
 from kvsession.flags import add_llm_flags, llm_kwargs
+from kvsession.serve.listen import LISTENING, bind_listener
 from kvsession.serve.ray_main import add_replica_arguments, run_replicated, wants_replicas
-
-LISTENING = "kvsession serve listening on"
 
 
 def add_serve_arguments(p: argparse.ArgumentParser, llm_cls) -> None:
@@ -77,7 +74,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
                                                               "%(message)s")
     if wants_replicas(args):  # N engines on Ray behind this process (docs/scale-out.md)
         return run_replicated(args, parser, LLM)
-    sock = _bind(args.host, args.port)  # before the model loads: a busy port fails fast
+    sock = bind_listener(args.host, args.port)  # before the model loads: a busy port fails fast
     previous = signal.signal(signal.SIGTERM, _stop)  # a SIGTERM while loading: exit 0
     try:
         llm = LLM(args.model, **llm_kwargs(args, LLM))
@@ -145,18 +142,3 @@ class _Uvicorn(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self._app_server.accepting = False
         super().handle_exit(sig, frame)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        print(f"error: cannot listen on {host}:{port}: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock

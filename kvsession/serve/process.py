@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvsession.serve.main import LISTENING
+from kvsession.serve.listen import LISTENING
 
 
 class ServerProcess:

@@ -21,6 +21,7 @@ from pathlib import Path
 import uvicorn
 
 from kvsession.flags import llm_kwargs
+from kvsession.serve.listen import LISTENING, bind_listener
 from kvsession.serve.router import Routing
 
 
@@ -88,13 +89,12 @@ def run_replicated(args, parser: argparse.ArgumentParser, llm_cls) -> int:
         import ray
     except ImportError:
         parser.error("--replicas / --ray-address need Ray: pip install 'kvsession[ray]'")
-    from kvsession.serve.main import _bind  # (main imports this module)
     from kvsession.serve.ray_ingress import Ingress
     from kvsession.serve.ray_replicas import ActorOptions, RayReplicas, ReplicaGone
 
     _check(parser, args)
     log = logging.getLogger("kvsession.serve")
-    sock = _bind(args.host, args.port)
+    sock = bind_listener(args.host, args.port)
     local = args.ray_address == "local"
     ray.init(address=None if local else args.ray_address, include_dashboard=False,
              num_cpus=args.ray_num_cpus if local else None, log_to_driver=True,
@@ -125,7 +125,6 @@ def run_replicated(args, parser: argparse.ArgumentParser, llm_cls) -> int:
 
 
 def _serve(args, sock, replicas, ingress_cls, gone_error, log) -> int:
-    from kvsession.serve.main import LISTENING
     ingress = ingress_cls(replicas, args.api_key, args.load_bound, args.summary_interval_s,
                           drain_timeout_s=args.drain_timeout_s,
                           request_timeout_s=args.request_timeout_s,

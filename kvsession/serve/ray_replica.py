@@ -70,7 +70,7 @@ class Replica:
 
         from kvsession import LLM
         from kvsession.serve.app import Server
-        from kvsession.serve.main import _bind
+        from kvsession.serve.listen import bind_listener
 
         self.name = name
         self.api_key = server_kwargs.get("api_key")
@@ -79,7 +79,7 @@ class Replica:
         app = self.server.app()
         app.router.routes[0:0] = [Route(SUMMARY_PATH, self.summary, methods=["GET"]),
                                   Route(RELEASE_PATH, self.release, methods=["POST"])]
-        self._sock = _bind(_node_ip() if host == "node" else host, 0)
+        self._sock = bind_listener(_node_ip() if host == "node" else host, 0)
         # not inherited by processes the engine starts: when this one dies, its port must
         # refuse connections (that is how the ingress tells a dead replica)
         self._sock.set_inheritable(False)

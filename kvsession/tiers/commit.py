@@ -35,7 +35,8 @@ from pathlib import Path
 
 from kvsession.cache.prefix import common_prefix_len
 from kvsession.errors import SnapshotError
-from kvsession.tiers.snapshot import check_text_messages, fcntl, fsync_dir
+from kvsession.tiers.files import fcntl, fsync_dir
+from kvsession.tiers.snapshot import check_text_messages
 from kvsession.tiers.wal import (
     LOG_PREFIX,
     Identity,

@@ -31,9 +31,10 @@ from pathlib import Path
 
 from kvsession.errors import ConfigError, SnapshotError
 from kvsession.tiers import wal
+from kvsession.tiers.files import TEMP_NAME, fcntl
 from kvsession.tiers.locks import DIR_LOCK_NAME, FileLock, directory_lock, sweep_stale_locks
 from kvsession.tiers.recovery import LogRecovery, RecoveryAction, repair_log
-from kvsession.tiers.snapshot import SESSION_ID_PATTERN, TEMP_NAME, fcntl
+from kvsession.tiers.snapshot_format import SESSION_ID_PATTERN
 from kvsession.tiers.snapshot_read import read_frame
 
 log = logging.getLogger("kvsession")

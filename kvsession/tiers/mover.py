@@ -25,7 +25,8 @@ from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
 from kvsession.tiers.resume import DiskPlan
 from kvsession.tiers.segments import compact
-from kvsession.tiers.snapshot import SnapshotHeader, write_snapshot
+from kvsession.tiers.snapshot import write_snapshot
+from kvsession.tiers.snapshot_format import SnapshotHeader
 from kvsession.tiers.snapshot_read import read_blocks, read_header
 from kvsession.tiers.writeback import SnapshotLocks
 

@@ -22,7 +22,7 @@ from kvsession.cache.manager import SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
 from kvsession.errors import SnapshotError
 from kvsession.tiers.mover import TierMover
-from kvsession.tiers.snapshot import SnapshotHeader
+from kvsession.tiers.snapshot_format import SnapshotHeader
 
 log = logging.getLogger("kvsession")
 

@@ -38,7 +38,8 @@ import msgspec
 
 from kvsession.errors import SessionLostError, SnapshotError
 from kvsession.tiers import wal
-from kvsession.tiers.snapshot import SESSION_ID_PATTERN, atomic_write, fsync_dir, open_regular
+from kvsession.tiers.files import atomic_write, fsync_dir, open_regular
+from kvsession.tiers.snapshot_format import SESSION_ID_PATTERN
 
 log = logging.getLogger("kvsession")
 RECOVERY_SUFFIX = ".recovery"

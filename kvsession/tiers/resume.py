@@ -29,7 +29,7 @@ from kvsession import costmodel
 from kvsession.cache.manager import Tier, Transient
 from kvsession.errors import CacheFullError, SnapshotError
 from kvsession.tiers.segments import SegmentScan, scan_segment, segment_blocks, segment_tail
-from kvsession.tiers.snapshot import SnapshotHeader
+from kvsession.tiers.snapshot_format import SnapshotHeader, snapshot_prefix
 from kvsession.tiers.snapshot_read import read_header
 from kvsession.tiers.wal import truncate
 
@@ -47,18 +47,6 @@ class DiskPlan:
     sources: list[tuple[Path, SnapshotHeader, int]]
     path: Path
     from_files: dict[str, int] = field(default_factory=dict)  # blocks per kind of file
-
-
-def snapshot_prefix(h: SnapshotHeader, tokens, bs: int) -> int:
-    """How many of `tokens` the snapshot `h` holds the KV of: whole matching blocks from
-    the first, and its partial last block when every token it holds matches."""
-    covered = 0
-    for i in range(h.num_blocks):
-        lo, hi = i * bs, min((i + 1) * bs, len(h.token_ids))
-        if hi > len(tokens) or list(h.token_ids[lo:hi]) != list(tokens[lo:hi]):
-            break
-        covered = hi
-    return covered
 
 
 def open_segment(disk, session_id: str, header_fields: dict) -> SegmentScan | None:

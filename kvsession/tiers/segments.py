@@ -57,21 +57,19 @@ import msgspec
 from kvsession.cache.hashing import tail_key
 from kvsession.errors import SnapshotError
 from kvsession.tiers.checksum import crc32
-from kvsession.tiers.snapshot import (
-    Chunk,
-    SnapshotHeader,
-    open_regular,
-    write_snapshot_chunks,
-)
-from kvsession.tiers.snapshot_read import (
+from kvsession.tiers.files import open_regular
+from kvsession.tiers.snapshot import write_snapshot_chunks
+from kvsession.tiers.snapshot_format import (
     KV_TENSOR_SETS,
     MAX_BLOCK_SIZE,
-    MAX_GEOMETRY,
     MAX_TOKEN_ID,
-    block_raw_length,
-    check_compatible,
-    read_header,
+    Chunk,
+    Digest,
+    Geometry,
+    SnapshotHeader,
+    snapshot_prefix,
 )
+from kvsession.tiers.snapshot_read import block_raw_length, check_compatible, read_header
 
 SEG_MAGIC = b"KVSSEG\x00\x01"
 # 4: a record may hold a partial last block; 3: a gap before a chunk aligns its data;
@@ -99,19 +97,17 @@ def _after_padding(pos: int) -> int:
     """Where the next record starts after a padding frame at `pos`."""
     return -(-(pos + FRAME.size) // ALIGN_BYTES) * ALIGN_BYTES
 
-_Geometry = Annotated[int, msgspec.Meta(ge=1, le=MAX_GEOMETRY)]
-_Digest = Annotated[str, msgspec.Meta(max_length=256)]
 
 
 class SegmentIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    model_fingerprint: _Digest
-    tokenizer_digest: _Digest
-    template_digest: _Digest
+    model_fingerprint: Digest
+    tokenizer_digest: Digest
+    template_digest: Digest
     kv_dtype: Annotated[str, msgspec.Meta(max_length=32)]
     block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
-    num_layers: _Geometry
-    num_kv_heads: _Geometry
-    head_dim: _Geometry
+    num_layers: Geometry
+    num_kv_heads: Geometry
+    head_dim: Geometry
     tensor_names: Annotated[list[Annotated[str, msgspec.Meta(max_length=16)]],
                             msgspec.Meta(max_length=4)]
 
@@ -345,8 +341,6 @@ def compaction_sources(kvs: Path, stores: list[tuple[SegmentScan, Path]],
                        ) -> list[tuple[Path, SnapshotHeader, int]]:
     """The blocks of the session's current full-block `tokens`, snapshot first, then the
     segments (its own, the shared prefix store), as a prefix (what a resume attaches)."""
-    from kvsession.tiers.resume import snapshot_prefix
-
     bs = header_fields["block_size"]
     sources: list[tuple[Path, SnapshotHeader, int]] = []
     if kvs.is_file():

@@ -1,4 +1,5 @@
-"""The `.kvs` session snapshot format: one self-describing file per session.
+"""Writing `.kvs` session snapshots: one self-describing file per session (the format
+itself, layout, schema and bounds, is kvsession/tiers/snapshot_format.py).
 
 Layout (little endian):
 
@@ -21,30 +22,24 @@ checksum, bounded decompression and exact safetensors prefix before it touches t
 pool. Nothing is unpickled and no code from the file runs: JSON, lz4 and raw bytes only.
 Every failure is a SnapshotError naming the cause.
 
-Writes are atomic: a temporary file in the same directory (TEMP_NAME, locked while it is
-written), fsync, rename over the target, fsync of the directory. A crash leaves the old
-file or the new one, never a torn one; its temporary file is removed by the next start-up
-scan of the directory (DiskTier). A failed write raises SnapshotError and leaves the old
-file as it was.
+Writes are atomic (tiers/files.py): a temporary file in the same directory (TEMP_NAME,
+locked while it is written), fsync, rename over the target, fsync of the directory. A
+crash leaves the old file or the new one, never a torn one; its temporary file is removed
+by the next start-up scan of the directory (DiskTier). A failed write raises SnapshotError
+and leaves the old file as it was.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import os
 import queue
-import re
 import shutil
-import stat
 import struct
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Literal
 
 import lz4.frame
 import msgspec
@@ -52,97 +47,20 @@ import torch
 
 from kvsession.errors import SnapshotError
 from kvsession.tiers.checksum import crc32
+from kvsession.tiers.files import atomic_write, open_regular
+from kvsession.tiers.snapshot_format import (
+    END_MAGIC,
+    FOOTER,
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PREFIX_LEN,
+    Chunk,
+    SnapshotHeader,
+    block_prefix,
+)
 
-try:  # POSIX: a writer locks its temporary file, so a scan never removes a live one
-    import fcntl
-except ImportError:  # Windows: the scan goes by age alone
-    fcntl = None
-
-MAGIC = b"KVSNAP\x00\x01"
-END_MAGIC = b"KVSEND\x00\x01"
-FORMAT_VERSION = 1
-_FOOTER = struct.Struct("<QI")
-_PREFIX_LEN = len(MAGIC) + 4
-_FOOTER_LEN = _FOOTER.size + len(END_MAGIC)
-# a header of 64 MiB holds millions of tokens; the reader refuses larger ones unread
-MAX_HEADER_BYTES = 64 << 20
-# session ids name files (`<id>.kvs`): validated where they enter, and in every header read
-SESSION_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
-# `.<target name>.<pid>.<8 hex>.tmp`: a snapshot (or a session log or segment being
-# rewritten) being written (see write_snapshot, tiers/commit.py)
-TEMP_NAME = re.compile(
-    r"\.(?P<target>.+\.(?:kvs|log|seg|recovery))\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.tmp")
-
-
-class Chunk(msgspec.Struct, frozen=True):
-    offset: Annotated[int, msgspec.Meta(ge=0)]
-    length: Annotated[int, msgspec.Meta(ge=1)]
-    raw_length: Annotated[int, msgspec.Meta(ge=1)]
-    crc32: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
-    codec: Literal["lz4", "none"] = "lz4"
-
-
-class SnapshotHeader(msgspec.Struct, frozen=True):
-    format_version: int
-    session_id: str
-    created_unix_s: float
-    model_fingerprint: str
-    tokenizer_digest: str
-    template_digest: str
-    kv_dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    tensor_names: list[str]
-    token_ids: list[int]          # tokens whose KV the chunks hold, in order
-    messages: list[dict]
-    sampling: dict
-    system: str | None
-    block_hashes: list[str]       # hex, one per full block
-    chunks: list[Chunk]           # one per block (the last may be partial)
-    # the session's history (kvsession/history.py): {"mode": "append"|"template", "log":
-    # the token log, "pending": messages not rendered into it yet}; None in files written
-    # before it existed (template mode)
-    history: dict | None = None
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.chunks)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-              torch.float8_e4m3fn: "F8_E4M3"}
 MIN_LZ4_SAVING = 0.10
-
-
-def block_prefix(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
-    """The bytes before the data of a block chunk holding tensors of these shapes (sorted by
-    name): u64 header length and the JSON header, padded to 8 bytes."""
-    return _block_prefix(tuple(sorted((n, tuple(s), d) for n, (s, d) in shapes.items())))
-
-
-@functools.lru_cache(maxsize=64)  # every block of a pool has the same layout
-def _block_prefix(shapes: tuple) -> bytes:
-    header, offset = {}, 0
-    for name, shape, dtype in shapes:
-        n = torch.empty((), dtype=dtype).element_size()
-        for x in shape:
-            n *= x
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + n]}
-        offset += n
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    return struct.pack("<Q", len(hb)) + hb
 
 
 def encode_block(tensors: dict[str, torch.Tensor]) -> list:
@@ -238,7 +156,7 @@ def write_snapshot(path: Path, fields: dict, blocks: Iterable[dict[str, torch.Te
         f.write(MAGIC + struct.pack("<I", FORMAT_VERSION))
         writer = _Writer(f)
         try:
-            chunks, offset, codec = [], _PREFIX_LEN, "lz4"
+            chunks, offset, codec = [], PREFIX_LEN, "lz4"
             for tensors in blocks:
                 pieces = encode_block(tensors)
                 raw_len = sum(len(p) for p in pieces)
@@ -264,7 +182,7 @@ def write_snapshot(path: Path, fields: dict, blocks: Iterable[dict[str, torch.Te
             raise SnapshotError(f"{path}: the session's header would be {len(header)} "
                                 f"bytes, over the {MAX_HEADER_BYTES}-byte limit")
         f.write(header)
-        f.write(_FOOTER.pack(len(header), crc32(header)) + END_MAGIC)
+        f.write(FOOTER.pack(len(header), crc32(header)) + END_MAGIC)
 
     return atomic_write(path, fill)
 
@@ -279,7 +197,7 @@ def write_snapshot_chunks(path: Path, fields: dict, chunks: Iterable[tuple], tok
 
     def fill(f) -> None:
         f.write(MAGIC + struct.pack("<I", FORMAT_VERSION))
-        table, offset = [], _PREFIX_LEN
+        table, offset = [], PREFIX_LEN
         for data, raw_len, crc, codec in chunks:
             f.write(data)
             table.append(Chunk(offset, len(data), raw_len, crc, codec))
@@ -294,7 +212,7 @@ def write_snapshot_chunks(path: Path, fields: dict, chunks: Iterable[tuple], tok
             raise SnapshotError(f"{path}: the session's header would be {len(header)} "
                                 f"bytes, over the {MAX_HEADER_BYTES}-byte limit")
         f.write(header)
-        f.write(_FOOTER.pack(len(header), crc32(header)) + END_MAGIC)
+        f.write(FOOTER.pack(len(header), crc32(header)) + END_MAGIC)
         written[0] = len(table)
 
     atomic_write(path, fill)
@@ -360,75 +278,3 @@ def check_text_messages(path: Path, messages) -> None:
                                 f"strings")
 
 
-def atomic_write(path: Path, fill: Callable) -> int:
-    """fill(f) writes the content into a temporary file next to `path` (named TEMP_NAME,
-    locked while open so a directory scan knows it is live); fsync, rename over `path`,
-    fsync the directory. Returns the size. Any failure removes the temporary file and
-    raises SnapshotError (OSError: naming its cause, e.g. no space left)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        try:
-            with open(tmp, "xb") as f:
-                if fcntl is not None:
-                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fill(f)
-                f.flush()
-                os.fsync(f.fileno())
-                size = f.tell()
-            _replace_releasing_later(tmp, path)
-            fsync_dir(path.parent)
-            return size
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise
-    except OSError as e:
-        raise SnapshotError(f"{path}: cannot write: {e}") from e
-
-
-def open_regular(path: Path):
-    """An unbuffered binary file on `path`, which must be a regular file. Opened with
-    O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever (the
-    flag changes nothing for I/O on a regular file)."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        raise SnapshotError(f"{path}: cannot read: {e}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise SnapshotError(f"{path}: not a regular file")
-        return os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _replace_releasing_later(tmp: Path, path: Path) -> None:
-    """os.replace(tmp, path), but the replaced file's storage is released by a background
-    thread: renaming over a large file frees its blocks inside rename() (30 ms for 128 MiB
-    here), on the spill's critical path. Holding an fd across the rename moves that work to
-    the fd's close."""
-    try:  # non-blocking: `path` may be a FIFO (replaced like anything else, never opened)
-        old = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        old = None
-    try:
-        os.replace(tmp, path)
-    finally:
-        if old is not None:
-            threading.Thread(target=os.close, args=(old,), daemon=True).start()
-
-
-# The reading side lives in snapshot_read.py (module size); its names stay importable from
-# here, lazily, as they always were.
-_READER = ("read_header", "read_frame", "read_blocks", "check_compatible", "block_shapes",
-           "block_raw_length", "describe")
-
-
-def __getattr__(name: str):
-    if name in _READER:
-        from kvsession.tiers import snapshot_read
-
-        return getattr(snapshot_read, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,5 @@
-"""Reading `.kvs` snapshots: the format is defined in kvsession/tiers/snapshot.py (and
-docs/snapshot-format.md); this module is its reader, split out to keep both small.
+"""Reading `.kvs` snapshots: the format (layout, schema, bounds) is defined in
+kvsession/tiers/snapshot_format.py (and docs/snapshot-format.md); this module is its reader.
 
 A snapshot may come from anywhere (a copied file, a crafted one), so nothing read from it
 is trusted before it is bounded. The reader never allocates in proportion to a number the
@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Literal
 
 import lz4.frame
 import msgspec
@@ -42,105 +41,30 @@ import torch
 from kvsession.cache.block_pool import blocks_for
 from kvsession.errors import SnapshotError
 from kvsession.tiers.checksum import crc32
-from kvsession.tiers.snapshot import (
-    _FOOTER,
-    _FOOTER_LEN,
-    _PREFIX_LEN,
+from kvsession.tiers.files import open_regular
+from kvsession.tiers.snapshot_format import (
     END_MAGIC,
+    FOOTER,
+    FOOTER_LEN,
     FORMAT_VERSION,
+    HASH_BYTES,
+    KV_TENSOR_SETS,
     MAGIC,
+    MAX_EXTRA_MESSAGES,
     MAX_HEADER_BYTES,
-    SESSION_ID_PATTERN,
+    MAX_LOG_TOKENS,
+    MAX_SAMPLING_BYTES,
+    PREFIX_LEN,
+    TOKEN_ID_BYTES,
     Chunk,
+    HexHash,
+    HistoryState,
+    SamplingFields,
+    SnapshotFrame,
     SnapshotHeader,
+    TokenId,
     block_prefix,
-    open_regular,
 )
-
-# a message renders into tokens, except a few added after the last turn (tool results)
-# or dropped by a template: at most this many beyond one per token. It bounds the dicts a
-# header can make (a minimal message is 24 bytes of JSON but some 300 bytes of objects)
-MAX_EXTRA_MESSAGES = 4096
-MAX_SAMPLING_BYTES = 1 << 20  # a response_format's schema or grammar is in it
-MAX_GEOMETRY = 1 << 16  # layers, KV heads, head dim (far above any model)
-MAX_BLOCK_SIZE = 1024  # as EngineConfig allows
-MAX_TOKEN_ID = 1 << 31
-_TOKEN_ID_BYTES = len(str(MAX_TOKEN_ID)) + 1  # the longest id and its comma
-_HASH_BYTES = 64 + 3  # a quoted hex sha256 and its comma
-KV_TENSOR_SETS = ({"k", "v"}, {"k", "v", "k_scale", "v_scale"})
-
-_Geometry = Annotated[int, msgspec.Meta(ge=1, le=MAX_GEOMETRY)]
-_Digest = Annotated[str, msgspec.Meta(max_length=256)]
-_TokenId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN_ID)]
-_HexHash = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
-
-
-class SnapshotFrame(msgspec.Struct, frozen=True):
-    """Stage one of a header: its scalars, each within bounds; variable-length fields raw."""
-
-    format_version: int
-    session_id: Annotated[str, msgspec.Meta(pattern=f"^{SESSION_ID_PATTERN}$")]
-    created_unix_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
-    model_fingerprint: _Digest
-    tokenizer_digest: _Digest
-    template_digest: _Digest
-    kv_dtype: Annotated[str, msgspec.Meta(max_length=32)]
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
-    num_layers: _Geometry
-    num_kv_heads: _Geometry
-    head_dim: _Geometry
-    tensor_names: msgspec.Raw
-    token_ids: msgspec.Raw
-    messages: msgspec.Raw
-    sampling: msgspec.Raw
-    system: msgspec.Raw
-    block_hashes: msgspec.Raw
-    chunks: msgspec.Raw
-    history: msgspec.Raw = msgspec.Raw(b"null")
-
-
-MAX_LOG_TOKENS = 1 << 22  # a session's token log (max_model_len is far below)
-
-
-class HistoryState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A session's history as snapshots and logs store it: the mode, the token log (append
-    mode: what the session's next turn extends) and how many trailing messages are not
-    rendered into it yet (added without a reply)."""
-
-    mode: Literal["append", "template"]
-    log: Annotated[list[_TokenId], msgspec.Meta(max_length=MAX_LOG_TOKENS)] = []
-    pending: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
-    # the session's tools and chat_template_kwargs as JSON text ("" when none): what its
-    # template renders with
-    tools: Annotated[str, msgspec.Meta(max_length=1 << 20)] = ""
-    template_kwargs: Annotated[str, msgspec.Meta(max_length=1 << 16)] = ""
-
-
-class _Sampling(msgspec.Struct):
-    """The session's sampling defaults as a header stores them: exact types, each optional
-    (the store validates the values through SamplingParams)."""
-
-    max_tokens: int | msgspec.UnsetType = msgspec.UNSET
-    temperature: float | msgspec.UnsetType = msgspec.UNSET
-    top_p: float | msgspec.UnsetType = msgspec.UNSET
-    top_k: int | msgspec.UnsetType = msgspec.UNSET
-    seed: int | None | msgspec.UnsetType = msgspec.UNSET
-    stop: str | list[str] | None | msgspec.UnsetType = msgspec.UNSET
-    stop_token_ids: list[int] | None | msgspec.UnsetType = msgspec.UNSET
-    ignore_eos: bool | msgspec.UnsetType = msgspec.UNSET
-    logprobs: int | None | msgspec.UnsetType = msgspec.UNSET
-    cache_salt: str | None | msgspec.UnsetType = msgspec.UNSET
-    min_p: float | msgspec.UnsetType = msgspec.UNSET
-    min_tokens: int | msgspec.UnsetType = msgspec.UNSET
-    repetition_penalty: float | msgspec.UnsetType = msgspec.UNSET
-    presence_penalty: float | msgspec.UnsetType = msgspec.UNSET
-    frequency_penalty: float | msgspec.UnsetType = msgspec.UNSET
-    logit_bias: list[tuple[int, float]] | None | msgspec.UnsetType = msgspec.UNSET
-    # a StructuredOutput's fields (json_schema as canonical JSON text)
-    structured: dict[str, str | bool | None] | None | msgspec.UnsetType = msgspec.UNSET
-
-
-SAMPLING_FIELD_NAMES = _Sampling.__struct_fields__
 
 
 def _pread(f, n: int, offset: int) -> bytes:
@@ -163,21 +87,21 @@ def read_frame(path: Path) -> tuple[SnapshotFrame, int]:
     with open_regular(path) as f:
         try:
             size = os.fstat(f.fileno()).st_size
-            prefix = _pread(f, _PREFIX_LEN, 0)
-            if len(prefix) < _PREFIX_LEN or prefix[: len(MAGIC)] != MAGIC:
+            prefix = _pread(f, PREFIX_LEN, 0)
+            if len(prefix) < PREFIX_LEN or prefix[: len(MAGIC)] != MAGIC:
                 raise SnapshotError(f"{path}: not a kvsession snapshot (bad magic)")
             (version,) = struct.unpack("<I", prefix[len(MAGIC):])
             if version != FORMAT_VERSION:
                 raise SnapshotError(f"{path}: unknown snapshot format version {version} "
                                     f"(this build reads version {FORMAT_VERSION})")
-            if size < _PREFIX_LEN + _FOOTER_LEN:
+            if size < PREFIX_LEN + FOOTER_LEN:
                 raise SnapshotError(f"{path}: truncated (no footer)")
-            footer = _pread(f, _FOOTER_LEN, size - _FOOTER_LEN)
-            if footer[_FOOTER.size:] != END_MAGIC:
+            footer = _pread(f, FOOTER_LEN, size - FOOTER_LEN)
+            if footer[FOOTER.size:] != END_MAGIC:
                 raise SnapshotError(f"{path}: truncated or corrupted (bad footer)")
-            header_len, crc = _FOOTER.unpack(footer[: _FOOTER.size])
-            start = size - _FOOTER_LEN - header_len
-            if start < _PREFIX_LEN:
+            header_len, crc = FOOTER.unpack(footer[: FOOTER.size])
+            start = size - FOOTER_LEN - header_len
+            if start < PREFIX_LEN:
                 raise SnapshotError(f"{path}: corrupted footer (header length {header_len})")
             if header_len > MAX_HEADER_BYTES:  # before reading it: the bound on all below
                 raise SnapshotError(f"{path}: header of {header_len} bytes is over the "
@@ -229,17 +153,17 @@ def read_header(path: Path, expect: dict | None = None) -> SnapshotHeader:
     chunks = _decode(path, "chunks", frame.chunks, list[Chunk])
     _check_chunks(path, frame, names, chunks, payload_end)
     bs, num_blocks = frame.block_size, len(chunks)
-    tokens = _decode(path, "token_ids", frame.token_ids, list[_TokenId],
-                     num_blocks * bs * _TOKEN_ID_BYTES + 2)
+    tokens = _decode(path, "token_ids", frame.token_ids, list[TokenId],
+                     num_blocks * bs * TOKEN_ID_BYTES + 2)
     if blocks_for(len(tokens), bs) != num_blocks:
         raise SnapshotError(f"{path}: header does not match the payload: "
                             f"{len(tokens)} tokens but {num_blocks} blocks")
-    hashes = _decode(path, "block_hashes", frame.block_hashes, list[_HexHash],
-                     len(tokens) // bs * _HASH_BYTES + 2)
+    hashes = _decode(path, "block_hashes", frame.block_hashes, list[HexHash],
+                     len(tokens) // bs * HASH_BYTES + 2)
     if len(hashes) != len(tokens) // bs:
         raise SnapshotError(f"{path}: header does not match the payload: {len(hashes)} "
                             f"block hashes for {len(tokens) // bs} full blocks")
-    sampling = _decode(path, "sampling", frame.sampling, _Sampling, MAX_SAMPLING_BYTES)
+    sampling = _decode(path, "sampling", frame.sampling, SamplingFields, MAX_SAMPLING_BYTES)
     system = _decode(path, "system", frame.system, str | None)
     max_messages = MAX_EXTRA_MESSAGES + len(tokens)
     if _more_objects_than(frame.messages, max_messages):
@@ -265,7 +189,7 @@ def read_header(path: Path, expect: dict | None = None) -> SnapshotHeader:
 
 def _decode_history(path: Path, raw) -> dict | None:
     state = _decode(path, "history", raw, HistoryState | None,
-                    MAX_LOG_TOKENS * _TOKEN_ID_BYTES + (1 << 21))
+                    MAX_LOG_TOKENS * TOKEN_ID_BYTES + (1 << 21))
     return None if state is None else msgspec.structs.asdict(state)
 
 
@@ -294,7 +218,7 @@ def _check_chunks(path: Path, frame: SnapshotFrame, names: list[str], chunks: li
     declared geometry (so nothing decompresses past it) and is no larger than that (the
     writer stores a block as is when lz4 does not shrink it)."""
     raw_len = block_raw_length(frame, names)
-    pos = _PREFIX_LEN
+    pos = PREFIX_LEN
     for i, c in enumerate(chunks):
         if c.offset != pos or c.offset + c.length > payload_end:
             raise SnapshotError(f"{path}: header does not match the payload: chunk at "

@@ -57,12 +57,14 @@ import msgspec
 
 from kvsession.errors import SnapshotError
 from kvsession.tiers.checksum import crc32
-from kvsession.tiers.snapshot import SESSION_ID_PATTERN, open_regular
-from kvsession.tiers.snapshot_read import (
+from kvsession.tiers.files import open_regular
+from kvsession.tiers.snapshot_format import (
     MAX_EXTRA_MESSAGES,
-    MAX_TOKEN_ID,
+    SESSION_ID_PATTERN,
+    Digest,
     HistoryState,
-    _Sampling,
+    SamplingFields,
+    TokenId,
 )
 
 LOG_MAGIC = b"KVSLOG\x00\x01"
@@ -78,21 +80,19 @@ MAX_MESSAGE_FIELDS = 32
 IDENTITY_FIELDS = ("model_fingerprint", "tokenizer_digest", "template_digest", "kv_dtype",
                    "block_size")
 
-_TokenId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN_ID)]
-_Tokens = Annotated[list[_TokenId], msgspec.Meta(max_length=MAX_TOKENS)]
+_Tokens = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)]
 _Message = Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], str],
                      msgspec.Meta(max_length=MAX_MESSAGE_FIELDS)]
 _Messages = Annotated[list[_Message], msgspec.Meta(max_length=MAX_MESSAGES_PER_RECORD)]
-_Digest = Annotated[str, msgspec.Meta(max_length=256)]
 _Seq = Annotated[int, msgspec.Meta(ge=1, lt=1 << 62)]
 
 
 class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The engine a log was written for: its KV must not be mixed with another's."""
 
-    model_fingerprint: _Digest
-    tokenizer_digest: _Digest
-    template_digest: _Digest
+    model_fingerprint: Digest
+    tokenizer_digest: Digest
+    template_digest: Digest
     kv_dtype: Annotated[str, msgspec.Meta(max_length=32)]
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)]
 
@@ -106,7 +106,7 @@ class BaseRecord(msgspec.Struct, frozen=True, tag="base"):
     identity: Identity
     unix_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
     system: str | None
-    sampling: _Sampling
+    sampling: SamplingFields
     messages: _Messages
     tokens: _Tokens
     # the history mode (append: `tokens` is the session's token log) and the messages not
@@ -121,7 +121,7 @@ class TurnRecord(msgspec.Struct, frozen=True, tag="turn"):
     messages: _Messages
     keep: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
     tokens: _Tokens
-    sampling: _Sampling
+    sampling: SamplingFields
     pending: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0  # as HistoryState.pending
 
 
@@ -167,16 +167,16 @@ class LogScan:
         return self.size > self.end
 
 
-def sampling_struct(path: Path, sampling: dict) -> _Sampling:
+def sampling_struct(path: Path, sampling: dict) -> SamplingFields:
     """The sampling fields as the log stores them (typed: what the reader accepts)."""
     try:
         return msgspec.convert({k: v for k, v in sampling.items()
-                                if k in _Sampling.__struct_fields__}, _Sampling)
+                                if k in SamplingFields.__struct_fields__}, SamplingFields)
     except msgspec.ValidationError as e:
         raise SnapshotError(f"{path}: sampling parameters not storable: {e}") from None
 
 
-def sampling_dict(s: _Sampling) -> dict:
+def sampling_dict(s: SamplingFields) -> dict:
     return {k: v for k, v in msgspec.structs.asdict(s).items() if v is not msgspec.UNSET}
 
 
@@ -376,7 +376,7 @@ def truncate(path: Path, end: int) -> None:
 
 
 def base_record(session_id: str, seq: int, identity: Identity, system: str | None,
-                sampling: _Sampling, messages: list[dict], tokens,
+                sampling: SamplingFields, messages: list[dict], tokens,
                 history: HistoryState) -> BaseRecord:
     return BaseRecord(seq=seq, session_id=session_id, identity=identity, unix_s=time.time(),
                       system=system, sampling=sampling, messages=list(messages),
@@ -391,7 +391,7 @@ def history_struct(path: Path, history: dict) -> HistoryState:
 
 
 def turn_record(seq: int, identity: Identity, messages: list[dict], keep: int, tokens,
-                sampling: _Sampling, pending: int) -> TurnRecord:
+                sampling: SamplingFields, pending: int) -> TurnRecord:
     return TurnRecord(seq=seq, identity_digest=identity.digest(), unix_s=time.time(),
                       messages=list(messages), keep=keep, tokens=list(tokens),
                       sampling=sampling, pending=pending)

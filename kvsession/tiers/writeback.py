@@ -66,7 +66,8 @@ from kvsession.tiers.segments import (
     scan_segment,
     start_bytes,
 )
-from kvsession.tiers.snapshot import MIN_LZ4_SAVING, Chunk, encode_block
+from kvsession.tiers.snapshot import MIN_LZ4_SAVING, encode_block
+from kvsession.tiers.snapshot_format import Chunk
 from kvsession.tiers.staging import StagingBuffers
 from kvsession.tiers.wal import IDENTITY_FIELDS, Identity, read_log
 

@@ -1,0 +1,62 @@
+"""The whole engine's integrity, checked: every device block reference accounted to a
+holder and every host block held once or free (`KVCacheManager.check_integrity`), and,
+at close with no request in flight, the pool back to its baseline (only sessions, pins
+and blocks a remote worker may still write hold blocks). The test suite turns checking on
+(KVSESSION_CHECK_INTEGRITY): after every step of small pools, at close, and close raises
+the first failure seen."""
+
+from __future__ import annotations
+
+import os
+
+from kvsession.cache.manager import HolderKind, KVCacheManager
+from kvsession.engine.loop import Engine
+from kvsession.engine.scheduler import Scheduler
+from kvsession.tiers.host import HostPool
+
+# set (to anything) by the test suite: check holder-level integrity after every step of
+# small pools and when the LLM closes, and raise from close() if it ever failed
+CHECK_INTEGRITY_ENV = "KVSESSION_CHECK_INTEGRITY"
+
+
+class IntegrityCheck:
+    """Engine thread only (or after it stopped). `failure`: the first failure seen."""
+
+    def __init__(self, manager: KVCacheManager, host: HostPool | None, scheduler: Scheduler,
+                 engine: Engine):
+        self.manager, self.host, self.scheduler, self.engine = manager, host, scheduler, engine
+        self.checking = bool(os.environ.get(CHECK_INTEGRITY_ENV))
+        self.failure: AssertionError | None = None
+
+    def now(self) -> None:
+        """The pool's invariants, every device reference accounted to a holder, every host
+        block held once or free."""
+        self.manager.check_integrity(self.host)
+
+    def after_step(self) -> None:
+        """A step observer: `now`, its failure recorded (and raised: the step fails)."""
+        try:
+            self.now()
+        except AssertionError as e:
+            self.failure = self.failure or e
+            raise
+
+    def at_rest(self) -> None:
+        """At close: `now`, and when no request is in flight the pool is back to its
+        baseline: only sessions and pins hold blocks (and quarantined blocks a worker may
+        still write). A failure is recorded and raised."""
+        try:
+            self.now()
+            if self.scheduler.has_work():
+                return
+            held_for_proof = self.engine.quarantine_at_rest()
+            for kind in (HolderKind.SEQUENCE, HolderKind.TRANSIENT,
+                         *(() if held_for_proof else (HolderKind.QUARANTINE,))):
+                if self.manager.num_held(kind):
+                    raise AssertionError(
+                        f"{self.manager.num_held(kind)} block references still held by "
+                        f"{kind.value} holders with no request in flight: "
+                        f"{self.manager.holders()}")
+        except AssertionError as e:
+            self.failure = self.failure or e
+            raise

@@ -1,0 +1,77 @@
+"""`llm.stats()`: the counters of every component of one engine gathered into a `Stats`
+struct (kvsession/metrics.py). The counters are the engine thread's: `now` runs there,
+between two steps; the disk tier's room is a file-system query, added on the caller's
+thread (`add_disk_room`: a slow mount must not stall decoding)."""
+
+from __future__ import annotations
+
+from kvsession.cache.block_pool import BlockPool, blocks_for
+from kvsession.cache.manager import Tier
+from kvsession.cache.prefix import PrefixCache
+from kvsession.engine.loop import Engine
+from kvsession.engine.scheduler import Scheduler
+from kvsession.metrics import SLO, LatencyTracker, PrefixStats, Stats, TierStats
+from kvsession.remote_offload import remote_stats
+from kvsession.tiers.disk import DiskTier
+from kvsession.tiers.host import HostPool
+from kvsession.tiers.policy import TierPolicy
+
+
+class StatsCollector:
+    def __init__(self, pool: BlockPool, prefix: PrefixCache, host: HostPool | None,
+                 disk: DiskTier | None, policy: TierPolicy, scheduler: Scheduler,
+                 engine: Engine, latency: LatencyTracker, connector, block_size: int,
+                 kv_bytes_per_token: int):
+        self.pool, self.prefix, self.host, self.disk = pool, prefix, host, disk
+        self.policy, self.scheduler, self.engine, self.latency = policy, scheduler, engine, latency
+        self.connector = connector  # the prefill connector, or None
+        self.block_size, self.kv_bytes_per_token = block_size, kv_bytes_per_token
+
+    def now(self, slo: SLO) -> Stats:
+        """Engine thread: every counter as it is between two steps."""
+        pool, bs, bpt = self.pool, self.block_size, self.kv_bytes_per_token
+        pins = self.prefix.pins
+        device = TierStats(
+            blocks_total=pool.num_blocks, blocks_used=pool.num_blocks - pool.num_free,
+            blocks_free=pool.num_free, blocks_pinned=pins.num_pinned_blocks,
+            bytes_per_token=bpt, tokens_capacity=pool.num_blocks * bs)
+        host = TierStats(bytes_per_token=bpt)
+        if self.host is not None:
+            hp = self.host
+            host = TierStats(blocks_total=hp.num_blocks, blocks_used=hp.num_blocks - hp.num_free,
+                             blocks_free=hp.num_free, bytes_per_token=bpt,
+                             tokens_capacity=hp.num_blocks * bs)
+        disk = TierStats(bytes_per_token=bpt)
+        if self.disk is not None:  # sessions whose KV lives only there (free: see add_disk_room)
+            disk.blocks_used = sum(blocks_for(len(s.tokens), bs) for s in self.policy.sessions
+                                   if s.tier is Tier.DISK)
+        q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
+        lat, goodput, attainment = self.latency.summary(slo)
+        return Stats(
+            tiers={"device": device, "host": host, "disk": disk},
+            prefix=PrefixStats(queried_tokens=q, hit_tokens=h, hit_rate=h / q if q else 0.0,
+                               evictions=pool.num_evictions, cached_blocks=len(pool.index),
+                               pinned_blocks=pins.num_pinned_blocks,
+                               pinned_bytes=pins.num_pinned_blocks * bs * bpt,
+                               num_pins=len(pins.pins),
+                               eviction_policy=pool.eviction.value,
+                               evictions_by_copy=dict(pool.evictions_by_copy),
+                               evictions_by_reason=dict(pool.evictions_by_reason)),
+            spills=dict(self.policy.spills), restores=dict(self.policy.restores),
+            recomputes=self.policy.recomputes, remote=remote_stats(self.connector), latency=lat,
+            goodput_tokens_per_s=goodput, slo_attainment=attainment,
+            num_requests=self.latency.num_requests,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefill_tokens=self.engine.prefill_tokens,
+            generated_tokens=self.engine.generated_tokens)
+
+    def add_disk_room(self, st: Stats) -> Stats:
+        """Caller's thread: the disk tier's free blocks (what is left on session_dir's
+        file system) and the cuts crash recovery made to session logs."""
+        if self.disk is not None:
+            d, bs = st.tiers["disk"], self.block_size
+            d.blocks_free = self.disk.free_bytes() // (d.bytes_per_token * bs)
+            d.blocks_total = d.blocks_used + d.blocks_free
+            d.tokens_capacity = d.blocks_total * bs
+            st.recovery = list(self.disk.recoveries)
+        return st
