@@ -108,6 +108,50 @@ def refuse_unenforced(node, where: str, path: str = "") -> None:
         refuse_unenforced(sub, where, path + suffix)
 
 
+def regex_error(pattern: str) -> str | None:
+    """Why `pattern` is no regular expression, or None. JSON Schema's dialect is ECMA 262's,
+    which Python's `re` approximates and xgrammar (which compiles it for structured output)
+    knows a subset of: a pattern is refused only when both reject it (Python's `re` alone
+    without xgrammar), so a valid one is not refused for one parser's gaps (what the
+    grammar engine cannot enforce is refused when it must be compiled)."""
+    try:
+        re.compile(pattern)
+        return None
+    except re.error as e:
+        why = str(e)
+    except (RecursionError, OverflowError, ValueError):
+        why = None  # too deep for Python's parser to tell
+    try:
+        xgr = xgrammar_module()
+    except ConfigError:
+        return why
+    try:
+        xgr.Grammar.from_regex(pattern)
+        return None
+    except (RuntimeError, ValueError, TypeError) as e:
+        # xgrammar reports "[time] file.cc:line: message": keep the message
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return why or (msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg)
+
+
+def check_patterns(schema, where: str, path: str = "") -> None:
+    """ConfigError naming `where` when a `pattern` (or a patternProperties key) anywhere in
+    the JSON schema is no regular expression: checked where a schema enters (a tool's
+    parameters are compiled only when a call is forced, so a bad one went unnoticed)."""
+    if not isinstance(schema, dict):
+        return
+    regexes = [("pattern", schema["pattern"])] if isinstance(schema.get("pattern"), str) else []
+    if isinstance(schema.get("patternProperties"), dict):
+        regexes += [("patternProperties", k) for k in schema["patternProperties"]]
+    for keyword, regex in regexes:
+        why = regex_error(regex)
+        if why is not None:
+            raise ConfigError(f"{where} has an invalid regular expression in {keyword!r} (at "
+                              f"{path or '/'}): {regex!r:.80}: {why}")
+    for suffix, sub in _subschemas(schema):
+        check_patterns(sub, where, path + suffix)
+
+
 def checked_schema(schema, where: str):
     """`schema` as it is given to xgrammar: refuse_unenforced, then
     bounded_strings_as_patterns."""

@@ -145,6 +145,8 @@ def json_copy(value, where: str):
         copy = json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where} must hold JSON values only: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{where} is nested too deeply") from None
     if copy != value:
         raise ConfigError(f"{where} must hold JSON values only (dicts with str keys, lists, "
                           f"str, numbers, bool, None), got {value!r:.80}")
@@ -189,7 +191,15 @@ def check_tools(tools) -> list[dict]:
             if params.get("type", "object") != "object":
                 raise ConfigError(f"{where}.function.parameters must describe an object (the "
                                   f"call's arguments), got type {params['type']!r}")
-        out.append(json_copy(tool, where))
+        copy = json_copy(tool, where)  # (JSON values only, depth bounded: then walked)
+        if params is not None:
+            from kvsession.structured import check_patterns
+
+            try:
+                check_patterns(copy["function"]["parameters"], f"{where}.function.parameters")
+            except RecursionError:
+                raise ConfigError(f"{where}.function.parameters is nested too deeply") from None
+        out.append(copy)
     return out
 
 

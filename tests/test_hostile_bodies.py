@@ -7,6 +7,7 @@ ingress's parse) are called directly."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -381,3 +382,25 @@ def test_content_types_in_process():
         with pytest.raises(P.APIError) as e:
             P.check_content_type(bad)
         assert e.value.status == 400 and e.value.code == "unsupported_content_type"
+
+
+def test_tool_schemas_with_invalid_regexes_are_refused_in_process():
+    """A tool's parameters are compiled only when a call is forced: with tool_choice
+    "auto" an invalid pattern went unnoticed in-process (the server refused it)."""
+    from kvsession.tools import check_tools
+
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}}]
+    deep = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": functools.reduce(
+            lambda s, _: {"items": s}, range(5000), {})}}}}]
+
+    with pytest.raises(ConfigError, match=r"tools\[0\]\.function\.parameters has an invalid "
+                                          r"regular expression in 'pattern' \(at /properties/a"):
+        check_tools(bad)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        check_tools(deep)
+    named_group = {"type": "string", "pattern": "^(?<y>[0-9]+)$"}  # ECMA, not Python
+    ok = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": named_group}}}}]
+    assert check_tools(ok) == ok

@@ -693,7 +693,8 @@ def test_errors_are_openai_json_and_fail_alone(server, hermes_dir):
         list(c.chat.completions.create(model=name, messages=long, max_tokens=4, stream=True))
     assert e.value.status_code == 413
     status, body = server.http("POST", "/v1/chat/completions", b"{not json",
-                               {"Authorization": f"Bearer {KEY}"})
+                               {"Authorization": f"Bearer {KEY}",
+                                "Content-Type": "application/json"})
     assert status == 400 and set(json.loads(body)["error"]) == {
         "message", "type", "param", "code"}
     status, body = server.http("GET", "/v1/nothing")

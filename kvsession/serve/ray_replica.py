@@ -150,8 +150,10 @@ class Replica:
     async def release(self, request: Request) -> JSONResponse:
         check_bearer(request, self.api_key)
         try:
-            sid = json.loads(await request.body())["session_id"]
-        except (ValueError, KeyError, TypeError):
+            body = await request.body()
+            P.check_nesting(body)  # (json.loads recurses: a deep body was a 500)
+            sid = json.loads(body)["session_id"]
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise P.APIError(400, 'the body must be {"session_id": "..."}',
                              param="session_id") from None
         if not isinstance(sid, str):
