@@ -4,8 +4,9 @@ Between turns a Session holds references on the blocks of every token it has com
 (prompt and generated), so nothing it needs is evicted while it is idle. A turn hands those
 references to the turn's Sequence (attached blocks) and takes them back when it finishes:
 at any moment exactly one of them owns the references (the KVCacheManager moves them). All
-block work happens on the engine thread, through the `SessionStore` (the typed interface to
-the engine side); the caller's thread only renders and tokenizes.
+block work happens on the engine thread: a turn goes one way, through the `TurnExecutor`
+(kvsession/turns.py), and the log gets a typed `LogEntry`; the `SessionStore` only creates,
+forks and closes sessions. The caller's thread renders and tokenizes.
 
 History (kvsession/history.py): in append mode (the default) the session's token log is
 the truth: a turn's prompt is the log plus the delta the template renders for the new
@@ -18,12 +19,13 @@ token prefix with the cached tokens (`Reply.diverged_at`), so it yields exactly 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import queue
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -43,10 +45,12 @@ from kvsession.model.tokenizer import check_messages, message_content
 from kvsession.outputs import DeltaText
 from kvsession.params import SamplingParams
 from kvsession.sampling_record import OVERRIDE_FIELDS, sampling_record
+from kvsession.tiers.commit import SessionLog
 from kvsession.tiers.recovery import LogRecovery
 from kvsession.tiers.snapshot import messages_to_text
 from kvsession.tools import ToolSpec
 from kvsession.turn_queue import TurnQueue
+from kvsession.turns import LogEntry, SessionOptions, TurnExecutor, TurnInfo
 from kvsession.validation import check_bool, check_float, check_path, check_str
 
 if TYPE_CHECKING:  # the store imports this module; only the type is needed here
@@ -99,28 +103,6 @@ class SessionStats:
     recovery: list[LogRecovery] = field(default_factory=list)
 
 
-@dataclass
-class TurnInfo:
-    """Filled on the engine thread when a turn starts."""
-
-    restored_from: str | None = None
-    diverged_at: int | None = None
-    tokens: tuple[int, ...] = ()  # whose KV the session holds after the turn (its log record)
-
-
-
-
-@dataclass(frozen=True)
-class SessionOptions:
-    """A session's rendering (template, tools, chat_template_kwargs), history mode and,
-    when resumed, restored or forked, its token log and pending message count."""
-
-    renderer: ChatRenderer
-    history: HistoryMode = HistoryMode.APPEND
-    log: tuple[int, ...] = ()
-    pending: int = 0
-
-
 class _Unset:
     """An override not given (None is a value: e.g. seed=None); named in help()."""
 
@@ -149,14 +131,19 @@ def _tool_args(args: dict) -> tuple:
 class Session:
     """A conversation handle. Thread-safe; sends to one session run in call order."""
 
-    def __init__(self, store: SessionStore, session_id: str | None, system: str | None,
-                 sampling: SamplingParams | None, messages: list[dict] | None = None,
+    def __init__(self, store: SessionStore, turns: TurnExecutor, session_id: str | None,
+                 system: str | None, sampling: SamplingParams | None,
+                 messages: list[dict] | None = None,
                  history: HistoryMode = HistoryMode.APPEND,
                  renderer: ChatRenderer | None = None, log: list[int] | None = None,
-                 pending: int = 0):
-        self._store = store
+                 pending: int = 0, slog: SessionLog | None = None):
+        # lifecycle (fork, close) goes to the store; a turn and the work on the session's
+        # KV between turns go one way, to the executor (kvsession/turns.py)
+        self._store, self._exec = store, turns
+        # durability="turn": the log this session's records go to (the store opened it)
+        self._slog = slog
         self.history = history
-        self.renderer = renderer or ChatRenderer(store.tokenizer)
+        self.renderer = renderer or ChatRenderer(turns.tokenizer)
         # append history: the token log (prompt and reply tokens as computed/generated) and
         # how many trailing messages are not rendered into it yet (added without a reply)
         self._log: list[int] = list(log or ())
@@ -257,7 +244,7 @@ class Session:
                               "history='template' to change them per turn")
         tools = self.renderer.tools if tools is UNSET else tools
         spec = ToolSpec.from_args(tools, None if tool_choice is UNSET else tool_choice,
-                                  self._store.tokenizer)
+                                  self._exec.tokenizer)
         if spec is not None:
             params = spec.constrain(params)
         return new_msgs, params, spec
@@ -267,8 +254,9 @@ class Session:
         """Render and submit. Returns (seq, turn info, future). Runs in the caller's thread,
         after the previous turn of this session finished."""
         self._check_open()
-        ids = self._store.validate_prompt(self._render_turn(new_msgs, spec))
-        return self._store.submit_turn(self.kv, ids, params, on_update)
+        # (validated once, as the turn's Sequence is built)
+        return self._exec.submit(self.kv, self._render_turn(new_msgs, spec), params,
+                                 on_update, self._slog)
 
     def _render_turn(self, new_msgs: list[dict], spec: ToolSpec | None) -> list[int]:
         """The turn's prompt: append history extends the log by the template's delta for
@@ -293,9 +281,9 @@ class Session:
                 spec: ToolSpec | None) -> Reply:
         """Record the finished turn (caller's thread; the KV went back on the engine
         thread)."""
-        out = self._store.output(seq)
+        out = self._exec.output(seq)
         reasoning, text = None, out.text
-        if template_marks_reasoning(self._store.tokenizer.chat_template):
+        if template_marks_reasoning(self._exec.tokenizer.chat_template):
             reasoning, text = split_reasoning(out.text)
         calls = []
         if spec is not None:
@@ -346,10 +334,20 @@ class Session:
                 prev.result()
             seq, info, fut = self._start(new_msgs, params, spec)
             reply = self._finish(fut.result(), new_msgs, info, spec)
-            self._wait_durable(self._store.commit(self, self._record_tokens(info), params))
+            self._wait_durable(self._commit(self._record_tokens(info), params))
             return reply
         finally:
             self._turns.leave(mine)
+
+    def _commit(self, tokens: tuple[int, ...] | None, params: SamplingParams) -> Future | None:
+        """durability="turn": this session's state after a turn, handed to its log as a
+        typed record (`tokens`: None when unchanged); None without a log."""
+        if self._slog is None:
+            return None
+        history = self.history_state()
+        del history["log"]  # the record's tokens are the log in append history
+        return self._exec.commit(self._slog, LogEntry(
+            self.messages, tokens, params, self.system, self.sampling, history))
 
     def _record_tokens(self, info: TurnInfo) -> tuple[int, ...]:
         """What the turn's log record holds: the token log (append history) or the token
@@ -409,7 +407,7 @@ class Session:
                 self._abandon(seq, fut, mine)
                 raise
             reply = self._finish(done, new_msgs, info, spec)
-            await self._await_durable(self._store.commit(self, self._record_tokens(info), params))
+            await self._await_durable(self._commit(self._record_tokens(info), params))
             return reply
         finally:
             if not abandoned:
@@ -434,7 +432,7 @@ class Session:
                 new_msgs, params, spec, on_update=lambda s: updates.put(s.num_tokens))
             fut.add_done_callback(lambda f: updates.put(None))
             st = self._turns.open_stream(seq, fut, mine)
-            delta = DeltaText(self._store.tokenizer.decode, seq.params.stop_strings)
+            delta = DeltaText(self._exec.tokenizer.decode, seq.params.stop_strings)
             sent_tokens = 0
             try:
                 while (n := updates.get()) is not None:
@@ -455,7 +453,65 @@ class Session:
                 raise SessionClosedError(f"session {self.session_id!r} was closed while this "
                                          f"stream was open: its turn was cancelled")
             reply = self._finish(fut.result(), new_msgs, info, spec)
-            self._wait_durable(self._store.commit(self, self._record_tokens(info), params))
+            self._wait_durable(self._commit(self._record_tokens(info), params))
+            sent_text = delta.sent
+            tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
+            yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)
+        finally:
+            if not abandoned and (st is None or self._turns.claim(st)):
+                self._turns.leave(mine)
+
+    async def astream(self, message, *, max_tokens=UNSET, temperature=UNSET, top_p=UNSET,
+             top_k=UNSET, seed=UNSET, stop=UNSET, stop_token_ids=UNSET, ignore_eos=UNSET,
+             logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
+             repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
+             logit_bias=UNSET, response_format=UNSET, structured=UNSET, tools=UNSET,
+             tool_choice=UNSET, **unknown) -> AsyncIterator[StreamChunk]:
+        """`stream` for asyncio (`async for`): the same chunks, awaited without a thread;
+        closing it early (`aclose()`, or the consuming task cancelled) cancels the turn,
+        which then never happened, as for `stream`."""
+        new_msgs, params, spec = self._prepare(message, _overrides(locals()),
+                                              *_tool_args(locals()))
+        mine, prev = self._turns.enter()
+        abandoned, st = False, None
+        try:
+            if prev is not None:
+                try:  # shielded: cancelling this wait must not cancel the turn before
+                    await asyncio.shield(asyncio.wrap_future(prev))
+                except asyncio.CancelledError:  # (as asend: the place is given up in order)
+                    abandoned = True
+                    self._turns.leave_after(prev, mine)
+                    raise
+            loop = asyncio.get_running_loop()
+            updates: asyncio.Queue = asyncio.Queue()
+
+            def post(item) -> None:  # engine thread -> the event loop (closed: nobody listens)
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(updates.put_nowait, item)
+
+            seq, info, fut = self._start(new_msgs, params, spec,
+                                         on_update=lambda s: post(s.num_tokens))
+            fut.add_done_callback(lambda f: post(None))
+            st = self._turns.open_stream(seq, fut, mine)
+            delta = DeltaText(self._exec.tokenizer.decode, seq.params.stop_strings)
+            sent_tokens = 0
+            try:
+                while (n := await updates.get()) is not None:
+                    ids = seq.token_ids[seq.num_prompt_tokens:n]
+                    if text := delta.update(ids):  # (as stream: see there)
+                        yield StreamChunk(text, ids[sent_tokens:])
+                        sent_tokens = len(ids)
+            except (GeneratorExit, asyncio.CancelledError):  # closed or cancelled: so is the turn
+                abandoned = True
+                if self._turns.claim(st):
+                    self._abandon(seq, fut, mine)
+                raise
+            if not self._turns.claim(st):
+                abandoned = True  # the close that took it gives its place up
+                raise SessionClosedError(f"session {self.session_id!r} was closed while this "
+                                         f"stream was open: its turn was cancelled")
+            reply = self._finish(fut.result(), new_msgs, info, spec)
+            await self._await_durable(self._commit(self._record_tokens(info), params))
             sent_text = delta.sent
             tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
             yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)
@@ -478,7 +534,7 @@ class Session:
         complete anyway is dropped too, and the log being the truth, its KV is not used).
         The session's next turn starts once the engine has settled this one and the
         session holds its KV again; nothing here waits for it."""
-        self._store.cancel(seq)
+        self._exec.cancel(seq)
         self._turns.leave_after(fut, mine)
 
     def add(self, role: str, content: str, **fields) -> None:
@@ -494,7 +550,7 @@ class Session:
                 prev.result()
             self._messages.append(msg)
             self._pending += 1
-            self._wait_durable(self._store.commit(self, None, self.sampling))
+            self._wait_durable(self._commit(None, self.sampling))
         finally:
             self._turns.leave(mine)
 
@@ -512,7 +568,7 @@ class Session:
         try:
             if prev is not None:
                 prev.result()
-            return self._store.call(fn).result()
+            return self._exec.call(fn).result()
         except BaseException:
             if seal:
                 self._turns.unseal()
@@ -531,12 +587,12 @@ class Session:
         that fails (disk full, unwritable directory) raises SnapshotError naming the cause;
         the session and any file already at `path` are unchanged."""
         check_path("path", path)
-        self.exclusive(lambda: self._store.save(self.kv, path))
+        self.exclusive(lambda: self._exec.save(self.kv, path))
 
     def save_sealed(self, path) -> None:
         """`save`, the last thing this session does (the store's, at LLM close): a turn
         queued after it raises SessionClosedError. Unsealed if the write fails."""
-        self.exclusive(lambda: self._store.save(self.kv, path), seal=True)
+        self.exclusive(lambda: self._exec.save(self.kv, path), seal=True)
 
     def suspend(self, expected_idle_s: float | None = None) -> str:
         """The session is waiting (tool call, human). The engine decides, by expected waste,
@@ -544,13 +600,13 @@ class Session:
         Returns the decision: "keep" | "host" | "disk" | "drop"."""
         expected_idle_s = check_float("expected_idle_s", expected_idle_s, min_value=0.0,
                                       allow_none=True)
-        return self.exclusive(lambda: self._store.suspend(self.kv, expected_idle_s))
+        return self.exclusive(lambda: self._exec.suspend(self.kv, expected_idle_s))
 
     def prefetch(self) -> Future:
         """Start bringing a spilled session back to the device ahead of its next send;
         returns a Future that resolves when done (or when recompute was chosen)."""
         self._check_open()
-        return self._store.prefetch(self.kv)
+        return self._exec.prefetch(self.kv)
 
     def close(self, delete: bool = False) -> None:
         """Release this session's KV in every tier (idempotent); delete=True also removes its

@@ -1,5 +1,7 @@
-"""SessionStore: the live sessions of one `LLM`, and everything a `Session` needs from the
-engine side (a typed interface; Session never touches the runtime directly).
+"""SessionStore: the live sessions of one `LLM` and their lifecycle: creating, resuming
+and restoring them (their files in session_dir, their locks), forking and closing them,
+persisting them at `llm.close()`. A session's turns do not pass through here: they go one
+way, through the `TurnExecutor` (kvsession/turns.py) the store hands each Session.
 
 Persistence: with `session_dir`, every session alive at `llm.close()` is written to
 `session_dir/<session_id>.kvs`; spilled-to-disk sessions live there already. At start-up
@@ -33,13 +35,9 @@ import json
 import logging
 import os
 import uuid
-from concurrent.futures import Future
 from pathlib import Path
 
-from kvsession.cache.manager import SessionKV, Tier
-from kvsession.cache.prefix import common_prefix_len
-from kvsession.engine.loop import OnUpdate
-from kvsession.engine.sequence import Sequence
+from kvsession.cache.manager import SessionKV
 from kvsession.errors import (
     ConfigError,
     EngineClosedError,
@@ -48,11 +46,10 @@ from kvsession.errors import (
 )
 from kvsession.history import ChatRenderer, HistoryMode, check_template_kwargs
 from kvsession.model.tokenizer import Tokenizer
-from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
 from kvsession.runtime import Runtime
-from kvsession.sampling_record import sampling_from_record, sampling_record
-from kvsession.session import Session, SessionOptions, TurnInfo
+from kvsession.sampling_record import sampling_from_record
+from kvsession.session import Session
 from kvsession.system_pins import SystemPins
 from kvsession.tiers import recovery, wal
 from kvsession.tiers.commit import Op, SessionLog
@@ -60,11 +57,12 @@ from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.files import fsync_dir
 from kvsession.tiers.locks import FileLock, NoLock, lock_session
 from kvsession.tiers.resume import build_plan, open_segment, open_shared
-from kvsession.tiers.snapshot import messages_from_text, messages_to_text
+from kvsession.tiers.snapshot import messages_from_text
 from kvsession.tiers.snapshot_format import SnapshotHeader
 from kvsession.tiers.snapshot_read import read_header
 from kvsession.tiers.writeback import WriteOp
 from kvsession.tools import ToolSpec
+from kvsession.turns import SessionOptions, TurnExecutor
 
 log = logging.getLogger("kvsession")
 # restore tokenizes a snapshot's system prompt (to share its pinned blocks); longer than this
@@ -81,6 +79,7 @@ class SessionStore:
         self.tokenizer: Tokenizer = runtime.tokenizer
         self.live: dict[str, Session] = {}
         self.pins = SystemPins(runtime)  # the shared system prompts
+        self.turns = TurnExecutor(runtime)  # every session's turns go through it
         self._locks: dict[str, FileLock] = {}  # live sessions' ownership of their files
         self._logs: dict[str, SessionLog] = {}  # durability="turn": live sessions' logs
 
@@ -164,18 +163,20 @@ class SessionStore:
             except BaseException:
                 lock.release()
                 raise
+        if self.rt.journal is not None and slog is None:  # (no file until its first record)
+            slog = SessionLog(disk.log_path(session_id), session_id, self.rt.log_identity)
         try:
             sess = self._make_session(session_id, system, sampling, system_key, messages,
-                                      options or SessionOptions(ChatRenderer(self.tokenizer)))
+                                      options or SessionOptions(ChatRenderer(self.tokenizer)),
+                                      slog)
         except BaseException:
             if lock is not None:
                 lock.release()
             raise
         if lock is not None:
             self._locks[session_id] = lock
-        if self.rt.journal is not None:
-            self._logs[session_id] = slog or SessionLog(
-                disk.log_path(session_id), session_id, self.rt.log_identity)
+        if slog is not None:
+            self._logs[session_id] = slog
         if disk is not None and given:  # what recovery cut from it, whoever did
             sess.stats.recovery = recovery.read_events(disk.root, session_id)
         self.live[sess.session_id] = sess
@@ -203,9 +204,10 @@ class SessionStore:
 
     def _make_session(self, session_id: str, system: str | None,
                       sampling: SamplingParams | None, system_key,
-                      messages: list[dict] | None, options: SessionOptions) -> Session:
-        sess = Session(self, session_id, system, sampling, messages, options.history,
-                       options.renderer, options.log, options.pending)
+                      messages: list[dict] | None, options: SessionOptions,
+                      slog: SessionLog | None) -> Session:
+        sess = Session(self, self.turns, session_id, system, sampling, messages,
+                       options.history, options.renderer, options.log, options.pending, slog)
         if system_key is not None:  # stored by another process of this directory? read it
             self.pins.warm_from_directory(system_key)
         if system_key is not None and self.pins.acquire(system_key):
@@ -337,72 +339,7 @@ class SessionStore:
         self.rt.manager.on_disk(kv, h.token_ids, hashes, path)
         self.rt.policy.restore_snapshot(kv, h)
 
-    # ---- what a Session asks of the engine ----------------------------------------------------
-
-    def call(self, fn) -> Future:
-        """Run fn on the engine thread."""
-        return self.rt.call(fn)
-
-    def validate_prompt(self, ids: list[int]) -> list[int]:
-        return self.rt.sequences.validate_prompt(ids)
-
-    def output(self, seq: Sequence) -> RequestOutput:
-        return self.rt.sequences.output(seq, prompt=None)
-
-    def commit(self, sess: Session, tokens, params: SamplingParams) -> Future | None:
-        """durability="turn": the session's state after a turn (its messages, `tokens`: the
-        token ids whose KV it holds, None: unchanged) goes to its log; the Future resolves
-        when the record is durable. None without a log (nothing to wait for)."""
-        slog = self._logs.get(sess.session_id)
-        if slog is None:
-            return None
-        history = sess.history_state()
-        del history["log"]  # the record's tokens are the log in append history
-        op, data = slog.record(messages_to_text(sess.messages),
-                               slog.tokens if tokens is None else tokens,
-                               sampling_record(params), sess.system,
-                               sampling_record(sess.sampling), history)
-        return self.rt.journal.submit(slog, op, data)
-
-    def submit_turn(self, kv: SessionKV, ids: list[int], params: SamplingParams,
-                    on_update: OnUpdate | None) -> tuple[Sequence, TurnInfo, Future]:
-        """Submit one turn whose KV starts from the session's: on the engine thread the
-        session's blocks are handed to the turn's sequence (after restoring them from a
-        spilled tier, or dropping them when recomputing is cheaper) and taken back when it
-        ends. Exactly one of the two holds them at any moment."""
-        rt = self.rt
-        seq = rt.sequences.new(ids, params, retain_blocks=True)
-        info = TurnInfo()
-        bs = rt.config.block_size
-
-        def finished(seq: Sequence, ok: bool) -> None:  # engine thread: the session takes it back
-            n = seq.num_computed_tokens if ok else 0  # failed: the engine released the blocks
-            info.tokens = tuple(seq.token_ids[:n])  # what the turn's log record says
-            rt.manager.checkin(kv, seq, seq.token_ids[:n], seq.block_hashes[: n // bs])
-            rt.policy.checkin(kv)
-            if ok and rt.writeback is not None:  # its new full blocks, written behind
-                rt.writeback.after_turn(kv, rt.kv.tensors(), rt.policy.num_lead(kv))
-            slog = self._logs.get(kv.session_id)
-            if ok and slog is not None:  # its record follows: batched with its step's
-                rt.journal.expect(slog)
-
-        def prepare() -> None:  # engine thread: bring the KV back, hand it to the sequence
-            history = common_prefix_len(kv.tokens, ids)
-            info.diverged_at = history if history < len(kv.tokens) else None
-            source = rt.policy.checkout(kv)
-            common = min(common_prefix_len(kv.tokens, ids), len(ids) - 1)
-            hashes = kv.hashes
-            seq.num_computed_tokens = rt.manager.checkout(kv, seq, common)
-            seq.block_hashes = list(hashes[: seq.num_computed_tokens // bs])
-            info.restored_from = source if seq.num_computed_tokens else None
-            seq.on_finish = finished
-
-        return seq, info, rt.submit(seq, on_update=on_update, prepare=prepare)
-
-    def cancel(self, seq: Sequence) -> None:
-        """End a turn whose caller gave up; the turn's `finished` gives the session its KV
-        back on the engine thread, and its Future fails with CancelledError."""
-        self.rt.cancel(seq)
+    # ---- a session's lifecycle: forks and closes ------------------------------------------------
 
     def fork(self, parent: Session, session_id: str | None) -> Session:
         if session_id is not None:
@@ -424,27 +361,6 @@ class SessionStore:
             child.close()
             raise
         return child
-
-    def save(self, kv: SessionKV, path) -> None:
-        """Engine thread: write the session's snapshot from wherever its KV is, atomically.
-        Any failure (disk full, unwritable directory) is a SnapshotError naming the cause;
-        the session and the file it replaced are unchanged."""
-        path = Path(path)
-        if self.rt.mover.has_plan(kv):  # resumed, untouched: its KV is in several files
-            self.rt.mover.write_plan_snapshot(kv, path)
-            return
-        if kv.tier is Tier.DISK and kv.disk_path is not None:
-            # rewritten with the session's messages, never taken as is: a spill can land
-            # between a turn's KV and its messages (and with a log, the log is then removed)
-            self.rt.mover.rewrite_disk_snapshot(kv, path)
-            return
-        self.rt.mover.write_snapshot(kv, path)
-
-    def suspend(self, kv: SessionKV, expected_idle_s: float | None) -> str:
-        return self.rt.policy.suspend(kv, expected_idle_s)
-
-    def prefetch(self, kv: SessionKV) -> Future:
-        return self.rt.call(lambda: self.rt.policy.prefetch(kv))
 
     def close_session(self, sess: Session, delete: bool) -> None:
         """delete: also the session's own file in session_dir; never another file (the one
@@ -494,7 +410,7 @@ class SessionStore:
         if not own.is_file():  # never written: nothing listed can be stale
             return None
         try:
-            self.rt.call(lambda: self.save(sess.kv, own)).result()
+            self.turns.call(lambda: self.turns.save(sess.kv, own)).result()
         except SnapshotError as e:
             return SnapshotError(f"{own} still holds an older state of session "
                                  f"{sess.session_id!r}: {e}")

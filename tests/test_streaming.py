@@ -345,3 +345,83 @@ def test_bad_stream_and_async_calls_are_config_errors(llm, call, match):
     with pytest.raises(ConfigError, match=match):
         call(llm)
     assert not llm._rt.call(llm._rt.scheduler.has_work).result()
+
+
+# ---- Session.astream ------------------------------------------------------------------------
+
+def test_session_astream_is_stream_for_asyncio(llm):
+    """Session.astream yields the chunks Session.stream yields (two sessions on the same
+    conversation, greedy), the reply on the last chunk; the turns are the same turns."""
+    g = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    a, b = llm.session(system="twins", sampling=g), llm.session(system="twins", sampling=g)
+
+    async def collect(message):
+        return [c async for c in a.astream(message)]
+
+    for message in ("first", "second"):
+        got = asyncio.run(collect(message))
+        want = list(b.stream(message))
+        assert [(c.text, c.token_ids) for c in got] == [(c.text, c.token_ids) for c in want]
+        assert got[-1].reply.token_ids == want[-1].reply.token_ids
+        assert all(c.reply is None for c in got[:-1]) and all(c.text for c in got[:-1])
+    assert a.messages == b.messages and a.token_ids == b.token_ids
+    assert a.stats.turns == 2
+    a.close()
+    b.close()
+    assert _idle(llm)
+
+
+@pytest.mark.parametrize("how", ["aclose", "cancel"])
+def test_leaving_a_session_astream_cancels_its_turn(llm, how):
+    """Closing the async stream after its first chunk, or cancelling the task that reads
+    it, cancels the turn: the session is as before it (messages, token log), its blocks
+    are back, and its next turn runs as if the cancelled one never started."""
+    g = SamplingParams(max_tokens=4, temperature=0.0)
+    s = llm.session(system="leave", sampling=g)
+    twin = llm.session(system="leave", sampling=g)
+    s.send("one")
+    twin.send("one")
+    before = (s.messages, s.token_ids)
+
+    async def leave():
+        stream = s.astream("ramble", max_tokens=300, ignore_eos=True)
+        if how == "aclose":
+            await stream.__anext__()
+            await stream.aclose()
+            return
+        started = asyncio.Event()
+
+        async def read():
+            async for _ in stream:
+                started.set()
+
+        task = asyncio.create_task(read())
+        await started.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(leave())
+    assert (s.messages, s.token_ids) == before
+    assert s.send("two").token_ids == twin.send("two").token_ids
+    s.close()
+    twin.close()
+    assert _idle(llm)
+    llm.check_integrity()
+
+
+def test_session_astreams_keep_call_order(llm):
+    """Two astreams of one session started together run one after the other, in call
+    order, and each sees the other's turn in its history."""
+    s = llm.session(system="order", sampling=SamplingParams(max_tokens=6, temperature=0.0))
+
+    async def run():
+        async def one(m):
+            return [c async for c in s.astream(m)][-1].reply
+
+        return await asyncio.gather(one("A"), one("B"))
+
+    ra, rb = asyncio.run(run())
+    assert [m["content"] for m in s.messages if m["role"] == "user"] == ["A", "B"]
+    assert ra.cached_tokens < rb.cached_tokens  # B's prompt holds A's turn, cached
+    s.close()

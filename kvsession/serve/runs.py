@@ -2,10 +2,9 @@
 `("delta", text)` while tokens arrive, then `("done", Result)`.
 
 Three ways, by the request's plan:
-- a Session turn (`Session.stream`, a blocking iterator, pumped by a thread into the event
-  loop). A turn whose client went away is cancelled: the pump closes the stream at the
-  turn's next token, which ends the request, frees its new blocks and leaves the session
-  as it was before the turn; `settled` then tells the caller;
+- a Session turn (`Session.astream`, run by a task of its own). A turn whose client went
+  away is cancelled: the task is cancelled, which ends the request, frees its new blocks
+  and leaves the session as it was before the turn; `settled` then tells the caller;
 - a stateless stream (`LLM.astream`): closing it cancels the request at once and frees its
   blocks;
 - a stateless batch (`LLM.achat` / `LLM.agenerate`, n > 1 or several prompts): one "done".
@@ -14,9 +13,7 @@ Three ways, by the request's plan:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
-import threading
 from collections.abc import AsyncIterator, Callable
 
 from kvsession import LLM, SamplingParams
@@ -49,47 +46,44 @@ class Slot:
 
 
 class SessionTurn:
-    """A `Session.stream` turn pumped from a thread into the event loop."""
+    """A `Session.astream` turn, run by a task of its own that feeds the event loop's
+    queue (no thread): the request's events come from `events()`, and `cancel()` (the
+    client went away) cancels the turn at once, which leaves the session as it was before
+    it; `settled` resolves (with the turn's error, or None) once the turn has ended."""
 
     def __init__(self, session, messages: list[dict], overrides: dict):
-        self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
-        self.settled: asyncio.Future = self._loop.create_future()
-        self._cancelled = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(session, messages, overrides), daemon=True,
-            name="kvsession-serve-turn")
-        self._thread.start()
+        self.settled: asyncio.Future = loop.create_future()
+        self._task = loop.create_task(self._run(session, messages, overrides),
+                                      name="kvsession-serve-turn")
+        # (a task cancelled before it ran never enters _run: settled all the same)
+        self._task.add_done_callback(self._settle)
 
-    def _post(self, item) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+    def _settle(self, _task) -> None:
+        if not self.settled.done():
+            self.settled.set_result(None)
 
-    def _settle(self, error: BaseException | None) -> None:
-        def done():
-            if not self.settled.done():
-                self.settled.set_result(error)
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(done)
-
-    def _run(self, session, messages, overrides) -> None:
+    async def _run(self, session, messages, overrides) -> None:
         error = None
+        chunks = session.astream(messages, **overrides)
         try:
             reply = None
-            with contextlib.closing(session.stream(messages, **overrides)) as chunks:
-                for chunk in chunks:
-                    if self._cancelled.is_set():
-                        return  # closing the stream cancels the turn
-                    if chunk.reply is not None:
-                        reply = chunk.reply
-                    if chunk.text:
-                        self._post(("delta", chunk.text))
-            self._post(("done", Result.of_reply(reply)))
-        except BaseException as e:  # handed to the event loop, raised there
+            async for chunk in chunks:
+                if chunk.reply is not None:
+                    reply = chunk.reply
+                if chunk.text:
+                    self._queue.put_nowait(("delta", chunk.text))
+            self._queue.put_nowait(("done", Result.of_reply(reply)))
+        except asyncio.CancelledError:
+            pass  # cancel(): the turn was cancelled with it (nobody reads the queue)
+        except BaseException as e:  # handed to the reader, raised there
             error = e
-            self._post(("error", e))
+            self._queue.put_nowait(("error", e))
         finally:
-            self._settle(error)
+            await chunks.aclose()
+            if not self.settled.done():
+                self.settled.set_result(error)
 
     async def events(self) -> AsyncIterator[tuple[str, object]]:
         while True:
@@ -101,9 +95,9 @@ class SessionTurn:
                 return
 
     def cancel(self) -> None:
-        """The client went away: the turn is cancelled at its next token (the session is
-        left as it was before it); `settled` resolves once it is."""
-        self._cancelled.set()
+        """The client went away: the turn is cancelled (the session is left as it was
+        before it); `settled` resolves once it is."""
+        self._task.cancel()
 
 
 async def stateless_events(llm: LLM, params: SamplingParams, *, messages=None, prompt=None,
