@@ -30,7 +30,7 @@ def _forced(model_dir, kv_dtype: str, tokens: list[int], num_prompt_tokens: int,
     pairs: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     rt = Runtime(EngineConfig.from_args(model_dir, kv_cache_dtype=kv_dtype, **kw))
     try:
-        kv, bs, model = rt.kv, rt.config.block_size, rt.model
+        kv, bs, model = rt.kv_pool, rt.config.block_size, rt.model
         if shadow_dtype is not None:
             shadow = KVPool(kv.num_layers, kv.num_blocks, bs, kv.num_kv_heads, kv.head_dim,
                             shadow_dtype, kv.k.device)

@@ -90,15 +90,15 @@ class Runtime:
         # ---- memory: weights and the KV pool
         self.model = LlamaModel(spec, load_weights(cfg.model, spec, cfg.dtype, cfg.device),
                                 max_model_len)
-        self.kv = KVPool(spec.num_layers, num_blocks, cfg.block_size, spec.num_kv_heads,
+        self.kv_pool = KVPool(spec.num_layers, num_blocks, cfg.block_size, spec.num_kv_heads,
                          spec.head_dim, cfg.kv_cache_dtype, cfg.device,
                          use_kernels=backend == AttentionBackend.TRITON)
-        self.model.warm_up(self.kv, backend)
+        self.model.warm_up(self.kv_pool, backend)
 
         # ---- the cache and the scheduler
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                               cfg.eviction_policy)
-        self.manager = KVCacheManager(self.pool, self.kv)
+        self.manager = KVCacheManager(self.pool, self.kv_pool)
         self.prefix = PrefixCache(self.manager, self.identity.hasher(),
                                   int(cfg.max_pinned_fraction * num_blocks))
         self.latency, self.slo = LatencyTracker(), SLO()
@@ -108,7 +108,7 @@ class Runtime:
         self.connector = None
         offload = None
         if client_class is not None:
-            self.connector = connect_workers(cfg, client_class, self.kv.tensors(),
+            self.connector = connect_workers(cfg, client_class, self.kv_pool.tensors(),
                                              self.compat, self._schedule)
             offload = RemoteOffload(self.connector, cfg.remote_prefill, self.latency, bpt,
                                     prefill_tps, stall_ratio)
@@ -117,14 +117,14 @@ class Runtime:
 
         # ---- tiers: the mover copies, the policy decides
         host_blocks = cfg.host_cache_memory_bytes // (bpt * cfg.block_size)
-        self.host = HostPool(self.kv, host_blocks) if host_blocks > 0 else None
+        self.host = HostPool(self.kv_pool, host_blocks) if host_blocks > 0 else None
         self.header_fields = {
             "model_fingerprint": fingerprint,
             "tokenizer_digest": self.tokenizer.digest,
             "template_digest": self.tokenizer.template_digest,
             "kv_dtype": self.identity.kv_dtype, "block_size": self.identity.block_size,
             "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim, "tensor_names": list(self.kv.tensors()),
+            "head_dim": spec.head_dim, "tensor_names": list(self.kv_pool.tensors()),
         }
         snapshot_locks = SnapshotLocks()  # spills and saves vs write-behind compaction
         self.mover = TierMover(self.manager, self.host, self.disk, self.prefix.hasher,
@@ -134,9 +134,9 @@ class Runtime:
         self.scheduler.attach_reclaimer(self.policy)
 
         # ---- the engine and its thread
-        runner = ModelRunner(self.model, self.kv, cfg.device, backend)
+        runner = ModelRunner(self.model, self.kv_pool, cfg.device, backend)
         if cfg.device.type == "cuda" and backend == AttentionBackend.TRITON:
-            runner.graphs = DecodeGraphs(self.model, self.kv, cfg.device, backend,
+            runner.graphs = DecodeGraphs(self.model, self.kv_pool, cfg.device, backend,
                                          blocks_for(max_model_len, cfg.block_size),
                                          cfg.max_num_seqs, capture=True)
         self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.tokenizer.decode,
@@ -229,7 +229,7 @@ class Runtime:
             self.writeback.close()
         if self.journal is not None:
             self.journal.close()
-        self.kv = None
+        self.kv_pool = None
         if self.integrity.failure is not None:
             raise self.integrity.failure
 

@@ -107,7 +107,7 @@ class TurnExecutor:
             rt.manager.checkin(kv, seq, seq.token_ids[:n], seq.block_hashes[: n // bs])
             rt.policy.checkin(kv)
             if ok and rt.writeback is not None:  # its new full blocks, written behind
-                rt.writeback.after_turn(kv, rt.kv.tensors(), rt.policy.num_lead(kv))
+                rt.writeback.after_turn(kv, rt.kv_pool.tensors(), rt.policy.num_lead(kv))
             if ok and slog is not None:  # its record follows: batched with its step's
                 rt.journal.expect(slog)
 

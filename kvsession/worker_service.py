@@ -51,7 +51,7 @@ class NixlPrefillService(PrefillService):
         self.max_tokens = rt.info.max_model_len - 1  # the worker's sequence samples one
         self.max_bytes = max_message_bytes(rt.info.max_model_len)
         self.agent = make_agent("kvs-worker")
-        self.tensors = rt.kv.tensors()
+        self.tensors = rt.kv_pool.tensors()
         self.reg = self.agent.register_memory(list(self.tensors.values()))
         self.local = describe_tensors(self.tensors)
         self.callers: dict[str, tuple[str, list]] = {}

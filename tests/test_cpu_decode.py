@@ -208,7 +208,7 @@ def test_the_one_region_step_stores_every_layers_kv_and_reports_each_layer(model
     and on_layer_done called for each layer, in order."""
     d = model_dirs("llama")
     with LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
-        model, kv, spec = llm._rt.model, llm._rt.kv, llm._rt.model.spec
+        model, kv, spec = llm._rt.model, llm._rt.kv_pool, llm._rt.model.spec
         kernels = OneRowKernels.for_model(model)
         g = torch.Generator().manual_seed(0)
         with torch.inference_mode():

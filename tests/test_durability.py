@@ -648,7 +648,7 @@ def test_blocks_are_written_behind_once_and_reused_after_a_restart(llama_dir, tm
         kv = next(read_blocks(sd / "w.seg", scan.header, [k]))[1]
         for name, x in kv.items():
             assert not x[:, held % 16:].any(), name
-            assert torch.equal(x[:, :held % 16], llm._rt.kv.tensors()[name][
+            assert torch.equal(x[:, :held % 16], llm._rt.kv_pool.tensors()[name][
                 :, s.kv.blocks[-1].block_id, :held % 16])
         # the process "dies" here: a copy of the directory as it is
         shutil.copytree(sd, tmp_path / "copy")

@@ -82,7 +82,8 @@ def test_numerics_against_float32_cache(model_dirs, arch):
 def test_blocks_move_with_their_scales_bit_identically(llama_dir, tmp_path):
     with LLM(llama_dir, kv_cache_dtype="fp8", kv_cache_memory="4MiB", max_model_len=256,
              host_cache_memory="1MiB", session_dir=tmp_path) as llm:
-        assert llm._rt.kv.k.dtype == torch.float8_e4m3fn and llm._rt.kv.k_scale is not None
+        pool = llm._rt.kv_pool
+        assert pool.k.dtype == torch.float8_e4m3fn and pool.k_scale is not None
         s = llm.session(sampling=SamplingParams(max_tokens=9, temperature=0.0))
         s.send("hello there, read the file")
         child = s.fork()
@@ -94,7 +95,7 @@ def test_blocks_move_with_their_scales_bit_identically(llama_dir, tmp_path):
         kept = target.blocks
         tail = s.kv.blocks[n // bs]
         assert valid == n and kept[-1] is not tail and len(kept) == n // bs + 1
-        for name, t in llm._rt.kv.tensors().items():
+        for name, t in llm._rt.kv_pool.tensors().items():
             a, b = t[:, tail.block_id, : n % bs], t[:, kept[-1].block_id, : n % bs]
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
         llm._rt.call(lambda: llm._rt.manager.release(target)).result()
@@ -106,14 +107,14 @@ def test_blocks_move_with_their_scales_bit_identically(llama_dir, tmp_path):
 
         def session_bytes():
             ids = torch.tensor([b.block_id for b in s.kv.blocks])
-            return {k: t[:, ids].clone() for k, t in rt.kv.tensors().items()}
+            return {k: t[:, ids].clone() for k, t in rt.kv_pool.tensors().items()}
 
         def out_and_back(tier):
             assert rt.policy.spill(s.kv, tier) is tier and s.kv.blocks == ()
             wipe = Transient()
             rt.manager.allocate_slots(wipe, rt.pool.num_free)  # evicts every cached copy
             ids = torch.tensor([b.block_id for b in wipe.blocks])
-            for t in rt.kv.tensors().values():
+            for t in rt.kv_pool.tensors().values():
                 t[:, ids] = torch.zeros((), dtype=torch.float32).to(t.dtype)
             rt.manager.release(wipe)
             assert rt.policy.restore(s.kv) == tier.value
@@ -142,7 +143,8 @@ def test_fp8_pool_holds_twice_the_tokens(model_dirs):
         with LLM(d, kv_cache_dtype=dtype, kv_cache_memory="8MiB", max_model_len=256) as llm:
             stats[dtype] = st = llm.stats().tiers["device"]
             # the reported size per token is what the pool really allocated, scales included
-            allocated = sum(t.numel() * t.element_size() for t in llm._rt.kv.tensors().values())
+            allocated = sum(t.numel() * t.element_size()
+                            for t in llm._rt.kv_pool.tensors().values())
             assert st.bytes_per_token * st.tokens_capacity == allocated <= 8 * 2**20
             out = llm.generate("the agent reads a file", SamplingParams(max_tokens=4),
                                use_tqdm=False)

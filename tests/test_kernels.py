@@ -248,7 +248,7 @@ def test_padded_decode_buckets_match_unpadded(llama_dir, backend):
                  attention_backend=backend) as llm:
             runner = llm._rt.engine.runner
             if padded:
-                runner.graphs = DecodeGraphs(llm._rt.model, llm._rt.kv, llm.config.device,
+                runner.graphs = DecodeGraphs(llm._rt.model, llm._rt.kv_pool, llm.config.device,
                                              runner.backend, blocks_for(128, 16), 8,
                                              capture=False)
                 assert runner.graphs.buckets == [1, 2, 4, 8]

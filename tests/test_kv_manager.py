@@ -217,11 +217,12 @@ def test_checkin_then_checkout_writes_a_private_partial_tail_in_place(checked_in
 
 def test_checkout_copies_a_published_block_used_partially(checked_in):
     m, s, _, hashes = checked_in
-    m.kv.k[:, 1], m.kv.v[:, 1] = 7.0, -7.0
+    m.kv_pool.k[:, 1], m.kv_pool.v[:, 1] = 7.0, -7.0
     q = seq()
     assert m.checkout(s, q, 6) == 6
     assert ids(q) == [0, 4]  # block 2 released, block 1 copied into block 4
-    assert torch.equal(m.kv.k[:, 4], m.kv.k[:, 1]) and torch.equal(m.kv.v[:, 4], m.kv.v[:, 1])
+    kv = m.kv_pool
+    assert torch.equal(kv.k[:, 4], kv.k[:, 1]) and torch.equal(kv.v[:, 4], kv.v[:, 1])
     assert m.pool.blocks[1].block_hash == hashes[1]  # the original stays cached
     assert fifo(m) == [5, 6, 7, 3, 2, 1] and refs(m) == [1, 0, 0, 0, 1, 0, 0, 0]
     m.check_integrity()
@@ -233,12 +234,13 @@ def test_share_then_checkout_copies_or_drops_the_shared_partial_tail(checked_in)
     m.share(s, child)
     assert ids(child) == [0, 1, 2] and child.tokens == s.tokens and child.hashes == s.hashes
     assert refs(m) == [2, 2, 2, 0, 0, 0, 0, 0] and m.num_held(SESS) == 6
-    m.kv.k[:, 2] = torch.arange(32.0).view(2, 4, 1, 4)
-    m.kv.v[:, 2] = -torch.arange(32.0).view(2, 4, 1, 4)
+    m.kv_pool.k[:, 2] = torch.arange(32.0).view(2, 4, 1, 4)
+    m.kv_pool.v[:, 2] = -torch.arange(32.0).view(2, 4, 1, 4)
     q = seq()
     assert m.checkout(child, q, 9) == 9
     assert ids(q) == [0, 1, 4] and ids(s) == [0, 1, 2] and child.blocks == ()
-    assert torch.equal(m.kv.k[:, 4], m.kv.k[:, 2]) and torch.equal(m.kv.v[:, 4], m.kv.v[:, 2])
+    kv = m.kv_pool
+    assert torch.equal(kv.k[:, 4], kv.k[:, 2]) and torch.equal(kv.v[:, 4], kv.v[:, 2])
     assert refs(m) == [2, 2, 1, 0, 1, 0, 0, 0] and fifo(m) == [5, 6, 7, 3]
     assert held(m) == [("sequence", [0, 1, 4]), ("session", [0, 1, 2])]
     m.check_integrity()
@@ -255,7 +257,7 @@ def test_share_then_checkout_copies_or_drops_the_shared_partial_tail(checked_in)
 def spilled(checked_in):
     """The session (9 tokens in [0, 1, 2]) with block 0 kept as lead, 1 and 2 on host 0, 1."""
     m, s, tokens, hashes = checked_in
-    host = HostPool(m.kv, 4)
+    host = HostPool(m.kv_pool, 4)
     m.spill_to_host(s, 1, host.allocate(2))
     return m, s, host
 

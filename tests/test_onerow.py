@@ -164,7 +164,7 @@ def test_nothing_compiles_while_serving_after_the_warm_up(model_dirs, attention_
         kernels = model.one_row = OneRowKernels.for_model(model)
         # what start-up compiles (and keeps, for a model that measured faster)
         kernels.select_attention(attention_kernel)
-        assert kernels.warm_up(model.spec, llm._rt.kv, model.softmax_scale,
+        assert kernels.warm_up(model.spec, llm._rt.kv_pool, model.softmax_scale,
                                model.token_tables())
         compiled = counters["stats"]["unique_graphs"]
         for n in (1, 17, 150):
@@ -192,7 +192,7 @@ def test_start_up_times_a_decode_step_both_ways_and_keeps_the_faster(model_dirs,
     monkeypatch.setattr(onerow, "MEASURE_MIN_BYTES", 0)  # measured although tiny
     with caplog.at_level(logging.INFO, logger="kvsession"), \
             LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
-        model, kv = llm._rt.model, llm._rt.kv
+        model, kv = llm._rt.model, llm._rt.kv_pool
         said = [r.getMessage() for r in caplog.records
                 if r.getMessage().startswith("one-token step:")]
         assert len(said) == 1

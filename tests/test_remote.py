@@ -520,7 +520,7 @@ def idle_client(llama_dir, address: str, **timing):
     """A NixlPrefillClient alone, driven from the test's thread: `schedule` hands its idle
     ticks to the returned queue, which the test runs (as the engine thread would)."""
     with LLM(llama_dir, **KW) as llm:
-        tensors = {n: torch.zeros_like(t) for n, t in llm._rt.kv.tensors().items()}
+        tensors = {n: torch.zeros_like(t) for n, t in llm._rt.kv_pool.tensors().items()}
         compat = llm._rt.compat
     ticks: queue.Queue = queue.Queue()
     client = NixlPrefillClient([address], tensors, compat, timeout_s=30.0,

@@ -52,7 +52,7 @@ def test_every_path_continues_exactly(llama_dir, tmp_path, kv_dtype, backend):
     want = reference(llama_dir, kv_dtype, attention_backend=backend)
     with make_llm(llama_dir, kv_cache_dtype=kv_dtype, session_dir=tmp_path / "sd",
                   attention_backend=backend) as llm:
-        assert (llm._rt.host.staged, llm._rt.kv.use_kernels) == ((backend == "triton"),) * 2
+        assert (llm._rt.host.staged, llm._rt.kv_pool.use_kernels) == ((backend == "triton"),) * 2
         s = llm.session(system=SYSTEM, sampling=G, session_id="agent-1")
         got = [s.send(TURNS[0]).token_ids]
         # device -> host -> device

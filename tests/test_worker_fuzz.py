@@ -365,7 +365,7 @@ def bad_requests(rng: random.Random, vocab: int, num_blocks: int, bs: int = 16):
 def test_valid_looking_requests_with_bad_ids_tokens_or_blocks(
         ctx, target, caller_keys, caller, reference, status_peer):
     rt = caller._rt
-    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv.tensors(), rt.compat)
+    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv_pool.tensors(), rt.compat)
     rng = random.Random(7)
     tried = clean = 0
     try:
@@ -395,7 +395,7 @@ def test_valid_looking_requests_with_bad_ids_tokens_or_blocks(
 
 def test_bad_handshakes_are_refused(ctx, target, caller_keys, caller, reference, status_peer):
     rt = caller._rt
-    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv.tensors(), rt.compat)
+    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv_pool.tensors(), rt.compat)
     other = make_agent("kvs-fuzz-other")
     rng = random.Random(11)
     h = fc.hello
@@ -445,7 +445,7 @@ def test_unauthenticated_peers_get_nothing(ctx, target, caller_keys, caller, ref
     _, stranger_caller_file = write_keys(tmp_path)
     stranger = load_keys(stranger_caller_file, "caller")
     hello = Hello(rt.compat, "kvs-stranger", b"", describe_tensors(
-        rt.kv.tensors()))
+        rt.kv_pool.tensors()))
     before = status(status_peer)
     failures = {zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                 zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
@@ -555,7 +555,7 @@ def test_a_refused_hello_naming_a_callers_agent_leaves_it_registered(
     """A Hello carrying a registered caller's agent name but metadata that does not parse is
     refused without dropping that caller's registration (it was dropped first)."""
     rt = caller._rt
-    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv.tensors(), rt.compat)
+    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv_pool.tensors(), rt.compat)
     intruder = Peer(ctx, target.address, caller_keys)
     try:
         assert isinstance(fc.peer.ask(fc.hello), HelloOk)
@@ -578,7 +578,7 @@ def test_a_full_caller_table_is_a_transient_refusal(ctx, llama_dir):
     w = Worker(llama_dir)
     with LLM(llama_dir, **KW) as tmp:
         rt = tmp._rt
-        fc = FuzzCaller(ctx, w.address, None, rt.kv.tensors(), rt.compat)
+        fc = FuzzCaller(ctx, w.address, None, rt.kv_pool.tensors(), rt.compat)
     peers = []
     try:
         h, name = fc.hello, fc.agent.name
@@ -616,7 +616,7 @@ def test_a_bye_refused_by_a_full_queue_still_ends_the_registration(ctx, llama_di
                faults="delay_rate=1,delay_s=1.5,seed=0")
     with LLM(llama_dir, **KW) as tmp:
         rt = tmp._rt
-        fc = FuzzCaller(ctx, w.address, None, rt.kv.tensors(), rt.compat)
+        fc = FuzzCaller(ctx, w.address, None, rt.kv_pool.tensors(), rt.compat)
     busy, watcher = Peer(ctx, w.address), Peer(ctx, w.address)
     try:
         assert isinstance(fc.peer.ask(fc.hello), HelloOk)

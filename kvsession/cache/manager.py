@@ -107,7 +107,7 @@ class Transient:
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, kv: KVPool):
-        self.pool, self.kv = pool, kv
+        self.pool, self.kv_pool = pool, kv
         self.block_size = pool.block_size
         # every holder with a non-empty table, weakly: a holder dropped without `release`
         # vanishes from here, and its references then show up as unaccounted
@@ -192,7 +192,7 @@ class KVCacheManager:
         self.attach(dst, src.blocks[:num_full])
         if partial:
             (fresh,) = self.pool.allocate(1)
-            self.kv.copy_block(src.blocks[num_full].block_id, fresh.block_id)
+            self.kv_pool.copy_block(src.blocks[num_full].block_id, fresh.block_id)
             self._set(dst, dst.blocks + (fresh,))
         return True
 
@@ -240,7 +240,7 @@ class KVCacheManager:
                 valid = num_tokens
             elif self.pool.num_free:
                 (fresh,) = self.pool.allocate(1)
-                self.kv.copy_block(tail.block_id, fresh.block_id)
+                self.kv_pool.copy_block(tail.block_id, fresh.block_id)
                 self.pool.free([tail])  # the session's reference on the shared tail
                 self._set(s, s.blocks[:num_full] + (fresh,))
                 valid = num_tokens

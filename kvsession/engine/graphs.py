@@ -27,7 +27,7 @@ class DecodeGraphs:
     def __init__(self, model: LlamaModel, kv: KVPool, device: torch.device,
                  backend: AttentionBackend, max_blocks_per_seq: int, max_batch: int,
                  capture: bool):
-        self.model, self.kv, self.device, self.backend = model, kv, device, backend
+        self.model, self.kv_pool, self.device, self.backend = model, kv, device, backend
         self.max_blocks, self.capture = max_blocks_per_seq, capture
         self.buckets = sorted({b for b in BUCKETS if b < max_batch} | {max_batch})
         self._buffers: dict[int, dict[str, torch.Tensor]] = {}
@@ -56,7 +56,7 @@ class DecodeGraphs:
             slot_mapping=st["slots"], block_tables=st["tables"], query_start_loc=[],
             seq_lens=[], seq_lens_tensor=st["seq_lens"], decode_only=True,
             softmax_scale=self.model.softmax_scale, backend=self.backend)
-        hidden = self.model.forward(st["ids"], st["positions"], self.kv, meta)
+        hidden = self.model.forward(st["ids"], st["positions"], self.kv_pool, meta)
         st["logits"].copy_(self.model.logits(hidden))
 
     def run(self, ids: list[int], positions: list[int], slots: list[int],

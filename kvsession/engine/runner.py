@@ -138,7 +138,7 @@ class ThreadGovernor:
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVPool, device: torch.device,
                  backend: AttentionBackend):
-        self.model, self.kv, self.device, self.backend = model, kv, device, backend
+        self.model, self.kv_pool, self.device, self.backend = model, kv, device, backend
         self.workspace = Workspace()
         self.graphs: DecodeGraphs | None = None  # set on CUDA with the Triton kernels
         # on CPU with several threads: the thread count is measured per kind of step; the
@@ -156,7 +156,7 @@ class ModelRunner:
         Built from Python lists with one tensor per field: a decode step's model work is a
         few milliseconds on CPU, and a handful of small tensor ops per sequence (what a
         per-sequence arange/index/cat costs) would be a visible part of it."""
-        bs = self.kv.block_size
+        bs = self.kv_pool.block_size
         ids, pos, slots, starts, seq_lens, sample_rows, tables = [], [], [], [0], [], [], []
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -206,7 +206,7 @@ class ModelRunner:
         """Run one step; float32 logits [num sampling sequences, vocab], in batch order."""
         if self.graphs is not None and all(i.num_new_tokens == 1 and i.samples for i in batch) \
                 and self.graphs.bucket(len(batch)) is not None:
-            bs = self.kv.block_size
+            bs = self.kv_pool.block_size
             pos = [i.seq.num_computed_tokens for i in batch]
             return self.graphs.run(
                 [i.seq.token_ids[p] for i, p in zip(batch, pos, strict=True)], pos,
@@ -226,4 +226,4 @@ class ModelRunner:
 
     def _run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         input_ids, positions, meta, rows = self.prepare(batch)
-        return self.model.step_logits(input_ids, positions, self.kv, meta, rows)
+        return self.model.step_logits(input_ids, positions, self.kv_pool, meta, rows)

@@ -45,7 +45,7 @@ class TierMover:
         compaction writes them too)."""
         self.snapshot_locks = snapshot_locks or SnapshotLocks()
         self.prefill_tps = prefill_tps
-        self.manager, self.kv, self.host, self.disk = manager, manager.kv, host, disk
+        self.manager, self.kv_pool, self.host, self.disk = manager, manager.kv_pool, host, disk
         self.pool, self.hasher, self.header_fields = manager.pool, hasher, dict(header_fields)
         self.bs = manager.block_size
         # measured bandwidths (bytes/s); priors only until the first copy is timed
@@ -65,7 +65,8 @@ class TierMover:
         rates; the device pool's eviction uses it to drop blocks with a copy first)."""
         if self.prefill_tps is None:
             return 1.0
-        block_bytes = sum(t[:, :1].numel() * t.element_size() for t in self.kv.tensors().values())
+        block_bytes = sum(t[:, :1].numel() * t.element_size()
+                          for t in self.kv_pool.tensors().values())
         load = costmodel.load_ms(1, block_bytes, self.bandwidth(tier))
         return min(1.0, load / costmodel.recompute_ms(self.bs, self.prefill_tps.value))
 
@@ -82,7 +83,7 @@ class TierMover:
         private = s.blocks[lead:]
         ids = self.host.allocate(len(private))
         t0 = time.perf_counter()
-        moved = self.host.store(self.kv, [b.block_id for b in private], ids)
+        moved = self.host.store(self.kv_pool, [b.block_id for b in private], ids)
         self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
         self.manager.spill_to_host(s, lead, ids, self.copy_cost(Tier.HOST))
 
@@ -139,7 +140,7 @@ class TierMover:
     def block_tensors(self, s: SessionKV, group: int = 32) -> Iterator[dict[str, torch.Tensor]]:
         """Every block's tensors, contiguous, from wherever they are (device, host); blocks
         are gathered `group` at a time (one pass over the bytes, bounded extra memory)."""
-        sources = [(self.kv.tensors(), [b.block_id for b in s.blocks])]
+        sources = [(self.kv_pool.tensors(), [b.block_id for b in s.blocks])]
         if s.host_ids:
             sources.append((self.host.tensors, list(s.host_ids)))
         for tensors, ids in sources:
@@ -168,7 +169,7 @@ class TierMover:
         t0 = time.perf_counter()
         try:
             if tier is Tier.HOST:
-                moved = self.host.load(self.kv, [s.host_ids[j] for j, _ in copy],
+                moved = self.host.load(self.kv_pool, [s.host_ids[j] for j, _ in copy],
                                        [b.block_id for _, b in copy])
                 self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
             elif s in self.plans:
@@ -241,12 +242,12 @@ class TierMover:
         was read straight into its (fresh) CPU block, before this returns."""
         h = header or read_header(path, expect=self.header_fields)
         target = dict(wanted)
-        pool = self.kv.tensors()
+        pool = self.kv_pool.tensors()
         block_bytes = sum(t[:, 0].numel() * t.element_size() for t in pool.values())
         # streamed: a block is copied as soon as it is validated; if a later block is bad
         # the caller frees every target block (fresh, unpublished: nothing can see them),
         # which is also what lets a CPU pool take stored chunks straight from the file
-        dest = self._file_destinations(pool, target) if self.kv.k.device.type == "cpu" \
+        dest = self._file_destinations(pool, target) if self.kv_pool.k.device.type == "cpu" \
             else None
         for i, tensors in read_blocks(path, h, [i for i, _ in wanted], dest=dest):
             if tensors is not None:

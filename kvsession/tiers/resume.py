@@ -150,7 +150,7 @@ def warm_prefix(mover, shared: SegmentScan, path: Path, tokens, hashes) -> int:
         return 0
     if mover.prefill_tps is not None:
         block_bytes = sum(t[:, :1].numel() * t.element_size()
-                          for t in mover.kv.tensors().values())
+                          for t in mover.kv_pool.tensors().values())
         if not costmodel.should_load(missing * bs, block_bytes / bs,
                                      mover.bandwidth(Tier.DISK), mover.prefill_tps.value):
             return 0
