@@ -14,17 +14,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import inspect
-import json
 import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
 
-import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvsession import LLM, KVSessionError
@@ -38,6 +36,7 @@ from kvsession.serve.conversations import (
     turn_prompt_tokens,
 )
 from kvsession.serve.prometheus import CONTENT_TYPE, Exposition
+from kvsession.serve.responses import ClientGone, SSEResponse, sse, unless_disconnected
 from kvsession.serve.runs import SessionTurn, Slot, collect, stateless_events, turn_overrides
 
 log = logging.getLogger("kvsession.serve")
@@ -47,40 +46,11 @@ CHAT_TAKES = set(inspect.signature(LLM.chat).parameters)
 TOOL_ARGS = ("tools", "tool_choice", "chat_template_kwargs", "parallel_tool_calls")
 
 
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-
 # on a response that repeats a named session's stored reply (a retried request)
 REPLAYED = {"X-KVSession-Replayed": "true"}
 # on a response whose token limit (max_tokens, max_completion_tokens, --default-max-tokens)
 # did not fit in the context after the prompt: the limit it ran under, the room left
 MAX_TOKENS_HEADER = "x-kvsession-max-tokens"
-
-
-class SSEResponse(StreamingResponse):
-    """Server-sent events. However the response ends (a disconnect included), its body
-    iterator is closed and `on_close` runs at once, so the request behind it is cancelled
-    and its admission slot released now, not when the iterator is garbage collected."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content, on_close, headers: dict[str, str] | None = None):
-        super().__init__(content, headers={"Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no", **(headers or {})})
-        self._on_close = on_close
-
-    async def stream_response(self, send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                await self._on_close()
-
-
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 class Server:
@@ -638,37 +608,3 @@ async def _replay(body: dict, usage: bool) -> AsyncIterator[str]:
 
 async def _nothing() -> None:
     pass
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has disconnected (the body was already read, so the next
-    ASGI message is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def unless_disconnected(request: Request, work):
-    """Await `work` unless the client disconnects first: it is then cancelled (and awaited)
-    and ClientGone raised."""
-    work = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    with _suppress_all():
-        await work
-    raise ClientGone()
-
-
-class _suppress_all:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return exc[0] is not None and issubclass(exc[0], (Exception, asyncio.CancelledError))

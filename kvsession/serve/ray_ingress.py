@@ -35,11 +35,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvsession.serve import protocol as P
-from kvsession.serve.app import ClientGone, SSEResponse, unless_disconnected
 from kvsession.serve.conversations import conversation_keys
 from kvsession.serve.prometheus import CONTENT_TYPE, Exposition
 from kvsession.serve.ray_replica import RELEASE_PATH, SUMMARY_PATH, check_bearer
 from kvsession.serve.ray_replicas import STOP_GRACE_S, ReplicaGone
+from kvsession.serve.responses import ClientGone, SSEResponse, unless_disconnected
 from kvsession.serve.router import Decision, Reason, ReplicaRouter, ReplicaState, Routing
 
 log = logging.getLogger("kvsession.serve")
