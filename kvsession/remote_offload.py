@@ -57,7 +57,7 @@ class RemoteOffload:
         reason = conn.refusal(seq.num_tokens - 1)
         if reason and seq.seq_id not in self._counted:
             self._counted.append(seq.seq_id)
-            conn.fallbacks[reason] = conn.fallbacks.get(reason, 0) + 1
+            conn.count_fallback(reason)
         return not reason
 
 

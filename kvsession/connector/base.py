@@ -261,6 +261,12 @@ class PrefillConnector(abc.ABC):
             return "no healthy worker"
         return "" if self.accepts(num_tokens) else "prompt too long for the workers"
 
+    def count_fallback(self, reason: str) -> None:
+        """A request prefilled here (or failed, with remote_prefill="required") instead of
+        on a worker, counted under `reason` in `fallbacks` (stats().remote.fallbacks): the
+        connector is the one writer of its counters."""
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
     def expected_cached_tokens(self, keys: list[bytes], num_tokens: int) -> int:
         """How many leading tokens of a request of `num_tokens` tokens with these block
         hashes the worker it would go to now probably has cached (its own prefix cache):

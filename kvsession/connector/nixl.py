@@ -359,7 +359,7 @@ class NixlPrefillClient(PrefillConnector):
 
     def _fail(self, req_id: int, reason: str, fenced: bool, out: list[Completion]) -> None:
         r = self.pending.pop(req_id)
-        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        self.count_fallback(reason)
         if not fenced:
             self.quarantine[req_id] = r
         out.append(Completion(r.seq_id, "failed", reason=reason, fenced=fenced))
@@ -397,7 +397,7 @@ class NixlPrefillClient(PrefillConnector):
             self._release_quarantine(w, out)
             log.warning("prefill worker %s refused the handshake: %s", w.address, msg.reason)
             w.deaths["handshake refused"] = w.deaths.get("handshake refused", 0) + 1
-            self.fallbacks["handshake refused"] = self.fallbacks.get("handshake refused", 0) + 1
+            self.count_fallback("handshake refused")
         elif isinstance(msg, Rejected):
             w.rejected += 1
             log.warning("prefill worker %s rejected a message: %s", w.address, msg.reason)

@@ -65,6 +65,8 @@ class RemotePrefills(Protocol):
 
     def refusal(self, num_tokens: int) -> str: ...
 
+    def count_fallback(self, reason: str) -> None: ...
+
 
 class Engine:
     """One step at a time; not thread-safe (the engine thread owns it).
@@ -156,7 +158,7 @@ class Engine:
                                [b.block_id for b in blocks], seq.block_hashes,
                                seq.params.cache_salt):
                 reason = conn.refusal(seq.num_tokens - 1) or "the worker's queue refused it"
-                conn.fallbacks[reason] = conn.fallbacks.get(reason, 0) + 1
+                conn.count_fallback(reason)
                 self._remote_failed(seq, True, reason)
         sched.new_remote = []
         for c in conn.poll(timeout_s):
