@@ -255,7 +255,7 @@ def writeback_drain(root: Path, mib: int = 512, sessions: int = 8) -> dict:
 
     from kvsession.cache.block_pool import BlockPool
     from kvsession.cache.eviction import EvictionPolicy
-    from kvsession.cache.hashing import CacheIdentity
+    from kvsession.cache.identity import StorageIdentity
     from kvsession.cache.kv_pool import KVPool
     from kvsession.cache.manager import KVCacheManager, SessionKV, Transient
 
@@ -267,11 +267,9 @@ def writeback_drain(root: Path, mib: int = 512, sessions: int = 8) -> dict:
     kv.k.normal_()
     kv.v.normal_()
     manager = KVCacheManager(pool, kv)
-    hasher = CacheIdentity("bench", "float32", bs).hasher()
-    fields = {"model_fingerprint": "bench", "tokenizer_digest": "t", "template_digest": "t",
-              "kv_dtype": "float32", "block_size": bs, "num_layers": layers,
-              "num_kv_heads": heads, "head_dim": dim, "tensor_names": ["k", "v"]}
-    wb = WriteBehind(DiskTier(root / "drain"), fields, SnapshotLocks())
+    hasher = StorageIdentity("bench", "float32", bs).hasher()
+    identity = StorageIdentity("bench", "float32", bs, "t", "t", layers, heads, dim, ("k", "v"))
+    wb = WriteBehind(DiskTier(root / "drain"), identity, SnapshotLocks())
     wb.MAX_QUEUED_BYTES = 2 * (mib << 20)
     rng = random.Random(5)
     held = []

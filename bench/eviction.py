@@ -35,7 +35,7 @@ from common import pyplot, save_figure, write_result
 
 from kvsession.cache.block_pool import BlockPool
 from kvsession.cache.eviction import BOTH_ORDERS, EvictionPolicy, Order
-from kvsession.cache.hashing import CacheIdentity
+from kvsession.cache.identity import StorageIdentity
 
 BS = 16
 Trace = list[list[int]]  # per request: its block ids (a chain: equal prefixes, equal ids)
@@ -201,7 +201,7 @@ def replay(trace: Trace, capacity: int, policy: EvictionPolicy,
     the COST policy's orders; one order is that order alone, no shadows). `followed`
     collects the order the pool followed at each request."""
     pool = BlockPool(capacity, BS, eviction=policy, orders=orders)
-    hasher = CacheIdentity("bench", "float32", BS).hasher()
+    hasher = StorageIdentity("bench", "float32", BS).hasher()
     hit = total = 0
     for req in trace:
         tokens = [t for block in req for t in [block] * BS]

@@ -27,11 +27,12 @@ from concurrent.futures import Future
 from kvsession import costmodel
 from kvsession.attention import resolve_backend
 from kvsession.cache.block_pool import BlockPool, blocks_for
-from kvsession.cache.hashing import CacheIdentity
+from kvsession.cache.identity import StorageIdentity
 from kvsession.cache.kv_pool import KVPool
 from kvsession.cache.manager import KVCacheManager
 from kvsession.cache.prefix import Pin, PrefixCache
 from kvsession.config import AttentionBackend, Durability, EngineConfig, RemotePrefillMode
+from kvsession.connector.base import compat_hash
 from kvsession.engine.graphs import DecodeGraphs
 from kvsession.engine.loop import Engine, EngineLoop, OnUpdate
 from kvsession.engine.runner import ModelRunner
@@ -55,7 +56,6 @@ from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
 from kvsession.tiers.mover import TierMover
 from kvsession.tiers.policy import TierPolicy
-from kvsession.tiers.wal import IDENTITY_FIELDS, Identity
 from kvsession.tiers.writeback import SnapshotLocks, WriteBehind
 
 log = logging.getLogger("kvsession")
@@ -81,19 +81,22 @@ class Runtime:
         fingerprint = hashlib.sha256(json.dumps(
             [spec.to_dict(), weights_digest(cfg.model)], sort_keys=True).encode()).hexdigest()
         self.info = RuntimeInfo(spec, max_model_len, num_blocks, bpt, fingerprint)
-        self.identity = CacheIdentity(fingerprint, cfg.kv_cache_dtype_name, cfg.block_size)
-        # what a remote prefill worker and this engine must agree on
-        from kvsession.connector.base import compat_hash
-        self.compat = compat_hash(self.identity, str(cfg.dtype))
         self.disk = DiskTier(cfg.session_dir) if cfg.session_dir is not None else None
 
         # ---- memory: weights and the KV pool
         self.model = LlamaModel(spec, load_weights(cfg.model, spec, cfg.dtype, cfg.device),
                                 max_model_len)
         self.kv_pool = KVPool(spec.num_layers, num_blocks, cfg.block_size, spec.num_kv_heads,
-                         spec.head_dim, cfg.kv_cache_dtype, cfg.device,
-                         use_kernels=backend == AttentionBackend.TRITON)
+                              spec.head_dim, cfg.kv_cache_dtype, cfg.device,
+                              use_kernels=backend == AttentionBackend.TRITON)
         self.model.warm_up(self.kv_pool, backend)
+        # what stored KV is valid under: block hashes, snapshots, segments, the session log
+        # and a remote worker's handshake all take it from here (cache/identity.py)
+        self.identity = StorageIdentity(
+            fingerprint, cfg.kv_cache_dtype_name, cfg.block_size, self.tokenizer.digest,
+            self.tokenizer.template_digest, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+            tuple(self.kv_pool.tensors()))
+        self.compat = compat_hash(self.identity, str(cfg.dtype))
 
         # ---- the cache and the scheduler
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
@@ -118,17 +121,9 @@ class Runtime:
         # ---- tiers: the mover copies, the policy decides
         host_blocks = cfg.host_cache_memory_bytes // (bpt * cfg.block_size)
         self.host = HostPool(self.kv_pool, host_blocks) if host_blocks > 0 else None
-        self.header_fields = {
-            "model_fingerprint": fingerprint,
-            "tokenizer_digest": self.tokenizer.digest,
-            "template_digest": self.tokenizer.template_digest,
-            "kv_dtype": self.identity.kv_dtype, "block_size": self.identity.block_size,
-            "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim, "tensor_names": list(self.kv_pool.tensors()),
-        }
         snapshot_locks = SnapshotLocks()  # spills and saves vs write-behind compaction
         self.mover = TierMover(self.manager, self.host, self.disk, self.prefix.hasher,
-                               self.header_fields, prefill_tps, snapshot_locks)
+                               self.identity, prefill_tps, snapshot_locks)
         self.policy = TierPolicy(self.mover, self.prefix, self.scheduler, prefill_tps, bpt,
                                  cfg.spill_after_s)
         self.scheduler.attach_reclaimer(self.policy)
@@ -144,11 +139,10 @@ class Runtime:
                              connector=self.connector, stall_ratio=stall_ratio,
                              remote_required=cfg.remote_prefill is RemotePrefillMode.REQUIRED)
         # ---- durability="turn": session logs, group-committed by one thread
-        self.log_identity = Identity(**{k: self.header_fields[k] for k in IDENTITY_FIELDS})
         durable = self.disk is not None and cfg.durability is Durability.TURN
         self.journal = GroupCommit(cfg.session_dir) if durable else None
         # full KV blocks written behind to each session's segment (never waited on)
-        self.writeback = WriteBehind(self.disk, self.header_fields, snapshot_locks) \
+        self.writeback = WriteBehind(self.disk, self.identity, snapshot_locks) \
             if durable else None
 
         # ---- what the API asks of the engine: requests in and out, pins, stats

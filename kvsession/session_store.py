@@ -163,8 +163,10 @@ class SessionStore:
             except BaseException:
                 lock.release()
                 raise
-        if self.rt.journal is not None and slog is None:  # (no file until its first record)
-            slog = SessionLog(disk.log_path(session_id), session_id, self.rt.log_identity)
+        if self.rt.journal is None:  # durability="close": no log written (a resumed one is
+            slog = None              # read once, then replaced by the snapshot at close)
+        elif slog is None:  # (no file until its first record)
+            slog = SessionLog(disk.log_path(session_id), session_id, self.rt.identity)
         try:
             sess = self._make_session(session_id, system, sampling, system_key, messages,
                                       options or SessionOptions(ChatRenderer(self.tokenizer)),
@@ -227,7 +229,7 @@ class SessionStore:
         attached for the first turn to load (or recompute, by the cost model)."""
         rt, disk = self.rt, self.rt.disk
         path = disk.log_path(session_id)
-        scan = wal.read_log(path, expect=rt.log_identity, session_id=session_id)
+        scan = wal.read_log(path, expect=rt.identity, session_id=session_id)
         event = recovery.repair_log(path, session_id, scan)  # reported, and kept
         if event is not None:
             disk.recoveries.append(event)
@@ -246,15 +248,15 @@ class SessionStore:
             messages = messages_from_text(path, state.messages)
         except ConfigError as e:
             raise SnapshotError(f"{path}: {e}") from None
-        slog = SessionLog(path, session_id, rt.log_identity, state, scan.end)
-        shared = open_shared(disk, rt.header_fields)
+        slog = SessionLog(path, session_id, rt.identity, state, scan.end)
+        shared = open_shared(disk, rt.identity)
         sess = self._new_session(session_id, state.system, params, system_key, messages,
                                  lock=lock, slog=slog, options=opts)
         try:
             hashes = rt.mover.block_hashes(
                 state.tokens, rt.sequences.salt_for(state.tokens, params.cache_salt))
-            segment = open_segment(disk, session_id, rt.header_fields)
-            plan = build_plan(disk, session_id, state.tokens, hashes, rt.header_fields,
+            segment = open_segment(disk, session_id, rt.identity)
+            plan = build_plan(disk, session_id, state.tokens, hashes, rt.identity,
                               segment, shared)
             if rt.writeback is not None:  # what is on disk is never written again
                 if segment is not None:
@@ -303,7 +305,7 @@ class SessionStore:
         path = Path(path)
         if session_id is not None:
             check_session_id(session_id)
-        header = read_header(path, expect=self.rt.header_fields)
+        header = read_header(path, expect=self.rt.identity)
         self._check_untrusted(path, header.token_ids, header.system)
         disk = self.rt.disk
         sid = session_id or (disk.id_of(path) if disk is not None else None) \

@@ -84,7 +84,7 @@ class SystemPins:
             return
         ids = list(key)
         try:
-            shared = open_shared(rt.disk, rt.header_fields)
+            shared = open_shared(rt.disk, rt.identity)
             if shared is None:
                 return
             hashes = rt.mover.block_hashes(ids, rt.sequences.salt_for(ids, None))

@@ -18,9 +18,11 @@ import os
 import random
 import struct
 
+import msgspec
 import pytest
 import torch
 
+from kvsession.cache.identity import StorageIdentity
 from kvsession.tiers import direct_io
 from kvsession.tiers.checksum import crc32
 from kvsession.tiers.direct_io import AlignedAppender, open_for_append
@@ -36,9 +38,8 @@ from kvsession.tiers.segments import (
 )
 from kvsession.tiers.snapshot import encode_block
 
-FIELDS = {"model_fingerprint": "test", "tokenizer_digest": "t", "template_digest": "t",
-          "kv_dtype": "float32", "block_size": 4, "num_layers": 2, "num_kv_heads": 1,
-          "head_dim": 8, "tensor_names": ["k", "v"]}
+FIELDS = StorageIdentity("test", "float32", 4, tokenizer_digest="t", template_digest="t",
+                         num_layers=2, num_kv_heads=1, head_dim=8, tensor_names=("k", "v"))
 
 
 def _appends(path, sizes_per_append, seed=0, cut_every=0):
@@ -122,7 +123,7 @@ def test_the_writer_places_block_data_on_aligned_offsets(tmp_path):
     t = {n: torch.randn(2, 4, 2, 64, generator=g) for n in ("k", "v")}  # 4 KiB each
     pieces = encode_block(t)
     raw = b"".join(bytes(p) for p in pieces)
-    fields = dict(FIELDS, num_kv_heads=2, head_dim=64)
+    fields = msgspec.structs.replace(FIELDS, num_kv_heads=2, head_dim=64)
     path = tmp_path / "v3.seg"
     fd = open_for_append(path)
     io = AlignedAppender()

@@ -732,7 +732,7 @@ def test_segments_are_synced_in_bulk_and_when_idle_not_after_every_turn(llama_di
 def _scan(llm, path):
     from kvsession.tiers.segments import scan_segment
 
-    return scan_segment(path, llm._rt.header_fields, path.stem)
+    return scan_segment(path, llm._rt.identity, path.stem)
 
 
 def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path,

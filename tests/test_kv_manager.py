@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvsession.cache.block_pool import BlockPool
-from kvsession.cache.hashing import BlockHasher, CacheIdentity
+from kvsession.cache.hashing import BlockHasher
+from kvsession.cache.identity import StorageIdentity
 from kvsession.cache.kv_pool import KVPool
 from kvsession.cache.manager import KVCacheManager, Quarantine, SessionKV, Tier, Transient
 from kvsession.cache.prefix import Pin, PrefixCache
@@ -20,7 +21,7 @@ from kvsession.params import SamplingParams
 from kvsession.tiers.host import HostPool
 
 BS = 4
-HASHER = CacheIdentity("m", "float32", BS).hasher()
+HASHER = StorageIdentity("m", "float32", BS).hasher()
 SEQ, SESS, PIN, QUAR, TRANS = (c.holder_kind for c in (Sequence, SessionKV, Pin, Quarantine,
                                                         Transient))
 

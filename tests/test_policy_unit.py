@@ -11,7 +11,7 @@ import torch
 
 from kvsession import costmodel
 from kvsession.cache.block_pool import BlockPool, blocks_for
-from kvsession.cache.hashing import CacheIdentity
+from kvsession.cache.identity import StorageIdentity
 from kvsession.cache.kv_pool import KVPool, kv_bytes_per_token
 from kvsession.cache.manager import KVCacheManager, SessionKV, Tier, Transient
 from kvsession.cache.prefix import PrefixCache
@@ -23,10 +23,9 @@ from kvsession.tiers.snapshot_read import read_header
 
 BS = 4
 BPT = kv_bytes_per_token(2, 1, 4, torch.float32)
-HASHER = CacheIdentity("m", "float32", BS).hasher()
-HEADER = {"model_fingerprint": "m", "tokenizer_digest": "t", "template_digest": "c",
-          "kv_dtype": "float32", "block_size": BS, "num_layers": 2, "num_kv_heads": 1,
-          "head_dim": 4, "tensor_names": ["k", "v"]}
+HASHER = StorageIdentity("m", "float32", BS).hasher()
+HEADER = StorageIdentity("m", "float32", BS, tokenizer_digest="t", template_digest="c",
+                         num_layers=2, num_kv_heads=1, head_dim=4, tensor_names=("k", "v"))
 
 
 class Probe:

@@ -8,7 +8,7 @@ import torch
 
 from kvsession import costmodel
 from kvsession.cache.block_pool import BlockPool
-from kvsession.cache.hashing import CacheIdentity
+from kvsession.cache.identity import StorageIdentity
 from kvsession.cache.kv_pool import KVPool
 from kvsession.cache.manager import HolderKind, KVCacheManager, SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
@@ -20,15 +20,14 @@ from kvsession.tiers.mover import TierMover
 from kvsession.tiers.policy import TierPolicy
 
 BS = 4
-HEADER = {"model_fingerprint": "m", "tokenizer_digest": "t", "template_digest": "c",
-          "kv_dtype": "float32", "block_size": BS, "num_layers": 2, "num_kv_heads": 1,
-          "head_dim": 4, "tensor_names": ["k", "v"]}
+HEADER = StorageIdentity("m", "float32", BS, tokenizer_digest="t", template_digest="c",
+                         num_layers=2, num_kv_heads=1, head_dim=4, tensor_names=("k", "v"))
 
 
 def build(num_blocks=8, max_num_seqs=4, budget=64):
     kv = KVPool(2, num_blocks, BS, 1, 4, torch.float32, torch.device("cpu"))
     m = KVCacheManager(BlockPool(num_blocks, BS), kv)
-    prefix = PrefixCache(m, CacheIdentity("m", "float32", BS).hasher())
+    prefix = PrefixCache(m, StorageIdentity("m", "float32", BS).hasher())
     return m, Scheduler(m, prefix, max_num_seqs, budget)
 
 
@@ -213,7 +212,7 @@ def idle_session(m, sched, tokens, sid="s1"):
 
 
 def with_policy(m, sched):
-    host = HostPool(m.kv, 4)
+    host = HostPool(m.kv_pool, 4)
     mover = TierMover(m, host, None, sched.prefix.hasher, HEADER)
     policy = TierPolicy(mover, sched.prefix, load=sched,
                         prefill_tps=costmodel.RateEstimator(prior=2000.0), bytes_per_token=64)

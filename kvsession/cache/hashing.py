@@ -27,29 +27,6 @@ HashFn = Callable[[bytes], bytes]
 
 
 @dataclass(frozen=True)
-class CacheIdentity:
-    """What makes KV bytes interchangeable: the same model weights, KV dtype, block size
-    and block layout. Block hashes are rooted in it, remote workers must agree on it, and
-    snapshots record it; this is the one place it is assembled."""
-
-    model_fingerprint: str
-    kv_dtype: str
-    block_size: int
-    layout_version: int = LAYOUT_VERSION
-
-    def hasher(self, hash_fn: HashFn | None = None) -> BlockHasher:
-        scope = {"model": self.model_fingerprint, "kv_dtype": self.kv_dtype}
-        return BlockHasher(scope, self.block_size, hash_fn or sha256)
-
-    def digest(self, *extra: object) -> str:
-        """A hex digest of the identity (plus e.g. a protocol version): equal iff both
-        sides may exchange KV."""
-        blob = repr((self.model_fingerprint, self.kv_dtype, self.block_size,
-                     self.layout_version, *extra))
-        return hashlib.sha256(blob.encode()).hexdigest()
-
-
-@dataclass(frozen=True)
 class Salt:
     """A request's cache_salt and the number of leading full blocks (a pinned public prefix
     the request starts with) that stay unsalted."""

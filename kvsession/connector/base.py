@@ -31,7 +31,7 @@ from pathlib import Path
 import msgspec
 
 from kvsession.cache.block_pool import blocks_for
-from kvsession.cache.hashing import CacheIdentity
+from kvsession.cache.identity import StorageIdentity
 from kvsession.errors import ConfigError
 
 # 2: HelloOk carries the worker's limits; Rejected, StatsQuery and WorkerStatus
@@ -219,7 +219,7 @@ def is_loopback_endpoint(endpoint: str) -> bool | None:
         return False
 
 
-def compat_hash(identity: CacheIdentity, compute_dtype: str) -> str:
+def compat_hash(identity: StorageIdentity, compute_dtype: str) -> str:
     """Both sides must agree on this before any KV moves: the cache identity (model, kv
     dtype, block size, layout), the dtype the KV is computed in (a bfloat16 worker's KV is
     not the float32 caller's, and would change its tokens) and the protocol version."""

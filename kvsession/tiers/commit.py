@@ -33,6 +33,7 @@ from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvsession.cache.identity import StorageIdentity
 from kvsession.cache.prefix import common_prefix_len
 from kvsession.errors import SnapshotError
 from kvsession.tiers.files import fcntl, fsync_dir
@@ -77,9 +78,10 @@ class SessionLog:
     records in the caller's thread, in turn order; the commit thread does the I/O (`fd`,
     `end`, `durable` are its)."""
 
-    def __init__(self, path: Path, session_id: str, identity: Identity,
+    def __init__(self, path: Path, session_id: str, identity: StorageIdentity | Identity,
                  state: LogState | None = None, end: int = 0):
-        self.path, self.session_id, self.identity = Path(path), session_id, identity
+        self.path, self.session_id = Path(path), session_id
+        self.identity = Identity.of(identity)
         self.fd: int | None = None
         # caller side: what the records submitted so far say
         self.seq = state.seq if state is not None else 0

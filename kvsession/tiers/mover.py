@@ -19,6 +19,7 @@ import torch
 from kvsession import costmodel
 from kvsession.cache.block_pool import Block, blocks_for
 from kvsession.cache.hashing import BlockHasher, SaltArg
+from kvsession.cache.identity import StorageIdentity
 from kvsession.cache.manager import KVCacheManager, SessionKV, Tier, Transient
 from kvsession.errors import SnapshotError
 from kvsession.tiers.disk import DiskTier
@@ -35,10 +36,10 @@ log = logging.getLogger("kvsession")
 
 class TierMover:
     def __init__(self, manager: KVCacheManager, host: HostPool | None, disk: DiskTier | None,
-                 hasher: BlockHasher, header_fields: dict,
+                 hasher: BlockHasher, identity: StorageIdentity,
                  prefill_tps: costmodel.RateEstimator | None = None,
                  snapshot_locks: SnapshotLocks | None = None):
-        """header_fields: this engine's identity as snapshot headers record it (model,
+        """identity: this engine's storage identity (headers record it: model,
         tokenizer, template, kv dtype, block size, geometry, tensor names). prefill_tps
         (measured by the engine) prices a spilled block's reload for eviction.
         snapshot_locks: held while a session's snapshot is written (write-behind
@@ -46,7 +47,8 @@ class TierMover:
         self.snapshot_locks = snapshot_locks or SnapshotLocks()
         self.prefill_tps = prefill_tps
         self.manager, self.kv_pool, self.host, self.disk = manager, manager.kv_pool, host, disk
-        self.pool, self.hasher, self.header_fields = manager.pool, hasher, dict(header_fields)
+        self.pool, self.hasher, self.identity = manager.pool, hasher, identity
+        self.header_fields = identity.header_fields()  # what every header it writes holds
         self.bs = manager.block_size
         # measured bandwidths (bytes/s); priors only until the first copy is timed
         self.host_bytes_per_s = costmodel.RateEstimator(prior=10e9)
@@ -177,7 +179,7 @@ class TierMover:
                 self.disk_read_bytes_per_s.observe(moved, time.perf_counter() - t0)
             else:
                 if header is None:  # the file may have changed since it was written
-                    header = read_header(s.disk_path, expect=self.header_fields)
+                    header = read_header(s.disk_path, expect=self.identity)
                 if tuple(header.token_ids) != s.tokens:
                     raise SnapshotError(f"{s.disk_path}: no longer holds this session's "
                                         f"tokens (replaced since it was written)")
@@ -206,7 +208,7 @@ class TierMover:
         the session's current fields, chunks copied: the file's messages may be older than
         its KV (a spill can land between a turn's KV going back to the session and the
         turn's messages), so a file is never taken as the session as it is."""
-        h = read_header(s.disk_path, expect=self.header_fields)
+        h = read_header(s.disk_path, expect=self.identity)
         if tuple(h.token_ids) != s.tokens:
             raise SnapshotError(f"{s.disk_path}: no longer holds this session's tokens "
                                 f"(replaced since it was written)")
@@ -240,7 +242,7 @@ class TierMover:
         """Read blocks (index in file, device block) from a snapshot into the pool; each is
         validated (checksum, codec, names, shapes, dtypes) before it is copied, or, when it
         was read straight into its (fresh) CPU block, before this returns."""
-        h = header or read_header(path, expect=self.header_fields)
+        h = header or read_header(path, expect=self.identity)
         target = dict(wanted)
         pool = self.kv_pool.tensors()
         block_bytes = sum(t[:, 0].numel() * t.element_size() for t in pool.values())

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsession import costmodel
+from kvsession.cache.identity import StorageIdentity
 from kvsession.cache.manager import Tier, Transient
 from kvsession.errors import CacheFullError, SnapshotError
 from kvsession.tiers.segments import SegmentScan, scan_segment, segment_blocks, segment_tail
@@ -49,7 +50,7 @@ class DiskPlan:
     from_files: dict[str, int] = field(default_factory=dict)  # blocks per kind of file
 
 
-def open_segment(disk, session_id: str, header_fields: dict) -> SegmentScan | None:
+def open_segment(disk, session_id: str, identity: StorageIdentity) -> SegmentScan | None:
     """The session's segment, its torn tail cut off (the caller owns the session); None
     when there is none or it is not usable (another engine's, damaged: a warning; the
     write-behind replaces it)."""
@@ -57,7 +58,7 @@ def open_segment(disk, session_id: str, header_fields: dict) -> SegmentScan | No
     if not path.is_file():
         return None
     try:
-        scan = scan_segment(path, header_fields, session_id)
+        scan = scan_segment(path, identity, session_id)
         if scan.torn:
             truncate(path, scan.end)
         return scan
@@ -66,7 +67,7 @@ def open_segment(disk, session_id: str, header_fields: dict) -> SegmentScan | No
         return None
 
 
-def open_shared(disk, header_fields: dict) -> SegmentScan | None:
+def open_shared(disk, identity: StorageIdentity) -> SegmentScan | None:
     """The directory's shared prefix store as it is now (another process may be appending
     under the directory lock: a record it has not finished reads as a torn tail and is
     simply not used; only the lock holder ever cuts it)."""
@@ -74,13 +75,13 @@ def open_shared(disk, header_fields: dict) -> SegmentScan | None:
     if not path.is_file():
         return None
     try:
-        return scan_segment(path, header_fields, "shared")
+        return scan_segment(path, identity, "shared")
     except SnapshotError as e:
         log.warning("%s; shared prefix blocks will be recomputed", e)
         return None
 
 
-def build_plan(disk, session_id: str, tokens, hashes, header_fields: dict,
+def build_plan(disk, session_id: str, tokens, hashes, identity: StorageIdentity,
                segment: SegmentScan | None = None, shared: SegmentScan | None = None
                ) -> DiskPlan | None:
     """The blocks of `tokens` (the log's) found on disk, as a prefix: the session's
@@ -88,7 +89,7 @@ def build_plan(disk, session_id: str, tokens, hashes, header_fields: dict,
     partial last block (the snapshot's, or a tail record of the segment); None when
     there are none. A file that is damaged or written by another engine contributes
     nothing (a warning): its blocks are recomputed."""
-    bs = header_fields["block_size"]
+    bs = identity.block_size
     tokens = list(tokens)
     sources: list[tuple[Path, SnapshotHeader, int]] = []
     covered = 0
@@ -96,7 +97,7 @@ def build_plan(disk, session_id: str, tokens, hashes, header_fields: dict,
     kvs = disk.path_for(session_id)
     if kvs.is_file():
         try:
-            h = read_header(kvs, expect=header_fields)
+            h = read_header(kvs, expect=identity)
         except SnapshotError as e:
             log.warning("%s; its KV will be recomputed", e)
         else:

@@ -55,6 +55,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from kvsession.cache.hashing import tail_key
+from kvsession.cache.identity import StorageIdentity
 from kvsession.errors import SnapshotError
 from kvsession.tiers.checksum import crc32
 from kvsession.tiers.files import open_regular
@@ -124,8 +125,10 @@ class BlockMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_de
     gap: Annotated[int, msgspec.Meta(ge=0, lt=ALIGN_BYTES)] = 0  # zero bytes before the chunk
 
 
-def identity_of(header_fields: dict) -> SegmentIdentity:
-    return msgspec.convert({k: header_fields[k] for k in SegmentIdentity.__struct_fields__},
+def identity_of(identity: StorageIdentity) -> SegmentIdentity:
+    """The engine's identity as a segment's identity frame records it."""
+    fields = identity.header_fields()
+    return msgspec.convert({k: fields[k] for k in SegmentIdentity.__struct_fields__},
                            SegmentIdentity)
 
 
@@ -189,7 +192,7 @@ class SegmentScan:
         return self.size > self.end
 
 
-def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentScan:
+def scan_segment(path: Path, identity: StorageIdentity, session_id: str) -> SegmentScan:
     """Read a segment's record table (no chunk data). SnapshotError when it is not a
     segment of this engine (then it contributes nothing)."""
     path = Path(path)
@@ -212,10 +215,10 @@ def scan_segment(path: Path, header_fields: dict, session_id: str) -> SegmentSca
                 ident = msgspec.msgpack.decode(raw, type=SegmentIdentity)
             except msgspec.MsgspecError as e:
                 raise SnapshotError(f"{path}: malformed identity: {e}") from None
-            check_compatible(path, ident, {k: v for k, v in header_fields.items()
+            check_compatible(path, ident, {k: v for k, v in identity.header_fields().items()
                                            if k != "tensor_names"})
             if set(ident.tensor_names) not in KV_TENSOR_SETS or \
-                    set(ident.tensor_names) != set(header_fields["tensor_names"]):
+                    set(ident.tensor_names) != set(identity.tensor_names):
                 raise SnapshotError(f"{path}: tensors {ident.tensor_names} do not match "
                                     f"this engine's cache")
             header = pseudo_header(ident, session_id, [])
@@ -337,15 +340,15 @@ def compact(out: Path, sources: list[tuple[Path, SnapshotHeader, int]], fields: 
 
 
 def compaction_sources(kvs: Path, stores: list[tuple[SegmentScan, Path]],
-                       header_fields: dict, tokens, hashes
+                       identity: StorageIdentity, tokens, hashes
                        ) -> list[tuple[Path, SnapshotHeader, int]]:
     """The blocks of the session's current full-block `tokens`, snapshot first, then the
     segments (its own, the shared prefix store), as a prefix (what a resume attaches)."""
-    bs = header_fields["block_size"]
+    bs = identity.block_size
     sources: list[tuple[Path, SnapshotHeader, int]] = []
     if kvs.is_file():
         try:
-            h = read_header(kvs, expect=header_fields)
+            h = read_header(kvs, expect=identity)
             n = snapshot_prefix(h, tokens, bs) // bs
             sources = [(kvs, h, i) for i in range(n)]
         except SnapshotError:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from kvsession.cache.block_pool import blocks_for
+from kvsession.cache.identity import StorageIdentity
 from kvsession.errors import SnapshotError
 from kvsession.tiers.checksum import crc32
 from kvsession.tiers.files import open_regular
@@ -135,13 +136,14 @@ def _decode(path: Path, what: str, raw, typ, max_bytes: int | None = None):
         raise SnapshotError(f"{path}: malformed {where}: {e}") from None
 
 
-def read_header(path: Path, expect: dict | None = None) -> SnapshotHeader:
+def read_header(path: Path, expect: StorageIdentity | None = None) -> SnapshotHeader:
     """Parse and validate a snapshot's header (no payload is read). With `expect` (an
-    engine's identity: check_compatible's fields, tensor_names included) a file for another
-    engine is refused right after the scalars, before its variable-length fields are
-    decoded."""
+    engine's identity, as its header fields: check_compatible's, tensor_names included) a
+    file for another engine is refused right after the scalars, before its variable-length
+    fields are decoded."""
     path = Path(path)
     frame, payload_end = read_frame(path)
+    expect = None if expect is None else expect.header_fields()
     if expect is not None:
         check_compatible(path, frame, {k: v for k, v in expect.items() if k != "tensor_names"})
     names = _decode(path, "tensor_names", frame.tensor_names, list[str], 256)

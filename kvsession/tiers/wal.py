@@ -55,6 +55,7 @@ from typing import Annotated
 
 import msgspec
 
+from kvsession.cache.identity import LOG_FIELDS, StorageIdentity
 from kvsession.errors import SnapshotError
 from kvsession.tiers.checksum import crc32
 from kvsession.tiers.files import open_regular
@@ -77,8 +78,7 @@ MAX_RECORD_BYTES = 64 << 20
 MAX_TOKENS = 1 << 22  # tokens in a session (max_model_len is far below)
 MAX_MESSAGES_PER_RECORD = 1 << 16
 MAX_MESSAGE_FIELDS = 32
-IDENTITY_FIELDS = ("model_fingerprint", "tokenizer_digest", "template_digest", "kv_dtype",
-                   "block_size")
+IDENTITY_FIELDS = LOG_FIELDS  # (what Identity holds)
 
 _Tokens = Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOKENS)]
 _Message = Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], str],
@@ -98,6 +98,11 @@ class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def digest(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
+
+    @classmethod
+    def of(cls, identity: StorageIdentity | Identity) -> Identity:
+        """The engine's storage identity as a log records it."""
+        return identity if isinstance(identity, Identity) else cls(**identity.log_fields())
 
 
 class BaseRecord(msgspec.Struct, frozen=True, tag="base"):
@@ -245,7 +250,7 @@ def _read_exact(fd: int, n: int, offset: int) -> bytes:
     return out
 
 
-def read_log(path: Path, expect: Identity | None = None,
+def read_log(path: Path, expect: StorageIdentity | Identity | None = None,
              session_id: str | None = None) -> LogScan:
     """Replay a log (see the module docstring for the rules). Reads record by record: the
     memory used is the replayed state plus one record. session_id: the session the file is

@@ -47,6 +47,7 @@ import lz4.frame
 import torch
 
 from kvsession.cache.hashing import tail_key
+from kvsession.cache.identity import StorageIdentity
 from kvsession.cache.manager import SessionKV
 from kvsession.cache.prefix import common_prefix_len
 from kvsession.errors import SnapshotError
@@ -69,7 +70,7 @@ from kvsession.tiers.segments import (
 from kvsession.tiers.snapshot import MIN_LZ4_SAVING, encode_block
 from kvsession.tiers.snapshot_format import Chunk
 from kvsession.tiers.staging import StagingBuffers
-from kvsession.tiers.wal import IDENTITY_FIELDS, Identity, read_log
+from kvsession.tiers.wal import Identity, read_log
 
 log = logging.getLogger("kvsession")
 # how long close() waits for the writer to drain (every wait is bounded)
@@ -137,8 +138,8 @@ class _Segment:
     hashes: tuple[bytes, ...] = ()
     tail: bytes | None = None
 
-    def scan(self, header_fields: dict, session_id: str) -> SegmentScan:
-        ident = identity_of(header_fields)
+    def scan(self, identity: StorageIdentity, session_id: str) -> SegmentScan:
+        ident = identity_of(identity)
         return SegmentScan(pseudo_header(ident, session_id, list(self.chunks)),
                            list(self.metas), self.end, self.end)
 
@@ -160,12 +161,13 @@ class WriteBehind:
     # filled by write-behind would refuse the next turn's log record
     RESERVE_BYTES = 64 << 20
 
-    def __init__(self, disk, header_fields: dict, snapshot_locks: SnapshotLocks):
-        self.disk, self.header_fields = disk, dict(header_fields)
-        self.bs = header_fields["block_size"]
+    def __init__(self, disk, identity: StorageIdentity, snapshot_locks: SnapshotLocks):
+        self.disk, self.identity = disk, identity
+        self.header_fields = identity.header_fields()  # what a compacted snapshot holds
+        self.bs = identity.block_size
         self.locks = snapshot_locks
-        self._start = start_bytes(identity_of(header_fields))
-        self._identity = Identity(**{k: header_fields[k] for k in IDENTITY_FIELDS})
+        self._start = start_bytes(identity_of(identity))
+        self._identity = Identity(**identity.log_fields())
         self._io = AlignedAppender()  # the writer thread's (segments go out with O_DIRECT)
         self._q: queue.Queue = queue.Queue()
         self._guard = threading.Lock()
@@ -356,7 +358,7 @@ class WriteBehind:
             with directory_lock(self.disk.root):
                 size = path.stat().st_size if path.exists() else 0
                 if size and (self.shared is None or self.shared.size != size):
-                    self.shared = scan_segment(path, self.header_fields, "shared")
+                    self.shared = scan_segment(path, self.identity, "shared")
                 seg = _Segment(path)
                 if size and self.shared is not None:
                     seg.end, seg.chunks, seg.metas = (
@@ -369,7 +371,7 @@ class WriteBehind:
                     self._append(seg, new, job)
                     self.shared_blocks_written += len(new)
                     self._sync(seg)
-                    self.shared = seg.scan(self.header_fields, "shared")
+                    self.shared = seg.scan(self.identity, "shared")
                     self.shared.size = seg.end
                 finally:
                     self._close_fd(seg)
@@ -389,7 +391,7 @@ class WriteBehind:
             return None
         if self.shared is None or self.shared.size != size:
             try:
-                self.shared = scan_segment(path, self.header_fields, "shared")
+                self.shared = scan_segment(path, self.identity, "shared")
             except SnapshotError as e:
                 log.warning("shared prefix store: %s", e)
                 return None
@@ -486,11 +488,11 @@ class WriteBehind:
         kvs = self.disk.path_for(sid)
         self._sync(seg)
         with self.locks.get(sid):
-            stores = [(seg.scan(self.header_fields, sid), seg.path)]
+            stores = [(seg.scan(self.identity, sid), seg.path)]
             shared = self._read_shared()
             if shared is not None:
                 stores.append((shared, self.disk.shared_path()))
-            sources = compaction_sources(kvs, stores, self.header_fields, seg.tokens,
+            sources = compaction_sources(kvs, stores, self.identity, seg.tokens,
                                          seg.hashes)
             n = len(sources)
             if any(m.index >= n and m.index < len(seg.hashes) and seg.hashes[m.index] == m.hash
