@@ -300,7 +300,9 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_turn(llama_dir, tmp_pat
                 at_site[site] = at_site.get(site, 0) + (not by_us)
             else:
                 done = next(x["done"] for x in lines if "done" in x)
-                assert sorted(done) == [f"s{i}.kvs" for i in range(SESSIONS)], done
+                # (and the reports of torn tails start-up recovery cut: tiers/recovery.py)
+                assert sorted(f for f in done if not f.endswith(".recovery")) == [
+                    f"s{i}.kvs" for i in range(SESSIONS)], done
                 assert all(acked.get(i) == TURNS for i in range(SESSIONS)), acked
                 break
     elapsed = time.monotonic() - t_start

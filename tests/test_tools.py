@@ -197,9 +197,12 @@ def test_bad_tools_and_tool_choice(tokenizers, tools, choice, match):
 def test_uncompilable_schema_names_the_tool(tokenizers):
     bad = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "pattern": "(unclosed"}}}}}
-    spec = ToolSpec.from_args([ADD, bad], "required", tokenizers["hermes"])
-    with pytest.raises(ConfigError, match=r"tools\[1\]\.function\.parameters"):
-        spec.grammar()
+    # refused where the tools enter, whatever the tool_choice (with "auto" the schema is
+    # never compiled, and a bad pattern went unnoticed)
+    for choice in ("required", "auto"):
+        with pytest.raises(ConfigError, match=r"tools\[1\]\.function\.parameters has an "
+                                              r"invalid regular expression"):
+            ToolSpec.from_args([ADD, bad], choice, tokenizers["hermes"])
 
 
 @pytest.mark.parametrize("messages, match", [
