@@ -81,10 +81,10 @@ def test_a_shared_prefix_outlives_a_private_history_freed_after_it():
     pool.free(sys_prompt)
     first, _ = chain(pool, 10, 1, sys_prompt)  # block 1 extends the chain end: inherits 2
     pool.free(first)
-    assert not sys_prompt[0].shared
+    assert not sys_prompt[0].evict.shared
     other, _ = chain(pool, 20, 1, sys_prompt)  # block 2: a second continuation, hits 1
     pool.free(other)
-    assert sys_prompt[0].shared and sys_prompt[0].branches == 2
+    assert sys_prompt[0].evict.shared and sys_prompt[0].evict.branches == 2
     for _ in range(4):
         again, _ = chain(pool, 0, 0, sys_prompt)
         pool.free(again)
@@ -93,7 +93,7 @@ def test_a_shared_prefix_outlives_a_private_history_freed_after_it():
     for _ in range(2):
         again, _ = chain(pool, 100, 0, private)
         pool.free(again)
-    assert [b.hits for b in pool.blocks[:5]] == [7, 2, 1, 3, 3]
+    assert [b.evict.hits for b in pool.blocks[:5]] == [7, 2, 1, 3, 3]
     q = pool.free_queue
     assert q.value(sys_prompt[0]) == pytest.approx(3.0) and q.value(private[1]) > 2.0
     rest = pool.allocate(3)  # blocks 5..7 have no content
@@ -139,7 +139,7 @@ def often_then_twice(pool: BlockPool) -> list[int]:
     pool.free(twice)
     again, _ = chain(pool, 10, 0, twice)
     pool.free(again)
-    assert (often[0].hits, twice[0].hits) == (5, 2)
+    assert (often[0].evict.hits, twice[0].evict.hits) == (5, 2)
     rest = pool.allocate(pool.num_blocks - 2)
     out = [{often[0].block_id: "often", twice[0].block_id: "twice"}[i]
            for i in victims(pool, 2)]
@@ -219,7 +219,7 @@ def test_leaf_first_a_prefix_waits_for_its_descendants():
         pool.free(hit)
     branch, _ = chain(pool, 50, 2, root[:2])  # 2, 3 extend it (inherit its hits)
     pool.free(branch)
-    assert branch[2].parent[0] is root[1] and root[1].num_children == 1
+    assert branch[2].evict.parent[0] is root[1] and root[1].evict.num_children == 1
     assert [b.block_id for b in pool.free_queue][-2:] == [1, 0]  # parked: not candidates
     # everything is evicted tail first: 3, 2 (the leaf chain), then the root 1, 0
     uncached = pool.allocate(4)  # 4..7 have no content: reused before any eviction
@@ -250,13 +250,13 @@ def test_reload_cost_grows_with_position_and_falls_with_a_copy():
     short, _ = chain(pool, 0, 1)  # a leaf at position 0
     long, _ = chain(pool, 100, 3)  # its leaf at position 2
     q = pool.free_queue
-    assert long[2].depth == 2 and short[0].depth == 0
+    assert long[2].evict.depth == 2 and short[0].evict.depth == 0
     assert q.cost(short[0]) == 1.0
     assert q.cost(long[2]) == pytest.approx(1 + 2 * BS / POSITION_KNEE_TOKENS)
     pool.note_copy(long, "disk", 0.25)
     assert q.cost(long[2]) == pytest.approx(0.25 * (1 + 2 * BS / POSITION_KNEE_TOKENS))
     pool.touch(long)  # referenced again: the copy is no longer what would be reloaded
-    assert long[2].copy_tier is None and q.cost(long[2]) > 1.0
+    assert long[2].evict.copy_tier is None and q.cost(long[2]) > 1.0
     pool.free(long)
     pool.free(long)
     pool.free(short)
@@ -304,10 +304,11 @@ def test_properties_hold_under_random_workloads(leader, ops):
                 prefix.append(b)
             if pool.num_free < n + sum(1 for b in prefix if b.ref_cnt == 0):
                 continue
-            before = {b.block_id: (b.ref_cnt, b.num_children, b.block_hash)
+            before = {b.block_id: (b.ref_cnt, b.evict.num_children, b.block_hash)
                       for b in pool.blocks}
-            parent_of = {b.block_id: b.parent[0].block_id for b in pool.blocks
-                         if b.parent is not None and b.parent[0].generation == b.parent[1]}
+            links = {b: b.evict.parent for b in pool.blocks}
+            parent_of = {b.block_id: link[0].block_id for b, link in links.items()
+                         if link is not None and link[0].evict.generation == link[1]}
             blocks, hashes = chain(pool, 1000 * key + 100 * len(prefix), n, prefix)
             pool.observe(hashes)
             fresh = [b.block_id for b in blocks[len(prefix):]]

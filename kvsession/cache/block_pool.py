@@ -33,18 +33,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev", "next", "parent",
-                 "generation", "num_children", "depth", "hits", "branches", "shared",
-                 "copy_tier", "copy_cost", "keys", "tick", "queue_tick")
+class EvictionState:
+    """A cached block's bookkeeping for eviction (cache/eviction.py's cost rule), apart
+    from what the pool needs to own and verify it."""
 
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: bytes | None = None
-        self.token_ids: tuple[int, ...] | None = None  # stored for hit verification
-        self.prev: Block | None = None  # intrusive free-queue links
-        self.next: Block | None = None
+    __slots__ = ("parent", "generation", "num_children", "depth", "hits", "branches",
+                 "shared", "copy_tier", "copy_cost", "keys", "tick", "queue_tick")
+
+    def __init__(self):
         # chain structure of cached content: (parent block, its generation when linked);
         # the generation changes whenever a block's content is evicted, so a link to
         # content that is gone is recognised as stale
@@ -64,6 +60,19 @@ class Block:
         self.keys: tuple[float, ...] = ()
         self.tick = 0
         self.queue_tick: int | None = None
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev", "next", "evict")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.token_ids: tuple[int, ...] | None = None  # stored for hit verification
+        self.prev: Block | None = None  # intrusive free-queue links
+        self.next: Block | None = None
+        self.evict = EvictionState()
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -168,23 +177,23 @@ class BlockPool:
         if b.block_hash is not None:
             del self.index[b.block_hash]
             if self.eviction is EvictionPolicy.COST:
-                self.ghosts[b.block_hash] = (b.hits, b.shared)
+                self.ghosts[b.block_hash] = (b.evict.hits, b.evict.shared)
                 if len(self.ghosts) > self.num_blocks:
                     self.ghosts.popitem(last=False)
             b.block_hash = b.token_ids = None
             self.num_evictions += 1
-            self.evictions_by_copy[b.copy_tier or "none"] += 1
-            if b.parent is not None:
-                parent, generation = b.parent
-                if parent.generation == generation:
-                    parent.num_children -= 1
-                    if parent.num_children == 0 and parent.ref_cnt == 0 and \
+            self.evictions_by_copy[b.evict.copy_tier or "none"] += 1
+            if b.evict.parent is not None:
+                parent, generation = b.evict.parent
+                if parent.evict.generation == generation:
+                    parent.evict.num_children -= 1
+                    if parent.evict.num_children == 0 and parent.ref_cnt == 0 and \
                             isinstance(self.free_queue, CostAwareQueue):
                         self.free_queue.leaf(parent)
-        b.generation += 1
-        b.parent, b.num_children, b.depth, b.hits = None, 0, 0, 0
-        b.branches, b.shared = 0, False
-        b.copy_tier, b.copy_cost = None, 1.0
+        b.evict.generation += 1
+        b.evict.parent, b.evict.num_children, b.evict.depth, b.evict.hits = None, 0, 0, 0
+        b.evict.branches, b.evict.shared = 0, False
+        b.evict.copy_tier, b.evict.copy_cost = None, 1.0
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Add a reference to each block (prefix hit, fork, pin); a free block is revived
@@ -194,8 +203,8 @@ class BlockPool:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
             if b.block_hash is not None:
-                b.hits += 1
-                b.copy_tier = None  # whoever held the copy takes this block instead
+                b.evict.hits += 1
+                b.evict.copy_tier = None  # whoever held the copy takes this block instead
 
     def free(self, blocks: Sequence[Block]) -> None:
         """Drop one reference from each of a sequence's blocks, tail first; blocks reaching
@@ -222,29 +231,30 @@ class BlockPool:
         b.block_hash, b.token_ids = block_hash, tuple(token_ids)
         self.index[block_hash] = b
         ghost = self.ghosts.pop(block_hash, None)
-        b.hits, b.shared = (ghost[0] + 1, ghost[1]) if ghost is not None else (1, False)
+        b.evict.hits, b.evict.shared = (ghost[0] + 1, ghost[1]) if ghost is not None else (1, False)
         parent = self.index.get(parent_hash) if parent_hash is not None else None
         if parent is not None:
-            b.parent, b.depth = (parent, parent.generation), parent.depth + 1
-            if parent.num_children == 0:
+            ev, up = b.evict, parent.evict
+            ev.parent, ev.depth = (parent, up.generation), up.depth + 1
+            if parent.evict.num_children == 0:
                 # it extends a chain end (a conversation's next turn): as likely to be
                 # reused as the history it extends. A branch off a prefix that already has
                 # continuations (a one-off query under a shared system prompt) does not.
-                b.hits = max(b.hits, parent.hits)
-            parent.num_children += 1
+                b.evict.hits = max(b.evict.hits, parent.evict.hits)
+            parent.evict.num_children += 1
             if ghost is None:  # a new continuation, not the old one computed again
-                parent.branches += 1
-            if parent.branches >= 2 or b.shared:
+                parent.evict.branches += 1
+            if parent.evict.branches >= 2 or b.evict.shared:
                 self._mark_shared(parent)
 
     @staticmethod
     def _mark_shared(b: Block | None) -> None:
         """`b` branched: it and its cached ancestors are shared prefixes. Amortised O(1):
         each content is marked once, and the walk stops at a marked ancestor."""
-        while b is not None and not b.shared:
-            b.shared = True
-            parent = b.parent
-            b = parent[0] if parent is not None and parent[0].generation == parent[1] \
+        while b is not None and not b.evict.shared:
+            b.evict.shared = True
+            parent = b.evict.parent
+            b = parent[0] if parent is not None and parent[0].evict.generation == parent[1] \
                 else None
 
     def note_copy(self, blocks: Iterable[Block], tier: str, copy_cost: float) -> None:
@@ -252,7 +262,7 @@ class BlockPool:
         reloading costs `copy_cost` (a fraction of recomputing): cheaper to evict."""
         for b in blocks:
             if b.block_hash is not None:
-                b.copy_tier, b.copy_cost = tier, min(max(copy_cost, 0.0), 1.0)
+                b.evict.copy_tier, b.evict.copy_cost = tier, min(max(copy_cost, 0.0), 1.0)
 
     def observe(self, block_hashes: Sequence[bytes]) -> None:
         """A prompt with these full-block hashes was admitted: replay it through each
@@ -313,14 +323,20 @@ class BlockPool:
             if b.block_hash != h or b.token_ids is None or \
                     len(b.token_ids) != (0 if self.is_shadow else self.block_size):
                 raise AssertionError(f"index entry inconsistent: {b}")
-        children = Counter(b.parent[0].block_id for b in self.blocks if b.parent is not None
-                           and b.parent[0].generation == b.parent[1])
+        children = Counter(_live_parent(b).block_id for b in self.blocks
+                           if _live_parent(b) is not None)
         for b in self.blocks:
-            if b.num_children != children[b.block_id]:
-                raise AssertionError(f"{b}: counts {b.num_children} cached children, "
+            if b.evict.num_children != children[b.block_id]:
+                raise AssertionError(f"{b}: counts {b.evict.num_children} cached children, "
                                      f"{children[b.block_id]} link to it")
-            if b.shared and b.parent is not None and b.parent[0].generation == \
-                    b.parent[1] and not b.parent[0].shared:
+            up = _live_parent(b)
+            if b.evict.shared and up is not None and not up.evict.shared:
                 raise AssertionError(f"{b} is a shared prefix, its cached parent is not")
         for shadow in self.shadows:
             shadow.check_integrity()
+
+
+def _live_parent(b: Block) -> Block | None:
+    """The cached block `b`'s chain links to, if its content is still the one linked."""
+    link = b.evict.parent
+    return link[0] if link is not None and link[0].evict.generation == link[1] else None

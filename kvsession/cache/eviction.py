@@ -108,16 +108,16 @@ class CostAwareQueue:
         """f(hits) x reload cost: what evicting the block is expected to cost, in clock
         units of `order`."""
         if order is Order.FREQUENCY:
-            counted = float(b.hits)
+            counted = float(b.evict.hits)
         else:
-            counted = min(b.hits, MAX_COUNTED_HITS)
-            if b.shared:  # a prefix of several continuations: its hits count, damped
-                counted = max(counted, math.log2(1 + b.hits))
+            counted = min(b.evict.hits, MAX_COUNTED_HITS)
+            if b.evict.shared:  # a prefix of several continuations: its hits count, damped
+                counted = max(counted, math.log2(1 + b.evict.hits))
         return counted * self.cost(b)
 
     def cost(self, b: Block) -> float:
-        recompute = 1.0 + b.depth * self.block_size / POSITION_KNEE_TOKENS
-        return recompute * (b.copy_cost if b.copy_tier is not None else 1.0)
+        recompute = 1.0 + b.evict.depth * self.block_size / POSITION_KNEE_TOKENS
+        return recompute * (b.evict.copy_cost if b.evict.copy_tier is not None else 1.0)
 
     # ---- the free-queue interface --------------------------------------------------------
 
@@ -126,25 +126,25 @@ class CostAwareQueue:
         self.num_blocks += 1
         if b.block_hash is None:
             self.uncached.append(b)
-            b.queue_tick = None
+            b.evict.queue_tick = None
             return
         # priced when freed; a parked block keeps that price until it becomes a leaf
         # (re-pricing it then would give every block of a dead chain a fresh lease)
         self._frees += 1
-        b.keys = tuple(self._frees / per + self.value(b, o)
+        b.evict.keys = tuple(self._frees / per + self.value(b, o)
                        for o, per in zip(self.orders, self._frees_per_unit, strict=True))
-        b.tick = next(self._ticks)
-        if b.num_children:
+        b.evict.tick = next(self._ticks)
+        if b.evict.num_children:
             self._parked[b.block_id] = b
-            b.queue_tick = None
+            b.evict.queue_tick = None
         else:
             self._push(b)
         self._compact()  # victims leave only the leader's heap: the others' entries go stale
 
     def _push(self, b: Block) -> None:
-        b.queue_tick = b.tick
-        for heap, key in zip(self._heaps, b.keys, strict=True):
-            heapq.heappush(heap, (key, b.tick, b))
+        b.evict.queue_tick = b.evict.tick
+        for heap, key in zip(self._heaps, b.evict.keys, strict=True):
+            heapq.heappush(heap, (key, b.evict.tick, b))
 
     def remove(self, b: Block) -> None:
         """`b` is referenced again (a prefix hit, a fork): it leaves the queue."""
@@ -152,7 +152,7 @@ class CostAwareQueue:
         if b in self.uncached:
             self.uncached.remove(b)
         elif self._parked.pop(b.block_id, None) is None:
-            b.queue_tick = None  # its heap entries are stale now; dropped when they surface
+            b.evict.queue_tick = None  # its heap entries are stale now; dropped when they surface
         self._compact()
 
     def popleft(self) -> Block:
@@ -163,8 +163,8 @@ class CostAwareQueue:
         heap = self._heaps[self.orders.index(self.leader)]
         while heap:
             _, tick, b = heapq.heappop(heap)
-            if b.queue_tick == tick:
-                b.queue_tick = None
+            if b.evict.queue_tick == tick:
+                b.evict.queue_tick = None
                 self.last_reason = self.leader.value
                 self.num_blocks -= 1
                 return b
@@ -186,25 +186,26 @@ class CostAwareQueue:
         child has gone (blocks whose descendants are in use last)."""
         yield from self.uncached
         i = self.orders.index(self.leader)
-        heap = [(b.keys[i], tick, b) for _, tick, b in self._heaps[i] if b.queue_tick == tick]
+        heap = [(b.evict.keys[i], tick, b) for _, tick, b in self._heaps[i]
+                if b.evict.queue_tick == tick]
         heapq.heapify(heap)
         parked = dict(self._parked)
         remaining: dict[int, int] = {}
         while heap:
             *_, b = heapq.heappop(heap)
             yield b
-            if b.parent is not None:
-                p, generation = b.parent
-                if p.generation == generation and p.block_id in parked:
+            if b.evict.parent is not None:
+                p, generation = b.evict.parent
+                if p.evict.generation == generation and p.block_id in parked:
                     left = remaining[p.block_id] = remaining.get(p.block_id,
-                                                                 p.num_children) - 1
+                                                                 p.evict.num_children) - 1
                     if left == 0:
                         del parked[p.block_id]
-                        heapq.heappush(heap, (p.keys[i], p.tick, p))
+                        heapq.heappush(heap, (p.evict.keys[i], p.evict.tick, p))
         yield from parked.values()
 
     def __contains__(self, b: Block) -> bool:
-        return b in self.uncached or b.queue_tick is not None or b.block_id in self._parked
+        return b in self.uncached or b.evict.queue_tick is not None or b.block_id in self._parked
 
     @property
     def num_entries(self) -> int:
@@ -216,5 +217,5 @@ class CostAwareQueue:
         rebuild follows at least as many insertions as it keeps, so O(1) amortised)."""
         for i, heap in enumerate(self._heaps):
             if len(heap) > 64 and len(heap) > 2 * self.num_blocks:
-                self._heaps[i] = [e for e in heap if e[2].queue_tick == e[1]]
+                self._heaps[i] = [e for e in heap if e[2].evict.queue_tick == e[1]]
                 heapq.heapify(self._heaps[i])
