@@ -14,6 +14,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from kvsession.errors import ConfigError
+from kvsession.json_schema import check_patterns
 from kvsession.validation import (
     SEED_RANGE,
     check_bool,
@@ -71,9 +72,16 @@ def _canonical_schema(schema) -> str:
         raise ConfigError(f"structured.json_schema must be a JSON schema: a dict or the JSON "
                           f"text of an object, got {schema!r:.80}")
     try:
-        return json.dumps(schema, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(schema, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"structured.json_schema must hold JSON values only: {e}") from None
+    except RecursionError:
+        raise ConfigError("structured.json_schema is nested too deeply") from None
+    try:  # (the copy, of bounded depth)
+        check_patterns(json.loads(text), "structured.json_schema")
+    except RecursionError:
+        raise ConfigError("structured.json_schema is nested too deeply") from None
+    return text
 
 
 @dataclass(frozen=True, init=False)
@@ -170,7 +178,10 @@ def structured_from_response_format(rf) -> StructuredOutput | None:
     if not isinstance(spec, dict) or "schema" not in spec:
         raise ConfigError(f"response_format['json_schema'] must be a dict with a 'schema' "
                           f"(OpenAI's shape), got {spec!r:.80}")
-    return StructuredOutput(json_schema=spec["schema"])
+    try:
+        return StructuredOutput(json_schema=spec["schema"])
+    except ConfigError as e:  # named as the request has it
+        raise ConfigError(f"response_format['json_schema']['schema']: {e}") from None
 
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kvsession.errors import ConfigError
+from kvsession.json_schema import SUBSCHEMA_LISTS, SUBSCHEMA_MAPS, SUBSCHEMA_ONE, subschemas
 from kvsession.params import StructuredOutput
 
 # compiled grammars kept per LLM (each holds a token-mask cache; a few MB for big vocabularies)
@@ -37,31 +38,10 @@ CACHE_SIZE = 64
 STRING_CHAR = ('([ !#-\\x5b\\x5d-\ud7ff\ue000-\U0010ffff]|\\\\["\\\\/bfnrt]'
                # \u escapes of scalar values only: a lone surrogate is no character
                '|\\\\u([0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))')
-# where JSON Schema keeps subschemas: everything else in a schema is data (enum, const,
-# default, examples...), which may hold anything, keys named like keywords included
-_SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                             "dependentSchemas"})
-_SUBSCHEMA_ONE = frozenset({"items", "additionalProperties", "additionalItems", "not",
-                            "contains", "propertyNames", "if", "then", "else",
-                            "unevaluatedItems", "unevaluatedProperties"})
-_SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
 # keywords xgrammar compiles but does not enforce (measured with its matcher: outputs that
 # break them end as "stop"): refused, as vLLM refuses them for xgrammar
 _UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas",
                "dependencies", "contains", "minContains", "maxContains")
-
-
-def _subschemas(node: dict):
-    """(path suffix, subschema) of every subschema directly under `node`."""
-    for k, v in node.items():
-        if k in _SUBSCHEMA_MAPS and isinstance(v, dict):
-            for name, sub in v.items():
-                yield f"/{k}/{name}", sub
-        elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
-            for i, sub in enumerate(v):
-                yield f"/{k}/{i}", sub
-        elif k in _SUBSCHEMA_ONE and isinstance(v, dict | bool):
-            yield f"/{k}", v
 
 
 def refuse_unenforced(node, where: str, path: str = "") -> None:
@@ -104,52 +84,8 @@ def refuse_unenforced(node, where: str, path: str = "") -> None:
         raise ConfigError(f"{where} bounds a string's length beside a pattern or format (at "
                           f"{at}), which the grammar engine (xgrammar) ignores: put the "
                           f"length into the pattern")
-    for suffix, sub in _subschemas(node):
+    for suffix, sub in subschemas(node):
         refuse_unenforced(sub, where, path + suffix)
-
-
-def regex_error(pattern: str) -> str | None:
-    """Why `pattern` is no regular expression, or None. JSON Schema's dialect is ECMA 262's,
-    which Python's `re` approximates and xgrammar (which compiles it for structured output)
-    knows a subset of: a pattern is refused only when both reject it (Python's `re` alone
-    without xgrammar), so a valid one is not refused for one parser's gaps (what the
-    grammar engine cannot enforce is refused when it must be compiled)."""
-    try:
-        re.compile(pattern)
-        return None
-    except re.error as e:
-        why = str(e)
-    except (RecursionError, OverflowError, ValueError):
-        why = None  # too deep for Python's parser to tell
-    try:
-        xgr = xgrammar_module()
-    except ConfigError:
-        return why
-    try:
-        xgr.Grammar.from_regex(pattern)
-        return None
-    except (RuntimeError, ValueError, TypeError) as e:
-        # xgrammar reports "[time] file.cc:line: message": keep the message
-        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return why or (msg.split(": ", 1)[1] if msg.startswith("[") and ": " in msg else msg)
-
-
-def check_patterns(schema, where: str, path: str = "") -> None:
-    """ConfigError naming `where` when a `pattern` (or a patternProperties key) anywhere in
-    the JSON schema is no regular expression: checked where a schema enters (a tool's
-    parameters are compiled only when a call is forced, so a bad one went unnoticed)."""
-    if not isinstance(schema, dict):
-        return
-    regexes = [("pattern", schema["pattern"])] if isinstance(schema.get("pattern"), str) else []
-    if isinstance(schema.get("patternProperties"), dict):
-        regexes += [("patternProperties", k) for k in schema["patternProperties"]]
-    for keyword, regex in regexes:
-        why = regex_error(regex)
-        if why is not None:
-            raise ConfigError(f"{where} has an invalid regular expression in {keyword!r} (at "
-                              f"{path or '/'}): {regex!r:.80}: {why}")
-    for suffix, sub in _subschemas(schema):
-        check_patterns(sub, where, path + suffix)
 
 
 def checked_schema(schema, where: str):
@@ -178,11 +114,11 @@ def bounded_strings_as_patterns(node):
         return node
     out = dict(node)
     for k, v in node.items():
-        if k in _SUBSCHEMA_MAPS and isinstance(v, dict):
+        if k in SUBSCHEMA_MAPS and isinstance(v, dict):
             out[k] = {name: bounded_strings_as_patterns(sub) for name, sub in v.items()}
-        elif k in _SUBSCHEMA_LISTS and isinstance(v, list):
+        elif k in SUBSCHEMA_LISTS and isinstance(v, list):
             out[k] = [bounded_strings_as_patterns(sub) for sub in v]
-        elif k in _SUBSCHEMA_ONE and isinstance(v, dict):
+        elif k in SUBSCHEMA_ONE and isinstance(v, dict):
             out[k] = bounded_strings_as_patterns(v)
     lo, hi = out.get("minLength"), out.get("maxLength")
     if (lo is None and hi is None) or "pattern" in out or "format" in out or \

@@ -47,6 +47,7 @@ import string
 from dataclasses import dataclass, field, replace
 
 from kvsession.errors import ConfigError
+from kvsession.json_schema import check_patterns
 from kvsession.params import SamplingParams, StructuredOutput
 from kvsession.validation import check_bool
 
@@ -193,8 +194,6 @@ def check_tools(tools) -> list[dict]:
                                   f"call's arguments), got type {params['type']!r}")
         copy = json_copy(tool, where)  # (JSON values only, depth bounded: then walked)
         if params is not None:
-            from kvsession.structured import check_patterns
-
             try:
                 check_patterns(copy["function"]["parameters"], f"{where}.function.parameters")
             except RecursionError:

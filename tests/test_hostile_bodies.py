@@ -316,17 +316,19 @@ def test_an_invalid_regex_in_a_schema_is_400(server, client):
 
 
 def test_regexes_are_refused_only_when_no_parser_reads_them():
-    assert P._regex_error("((") is not None and P._regex_error("[") is not None
-    assert P._regex_error("^a{2,5}$") is None
-    assert P._regex_error("(?<word>a)") is None  # ECMA 262 (xgrammar), not Python
-    assert P._regex_error("(?=a)a") is None  # a lookahead: Python's (xgrammar's engine
+    from kvsession.json_schema import check_patterns, regex_error
+
+    assert regex_error("((") is not None and regex_error("[") is not None
+    assert regex_error("^a{2,5}$") is None
+    assert regex_error("(?<word>a)") is None  # ECMA 262 (xgrammar), not Python
+    assert regex_error("(?=a)a") is None  # a lookahead: Python's (xgrammar's engine
     # refuses it itself when it must compile it)
     # a pattern in data (an enum's value, a default) is not a schema's
-    P.check_schema_patterns({"enum": [{"pattern": "(("}], "default": {"pattern": "(("},
-                             "properties": {"pattern": {"type": "string"}}}, "tools", "x")
-    with pytest.raises(P.APIError) as e:
-        P.check_schema_patterns({"anyOf": [{"type": "null"}, {"pattern": "(("}]}, "f", "x")
-    assert e.value.param == "f" and "(at /anyOf/1)" in e.value.message
+    check_patterns({"enum": [{"pattern": "(("}], "default": {"pattern": "(("},
+                    "properties": {"pattern": {"type": "string"}}}, "x")
+    with pytest.raises(ConfigError, match=r"x has an invalid regular expression in "
+                                          r"'pattern' \(at /anyOf/1\)"):
+        check_patterns({"anyOf": [{"type": "null"}, {"pattern": "(("}]}, "x")
 
 
 # ---- chat_template_kwargs ---------------------------------------------------------------

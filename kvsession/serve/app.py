@@ -168,7 +168,6 @@ class Server:
                              param="messages")
         P.check_chat_messages(req.messages)
         P.check_template_kwarg_names(req.chat_template_kwargs)
-        P.check_chat_schemas(req.response_format, req.tools)
         P.check_max_tokens(req, self.max_model_len)
         if req.top_logprobs is not None and not req.logprobs:  # as OpenAI answers it
             raise P.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
