@@ -50,7 +50,7 @@ from kvsession.tiers.recovery import LogRecovery
 from kvsession.tiers.snapshot import messages_to_text
 from kvsession.tools import ToolSpec
 from kvsession.turn_queue import TurnQueue
-from kvsession.turns import LogEntry, SessionOptions, TurnExecutor, TurnInfo
+from kvsession.turns import ForkPoint, LogEntry, SessionOptions, TurnExecutor, TurnInfo
 from kvsession.validation import check_bool, check_float, check_path, check_str
 
 if TYPE_CHECKING:  # the store imports this module; only the type is needed here
@@ -136,7 +136,9 @@ class Session:
                  messages: list[dict] | None = None,
                  history: HistoryMode = HistoryMode.APPEND,
                  renderer: ChatRenderer | None = None, log: list[int] | None = None,
-                 pending: int = 0, slog: SessionLog | None = None):
+                 pending: int = 0, slog: SessionLog | None = None,
+                 system_key: tuple[int, ...] | None = None,
+                 recovery: list[LogRecovery] | None = None):
         # lifecycle (fork, close) goes to the store; a turn and the work on the session's
         # KV between turns go one way, to the executor (kvsession/turns.py)
         self._store, self._exec = store, turns
@@ -154,12 +156,13 @@ class Session:
         self._messages: list[dict] = (
             [dict(m) for m in messages] if messages is not None
             else [{"role": "system", "content": system}] if system is not None else [])
-        # the shared system pin it uses (set by the store that created it)
-        self.system_key: tuple[int, ...] | None = None
+        # the shared system pin it holds (acquired by the store that created it; handed
+        # back at close)
+        self.system_key = system_key
         # the KV (tokens, blocks, tier): changed only on the engine thread, by the manager
         self.kv = SessionKV(self.session_id, meta=self._snapshot_meta)
         self._turns = TurnQueue(self.session_id)
-        self.stats = SessionStats()
+        self.stats = SessionStats(recovery=list(recovery or ()))
 
     def _snapshot_meta(self) -> dict:
         return {"messages": messages_to_text(self._messages), "system": self.system,
@@ -579,7 +582,16 @@ class Session:
     def fork(self, session_id: str | None = None) -> Session:
         """A new session sharing every block so far (references, no copy); the first write
         into a shared partial block copies it. Parent and child then evolve independently."""
-        return self._store.fork(self, session_id)
+        if self.state == "closed":  # before anything is created (a child, a system pin)
+            raise SessionClosedError(f"session {self.session_id!r} is closed")
+        child = self._store.fork(ForkPoint(self.system, self.sampling, self.system_key,
+                                           self.messages, self.options()), session_id)
+        try:
+            self.exclusive(lambda: self._exec.share(self.kv, child.kv))
+        except BaseException:
+            child.close()
+            raise
+        return child
 
     def save(self, path) -> None:
         """Write this session (messages, tokens, KV with fp8 scales) to a `.kvs` snapshot,
@@ -624,7 +636,8 @@ class Session:
             if prev is not None:
                 prev.result()
             self._turns.mark_closed()
-            self._store.close_session(self, delete)
+            key, self.system_key = self.system_key, None  # released once
+            self._store.close_session(self.session_id, self.kv, key, delete)
         finally:
             self._turns.leave(mine)
 

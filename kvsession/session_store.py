@@ -36,6 +36,7 @@ import logging
 import uuid
 from pathlib import Path
 
+from kvsession.cache.manager import SessionKV
 from kvsession.errors import (
     ConfigError,
     EngineClosedError,
@@ -53,7 +54,7 @@ from kvsession.tiers import recovery
 from kvsession.tiers.commit import SessionLog
 from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.locks import FileLock
-from kvsession.turns import SessionOptions, TurnExecutor
+from kvsession.turns import ForkPoint, SessionOptions, TurnExecutor
 
 log = logging.getLogger("kvsession")
 
@@ -135,34 +136,35 @@ class SessionStore:
                 lock.release()
                 raise
         slog = self.files.log_writer(session_id, slog) if disk is not None else None
+        # what recovery cut from its log, whoever did
+        cut = recovery.read_events(disk.root, session_id) if disk is not None and given else []
         try:
             sess = self._make_session(session_id, system, sampling, system_key, messages,
                                       options or SessionOptions(ChatRenderer(self.tokenizer)),
-                                      slog)
+                                      slog, cut)
         except BaseException:
             if lock is not None:
                 lock.release()
             raise
         self.files.adopt(session_id, lock, slog)
-        if disk is not None and given:  # what recovery cut from it, whoever did
-            sess.stats.recovery = recovery.read_events(disk.root, session_id)
         self.live[sess.session_id] = sess
         return sess
 
     def _make_session(self, session_id: str, system: str | None,
                       sampling: SamplingParams | None, system_key,
                       messages: list[dict] | None, options: SessionOptions,
-                      slog: SessionLog | None) -> Session:
-        sess = Session(self, self.turns, session_id, system, sampling, messages,
-                       options.history, options.renderer, options.log, options.pending, slog)
+                      slog: SessionLog | None, cut: list) -> Session:
         if system_key is not None:  # stored by another process of this directory? read it
             self.pins.warm_from_directory(system_key)
-        if system_key is not None and self.pins.acquire(system_key):
-            sess.system_key = system_key
+        if system_key is not None and not self.pins.acquire(system_key):
+            system_key = None  # (not pinned: the session runs without it)
+        sess = Session(self, self.turns, session_id, system, sampling, messages,
+                       options.history, options.renderer, options.log, options.pending, slog,
+                       system_key, cut)
         try:
             self.rt.call(lambda: self.rt.policy.register(sess.kv)).result()
         except BaseException:
-            self._unpin_system(sess)
+            self.pins.release(system_key)
             raise
         return sess
 
@@ -221,47 +223,31 @@ class SessionStore:
 
     # ---- a session's lifecycle: forks and closes ------------------------------------------------
 
-    def fork(self, parent: Session, session_id: str | None) -> Session:
+    def fork(self, point: ForkPoint, session_id: str | None) -> Session:
+        """A new live session starting where `point` says (its parent shares its blocks
+        with it next: Session.fork)."""
         if session_id is not None:
             check_session_id(session_id)
-        if parent.state == "closed":  # before anything is created (a child, a system pin)
-            raise SessionClosedError(f"session {parent.session_id!r} is closed")
-        child = self._new_session(session_id, parent.system, parent.sampling,
-                                  parent.system_key, parent.messages,
-                                  options=parent.options())
+        return self._new_session(session_id, point.system, point.sampling, point.system_key,
+                                 point.messages, options=point.options)
 
-        def share() -> None:
-            self.rt.policy.prefetch(parent.kv)  # a spilled parent comes back first
-            self.rt.manager.share(parent.kv, child.kv)
-            self.rt.policy.forked(parent.kv, child.kv)
-
-        try:
-            parent.exclusive(share)
-        except BaseException:
-            child.close()
-            raise
-        return child
-
-    def close_session(self, sess: Session, delete: bool) -> None:
-        """delete: also the session's own file in session_dir; never another file (the one
-        it was restored from elsewhere, or another session's)."""
-        self.live.pop(sess.session_id, None)
-        kv = sess.kv
+    def close_session(self, session_id: str, kv: SessionKV, system_key, delete: bool) -> None:
+        """A session closed: its KV released in every tier, its shared system pin
+        (`system_key`) given back, its files closed; delete: also the session's own file in
+        session_dir, never another file (the one it was restored from elsewhere, or another
+        session's)."""
+        self.live.pop(session_id, None)
         stale = None
         if not self.rt.closed:
             if not delete:
-                stale = self.files.refresh_own_file(sess.session_id, kv)
+                stale = self.files.refresh_own_file(session_id, kv)
             self.rt.call(lambda: self.rt.policy.release(kv)).result()
         try:
-            self._unpin_system(sess)
+            self.pins.release(system_key)
         finally:
-            self.files.close(sess.session_id, delete)
+            self.files.close(session_id, delete)
         if stale is not None:
             raise stale
-
-    def _unpin_system(self, sess: Session) -> None:
-        self.pins.release(sess.system_key)
-        sess.system_key = None  # released once
 
     # ---- shutdown --------------------------------------------------------------------------
 

@@ -80,6 +80,19 @@ class LogEntry:
     history: dict
 
 
+@dataclass(frozen=True)
+class ForkPoint:
+    """What a fork starts from: its parent's system prompt, sampling defaults, shared
+    system pin, messages and rendering/history (the blocks are shared afterwards, on the
+    engine thread: `TurnExecutor.share`)."""
+
+    system: str | None
+    sampling: SamplingParams
+    system_key: tuple[int, ...] | None
+    messages: list[dict]
+    options: SessionOptions
+
+
 class TurnExecutor:
     """The engine side of session turns, for every Session of one `LLM`."""
 
@@ -164,6 +177,14 @@ class TurnExecutor:
             mover.rewrite_disk_snapshot(kv, path)
             return
         mover.write_snapshot(kv, path)
+
+    def share(self, parent: SessionKV, child: SessionKV) -> None:
+        """Engine thread: a fork references every block of its parent (no copy; the first
+        write into a shared partial block copies it); a spilled parent comes back first."""
+        rt = self.rt
+        rt.policy.prefetch(parent)
+        rt.manager.share(parent, child)
+        rt.policy.forked(parent, child)
 
     def suspend(self, kv: SessionKV, expected_idle_s: float | None) -> str:
         """Engine thread: the tier policy's decision for an idle session."""
