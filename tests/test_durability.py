@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from llms import tiny_llm
 
 from kvsession import LLM, ConfigError, SamplingParams, SnapshotError
 from kvsession.cache.hashing import tail_key
@@ -42,8 +43,7 @@ IDENTITY = wal.Identity(model_fingerprint="m" * 64, tokenizer_digest="t", templa
 
 
 def new_llm(model_dir, sd, **kw):
-    return LLM(model_dir, **{"kv_cache_memory": "8MiB", "max_model_len": 512,
-                             "session_dir": sd, **kw})
+    return tiny_llm(model_dir, session_dir=sd, **kw)
 
 
 def continues_exactly(llm, s, message="and then?"):

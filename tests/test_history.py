@@ -4,11 +4,13 @@ history re-renders and equals llm.chat. Layered cache salts and pin(system=...).
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import pytest
+from llms import tiny_llm
 
-from kvsession import LLM, ConfigError, SamplingParams
+from kvsession import ConfigError, SamplingParams
 from kvsession.testing import CHATML_TEMPLATE
 from oracle import expected_turn
 
@@ -75,8 +77,7 @@ def template_dirs(llama_dir, tmp_path_factory):
     return out
 
 
-def new_llm(model_dir, **kw):
-    return LLM(model_dir, **{"kv_cache_memory": "16MiB", "max_model_len": 2048, **kw})
+new_llm = functools.partial(tiny_llm, kv_cache_memory="16MiB", max_model_len=2048)
 
 
 def chatml_delta(messages: list[dict], reply_closed: bool) -> str:

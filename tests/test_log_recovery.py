@@ -17,8 +17,9 @@ import struct
 from pathlib import Path
 
 import pytest
+from llms import tiny_llm
 
-from kvsession import LLM, ConfigError, SamplingParams, SessionLostError, SnapshotError
+from kvsession import ConfigError, SamplingParams, SessionLostError, SnapshotError
 from kvsession.tiers import recovery, wal
 from kvsession.tiers.commit import GroupCommit, Op, SessionLog
 from kvsession.tiers.disk import DiskTier
@@ -180,8 +181,7 @@ def test_a_damaged_recovery_file_is_treated_as_absent(tmp_path, caplog):
 # ---- through the API -----------------------------------------------------------------------
 
 def new_llm(model_dir, sd, **kw):
-    return LLM(model_dir, **{"kv_cache_memory": "8MiB", "max_model_len": 512,
-                             "session_dir": sd, **kw})
+    return tiny_llm(model_dir, session_dir=sd, **kw)
 
 
 def two_turns(llm, sid):

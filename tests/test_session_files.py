@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+from llms import tiny_llm
 
-from kvsession import LLM, ConfigError, SamplingParams, SessionClosedError, SnapshotError
+from kvsession import ConfigError, SamplingParams, SessionClosedError, SnapshotError
 from kvsession.cli import main as cli_main
 from kvsession.tiers import snapshot_read as snap_read
 from oracle import expected_turn
@@ -34,8 +35,7 @@ TEMP = re.compile(r"\.(.+\.kvs)\.[0-9]+\.[0-9a-f]{8}\.tmp")
 def new_llm(model_dir, sd=None, **kw):
     """durability="close": these tests are about the files written at close and by spills
     (the write-ahead log of durability="turn" is tested in test_durability.py)."""
-    return LLM(model_dir, **{"kv_cache_memory": "8MiB", "max_model_len": 512,
-                             "session_dir": sd, "durability": "close", **kw})
+    return tiny_llm(model_dir, **{"session_dir": sd, "durability": "close", **kw})
 
 
 def continues_exactly(llm, s, message="and then?"):

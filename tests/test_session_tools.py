@@ -4,10 +4,13 @@ added with their call id, all surviving a snapshot and a resume."""
 
 from __future__ import annotations
 
+import functools
+
 import jsonschema
 import pytest
+from llms import tiny_llm
 
-from kvsession import LLM, ConfigError, SamplingParams
+from kvsession import ConfigError, SamplingParams
 from oracle import expected_turn
 
 G = SamplingParams(max_tokens=120, temperature=0.0)
@@ -26,8 +29,7 @@ TOOLS = [LS, ADD]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
-def new_llm(model_dir, **kw):
-    return LLM(model_dir, **{"kv_cache_memory": "16MiB", "max_model_len": 2048, **kw})
+new_llm = functools.partial(tiny_llm, kv_cache_memory="16MiB", max_model_len=2048)
 
 
 @pytest.mark.parametrize("family", ["hermes", "llama3", "mistral"])

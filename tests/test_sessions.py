@@ -7,6 +7,7 @@ import shutil
 import threading
 
 import pytest
+from llms import tiny_llm
 
 from kvsession import LLM, ConfigError, SamplingParams, SessionClosedError
 from kvsession.cache.prefix import common_prefix_len
@@ -31,7 +32,7 @@ def as_list(msg):
 
 
 def new_llm(model_dir, **kw):
-    llm = LLM(model_dir, **{"kv_cache_memory": "8MiB", "max_model_len": 1024, **kw})
+    llm = tiny_llm(model_dir, **{"max_model_len": 1024, **kw})
     llm._rt.engine.step_observers.append(llm._rt.integrity.now)
     return llm
 
