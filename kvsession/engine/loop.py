@@ -255,7 +255,7 @@ class Engine:
             return self.runner.run(batch)
         r = self.runner
         input_ids, positions, meta, rows = r.prepare(batch)
-        hidden = r.model.forward(input_ids, positions, r.kv, meta)
+        hidden = r.model.forward(input_ids, positions, r.kv_pool, meta)
         for i, item in want:
             seq, first = item.seq, item.seq.num_computed_tokens
             # position p predicts prompt token p + 1; the last prompt position predicts the
