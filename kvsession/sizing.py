@@ -5,6 +5,7 @@ here is checked before any memory is taken (a ConfigError naming the fix)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from kvsession.config import EngineConfig
 from kvsession.errors import ConfigError
 from kvsession.model.config import ModelSpec, check_sliding_window
 
+log = logging.getLogger("kvsession")
 CPU_DEFAULT_KV_BYTES = 2**30
 
 
@@ -32,8 +34,8 @@ class RuntimeInfo:
 
 @dataclass(frozen=True)
 class KVSizing:
-    """The KV pool an engine builds: max_model_len (the checkpoint's when not configured),
-    bytes per token of KV, blocks."""
+    """The KV pool an engine builds: max_model_len (fitted when not configured), bytes per
+    token of KV, blocks."""
 
     max_model_len: int
     kv_bytes_per_token: int
@@ -41,22 +43,47 @@ class KVSizing:
 
 
 def size_kv(cfg: EngineConfig, spec: ModelSpec) -> KVSizing:
-    """The pool for `cfg` on a model of `spec`; ConfigError when one sequence of
-    max_model_len does not fit the budget, or the pool does not fit this machine."""
-    max_model_len = cfg.max_model_len or spec.max_position_embeddings
-    check_sliding_window(spec, max_model_len)
+    """The pool for `cfg` on a model of `spec`. max_model_len=None fits: the checkpoint's
+    length (max_position_embeddings), kept within a sliding window kvsession does not
+    implement, clamped to what the KV budget holds; the chosen value is logged with its
+    reason. An explicit value that does not fit is a ConfigError naming the largest that
+    does; so is a budget too small for any sequence, or a pool beyond this machine."""
     bpt = kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                              cfg.kv_cache_dtype)
     num_blocks = num_kv_blocks(cfg, spec, bpt)
-    needed = blocks_for(max_model_len, cfg.block_size)
-    if num_blocks < needed:
-        raise ConfigError(
-            f"kv_cache_memory holds {num_blocks} blocks of {cfg.block_size} tokens "
-            f"({num_blocks * cfg.block_size} tokens at {bpt} bytes/token), but one sequence "
-            f"of max_model_len={max_model_len} needs {needed}; raise kv_cache_memory or "
-            f"lower max_model_len")
-    check_memory_fits(cfg, num_blocks * cfg.block_size * bpt)
+    holds = num_blocks * cfg.block_size  # the longest sequence the budget holds
+    budget = (f"kv_cache_memory holds {num_blocks} blocks of {cfg.block_size} tokens "
+              f"({holds} tokens at {bpt} bytes/token)")
+    if cfg.max_model_len is None:
+        max_model_len = fitted_max_model_len(spec, holds, budget)
+    else:
+        max_model_len = cfg.max_model_len
+        check_sliding_window(spec, max_model_len)
+        if blocks_for(max_model_len, cfg.block_size) > num_blocks:
+            raise ConfigError(
+                f"max_model_len={max_model_len} does not fit: {budget}; the largest "
+                f"max_model_len that fits is {holds}: pass it (or None, to fit), or raise "
+                f"kv_cache_memory")
+    check_memory_fits(cfg, holds * bpt)
     return KVSizing(max_model_len, bpt, num_blocks)
+
+
+def fitted_max_model_len(spec: ModelSpec, holds: int, budget: str) -> int:
+    """max_model_len=None: the checkpoint's length, within its sliding window (which
+    kvsession does not implement: it must never apply), within what the budget holds."""
+    length, why = spec.max_position_embeddings, "the checkpoint's max_position_embeddings"
+    if spec.sliding_window is not None and spec.sliding_window < length:
+        length, why = spec.sliding_window, (f"the checkpoint's sliding_window (it has "
+                                            f"{spec.max_position_embeddings} positions; "
+                                            f"kvsession does not implement the window)")
+    if holds < length:
+        length, why = holds, (f"what kv_cache_memory holds (the checkpoint has "
+                              f"{spec.max_position_embeddings} positions); raise "
+                              f"kv_cache_memory for more")
+    if length < 2:
+        raise ConfigError(f"{budget}: too little for any sequence; raise kv_cache_memory")
+    log.info("max_model_len=%d: %s", length, why)
+    return length
 
 
 def weight_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:

@@ -252,3 +252,30 @@ def test_a_qwen_window_counts_only_where_transformers_applies_it(model_dirs, tmp
             LLM(d, kv_cache_memory="4MiB", max_model_len=128)
     with LLM(d, kv_cache_memory="4MiB", max_model_len=64) as llm:
         assert llm.runtime.max_model_len == 64
+
+
+def test_max_model_len_none_fits_the_budget_and_the_window(model_dirs, tmp_path, caplog):
+    """max_model_len=None: the checkpoint's length clamped to what the KV budget holds (and
+    to a sliding window kvsession does not implement), logged with why; an explicit value
+    that does not fit names the largest that does."""
+    import logging
+
+    d = copy(model_dirs("mistral"), tmp_path)
+    edit_config(d, max_position_embeddings=8192, sliding_window=None)
+    # (the fit is whatever the budget holds, in whole blocks of 16 tokens)
+    with caplog.at_level(logging.INFO, logger="kvsession"):
+        with LLM(d, kv_cache_memory="1MiB") as llm:
+            fitted = llm.runtime.max_model_len
+    assert 2 <= fitted < 8192 and fitted % 16 == 0
+    assert f"max_model_len={fitted}: what kv_cache_memory holds" in caplog.text
+    with pytest.raises(ConfigError, match=f"largest max_model_len that fits is {fitted}"):
+        LLM(d, kv_cache_memory="1MiB", max_model_len=fitted + 1)
+    with LLM(d, kv_cache_memory="1MiB", max_model_len=fitted) as llm:
+        assert llm.runtime.max_model_len == fitted
+    with LLM(d, kv_cache_memory="64MiB") as llm:  # room for all of it: the checkpoint's
+        assert llm.runtime.max_model_len == 8192
+    edit_config(d, sliding_window=1024)  # a window that would apply: kept below it
+    with LLM(d, kv_cache_memory="64MiB") as llm:
+        assert llm.runtime.max_model_len == 1024
+    with pytest.raises(ConfigError, match="too little for any sequence"):
+        LLM(d, kv_cache_memory=1)
