@@ -176,7 +176,8 @@ def test_a_mistral_config_without_a_window_has_mistrals_default(model_dirs, tmp_
     ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
     ({"block_size": 24}, "block_size"),
     ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
-    ({"kv_cache_memory": "64KiB"}, "max_model_len"),
+    # (None fits the budget: an explicit value that cannot is refused, naming it)
+    ({"kv_cache_memory": "64KiB", "max_model_len": 4096}, "max_model_len=4096 does not fit"),
     ({"device": "tpu"}, "device"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"remote_prefill": "sometimes"}, "remote_prefill"),
