@@ -154,6 +154,7 @@ class EngineConfig:
     prefill_auth_key_file: Path | None = None  # the caller's CURVE key file
     eviction_policy: EvictionPolicy = EvictionPolicy.COST
     durability: Durability = Durability.TURN
+    chat_template: str | None = None  # a template replacing the checkpoint's (its text)
 
     @staticmethod
     def from_args(
@@ -164,7 +165,7 @@ class EngineConfig:
         spill_after_s=None, prefill_worker=None, remote_prefill="auto",
         remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0,
         prefill_auth_key_file=None,
-        eviction_policy="cost", durability="turn", **unknown,
+        eviction_policy="cost", durability="turn", chat_template=None, **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -212,6 +213,7 @@ class EngineConfig:
         _choice(attention_backend, "attention_backend", {b.value for b in AttentionBackend})
         _choice(eviction_policy, "eviction_policy", {p.value for p in EvictionPolicy})
         durable = _durability(durability)
+        template = _chat_template(chat_template)
         return EngineConfig(
             model=model_path, device=dev, dtype=compute, kv_cache_dtype=kv,
             max_model_len=max_model_len, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
@@ -236,13 +238,33 @@ class EngineConfig:
             seed=check_int("seed", seed, min_value=SEED_RANGE[0], max_value=SEED_RANGE[1]),
             prefill_auth_key_file=auth_file,
             eviction_policy=EvictionPolicy(eviction_policy),
-            durability=durable,
+            durability=durable, chat_template=template,
         )
 
     @property
     def kv_cache_dtype_name(self) -> str:
         return "fp8_e4m3" if is_fp8(self.kv_cache_dtype) else str(
             self.kv_cache_dtype).removeprefix("torch.")
+
+
+def _chat_template(value) -> str | None:
+    """LLM(chat_template=...): a template's text (it has `{{` or `{%`), or the path of a
+    file holding one; None keeps the checkpoint's."""
+    if value is None:
+        return None
+    if isinstance(value, str) and ("{{" in value or "{%" in value):
+        return value
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"chat_template must be None, a template or a file's path, got "
+                          f"{value!r:.80}")
+    path = Path(value)
+    if not path.is_file():
+        raise ConfigError(f"chat_template={str(value)!r:.120} is neither a template (it has no "
+                          f"'{{{{' or '{{%') nor a file")
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"chat_template: cannot read {path}: {e}") from None
 
 
 # LLM()'s keyword arguments (everything after `model`), read off the signature so it cannot drift

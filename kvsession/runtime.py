@@ -71,7 +71,7 @@ class Runtime:
         self._loop: EngineLoop | None = None
         # ---- everything that can be refused, before any memory is taken
         spec = load_model_spec(cfg.model)
-        self.tokenizer = Tokenizer(cfg.model)
+        self.tokenizer = Tokenizer(cfg.model, chat_template=cfg.chat_template)
         sizing = size_kv(cfg, spec)
         max_model_len, bpt, num_blocks = (sizing.max_model_len, sizing.kv_bytes_per_token,
                                           sizing.num_blocks)

@@ -461,7 +461,7 @@ class ToolSpec:
         choice, name = check_tool_choice(tool_choice, names)
         if not tools:
             return None
-        fmt = detect_tool_format(tokenizer.chat_template)
+        fmt = detect_tool_format(tokenizer.tool_template)
         if fmt is None:
             raise ConfigError("tools were given but this checkpoint's chat template never "
                               "renders `tools` in a known tool-call format (Hermes/Qwen "

@@ -201,10 +201,18 @@ class Tokenizer:
     """Encodes, decodes and renders chats for one checkpoint. Immutable after construction,
     safe to share between threads."""
 
-    def __init__(self, model_dir: Path, config_eos_ids: list[int] | None = None):
+    def __init__(self, model_dir: Path, config_eos_ids: list[int] | None = None,
+                 chat_template: str | None = None):
+        """chat_template: a template that replaces the checkpoint's (all of its named
+        ones: `LLM(chat_template=...)`)."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
+            if (model_dir / "tokenizer.model").is_file():
+                raise ModelLoadError(
+                    f"{model_dir} has only tokenizer.model (SentencePiece); kvsession reads "
+                    f"tokenizer.json: convert it once with transformers "
+                    f"(AutoTokenizer.from_pretrained(dir).save_pretrained(dir) writes it)")
             raise ModelLoadError(f"missing file: {path}")
         try:
             self._tok = _HFTokenizer.from_file(str(path))
@@ -213,7 +221,14 @@ class Tokenizer:
         tcfg = _json_object(model_dir / "tokenizer_config.json")
         self.bos_token = _token_text(tcfg.get("bos_token"))
         self.eos_token = _token_text(tcfg.get("eos_token"))
-        self.chat_template = self._find_template(model_dir, tcfg)
+        # name -> template: "default", and "tool_use" where the checkpoint names one (chosen
+        # when tools are given, as transformers chooses)
+        self.templates = {"default": chat_template} if chat_template is not None else \
+            self._find_templates(model_dir, tcfg)
+        self.chat_template = self.templates.get("default")
+        # the template a request with tools renders with (its tool-call format is read
+        # from it)
+        self.tool_template = self.templates.get("tool_use", self.chat_template)
         self.eos_token_ids = self._find_eos_ids(model_dir, config_eos_ids)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # the extensions transformers' template environment has: {% break %} / {% continue %}
@@ -225,31 +240,48 @@ class Tokenizer:
         # as transformers provides it: templates (Llama 3.x) date their system turn with it
         self._env.globals["strftime_now"] = _strftime_now
         self._env.filters["tojson"] = _tojson
-        try:
-            self._template = (self._env.from_string(self.chat_template)
-                              if self.chat_template else None)
-        except jinja2.TemplateError as e:
-            raise ModelLoadError(f"the checkpoint's chat template does not compile: "
-                                 f"{type(e).__name__}: {e}") from None
+        compiled = {}
+        for name, text in self.templates.items():
+            try:
+                compiled[name] = self._env.from_string(text) if text else None
+            except jinja2.TemplateError as e:
+                what = "the chat template" if chat_template is not None else \
+                    f"the checkpoint's chat template {name!r}"
+                raise ModelLoadError(f"{what} does not compile: {type(e).__name__}: {e}") \
+                    from None
+        self._template = compiled.get("default")
+        self._tool_template = compiled.get("tool_use", self._template)
         self.digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        self.template_digest = hashlib.sha256((self.chat_template or "").encode()).hexdigest()
+        # every template the engine may render with (stored sessions must agree on all)
+        self.template_digest = hashlib.sha256(
+            (self.chat_template or "").encode() if set(self.templates) <= {"default"}
+            else json.dumps(self.templates, sort_keys=True).encode()).hexdigest()
 
     @staticmethod
-    def _find_template(model_dir: Path, tcfg: dict) -> str | None:
+    def _find_templates(model_dir: Path, tcfg: dict) -> dict[str, str | None]:
+        """The checkpoint's templates by name: chat_template.jinja (current layout), or
+        tokenizer_config.json's chat_template, a string or a list of named ones
+        (`[{"name": "default", ...}, {"name": "tool_use", ...}]`, as Hermes ships). A list
+        without "default" takes its first as the default."""
         jinja = model_dir / "chat_template.jinja"
         if jinja.is_file():
             try:
-                return jinja.read_text()
+                return {"default": jinja.read_text()}
             except UnicodeDecodeError as e:
                 raise ModelLoadError(f"{jinja} is not UTF-8 text: {e}") from None
         tpl = tcfg.get("chat_template")
         if isinstance(tpl, list):  # [{"name": "default", "template": "..."}, ...]
             named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
-            tpl = named.get("default") or next(iter(named.values()), None)
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in named.items()):
+                raise ModelLoadError(f"tokenizer_config.json: named chat templates must be "
+                                     f"{{'name': str, 'template': str}}, got {tpl!r:.80}")
+            if named and "default" not in named:
+                named["default"] = next(iter(named.values()))
+            return named or {"default": None}
         if tpl is not None and not isinstance(tpl, str):
             raise ModelLoadError(f"tokenizer_config.json: chat_template must be a string, "
                                  f"got {tpl!r:.80}")
-        return tpl
+        return {"default": tpl}
 
     def _find_eos_ids(self, model_dir: Path, config_eos_ids: list[int] | None) -> frozenset[int]:
         """transformers' order: generation_config.json's eos_token_id, else config.json's
@@ -282,8 +314,11 @@ class Tokenizer:
         """The conversation as the model's chat template writes it (sandboxed jinja2).
         `tools` is passed as the `tools` variable HF templates use (None: not defined);
         `chat_template_kwargs` (e.g. {"enable_thinking": False}) are further variables."""
-        if self._template is None:
-            raise ConfigError("this checkpoint has no chat template; use generate() instead")
+        # a named "tool_use" template renders requests with tools (transformers' choice)
+        template = self._tool_template if tools else self._template
+        if template is None:
+            raise ConfigError("this checkpoint has no chat template; use generate() instead, "
+                              "or pass one: LLM(chat_template=...)")
         messages = check_messages(messages)
         extra = dict(chat_template_kwargs or {})
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"}
@@ -294,7 +329,7 @@ class Tokenizer:
         if tools is not None:
             extra["tools"] = tools
         try:
-            return self._template.render(
+            return template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except TemplateError as e:
