@@ -35,6 +35,7 @@ from kvsession.config import AttentionBackend, Durability, EngineConfig, RemoteP
 from kvsession.connector.base import compat_hash
 from kvsession.engine.graphs import DecodeGraphs
 from kvsession.engine.loop import Engine, EngineLoop, OnUpdate
+from kvsession.engine.remote import RemoteOffload
 from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler
 from kvsession.engine.scheduler import Scheduler
@@ -48,7 +49,7 @@ from kvsession.model.loader import load_weights, weights_digest
 from kvsession.model.tokenizer import Tokenizer
 from kvsession.observability import StatsCollector
 from kvsession.pinning import Pinning
-from kvsession.remote_offload import RemoteOffload, connect_workers, remote_client_class
+from kvsession.remote_offload import connect_workers, remote_client_class
 from kvsession.sequence_factory import SequenceFactory
 from kvsession.sizing import RuntimeInfo, size_kv
 from kvsession.tiers.commit import GroupCommit

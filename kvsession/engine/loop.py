@@ -14,16 +14,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, InvalidStateError
-from typing import Protocol
 
 import torch
 
 from kvsession.costmodel import RateEstimator, StallRatio
+from kvsession.engine.remote import RemotePrefillDriver, RemotePrefills
 from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler, top_logprobs
 from kvsession.engine.scheduler import ScheduledSeq, Scheduler
 from kvsession.engine.sequence import Sequence, SequenceStatus
-from kvsession.errors import CacheFullError, EngineClosedError, RemotePrefillError
+from kvsession.errors import CacheFullError, EngineClosedError
 from kvsession.metrics import LatencyTracker, RequestMetrics
 
 log = logging.getLogger("kvsession")
@@ -51,23 +51,6 @@ def request_metrics(seq: Sequence) -> RequestMetrics:
 Timer = Callable[[float], "float | None"]  # timer(monotonic now) -> seconds to next deadline
 
 
-class RemotePrefills(Protocol):
-    """What the engine needs of a prefill connector (kvsession.connector.base)."""
-
-    fallbacks: dict[str, int]
-    pending: dict
-    quarantine: dict
-
-    def submit(self, seq_id: int, token_ids: list[int], first_token: int,
-               block_ids: list[int], keys: list[bytes], cache_salt: str | None) -> bool: ...
-
-    def poll(self, timeout_s: float) -> list: ...
-
-    def refusal(self, num_tokens: int) -> str: ...
-
-    def count_fallback(self, reason: str) -> None: ...
-
-
 class Engine:
     """One step at a time; not thread-safe (the engine thread owns it).
 
@@ -84,13 +67,14 @@ class Engine:
                  connector: RemotePrefills | None = None,
                  stall_ratio: StallRatio | None = None, remote_required: bool = False):
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
-        self.remote_required = remote_required
         self.decode, self.latency = decode, latency
         self.prefill_tps = prefill_tps
         self.stall_ratio = stall_ratio or StallRatio()
         self.timers: list[Timer] = list(timers or [])
-        self.connector = connector
-        if connector is not None:
+        # the remote-prefill side (engine/remote.py): None without prefill workers
+        self.remote = RemotePrefillDriver(scheduler, connector, remote_required) \
+            if connector is not None else None
+        if self.remote is not None:
             self.timers.append(self.remote_idle_poll)
         self.futures: dict[int, tuple[Future, OnUpdate | None]] = {}
         self.num_steps = 0
@@ -118,72 +102,35 @@ class Engine:
         self.futures[seq.seq_id] = (fut, on_update)
         self.scheduler.add(seq)
 
+    def poll_remote(self, timeout_s: float = 0.0) -> None:
+        """Drive the prefill workers (engine/remote.py); fail the requests it gives up."""
+        for seq, error in self.remote.poll(timeout_s):
+            self._fail(seq, error)
+
     def remote_idle_poll(self, now: float) -> float | None:
         """Timer: fences and heartbeats while no step runs."""
-        conn = self.connector
-        if conn.pending or conn.quarantine or self.scheduler.quarantine:
-            self.poll_remote()
-            # only blocks held for a worker gone quiet (perhaps for good): a slower pace
-            return 0.02 if conn.pending else 0.1
-        return None
+        wait, failed = self.remote.idle_poll()
+        for seq, error in failed:
+            self._fail(seq, error)
+        return wait
 
     def quarantine_at_rest(self) -> bool:
-        """Engine thread, at close: whether quarantined blocks are held legitimately (each
-        for a request the connector still awaits proof on, that no write can land);
-        AssertionError for one no request accounts for (never released). Completions an
-        idle tick read are applied first."""
-        if self.connector is None:
+        """Engine thread, at close: whether quarantined blocks are held legitimately
+        (RemotePrefillDriver.at_rest; False: no workers). Completions an idle tick read
+        are applied first."""
+        if self.remote is None:
             return False
         try:
             self.poll_remote()
         except Exception:  # noqa: BLE001 - closing: the accounting below still holds
             log.debug("closing: a last poll of the prefill workers failed", exc_info=True)
-        if not self.scheduler.quarantine:
-            return False
-        waiting = {r.seq_id for r in self.connector.quarantine.values()}
-        orphans = sorted(set(self.scheduler.quarantine) - waiting)
-        if orphans:
-            raise AssertionError(f"quarantined blocks of requests {orphans[:8]} no worker "
-                                 f"accounts for: never released")
-        return True
-
-    def poll_remote(self, timeout_s: float = 0.0) -> None:
-        """Submit newly offloaded prefills; apply what the workers finished or failed."""
-        sched, conn = self.scheduler, self.connector
-        for seq in sched.new_remote:
-            # only the KV after what it holds (prefix hits, a session's earlier turns)
-            first = seq.num_computed_tokens
-            blocks = seq.blocks[first // sched.pool.block_size:]
-            if not conn.submit(seq.seq_id, seq.token_ids[: seq.num_tokens - 1], first,
-                               [b.block_id for b in blocks], seq.block_hashes,
-                               seq.params.cache_salt):
-                reason = conn.refusal(seq.num_tokens - 1) or "the worker's queue refused it"
-                conn.count_fallback(reason)
-                self._remote_failed(seq, True, reason)
-        sched.new_remote = []
-        for c in conn.poll(timeout_s):
-            seq = sched.remote.get(c.seq_id)
-            if c.kind == "fenced":
-                sched.release_quarantine(c.seq_id)
-            elif seq is not None and c.kind == "done":
-                sched.remote_done(seq)
-            elif seq is not None:
-                self._remote_failed(seq, c.fenced, c.reason)
-
-    def _remote_failed(self, seq: Sequence, fenced: bool, reason: str) -> None:
-        """A remote prefill did not happen: prefilled here, or with `remote_required` the
-        request fails (its blocks released, or quarantined until fenced, either way)."""
-        self.scheduler.remote_failed(seq, fenced, locally=not self.remote_required)
-        if self.remote_required:
-            self._fail(seq, RemotePrefillError(
-                f"remote prefill of request {seq.seq_id} failed ({reason or 'unknown'}), and "
-                f"remote_prefill='required' does not prefill it locally"))
+        return self.remote.at_rest()
 
     def step(self) -> None:
-        if self.connector is not None:
+        if self.remote is not None:
             self.poll_remote()
         batch, failed = self.scheduler.schedule()
-        if self.connector is not None and (self.scheduler.new_remote or not batch):
+        if self.remote is not None and (self.scheduler.new_remote or not batch):
             # nothing to run locally while workers prefill: wait on them briefly
             self.poll_remote(0.0 if self.scheduler.new_remote or batch else 0.002)
         for seq in failed:
