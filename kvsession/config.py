@@ -20,11 +20,13 @@ import torch
 from kvsession.cache.eviction import EvictionPolicy
 from kvsession.errors import ConfigError
 from kvsession.kernels.reference import is_fp8
+from kvsession.model.hub import fetch, is_hub_id
 from kvsession.validation import (
     SEED_RANGE,
     check_bool,
     check_float,
     check_int,
+    check_str,
     reject_unknown,
 )
 
@@ -165,11 +167,19 @@ class EngineConfig:
         spill_after_s=None, prefill_worker=None, remote_prefill="auto",
         remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0,
         prefill_auth_key_file=None,
-        eviction_policy="cost", durability="turn", chat_template=None, **unknown,
+        eviction_policy="cost", durability="turn", chat_template=None, revision=None,
+        download_dir=None, **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
         reject_unknown("LLM()", unknown, ENGINE_ARG_NAMES)
+        check_str("revision", revision, allow_none=True)
+        download = _path(download_dir, "download_dir", allow_none=True)
+        if is_hub_id(model):  # "org/name" (a local path that exists wins)
+            model = fetch(model, revision, download)
+        elif revision is not None or download is not None:
+            raise ConfigError("revision and download_dir apply to a hub id (model='org/name'); "
+                              f"model={str(model)!r} is a local path")
         model_path = _path(model, "model")
         if not model_path.is_dir():
             raise ConfigError(f"model={str(model)!r} is not a directory")

@@ -69,7 +69,7 @@ class LLM:
                  remote_prefill="auto", remote_prefill_timeout_s=30.0,
                  attention_backend="auto", seed=0,
                  prefill_auth_key_file=None, eviction_policy="cost", durability="turn",
-                 chat_template=None, **unknown):
+                 chat_template=None, revision=None, download_dir=None, **unknown):
         self._rt: Runtime | None = None
         self.config = EngineConfig.from_args(
             model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -83,7 +83,8 @@ class LLM:
             remote_prefill_timeout_s=remote_prefill_timeout_s,
             attention_backend=attention_backend, seed=seed,
             prefill_auth_key_file=prefill_auth_key_file, eviction_policy=eviction_policy,
-            durability=durability, chat_template=chat_template, **unknown)
+            durability=durability, chat_template=chat_template, revision=revision,
+            download_dir=download_dir, **unknown)
         self._rt = Runtime(self.config)
         self._store = SessionStore(self._rt)
         self._requests = RequestBuilder(self._rt)
