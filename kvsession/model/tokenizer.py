@@ -246,9 +246,10 @@ class Tokenizer:
                 compiled[name] = self._env.from_string(text) if text else None
             except jinja2.TemplateError as e:
                 what = "the chat template" if chat_template is not None else \
-                    f"the checkpoint's chat template {name!r}"
-                raise ModelLoadError(f"{what} does not compile: {type(e).__name__}: {e}") \
-                    from None
+                    "the checkpoint's chat template"
+                which = f" (the one named {name!r})" if len(self.templates) > 1 else ""
+                raise ModelLoadError(f"{what} does not compile{which}: "
+                                     f"{type(e).__name__}: {e}") from None
         self._template = compiled.get("default")
         self._tool_template = compiled.get("tool_use", self._template)
         self.digest = hashlib.sha256(path.read_bytes()).hexdigest()
