@@ -49,6 +49,9 @@ class SessionLostError(SnapshotError):
     else of the session remains: the id is a tombstone, not a fresh session, until the
     caller asks for one (`llm.session(session_id=..., fresh=True)`)."""
 
-    def __init__(self, message: str, session_id: str):
+    def __init__(self, message: str, session_id: str | None = None):
         super().__init__(message)
         self.session_id = session_id
+
+    def __reduce__(self):  # (pickles whole: the default would drop session_id)
+        return type(self), (str(self), self.session_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 import struct
 from pathlib import Path
@@ -224,6 +225,9 @@ def test_a_removed_log_is_a_tombstone_until_fresh(llama_dir, tmp_path):
         with pytest.raises(SessionLostError, match="session 'a'.*removed") as e:
             llm.session(session_id="a")
         assert e.value.session_id == "a"
+        again = pickle.loads(pickle.dumps(e.value))  # crosses processes whole
+        assert (type(again), again.session_id, str(again)) == (
+            SessionLostError, "a", str(e.value))
         assert "a" not in llm.sessions() and "b" in llm.sessions()
         b = llm.session(session_id="b")
         assert b.messages  # the other session is untouched
