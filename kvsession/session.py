@@ -128,6 +128,32 @@ def _tool_args(args: dict) -> tuple:
     return args["tools"], args["tool_choice"]
 
 
+class _TurnChunks:
+    """A streamed turn's progress reports as StreamChunks (`stream` and `astream`), as
+    LLM.stream makes them: a chunk when there is new text, with the token ids since the
+    last one (ids whose text is held back, an incomplete UTF-8 character or a possible stop
+    string, wait for it); the last chunk carries the Reply and the text not sent yet."""
+
+    def __init__(self, seq: Sequence, decode):
+        self._seq, self._sent = seq, 0  # token ids sent so far (of the reply)
+        self._text = DeltaText(decode, seq.params.stop_strings)
+
+    def update(self, n: int) -> StreamChunk | None:
+        """The turn has `n` tokens: a chunk if there is new text."""
+        seq = self._seq
+        ids = seq.token_ids[seq.num_prompt_tokens:n]
+        if text := self._text.update(ids):
+            chunk = StreamChunk(text, ids[self._sent:])
+            self._sent = len(ids)
+            return chunk
+        return None
+
+    def last(self, reply: Reply) -> StreamChunk:
+        sent = self._text.sent
+        tail = reply.text[len(sent):] if reply.text.startswith(sent) else ""
+        return StreamChunk(tail, reply.token_ids[self._sent:], reply)
+
+
 class Session:
     """A conversation handle. Thread-safe; sends to one session run in call order."""
 
@@ -169,11 +195,13 @@ class Session:
                 "sampling": sampling_record(self.sampling),
                 "history": self.history_state()}
 
-    def history_state(self) -> dict:
-        """What snapshots record of the history (HistoryState's fields)."""
+    def history_state(self, with_log: bool = True) -> dict:
+        """What snapshots record of the history (HistoryState's fields; without the token
+        log when the caller records it apart, as a log record's tokens)."""
         r = self.renderer
-        return {"mode": self.history.value,
-                "log": list(self._log) if self.history is HistoryMode.APPEND else [],
+        log = {"log": list(self._log) if self.history is HistoryMode.APPEND else []} \
+            if with_log else {}
+        return {"mode": self.history.value, **log,
                 "pending": self._pending,
                 "tools": json.dumps(r.tools, ensure_ascii=False) if r.tools else "",
                 "template_kwargs": json.dumps(r.template_kwargs, ensure_ascii=False)
@@ -347,10 +375,11 @@ class Session:
         typed record (`tokens`: None when unchanged); None without a log."""
         if self._slog is None:
             return None
-        history = self.history_state()
-        del history["log"]  # the record's tokens are the log in append history
+        # (the record's tokens are the log in append history; the messages are read while
+        # the record is built, in this call: no copy of either)
         return self._exec.commit(self._slog, LogEntry(
-            self.messages, tokens, params, self.system, self.sampling, history))
+            self._messages, tokens, params, self.system, self.sampling,
+            self.history_state(with_log=False)))
 
     def _record_tokens(self, info: TurnInfo) -> tuple[int, ...]:
         """What the turn's log record holds: the token log (append history) or the token
@@ -435,17 +464,11 @@ class Session:
                 new_msgs, params, spec, on_update=lambda s: updates.put(s.num_tokens))
             fut.add_done_callback(lambda f: updates.put(None))
             st = self._turns.open_stream(seq, fut, mine)
-            delta = DeltaText(self._exec.tokenizer.decode, seq.params.stop_strings)
-            sent_tokens = 0
+            chunks = _TurnChunks(seq, self._exec.tokenizer.decode)
             try:
                 while (n := updates.get()) is not None:
-                    ids = seq.token_ids[seq.num_prompt_tokens:n]
-                    # as LLM.stream: a chunk when there is new text, with the token ids
-                    # since the last one (ids whose text is held back, an incomplete
-                    # UTF-8 character or a possible stop string, wait for it)
-                    if text := delta.update(ids):
-                        yield StreamChunk(text, ids[sent_tokens:])
-                        sent_tokens = len(ids)
+                    if chunk := chunks.update(n):
+                        yield chunk
             except GeneratorExit:  # the caller closed the stream before the reply: cancelled
                 abandoned = True
                 if self._turns.claim(st):
@@ -457,9 +480,7 @@ class Session:
                                          f"stream was open: its turn was cancelled")
             reply = self._finish(fut.result(), new_msgs, info, spec)
             self._wait_durable(self._commit(self._record_tokens(info), params))
-            sent_text = delta.sent
-            tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
-            yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)
+            yield chunks.last(reply)
         finally:
             if not abandoned and (st is None or self._turns.claim(st)):
                 self._turns.leave(mine)
@@ -496,14 +517,11 @@ class Session:
                                          on_update=lambda s: post(s.num_tokens))
             fut.add_done_callback(lambda f: post(None))
             st = self._turns.open_stream(seq, fut, mine)
-            delta = DeltaText(self._exec.tokenizer.decode, seq.params.stop_strings)
-            sent_tokens = 0
+            chunks = _TurnChunks(seq, self._exec.tokenizer.decode)
             try:
                 while (n := await updates.get()) is not None:
-                    ids = seq.token_ids[seq.num_prompt_tokens:n]
-                    if text := delta.update(ids):  # (as stream: see there)
-                        yield StreamChunk(text, ids[sent_tokens:])
-                        sent_tokens = len(ids)
+                    if chunk := chunks.update(n):
+                        yield chunk
             except (GeneratorExit, asyncio.CancelledError):  # closed or cancelled: so is the turn
                 abandoned = True
                 if self._turns.claim(st):
@@ -515,9 +533,7 @@ class Session:
                                          f"stream was open: its turn was cancelled")
             reply = self._finish(fut.result(), new_msgs, info, spec)
             await self._await_durable(self._commit(self._record_tokens(info), params))
-            sent_text = delta.sent
-            tail = reply.text[len(sent_text):] if reply.text.startswith(sent_text) else ""
-            yield StreamChunk(tail, reply.token_ids[sent_tokens:], reply)
+            yield chunks.last(reply)
         finally:
             if not abandoned and (st is None or self._turns.claim(st)):
                 self._turns.leave(mine)

@@ -85,15 +85,15 @@ class SessionStore:
         check_session_id(session_id)
         lock = self.files.lock(session_id)  # first: the files are only ours to read once held
         try:
-            persisted = disk.log_path(session_id).is_file() or \
-                disk.path_for(session_id).is_file()
-            if fresh and persisted:
+            has_log = disk.log_path(session_id).is_file()
+            has_snapshot = disk.path_for(session_id).is_file()
+            if fresh and (has_log or has_snapshot):
                 raise ConfigError(f"fresh=True: session_id {session_id!r} names a session "
                                   f"persisted in session_dir; resume it, or close it with "
                                   f"delete=True first")
-            if disk.log_path(session_id).is_file():
+            if has_log:
                 return self._resume(session_id, lock)
-            if disk.path_for(session_id).is_file():
+            if has_snapshot:
                 return self.restore(disk.path_for(session_id), session_id, lock)
             if fresh:
                 recovery.clear(disk.root, session_id)

@@ -70,7 +70,8 @@ class LogEntry:
     message, `tokens` (its token log in append history, else the token ids whose KV it
     holds; None: unchanged since the last record), the turn's sampling, the session's
     system prompt and sampling defaults, and its history (HistoryState's fields but the
-    log, which `tokens` is)."""
+    log, which `tokens` is). Read while the record is built (`TurnExecutor.commit`), not
+    kept."""
 
     messages: list[dict]
     tokens: tuple[int, ...] | None

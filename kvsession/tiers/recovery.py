@@ -117,17 +117,16 @@ def _file_event(root: Path, event: LogRecovery) -> None:
 
 
 def tombstone(root: Path, session_id: str) -> LogRecovery | None:
-    """The report that removed the session's log, when recovery did and nothing else of the
-    session is left (no log, no snapshot): the id must not silently start empty."""
-    root = Path(root)
-    if (root / f"{session_id}.log").exists() or (root / f"{session_id}.kvs").exists():
-        return None
+    """The report that removed the session's log, when recovery did. Asked by the store
+    only once it found nothing else of the session (no log, no snapshot): the id must not
+    then silently start empty."""
     removed = [e for e in read_events(root, session_id) if e.action is RecoveryAction.REMOVED]
     return removed[-1] if removed else None
 
 
 def refuse_lost(root: Path, session_id: str) -> None:
-    """SessionLostError when the id is a tombstone (see `tombstone`)."""
+    """SessionLostError when the id is a tombstone (see `tombstone`; the caller found no
+    log and no snapshot of it)."""
     event = tombstone(root, session_id)
     if event is not None:
         raise SessionLostError(
