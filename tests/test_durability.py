@@ -23,6 +23,7 @@ import msgspec
 import pytest
 import torch
 from llms import tiny_llm
+from log_files import IDENTITY, write_log
 
 from kvsession import LLM, ConfigError, SamplingParams, SnapshotError
 from kvsession.cache.hashing import tail_key
@@ -38,8 +39,6 @@ from oracle import expected_turn, sends_racing_a_close
 G = SamplingParams(max_tokens=4, temperature=0.0)
 SYSTEM = "You are a coding agent. Tools: list_files(path), read_file(path), run_tests()."
 LONG_SYSTEM = SYSTEM + " Always explain the plan first, then act, then check the result."
-IDENTITY = wal.Identity(model_fingerprint="m" * 64, tokenizer_digest="t", template_digest="c",
-                        kv_dtype="float32", block_size=16)
 
 
 def new_llm(model_dir, sd, **kw):
@@ -51,27 +50,6 @@ def continues_exactly(llm, s, message="and then?"):
     r = s.send(message)
     want = expected_turn(llm, s, before, r, G)
     return r.token_ids == want
-
-
-def write_log(root: Path, turns: int, sid: str = "s") -> tuple[Path, list[int]]:
-    """A log of `turns` records through the real commit thread; returns its path and the
-    file size after each record."""
-    gc = GroupCommit(root)
-    slog = SessionLog(root / f"{sid}.log", sid, IDENTITY)
-    messages, tokens, ends = [{"role": "system", "content": "sys"}], [], []
-    try:
-        for t in range(turns):
-            messages += [{"role": "user", "content": f"question {t}"},
-                         {"role": "assistant", "content": f"answer {t} " * t}]
-            tokens = tokens[: max(0, len(tokens) - 3)] + list(range(t, t + 20))
-            op, data = slog.record(messages, tokens, {"max_tokens": 4, "stop": ("x",)},
-                                   "sys", {"max_tokens": 4})
-            gc.submit(slog, op, data).result(timeout=30)
-            ends.append(os.path.getsize(slog.path))
-        gc.submit(slog, Op.CLOSE).result(timeout=30)
-    finally:
-        gc.close()
-    return slog.path, ends
 
 
 # ---- the log: format, torn records, power loss --------------------------------------------

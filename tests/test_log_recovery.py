@@ -11,45 +11,21 @@ fresh session is asked for."""
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import shutil
 import struct
-from pathlib import Path
 
 import pytest
 from llms import tiny_llm
+from log_files import write_log
 
 from kvsession import ConfigError, SamplingParams, SessionLostError, SnapshotError
 from kvsession.tiers import recovery, wal
-from kvsession.tiers.commit import GroupCommit, Op, SessionLog
 from kvsession.tiers.disk import DiskTier
 from oracle import expected_turn
 
-IDENTITY = wal.Identity(model_fingerprint="m" * 64, tokenizer_digest="t", template_digest="c",
-                        kv_dtype="float32", block_size=16)
 RECORDS = 3
 G = SamplingParams(max_tokens=4, temperature=0.0)
-
-
-def write_log(root: Path, sid: str = "s") -> tuple[Path, list[int]]:
-    """A log of RECORDS records (a base, then turns) through the real commit thread; the
-    file's size after each record."""
-    gc = GroupCommit(root)
-    slog = SessionLog(root / f"{sid}.log", sid, IDENTITY)
-    messages, ends = [], []
-    try:
-        for t in range(RECORDS):
-            messages += [{"role": "user", "content": f"{sid} question {t}"},
-                         {"role": "assistant", "content": f"answer {t}"}]
-            op, data = slog.record(messages, list(range(10 * (t + 1))), {"max_tokens": 4},
-                                   "sys", {"max_tokens": 4})
-            gc.submit(slog, op, data).result(timeout=30)
-            ends.append(os.path.getsize(slog.path))
-        gc.submit(slog, Op.CLOSE).result(timeout=30)
-    finally:
-        gc.close()
-    return slog.path, ends
 
 
 def damaged(data: bytes, ends: list[int], kind: str, at: int) -> bytes:
@@ -93,7 +69,7 @@ def expected(kind: str, at: int) -> tuple[str, int | None, int]:
 def reference(tmp_path_factory):
     """The original log, and the state each prefix of its records replays to."""
     root = tmp_path_factory.mktemp("ref")
-    path, ends = write_log(root)
+    path, ends = write_log(root, RECORDS)
     data = path.read_bytes()
     states = []
     for n in range(1, RECORDS + 1):
@@ -160,8 +136,8 @@ def test_a_tail_of_zeros_is_a_torn_tail_not_corruption(tmp_path, reference):
 
 
 def test_another_sessions_log_is_refused_naming_both(tmp_path):
-    a, _ = write_log(tmp_path, "a")
-    b, _ = write_log(tmp_path, "b")
+    a, _ = write_log(tmp_path, RECORDS, "a")
+    b, _ = write_log(tmp_path, RECORDS, "b")
     shutil.copyfile(b, a)
     with pytest.raises(SnapshotError, match=r"a\.log: the log of session 'b', not of 'a'"):
         wal.read_log(a, session_id="a")
