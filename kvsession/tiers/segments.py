@@ -65,9 +65,8 @@ from kvsession.tiers.snapshot_format import (
     MAX_BLOCK_SIZE,
     MAX_TOKEN_ID,
     Chunk,
-    Digest,
-    Geometry,
     SnapshotHeader,
+    StoredGeometry,
     snapshot_prefix,
 )
 from kvsession.tiers.snapshot_read import block_raw_length, check_compatible, read_header
@@ -100,15 +99,7 @@ def _after_padding(pos: int) -> int:
 
 
 
-class SegmentIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    model_fingerprint: Digest
-    tokenizer_digest: Digest
-    template_digest: Digest
-    kv_dtype: Annotated[str, msgspec.Meta(max_length=32)]
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
-    num_layers: Geometry
-    num_kv_heads: Geometry
-    head_dim: Geometry
+class SegmentIdentity(StoredGeometry, frozen=True, forbid_unknown_fields=True):
     tensor_names: Annotated[list[Annotated[str, msgspec.Meta(max_length=16)]],
                             msgspec.Meta(max_length=4)]
 

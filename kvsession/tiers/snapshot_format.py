@@ -108,20 +108,33 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TOKEN_ID)]
 HexHash = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 
 
-class SnapshotFrame(msgspec.Struct, frozen=True):
-    """Stage one of a header: its scalars, each within bounds; variable-length fields raw."""
+class StoredIdentity(msgspec.Struct, frozen=True):
+    """What a stored file says it was written for, typed and bounded: the engine's
+    StorageIdentity as files record it. The session log records these fields (its
+    Identity); snapshots and segments add the block geometry (StoredGeometry). Fields in
+    this order: a log's identity digest is over their encoding."""
 
-    format_version: int
-    session_id: Annotated[str, msgspec.Meta(pattern=f"^{SESSION_ID_PATTERN}$")]
-    created_unix_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
     model_fingerprint: Digest
     tokenizer_digest: Digest
     template_digest: Digest
     kv_dtype: Annotated[str, msgspec.Meta(max_length=32)]
     block_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
+
+
+class StoredGeometry(StoredIdentity, frozen=True):
+    """StoredIdentity and the geometry of a block (snapshot headers, segment identities)."""
+
     num_layers: Geometry
     num_kv_heads: Geometry
     head_dim: Geometry
+
+
+class SnapshotFrame(StoredGeometry, frozen=True):
+    """Stage one of a header: its scalars, each within bounds; variable-length fields raw."""
+
+    format_version: int
+    session_id: Annotated[str, msgspec.Meta(pattern=f"^{SESSION_ID_PATTERN}$")]
+    created_unix_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
     tensor_names: msgspec.Raw
     token_ids: msgspec.Raw
     messages: msgspec.Raw

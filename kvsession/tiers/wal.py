@@ -62,9 +62,9 @@ from kvsession.tiers.files import open_regular
 from kvsession.tiers.snapshot_format import (
     MAX_EXTRA_MESSAGES,
     SESSION_ID_PATTERN,
-    Digest,
     HistoryState,
     SamplingFields,
+    StoredIdentity,
     TokenId,
 )
 
@@ -87,14 +87,8 @@ _Messages = Annotated[list[_Message], msgspec.Meta(max_length=MAX_MESSAGES_PER_R
 _Seq = Annotated[int, msgspec.Meta(ge=1, lt=1 << 62)]
 
 
-class Identity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Identity(StoredIdentity, frozen=True, forbid_unknown_fields=True):
     """The engine a log was written for: its KV must not be mixed with another's."""
-
-    model_fingerprint: Digest
-    tokenizer_digest: Digest
-    template_digest: Digest
-    kv_dtype: Annotated[str, msgspec.Meta(max_length=32)]
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)]
 
     def digest(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:32]
