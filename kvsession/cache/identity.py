@@ -10,7 +10,9 @@ Runtime) and used by everything that stores, moves or reuses them.
 - the session log (`log_fields`, tiers/wal.py): model, tokenizer, template, KV dtype,
   block size.
 
-Files keep their own typed, bounded schemas for these fields (they are untrusted input);
+Files keep one typed, bounded schema for these fields (they are untrusted input:
+tiers/snapshot_format.StoredIdentity, and StoredGeometry with the block geometry), which
+the log's Identity, the segments' SegmentIdentity and a snapshot header's frame extend;
 this is the engine's side they are compared with.
 """
 
