@@ -120,6 +120,13 @@ def _auth_key_file(value) -> Path | None:
     return path
 
 
+class GenerationConfigMode(enum.Enum):
+    """Where requests' unset sampling fields come from (kvsession/generation_defaults.py)."""
+
+    AUTO = "auto"  # the checkpoint's generation_config.json
+    NONE = "none"  # SamplingParams' own defaults
+
+
 def _durability(value) -> Durability:
     """How sessions persist in session_dir; without one nothing persists, whichever is set
     (so the default, "turn", is valid either way). None reads as the default."""
@@ -157,6 +164,8 @@ class EngineConfig:
     eviction_policy: EvictionPolicy = EvictionPolicy.COST
     durability: Durability = Durability.TURN
     chat_template: str | None = None  # a template replacing the checkpoint's (its text)
+    # whose sampling defaults requests start from (generation_defaults.py)
+    generation_config: GenerationConfigMode = GenerationConfigMode.AUTO
 
     @staticmethod
     def from_args(
@@ -168,7 +177,7 @@ class EngineConfig:
         remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0,
         prefill_auth_key_file=None,
         eviction_policy="cost", durability="turn", chat_template=None, revision=None,
-        download_dir=None, **unknown,
+        download_dir=None, generation_config="auto", **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -224,6 +233,9 @@ class EngineConfig:
         _choice(eviction_policy, "eviction_policy", {p.value for p in EvictionPolicy})
         durable = _durability(durability)
         template = _chat_template(chat_template)
+        if generation_config is None:  # `--generation-config none` parses as None
+            generation_config = GenerationConfigMode.NONE.value
+        _choice(generation_config, "generation_config", {m.value for m in GenerationConfigMode})
         return EngineConfig(
             model=model_path, device=dev, dtype=compute, kv_cache_dtype=kv,
             max_model_len=max_model_len, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
@@ -249,6 +261,7 @@ class EngineConfig:
             prefill_auth_key_file=auth_file,
             eviction_policy=EvictionPolicy(eviction_policy),
             durability=durable, chat_template=template,
+            generation_config=GenerationConfigMode(generation_config),
         )
 
     @property

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from kvsession.config import EngineConfig
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError
+from kvsession.generation_defaults import Budget
 from kvsession.handles import AsyncTextStream, PinnedPrefix, TextStream
 from kvsession.metrics import Stats
 from kvsession.outputs import RequestOutput
@@ -69,7 +70,8 @@ class LLM:
                  remote_prefill="auto", remote_prefill_timeout_s=30.0,
                  attention_backend="auto", seed=0,
                  prefill_auth_key_file=None, eviction_policy="cost", durability="turn",
-                 chat_template=None, revision=None, download_dir=None, **unknown):
+                 chat_template=None, revision=None, download_dir=None,
+                 generation_config="auto", **unknown):
         self._rt: Runtime | None = None
         self.config = EngineConfig.from_args(
             model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -84,7 +86,7 @@ class LLM:
             attention_backend=attention_backend, seed=seed,
             prefill_auth_key_file=prefill_auth_key_file, eviction_policy=eviction_policy,
             durability=durability, chat_template=chat_template, revision=revision,
-            download_dir=download_dir, **unknown)
+            download_dir=download_dir, generation_config=generation_config, **unknown)
         self._rt = Runtime(self.config)
         self._store = SessionStore(self._rt)
         self._requests = RequestBuilder(self._rt)
@@ -169,8 +171,8 @@ class LLM:
         reject_unknown("generate()", unknown, GENERATE_ARGS, hints=TO_SAMPLING_PARAMS)
         check_bool("use_tqdm", use_tqdm)
         texts, ids = self._requests.prompt_inputs(prompts, prompt_token_ids)
-        return self._run_batch(texts, ids, self._requests.params_list(sampling_params, len(ids)),
-                               use_tqdm)
+        params = self._requests.params_list(sampling_params, len(ids), Budget.FIXED)
+        return self._run_batch(texts, ids, params, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
@@ -198,7 +200,8 @@ class LLM:
         concurrent calls batch together in the one engine loop."""
         reject_unknown("agenerate()", unknown, AGENERATE_ARGS, hints=TO_SAMPLING_PARAMS)
         texts, ids = self._requests.prompt_inputs(prompts, prompt_token_ids)
-        return await self._arun(texts, ids, self._requests.params_list(sampling_params, len(ids)))
+        return await self._arun(texts, ids, self._requests.params_list(
+            sampling_params, len(ids), Budget.FIXED))
 
     async def achat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, tool_choice="auto",
@@ -275,8 +278,7 @@ class LLM:
             raise ConfigError(f"sampling must be None or a SamplingParams, got {sampling!r:.80}")
         check_str("cache_salt", cache_salt, allow_none=True)
         if cache_salt is not None:
-            sampling = (sampling or SamplingParams(max_tokens=256, temperature=0.0)
-                        ).with_overrides(cache_salt=cache_salt)
+            sampling = (sampling or SamplingParams()).with_overrides(cache_salt=cache_salt)
         options = self._store.options(history, tools, chat_template_kwargs)
         self._rt.check_open()
         return self._store.session(system, session_id, pin_system, sampling, options, fresh)
@@ -345,6 +347,18 @@ class LLM:
         if not isinstance(value, SLO):
             raise ConfigError(f"slo must be a kvsession.metrics.SLO, got {value!r}")
         self._rt.slo = value
+
+    def get_default_sampling_params(self, sampling_params: SamplingParams | None = None
+                                    ) -> SamplingParams:
+        """The SamplingParams a chat request gets (vLLM's name): the fields
+        `sampling_params` sets, the others from the checkpoint's generation_config.json
+        (with generation_config="auto"), else SamplingParams' own; max_tokens unset runs to
+        the end of the turn. Every field of the result counts as set."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ConfigError(f"sampling_params must be None or a SamplingParams, got "
+                              f"{sampling_params!r:.80}")
+        return self._rt.generation.complete(sampling_params or SamplingParams(),
+                                            Budget.END_OF_TURN)
 
     def stats(self) -> Stats:
         """A consistent snapshot, taken on the engine thread between steps."""

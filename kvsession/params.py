@@ -252,8 +252,18 @@ class SamplingParams:
     # Normalised forms, filled in __init__ (not constructor arguments).
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
     stop_ids: frozenset[int] = field(init=False, repr=False, default=frozenset())
+    # the fields the caller set (response_format counts as `structured`): the model's own
+    # defaults (generation_defaults.py) fill in the others, so `SamplingParams(max_tokens=64)`
+    # still samples at the checkpoint's temperature; not part of equality
+    explicit: frozenset[str] = field(init=False, repr=False, compare=False,
+                                     default=frozenset())
 
-    def __init__(self, /, *, max_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0,
+    def __init__(self, /, **given) -> None:
+        self._build(**given)
+        names = {"structured" if k == "response_format" else k for k in given}
+        object.__setattr__(self, "explicit", frozenset(names & set(SAMPLING_ARG_NAMES)))
+
+    def _build(self, /, *, max_tokens: int = 16, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = -1, seed: int | None = None,
                  stop: str | list[str] | tuple[str, ...] | None = None,
                  stop_token_ids: list[int] | tuple[int, ...] | None = None,
@@ -335,10 +345,17 @@ class SamplingParams:
         reject_unknown("SamplingParams.with_overrides()", {
             k: v for k, v in overrides.items() if k not in SAMPLING_ARG_NAMES},
             SAMPLING_ARG_NAMES, hints=_HINTS)
-        base = {n: getattr(self, n) for n in SAMPLING_ARG_NAMES if n != "response_format"}
+        # only what was set carries over: a field left to the model's defaults stays so
+        base = {n: getattr(self, n) for n in self.explicit}
         if "response_format" in overrides:  # replaces the format, as `structured` would
-            base.pop("structured")
+            base.pop("structured", None)
         return SamplingParams(**{**base, **overrides})
+
+    def with_defaults(self, defaults: dict) -> SamplingParams:
+        """A copy with `defaults` ({field: value}) in the fields the caller did not set;
+        those become set, so applying defaults again changes nothing."""
+        missing = {k: v for k, v in defaults.items() if k not in self.explicit}
+        return self.with_overrides(**missing) if missing else self
 
     @property
     def greedy(self) -> bool:
@@ -353,5 +370,8 @@ class SamplingParams:
 
 # the constructor's keyword arguments, read off its signature so it cannot drift
 SAMPLING_ARG_NAMES: tuple[str, ...] = tuple(
-    p.name for p in inspect.signature(SamplingParams.__init__).parameters.values()
+    p.name for p in inspect.signature(SamplingParams._build).parameters.values()
     if p.kind is inspect.Parameter.KEYWORD_ONLY)
+# help(SamplingParams) and IDEs show the arguments, not **given
+SamplingParams.__init__.__signature__ = inspect.Signature(
+    [p for p in inspect.signature(SamplingParams._build).parameters.values()])

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError
+from kvsession.generation_defaults import Budget
 from kvsession.history import check_template_kwargs
 from kvsession.model.tokenizer import check_messages
 from kvsession.outputs import RequestOutput
@@ -67,18 +68,22 @@ class RequestBuilder:
     def __init__(self, runtime: Runtime):
         self._rt = runtime
         self.tokenizer = runtime.tokenizer
+        self.defaults = runtime.generation
 
-    @staticmethod
-    def params_list(sampling_params, n: int) -> list[SamplingParams]:
+    def params_list(self, sampling_params, n: int,
+                    budget: Budget = Budget.END_OF_TURN) -> list[SamplingParams]:
+        """One SamplingParams per request, their unset fields filled with the model's
+        defaults (generation_defaults.py); `budget`: generate()'s FIXED 16 tokens or, for
+        the conversational calls, up to the end of the turn."""
         if sampling_params is None:
-            return [SamplingParams()] * n
+            sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
+            return [self.defaults.apply(sampling_params, budget)] * n
         if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != n or \
                 not all(isinstance(p, SamplingParams) for p in sampling_params):
             raise ConfigError(f"sampling_params must be None, one SamplingParams or a list of "
                               f"{n}, got {sampling_params!r:.80}")
-        return list(sampling_params)
+        return [self.defaults.apply(p, budget) for p in sampling_params]
 
     def prompt_inputs(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]]]:
         if (prompts is None) == (prompt_token_ids is None):

@@ -41,6 +41,7 @@ from kvsession.engine.sampler import Sampler
 from kvsession.engine.scheduler import Scheduler
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import EngineClosedError
+from kvsession.generation_defaults import GenerationDefaults
 from kvsession.integrity import IntegrityCheck
 from kvsession.metrics import SLO, LatencyTracker, Stats
 from kvsession.model.config import load_model_spec
@@ -82,6 +83,9 @@ class Runtime:
         fingerprint = hashlib.sha256(json.dumps(
             [spec.to_dict(), weights_digest(cfg.model)], sort_keys=True).encode()).hexdigest()
         self.info = RuntimeInfo(spec, max_model_len, num_blocks, bpt, fingerprint)
+        # what a request's unset sampling fields become (the checkpoint's own defaults)
+        self.generation = GenerationDefaults.load(cfg.model, cfg.generation_config,
+                                                  max_model_len)
         self.disk = DiskTier(cfg.session_dir) if cfg.session_dir is not None else None
 
         # ---- memory: weights and the KV pool

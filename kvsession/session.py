@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from kvsession.cache.manager import SessionKV
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError, SessionClosedError, SnapshotError
+from kvsession.generation_defaults import Budget
 from kvsession.history import (
     ChatRenderer,
     HistoryMode,
@@ -52,6 +53,10 @@ from kvsession.tools import ToolSpec
 from kvsession.turn_queue import TurnQueue
 from kvsession.turns import ForkPoint, LogEntry, SessionOptions, TurnExecutor, TurnInfo
 from kvsession.validation import check_bool, check_float, check_path, check_str
+
+# a session turn's fallbacks below the model's defaults: greedy (an agent's turns are
+# reproducible unless the model card or the caller asks for sampling)
+SESSION_FALLBACK = {"temperature": 0.0}
 
 if TYPE_CHECKING:  # the store imports this module; only the type is needed here
     from kvsession.session_store import SessionStore
@@ -177,7 +182,9 @@ class Session:
         self._log: list[int] = list(log or ())
         self._pending = pending
         self.session_id = session_id or uuid.uuid4().hex
-        self.sampling = sampling or SamplingParams(max_tokens=256, temperature=0.0)
+        # what the caller set; each turn fills the rest (the model's defaults, then greedy
+        # and up to the end of the turn: SESSION_FALLBACK)
+        self.sampling = sampling or SamplingParams()
         self.system = system
         self._messages: list[dict] = (
             [dict(m) for m in messages] if messages is not None
@@ -276,6 +283,7 @@ class Session:
         tools = self.renderer.tools if tools is UNSET else tools
         spec = ToolSpec.from_args(tools, None if tool_choice is UNSET else tool_choice,
                                   self._exec.tokenizer)
+        params = self._exec.defaults.apply(params, Budget.END_OF_TURN, SESSION_FALLBACK)
         if spec is not None:
             params = spec.constrain(params)
         return new_msgs, params, spec

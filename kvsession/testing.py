@@ -26,6 +26,9 @@ ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
+# a tiny checkpoint's reply bound (generation_config.json's max_new_tokens): vLLM's default
+# max_tokens, so a chat or session turn of a random model is as short as a generate()
+TINY_MAX_NEW_TOKENS = 16
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -210,7 +213,8 @@ def _random_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 
 def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "current",
                     num_shards: int = 1, tokenizer_vocab_size: int = 512,
-                    chat_template: str = "chatml", **config_overrides) -> Path:
+                    chat_template: str = "chatml", generation_config: dict | None = None,
+                    **config_overrides) -> Path:
     """Write a deterministic random checkpoint of `arch` to `path`; returns the path.
 
     layout: "current" (rope_parameters, dtype, chat_template.jinja, merges as pairs) or
@@ -219,7 +223,10 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "cur
     one tool-call family's format: "hermes" (Qwen/Hermes <tool_call>), "llama3" (Llama 3
     JSON) or "mistral" ([TOOL_CALLS]). config_overrides replace config.json fields (e.g.
     hidden_size=512, num_hidden_layers=8, vocab_size=32000, rope_scaling={...}); a vocab_size
-    above the tokenizer's size leaves the extra ids without text.
+    above the tokenizer's size leaves the extra ids without text. generation_config: fields
+    merged into generation_config.json (None removes one); by default it bounds a reply at
+    TINY_MAX_NEW_TOKENS, as a checkpoint may (`max_new_tokens`): a random model seldom
+    samples its end-of-turn token, and a chat or session turn runs until it does.
     """
     if arch not in ARCHS:
         raise ConfigError(f"arch={arch!r} is not supported; accepted: {sorted(ARCHS)}")
@@ -254,9 +261,10 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "cur
     else:
         (out / "chat_template.jinja").write_text(template)
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-         "bos_token_id": ids["<|endoftext|>"]}, indent=2))
+    gen = {"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+           "bos_token_id": ids["<|endoftext|>"], "max_new_tokens": TINY_MAX_NEW_TOKENS}
+    gen = {k: v for k, v in {**gen, **(generation_config or {})}.items() if v is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     _write_weights(out, _random_weights(out, seed), num_shards)
     return out
 

@@ -34,6 +34,7 @@ from kvsession.cache.manager import SessionKV, Tier
 from kvsession.cache.prefix import common_prefix_len
 from kvsession.engine.loop import OnUpdate
 from kvsession.engine.sequence import Sequence
+from kvsession.generation_defaults import GenerationDefaults
 from kvsession.history import ChatRenderer, HistoryMode
 from kvsession.model.tokenizer import Tokenizer
 from kvsession.outputs import RequestOutput
@@ -100,6 +101,7 @@ class TurnExecutor:
     def __init__(self, runtime: Runtime):
         self.rt = runtime
         self.tokenizer: Tokenizer = runtime.tokenizer
+        self.defaults: GenerationDefaults = runtime.generation
 
     def submit(self, kv: SessionKV, ids: list[int], params: SamplingParams,
                on_update: OnUpdate | None, slog: SessionLog | None

@@ -246,7 +246,9 @@ def test_cancelled_session_turn_never_happened(llm):
     turn: the engine stops generating, and the session is exactly as before it (messages,
     token log); its next turn is what it would have been without the cancelled one."""
     long = dict(max_tokens=400, ignore_eos=True)
-    s = llm.session(system="you are terse", sampling=SamplingParams(max_tokens=6, seed=3))
+    # (sampled: a session's turns are greedy unless the model or the caller says otherwise)
+    s = llm.session(system="you are terse",
+                    sampling=SamplingParams(max_tokens=6, seed=3, temperature=1.0))
     s.send("first question")
     messages, log = s.messages, s.token_ids
     generated = llm.stats().generated_tokens
@@ -273,7 +275,7 @@ def test_cancelled_session_turn_never_happened(llm):
     assert llm.stats().generated_tokens - generated < long["max_tokens"]
     assert s.messages[:len(messages)] == messages
     want = llm.generate(prompt_token_ids=[s.token_ids[:len(s.token_ids) - len(r.token_ids)]],
-                        sampling_params=SamplingParams(max_tokens=6, seed=3),
+                        sampling_params=SamplingParams(max_tokens=6, seed=3, temperature=1.0),
                         use_tqdm=False)[0]
     assert s.token_ids[:len(log)] == log and r.token_ids == want.token_ids
     assert r.prefill_tokens < len(s.token_ids) - len(log)  # the history was not recomputed

@@ -172,11 +172,12 @@ class Server:
         if req.top_logprobs is not None and not req.logprobs:  # as OpenAI answers it
             raise P.APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = req.top_logprobs if req.top_logprobs is not None else 0
-        params = P.sampling_params(req, self.default_max_tokens,
-                                   top if req.logprobs else None,
-                                   req.response_format,
-                                   req.max_completion_tokens if req.max_completion_tokens
-                                   is not None else req.max_tokens)
+        # OpenAI's defaults where neither the request nor the checkpoint sets a field (a
+        # session turn's greedy fallback is the in-process API's, not this protocol's)
+        params = self.llm.get_default_sampling_params(P.sampling_params(
+            req, self.default_max_tokens, top if req.logprobs else None, req.response_format,
+            req.max_completion_tokens if req.max_completion_tokens is not None
+            else req.max_tokens))
         tool_kwargs = {k: getattr(req, k) for k in TOOL_ARGS if getattr(req, k) is not None}
         if tool_kwargs.get("parallel_tool_calls") is True or not req.tools:
             tool_kwargs.pop("parallel_tool_calls", None)  # the default, or nothing to limit
@@ -421,8 +422,8 @@ class Server:
             raise P.APIError(400, "best_of must equal n (or be omitted)", param="best_of")
         prompts = _prompts(req.prompt)
         P.check_max_tokens(req, self.max_model_len)
-        params = P.sampling_params(req, self.default_max_tokens, req.logprobs, None,
-                                   req.max_tokens)
+        params = self.llm.get_default_sampling_params(P.sampling_params(
+            req, self.default_max_tokens, req.logprobs, None, req.max_tokens))
         limit = self._limit(req.max_tokens)
         slot = self._admit()
         try:

@@ -13,23 +13,18 @@ Three ways, by the request's plan:
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import AsyncIterator, Callable
 
 from kvsession import LLM, SamplingParams
 from kvsession.serve.protocol import Result
 
-# SamplingParams' keyword arguments: a session turn takes them all as per-turn overrides
-SAMPLING_NAMES = tuple(
-    p.name for p in inspect.signature(SamplingParams.__init__).parameters.values()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY)
-
 
 def turn_overrides(params: SamplingParams, extra: dict | None = None) -> dict:
-    """A request's sampling as `Session.send` keyword arguments (n is always 1 there).
-    Arguments the params keep in another form (response_format becomes `structured`) are
-    given in that form."""
-    out = {n: getattr(params, n) for n in SAMPLING_NAMES if n != "n" and hasattr(params, n)}
+    """A request's sampling as `Session.send` keyword arguments (n is always 1 there):
+    the fields it set, so the others take the model's defaults as a stateless request's
+    do. Arguments the params keep in another form (response_format becomes `structured`)
+    are given in that form."""
+    out = {n: getattr(params, n) for n in sorted(params.explicit) if n != "n"}
     return out | (extra or {})
 
 
