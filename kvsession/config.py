@@ -20,6 +20,7 @@ import torch
 from kvsession.cache.eviction import EvictionPolicy
 from kvsession.errors import ConfigError
 from kvsession.kernels.reference import is_fp8
+from kvsession.model.config import checkpoint_dtype
 from kvsession.model.hub import fetch, is_hub_id
 from kvsession.validation import (
     SEED_RANGE,
@@ -120,6 +121,15 @@ def _auth_key_file(value) -> Path | None:
     return path
 
 
+class WeightLayout(enum.Enum):
+    """How the CPU keeps the projections' weights (model/linear.py has the measurements)."""
+
+    SINGLE = "single"  # one copy: oneDNN's packed layout (a tied head: the checkpoint's rows)
+    # also the checkpoint's rows for batch-1 decode (compiled one-row steps where they are
+    # faster): twice the weight memory, for ~1.2-1.6x batch-1 float32 decode on some CPUs
+    DUAL = "dual"
+
+
 class GenerationConfigMode(enum.Enum):
     """Where requests' unset sampling fields come from (kvsession/generation_defaults.py)."""
 
@@ -166,6 +176,7 @@ class EngineConfig:
     chat_template: str | None = None  # a template replacing the checkpoint's (its text)
     # whose sampling defaults requests start from (generation_defaults.py)
     generation_config: GenerationConfigMode = GenerationConfigMode.AUTO
+    cpu_weight_layout: WeightLayout = WeightLayout.SINGLE
 
     @staticmethod
     def from_args(
@@ -177,7 +188,7 @@ class EngineConfig:
         remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0,
         prefill_auth_key_file=None,
         eviction_policy="cost", durability="turn", chat_template=None, revision=None,
-        download_dir=None, generation_config="auto", **unknown,
+        download_dir=None, generation_config="auto", cpu_weight_layout="single", **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -203,8 +214,9 @@ class EngineConfig:
             raise ConfigError(f"device={device!r} but CUDA is not available; use 'cpu' or 'auto'")
 
         _choice(dtype, "dtype", {"auto", *COMPUTE_DTYPES})
-        compute = (torch.bfloat16 if dev.type == "cuda" else torch.float32) \
-            if dtype == "auto" else COMPUTE_DTYPES[dtype]
+        compute = COMPUTE_DTYPES[dtype] if dtype != "auto" else \
+            checkpoint_dtype(model_path, COMPUTE_DTYPES) or \
+            (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         _choice(kv_cache_dtype, "kv_cache_dtype", {"auto", *KV_DTYPES})
         if kv_cache_dtype == "auto":
             kv = torch.float8_e4m3fn if dev.type == "cuda" else compute
@@ -236,6 +248,7 @@ class EngineConfig:
         if generation_config is None:  # `--generation-config none` parses as None
             generation_config = GenerationConfigMode.NONE.value
         _choice(generation_config, "generation_config", {m.value for m in GenerationConfigMode})
+        _choice(cpu_weight_layout, "cpu_weight_layout", {m.value for m in WeightLayout})
         return EngineConfig(
             model=model_path, device=dev, dtype=compute, kv_cache_dtype=kv,
             max_model_len=max_model_len, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
@@ -262,6 +275,7 @@ class EngineConfig:
             eviction_policy=EvictionPolicy(eviction_policy),
             durability=durable, chat_template=template,
             generation_config=GenerationConfigMode(generation_config),
+            cpu_weight_layout=WeightLayout(cpu_weight_layout),
         )
 
     @property

@@ -18,6 +18,7 @@ checks the whole engine's integrity (the test suite turns it on after every step
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -42,10 +43,11 @@ from kvsession.engine.scheduler import Scheduler
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import EngineClosedError
 from kvsession.generation_defaults import GenerationDefaults
+from kvsession.host_memory import release_free_memory
 from kvsession.integrity import IntegrityCheck
 from kvsession.metrics import SLO, LatencyTracker, Stats
 from kvsession.model.config import load_model_spec
-from kvsession.model.llama import LlamaModel
+from kvsession.model.llama import LlamaModel, weight_format
 from kvsession.model.loader import load_weights, weights_digest
 from kvsession.model.tokenizer import Tokenizer
 from kvsession.observability import StatsCollector
@@ -90,11 +92,14 @@ class Runtime:
 
         # ---- memory: weights and the KV pool
         self.model = LlamaModel(spec, load_weights(cfg.model, spec, cfg.dtype, cfg.device),
-                                max_model_len)
+                                max_model_len, weight_format(cfg))
         self.kv_pool = KVPool(spec.num_layers, num_blocks, cfg.block_size, spec.num_kv_heads,
                               spec.head_dim, cfg.kv_cache_dtype, cfg.device,
                               use_kernels=backend == AttentionBackend.TRITON)
         self.model.warm_up(self.kv_pool, backend)
+        self.info = dataclasses.replace(self.info, weight_bytes=self.model.weight_bytes())
+        # the originals the weights were fused and packed from are freed: give them back
+        release_free_memory()
         # what stored KV is valid under: block hashes, snapshots, segments, the session log
         # and a remote worker's handshake all take it from here (cache/identity.py)
         self.identity = StorageIdentity(

@@ -169,7 +169,8 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
     return tok
 
 
-def _config(arch: str, vocab_size: int, layout: str, overrides: dict) -> dict:
+def _config(arch: str, vocab_size: int, layout: str, overrides: dict,
+            dtype: str = "float32") -> dict:
     architecture, model_type = ARCHS[arch]
     cfg = {
         "architectures": [architecture], "model_type": model_type, "vocab_size": vocab_size,
@@ -187,12 +188,12 @@ def _config(arch: str, vocab_size: int, layout: str, overrides: dict) -> dict:
     rope_scaling = overrides.pop("rope_scaling", None)
     cfg.update(overrides)
     if layout == "classic":
-        cfg |= {"rope_theta": rope_theta, "torch_dtype": "float32"}
+        cfg |= {"rope_theta": rope_theta, "torch_dtype": dtype}
         if rope_scaling:
             cfg["rope_scaling"] = rope_scaling
     else:
         params = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
-        cfg |= {"rope_parameters": params, "dtype": "float32"}
+        cfg |= {"rope_parameters": params, "dtype": dtype}
     return cfg
 
 
@@ -214,7 +215,7 @@ def _random_weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "current",
                     num_shards: int = 1, tokenizer_vocab_size: int = 512,
                     chat_template: str = "chatml", generation_config: dict | None = None,
-                    **config_overrides) -> Path:
+                    dtype: str = "float32", **config_overrides) -> Path:
     """Write a deterministic random checkpoint of `arch` to `path`; returns the path.
 
     layout: "current" (rope_parameters, dtype, chat_template.jinja, merges as pairs) or
@@ -226,10 +227,13 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "cur
     above the tokenizer's size leaves the extra ids without text. generation_config: fields
     merged into generation_config.json (None removes one); by default it bounds a reply at
     TINY_MAX_NEW_TOKENS, as a checkpoint may (`max_new_tokens`): a random model seldom
-    samples its end-of-turn token, and a chat or session turn runs until it does.
+    samples its end-of-turn token, and a chat or session turn runs until it does. dtype:
+    the weights' ("float32", "bfloat16" or "float16"), named in config.json too.
     """
     if arch not in ARCHS:
         raise ConfigError(f"arch={arch!r} is not supported; accepted: {sorted(ARCHS)}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"dtype={dtype!r}: accepted 'float32', 'bfloat16', 'float16'")
     if layout not in ("current", "classic"):
         raise ConfigError(f"layout={layout!r}; accepted: ['classic', 'current']")
     if chat_template not in CHAT_TEMPLATES:
@@ -251,7 +255,8 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "cur
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     overrides.setdefault("bos_token_id", ids["<|endoftext|>"])
     overrides.setdefault("eos_token_id", ids["<|im_end|>"])
-    (out / "config.json").write_text(json.dumps(_config(arch, vocab, layout, overrides), indent=2))
+    (out / "config.json").write_text(json.dumps(_config(arch, vocab, layout, overrides, dtype),
+                                                indent=2))
     tcfg = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
             "model_max_length": 2048, "tokenizer_class": "PreTrainedTokenizerFast"}
     if layout == "classic":
@@ -265,7 +270,9 @@ def make_tiny_model(path, arch: str = "llama", seed: int = 0, layout: str = "cur
            "bos_token_id": ids["<|endoftext|>"], "max_new_tokens": TINY_MAX_NEW_TOKENS}
     gen = {k: v for k, v in {**gen, **(generation_config or {})}.items() if v is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    _write_weights(out, _random_weights(out, seed), num_shards)
+    weights = _random_weights(out, seed)
+    _write_weights(out, {n: t.to(getattr(torch, dtype)) for n, t in weights.items()},
+                   num_shards)
     return out
 
 

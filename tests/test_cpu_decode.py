@@ -179,7 +179,7 @@ def test_engine_batches_through_the_kernel_with_transformers_tokens(model_dirs, 
     real = cpu_decode.paged_attention
     monkeypatch.setattr(cpu_decode, "paged_attention",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    with LLM(d, max_model_len=256, kv_cache_memory="4MiB") as llm:
+    with LLM(d, max_model_len=256, kv_cache_memory="4MiB", cpu_weight_layout="dual") as llm:
         assert llm._rt.engine.runner.backend == AttentionBackend.CPU
         llm.pin(system)
         got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
@@ -207,7 +207,7 @@ def test_the_one_region_step_stores_every_layers_kv_and_reports_each_layer(model
     it, the new token's K/V written at its slot of every layer's cache and nowhere else,
     and on_layer_done called for each layer, in order."""
     d = model_dirs("llama")
-    with LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
+    with LLM(d, max_model_len=128, kv_cache_memory="2MiB", cpu_weight_layout="dual") as llm:
         model, kv, spec = llm._rt.model, llm._rt.kv_pool, llm._rt.model.spec
         kernels = OneRowKernels.for_model(model)
         g = torch.Generator().manual_seed(0)

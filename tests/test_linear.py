@@ -69,7 +69,8 @@ def test_a_models_one_row_weights_are_one_buffer_in_decode_order(model_dirs):
 
     d = model_dirs("llama")
     spec = load_model_spec(d)
-    model = LlamaModel(spec, load_weights(d, spec, torch.float32, torch.device("cpu")), 64)
+    model = LlamaModel(spec, load_weights(d, spec, torch.float32, torch.device("cpu")), 64,
+                       "both")
     order = [lin for lw in model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)]
     starts = [lin.rows.data_ptr() for lin in order + [model.lm_head]]
     assert starts == sorted(starts)

@@ -38,7 +38,7 @@ def test_compiled_one_row_steps_match_transformers(model_dirs, arch, overrides, 
     d = model_dirs(arch, **overrides)
     prompts = random_prompts(4, [1, 40], 500)
     ref = hf_greedy(d, prompts, GREEDY.max_tokens)
-    with LLM(d, max_model_len=256, kv_cache_memory="4MiB") as llm:
+    with LLM(d, max_model_len=256, kv_cache_memory="4MiB", cpu_weight_layout="dual") as llm:
         model = llm._rt.model
         # tiny weights stay in the caches: not measured, the Linear kernels serve them
         assert model.one_row is None and OneRowKernels.build(model) is None
@@ -63,8 +63,8 @@ def test_a_cache_the_decode_layer_cannot_read_goes_through_the_regions(model_dir
     attention op, and give the tokens the Linear kernels give on the same cache."""
     d = model_dirs("llama")
     prompt = random_prompts(5, [37], 500)
-    with LLM(d, max_model_len=128, kv_cache_memory="2MiB", kv_cache_dtype="bfloat16",
-             enable_prefix_caching=False) as llm:
+    with LLM(d, max_model_len=128, kv_cache_memory="2MiB", cpu_weight_layout="dual",
+             kv_cache_dtype="bfloat16", enable_prefix_caching=False) as llm:
         model = llm._rt.model
         want = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY,
                             use_tqdm=False)[0].token_ids
@@ -132,7 +132,7 @@ def test_regions_follow_the_thread_count_they_run_at(model_dirs):
     """Compiled at one thread count, run at another: the generated loops ask OpenMP at each
     call (cpp.dynamic_threads), so the ThreadGovernor's choice holds and results agree."""
     d = model_dirs("llama")
-    with LLM(d, max_model_len=64, kv_cache_memory="1MiB") as llm:
+    with LLM(d, max_model_len=64, kv_cache_memory="1MiB", cpu_weight_layout="dual") as llm:
         kernels = OneRowKernels.for_model(llm._rt.model)
         w, b = kernels.head_args
         x = torch.randn(1, w.shape[1], generator=torch.Generator().manual_seed(0))
@@ -159,7 +159,7 @@ def test_nothing_compiles_while_serving_after_the_warm_up(model_dirs, attention_
     from torch._dynamo.utils import counters
 
     d = model_dirs("llama")
-    with LLM(d, max_model_len=256, kv_cache_memory="4MiB") as llm:
+    with LLM(d, max_model_len=256, kv_cache_memory="4MiB", cpu_weight_layout="dual") as llm:
         model = llm._rt.model
         kernels = model.one_row = OneRowKernels.for_model(model)
         # what start-up compiles (and keeps, for a model that measured faster)
@@ -191,7 +191,7 @@ def test_start_up_times_a_decode_step_both_ways_and_keeps_the_faster(model_dirs,
     d = model_dirs("llama")
     monkeypatch.setattr(onerow, "MEASURE_MIN_BYTES", 0)  # measured although tiny
     with caplog.at_level(logging.INFO, logger="kvsession"), \
-            LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
+            LLM(d, max_model_len=128, kv_cache_memory="2MiB", cpu_weight_layout="dual") as llm:
         model, kv = llm._rt.model, llm._rt.kv_pool
         said = [r.getMessage() for r in caplog.records
                 if r.getMessage().startswith("one-token step:")]
@@ -232,7 +232,7 @@ def test_without_a_working_compiler_the_linear_kernels_serve(model_dirs, monkeyp
     no_compiler = {"cpp.cxx": (None, str(tmp_path / "no-c++"))}
     with caplog.at_level(logging.WARNING, logger="kvsession"):
         with torch._inductor.config.patch(no_compiler), \
-                LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
+                LLM(d, max_model_len=128, kv_cache_memory="2MiB", cpu_weight_layout="dual") as llm:
             assert llm._rt.model.one_row is None
             got = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY,
                                use_tqdm=False)[0].token_ids

@@ -9,8 +9,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvsession.errors import ModelLoadError, UnsupportedArchitectureError
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -56,6 +60,18 @@ class ModelSpec:
         d = dict(self.__dict__)
         d["rope"] = dict(self.rope.__dict__)
         return d
+
+
+def checkpoint_dtype(model_dir: Path, known: dict[str, torch.dtype]) -> torch.dtype | None:
+    """The dtype the checkpoint's config.json names (`dtype`, or the older `torch_dtype`) when
+    it is one of `known` ({name: dtype}); None otherwise (a missing or unreadable config is
+    reported where the model loads). transformers' `torch_dtype="auto"` reads the same."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    name = (cfg.get("dtype") or cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
+    return known.get(name) if isinstance(name, str) else None
 
 
 def read_json(path: Path) -> dict:

@@ -23,6 +23,9 @@ bandwidth of the same run):
   time on the AMD machine), else one row goes through whichever of `F.linear` on the rows
   and oneDNN `measure_one_row` found faster when the model was built. The model's default
   on CPU, at twice the weight memory.
+- "rows": the checkpoint's `[out, in]` rows, `F.linear` for every batch. One copy that a
+  tied embedding shares (the head of a single-layout model that ties its embeddings: a
+  packed head would need the embedding kept a second time, ~0.3 GB for a 152k vocabulary).
 - "int8": int8 weights with a float scale per output channel, through ATen's weight-only
   int8 kernel (`_weight_int8pack_mm`, gpt-fast's): a quarter of the bytes. Its CPU kernel is
   fast with bfloat16 activations only (with float32 ones it is 2x slower than float32
@@ -40,7 +43,7 @@ import torch.nn.functional as F
 
 from kvsession.host_memory import huge_page_empty
 
-FORMATS = ("float", "onednn", "both", "int8")
+FORMATS = ("float", "onednn", "both", "rows", "int8")
 PACKED_MAX_ROWS = 64  # oneDNN's blocking hint (decode batches); larger batches run packed too
 # below this many weight bytes measure_one_row keeps MKL: weights that fit the CPU caches run
 # about as fast either way, and a choice made by noise could differ between two processes
@@ -71,7 +74,7 @@ class Linear:
             self.weight_t = torch.cat([w.t() for w in parts], dim=1) if cpu or len(parts) > 1 \
                 else parts[0].t()
         w = torch.cat(parts) if self.fmt != "float" and len(parts) > 1 else parts[0]
-        if self.fmt == "both":
+        if self.fmt in ("both", "rows"):
             self.rows = w.contiguous()
         if self.fmt in ("onednn", "both"):
             # packed for every batch (the hint only tunes the blocking)
@@ -89,7 +92,7 @@ class Linear:
 
     @property
     def weight(self) -> torch.Tensor:
-        """[out, in] float view ("float" and "both" formats; strided for "float" on CPU)."""
+        """[out, in] float view ("float", "both" and "rows"; strided for "float" on CPU)."""
         if self.rows is not None:
             return self.rows
         if self.weight_t is None:

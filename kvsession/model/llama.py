@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kvsession.attention import AttentionMetadata, attention
 from kvsession.cache.kv_pool import KVPool
-from kvsession.config import AttentionBackend
+from kvsession.config import AttentionBackend, EngineConfig, WeightLayout
 from kvsession.model.config import ModelSpec, RopeSpec
 from kvsession.model.linear import Linear, measure_one_row, pack_rows, round_times
 from kvsession.model.onerow import OneRowKernels, TokenTables
@@ -71,12 +71,18 @@ class LayerWeights:
     down: Linear
 
 
+def weight_format(cfg: EngineConfig) -> str:
+    """The projections' format (model/linear.py) for what LLM(...) asked."""
+    return "both" if cfg.cpu_weight_layout is WeightLayout.DUAL else "onednn"
+
+
 class LlamaModel:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_model_len: int,
-                 weight_format: str = "both"):
+                 weight_format: str = "onednn"):
         """weight_format: how the projections keep their weights on CPU (model/linear.py):
-        "both" by default, the fastest decode at every batch size for twice the weight
-        memory; "float" keeps one copy (batched decode ~20% slower)."""
+        "onednn" by default (one copy; a tied output head keeps the checkpoint's rows,
+        which the embedding shares); "both" adds the rows for batch-1 decode at twice the
+        weight memory (LLM(cpu_weight_layout="dual")); "int8" quantizes."""
         self.spec, self.weight_format = spec, weight_format
         # the paged attention op; an instance attribute so a measurement tool can wrap it
         # for one model (kvsession.numerics) without patching the module for everyone
@@ -84,13 +90,15 @@ class LlamaModel:
         self.norm = weights["model.norm.weight"]
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(spec.num_layers)]
         embed = weights["model.embed_tokens.weight"]
-        self.lm_head = Linear(embed if spec.tie_word_embeddings else weights["lm_head.weight"],
-                              fmt=weight_format)
+        tied = spec.tie_word_embeddings
+        # a packed head would leave the embedding a second copy: a tied one keeps the rows
+        self.lm_head = Linear(embed if tied else weights["lm_head.weight"],
+                              fmt="rows" if tied and weight_format == "onednn" else weight_format)
         # the one-row weights in one buffer, in the order a decode step reads them
         pack_rows(self.projections()[1:] + [self.lm_head])
         # tied: look tokens up in the head's (transposed) copy rather than keep a second one
-        self.embed = self.lm_head.weight if spec.tie_word_embeddings \
-            and self.lm_head.fmt in ("float", "both") else embed
+        self.embed = self.lm_head.weight if tied \
+            and self.lm_head.fmt in ("float", "both", "rows") else embed
         weights.clear()  # the fused copies above replace them; free the originals
         # a batch-1 decode step's kernel, by measurement on this CPU (model/linear.py)
         measure_one_row(self.projections())
@@ -106,6 +114,28 @@ class LlamaModel:
         self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(dev)
         self.sin_signed = torch.cat((-sin, sin), dim=-1).to(dev)
         self.softmax_scale = spec.head_dim ** -0.5
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold resident: every projection's layouts (a packed copy, the
+        rows, int8 values and scales, biases), the norms, and the embedding when it is not
+        the head's own rows. What `cpu_weight_layout` and `quantization` trade."""
+        seen: set[int] = set()
+
+        def size(t: torch.Tensor | None) -> int:
+            if t is None or id(t) in seen:
+                return 0
+            seen.add(id(t))
+            return t.numel() * t.element_size()
+
+        total = 0
+        for lin in self.projections():
+            total += sum(size(t) for t in (lin.weight_t, lin.rows, lin.packed, lin.bias,
+                                           *(lin.int8 or ())))
+        embed_shared = self.lm_head.rows is not None and \
+            self.embed.data_ptr() == self.lm_head.rows.data_ptr()
+        norms = [self.norm] + [t for lw in self.layers
+                               for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm)]
+        return total + sum(size(t) for t in norms) + (0 if embed_shared else size(self.embed))
 
     def projections(self) -> list[Linear]:
         """Every projection of the model: the output head, then each layer's."""
