@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from kvsession.kernels.cpp_build import build, cache_dir, compiler, library_path
 
 log = logging.getLogger("kvsession")
 
@@ -45,8 +41,7 @@ SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17",
                  "-c"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-LINK = [["-lmvec", "-lm"], ["-lm"]]  # libmvec is glibc's; without it exp stays scalar
-BUILD_TIMEOUT_S = 120.0
+LINK = (("-lmvec", "-lm"), ("-lm",))  # libmvec is glibc's; without it exp stays scalar
 # tokens per task (the unit split across threads): long enough that a task's setup and
 # its merge are small next to reading it, short enough that 2,048 tokens make 8 tasks
 TASK_TOKENS = 256
@@ -55,28 +50,6 @@ _lock = threading.Lock()
 # (compiler, directory) -> the entry point or None; also by load()'s arguments and the
 # environment variables that decide them, so that a known answer costs one lookup
 _loaded: dict[tuple, object] = {}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("KVSESSION_CACHE") or Path.home() / ".cache" / "kvsession"
-    return Path(root) / "kernels"
-
-
-@functools.cache
-def _found_compiler() -> str | None:
-    return next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
-
-
-def compiler() -> str | None:
-    return os.environ.get("CXX") or _found_compiler()
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
 
 
 def load(cxx: str | None = None, directory: Path | None = None):
@@ -99,52 +72,16 @@ def load(cxx: str | None = None, directory: Path | None = None):
         return _loaded[key]
 
 
-def _build(cxx: str, directory: Path, lib: Path, errors: list[str], source: Path = SOURCE,
-           compile_flags: list[str] = COMPILE_FLAGS, link_flags: list[str] = LINK_FLAGS,
-           libs: tuple[str, ...] = ()) -> None:
-    """Compile and link `source` into `lib` (`libs` after the object: a linker that drops
-    libraries nothing before them needs would drop them otherwise); each failed step's
-    reason in `errors`.
-    Built under temporary names and renamed: processes building at once (test workers,
-    Ray replicas) never load a half-written library."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        obj, out = Path(tmp) / "cpu_decode.o", Path(tmp) / "cpu_decode.so"
-        steps = [[cxx, *compile_flags, str(source), "-o", str(obj)]]
-        for link in LINK:
-            try:
-                for cmd in steps + [[cxx, *link_flags, str(obj), "-o", str(out), *libs,
-                                     *link]]:
-                    subprocess.run(cmd, check=True, capture_output=True,
-                                   timeout=BUILD_TIMEOUT_S)
-                os.replace(out, lib)
-                return
-            except (OSError, subprocess.SubprocessError) as e:
-                detail = getattr(e, "stderr", b"") or b""
-                errors.append(f"{e} {detail.decode(errors='replace')[-500:]}")
-                steps = [] if obj.is_file() else steps  # compiled: only link again
-
-
-def _library(cxx: str, directory: Path, name: str, sources: list[Path],
-             flags: list[str]) -> Path:
-    """Where the library built from `sources` with `flags` by `cxx` for this CPU and this
-    torch lives (a new name whenever any of them changes)."""
-    digest = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in sources),
-                                        " ".join(flags).encode(), cxx.encode(),
-                                        _cpu_id().encode(), torch.__version__.encode()]))
-    return directory / f"{name}-{digest.hexdigest()[:16]}.so"
-
-
 def _build_and_load(cxx: str | None, directory: Path):
     if cxx is None:
         log.warning("the CPU decode attention kernel is not used: no C++ compiler found "
                     "(set CXX); decode attention runs the torch reference")
         return None
-    lib = _library(cxx, directory, "cpu_decode", [SOURCE], COMPILE_FLAGS + LINK_FLAGS)
+    lib = library_path(cxx, directory, "cpu_decode", [SOURCE], COMPILE_FLAGS + LINK_FLAGS)
     errors: list[str] = []
     try:
         if not lib.is_file():
-            _build(cxx, directory, lib, errors)
+            build(cxx, lib, errors, SOURCE, COMPILE_FLAGS, LINK_FLAGS, link_variants=LINK)
         fn = ctypes.CDLL(str(lib)).kvs_decode_attention
     except (OSError, AttributeError) as e:  # no library (the build failed), a directory
         # that cannot be written, a library without the entry point
@@ -260,12 +197,12 @@ def register_op() -> OpKind:
         errors: list[str] = []
         if cxx is not None:
             compile_flags, link_flags, libs = _op_flags()
-            lib = _library(cxx, directory, "cpu_decode_op", [OP_SOURCE, SOURCE],
-                           compile_flags + link_flags + list(libs))
+            lib = library_path(cxx, directory, "cpu_decode_op", [OP_SOURCE, SOURCE],
+                               compile_flags + link_flags + list(libs))
             try:
                 if not lib.is_file():
-                    _build(cxx, directory, lib, errors, OP_SOURCE, compile_flags, link_flags,
-                           libs)
+                    build(cxx, lib, errors, OP_SOURCE, compile_flags, link_flags, libs,
+                          link_variants=LINK)
                 torch.ops.load_library(str(lib))  # its static initialiser registers the op
                 _op_kind = OpKind.NATIVE
             except (OSError, RuntimeError) as e:  # not built, or torch refused to load it

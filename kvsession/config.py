@@ -130,6 +130,13 @@ class WeightLayout(enum.Enum):
     DUAL = "dual"
 
 
+class Quantization(enum.Enum):
+    """Weights quantized at load from a float checkpoint (model/linear.py)."""
+
+    NONE = None
+    INT8 = "int8"  # weight-only int8, a float scale per 32 inputs (llama.cpp's Q8_0 layout)
+
+
 class GenerationConfigMode(enum.Enum):
     """Where requests' unset sampling fields come from (kvsession/generation_defaults.py)."""
 
@@ -177,6 +184,7 @@ class EngineConfig:
     # whose sampling defaults requests start from (generation_defaults.py)
     generation_config: GenerationConfigMode = GenerationConfigMode.AUTO
     cpu_weight_layout: WeightLayout = WeightLayout.SINGLE
+    quantization: Quantization = Quantization.NONE
 
     @staticmethod
     def from_args(
@@ -188,7 +196,8 @@ class EngineConfig:
         remote_prefill_timeout_s=30.0, attention_backend="auto", seed=0,
         prefill_auth_key_file=None,
         eviction_policy="cost", durability="turn", chat_template=None, revision=None,
-        download_dir=None, generation_config="auto", cpu_weight_layout="single", **unknown,
+        download_dir=None, generation_config="auto", cpu_weight_layout="single",
+        quantization=None, **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -249,6 +258,12 @@ class EngineConfig:
             generation_config = GenerationConfigMode.NONE.value
         _choice(generation_config, "generation_config", {m.value for m in GenerationConfigMode})
         _choice(cpu_weight_layout, "cpu_weight_layout", {m.value for m in WeightLayout})
+        if quantization is not None:
+            _choice(quantization, "quantization",
+                    {m.value for m in Quantization if m.value is not None})
+        if quantization is not None and dev.type != "cpu":
+            raise ConfigError(f"quantization={quantization!r} runs on the CPU (its kernel is a "
+                              f"CPU one); on {dev.type} use dtype='bfloat16'")
         return EngineConfig(
             model=model_path, device=dev, dtype=compute, kv_cache_dtype=kv,
             max_model_len=max_model_len, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
@@ -276,6 +291,7 @@ class EngineConfig:
             durability=durable, chat_template=template,
             generation_config=GenerationConfigMode(generation_config),
             cpu_weight_layout=WeightLayout(cpu_weight_layout),
+            quantization=Quantization(quantization),
         )
 
     @property

@@ -71,7 +71,8 @@ class LLM:
                  attention_backend="auto", seed=0,
                  prefill_auth_key_file=None, eviction_policy="cost", durability="turn",
                  chat_template=None, revision=None, download_dir=None,
-                 generation_config="auto", cpu_weight_layout="single", **unknown):
+                 generation_config="auto", cpu_weight_layout="single", quantization=None,
+                 **unknown):
         self._rt: Runtime | None = None
         self.config = EngineConfig.from_args(
             model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -87,7 +88,7 @@ class LLM:
             prefill_auth_key_file=prefill_auth_key_file, eviction_policy=eviction_policy,
             durability=durability, chat_template=chat_template, revision=revision,
             download_dir=download_dir, generation_config=generation_config,
-            cpu_weight_layout=cpu_weight_layout, **unknown)
+            cpu_weight_layout=cpu_weight_layout, quantization=quantization, **unknown)
         self._rt = Runtime(self.config)
         self._store = SessionStore(self._rt)
         self._requests = RequestBuilder(self._rt)

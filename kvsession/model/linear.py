@@ -26,12 +26,12 @@ bandwidth of the same run):
 - "rows": the checkpoint's `[out, in]` rows, `F.linear` for every batch. One copy that a
   tied embedding shares (the head of a single-layout model that ties its embeddings: a
   packed head would need the embedding kept a second time, ~0.3 GB for a 152k vocabulary).
-- "int8": int8 weights with a float scale per output channel, through ATen's weight-only
-  int8 kernel (`_weight_int8pack_mm`, gpt-fast's): a quarter of the bytes. Its CPU kernel is
-  fast with bfloat16 activations only (with float32 ones it is 2x slower than float32
-  weights), so the activations are rounded to bfloat16 at each projection's input and the
-  result comes back as float32; accuracy against float32 logits is measured in
-  bench/decode_vs_hf.py --int8.
+- "int8": int8 weights with a float scale per group of 32 inputs (llama.cpp's Q8_0 layout,
+  kernels/q8_matmul.py; `LLM(quantization="int8")`): 0.56x bfloat16's bytes. A decode batch
+  (up to 16 rows) runs the C++ kernel built at first use; larger batches (prefill) and a
+  machine without a compiler dequantize the weight for one dense product. Activations stay
+  in the compute dtype. Accuracy against float32 and against a Q8_0 emulation:
+  bench/int8_accuracy.py.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from kvsession.host_memory import huge_page_empty
+from kvsession.kernels import q8_matmul
 
 FORMATS = ("float", "onednn", "both", "rows", "int8")
 PACKED_MAX_ROWS = 64  # oneDNN's blocking hint (decode batches); larger batches run packed too
@@ -62,8 +63,6 @@ class Linear:
             raise ValueError(f"unknown weight format {fmt!r}; accepted: {list(FORMATS)}")
         parts = weight if isinstance(weight, list) else [weight]
         cpu = parts[0].device.type == "cpu"
-        if fmt == "int8" and parts[0].dtype != torch.float32:
-            raise ValueError("int8 weights run with float32 activations")
         self.fmt = fmt if cpu else "float"
         self.bias = bias
         self.weight_t = self.rows = self.packed = self.int8 = None
@@ -85,10 +84,10 @@ class Linear:
                 # elsewhere the plain layout serves every batch
                 self.fmt, self.rows = "float", None
                 self.weight_t = w.t().contiguous()
-        if self.fmt == "int8":  # symmetric, per output channel: w ~ q * scale
-            scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
-            q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-            self.int8 = (q, scale.to(torch.bfloat16))
+        if self.fmt == "int8":  # symmetric, per group of inputs: w ~ q * scale
+            self.int8 = q8_matmul.quantize(w, q8_matmul.group_for(w.shape[1]))
+            self.dtype = w.dtype  # what rows looked up (`lookup`) come back in
+            self.q8_kernel = q8_matmul.load()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -99,10 +98,18 @@ class Linear:
             raise AttributeError(f"a {self.fmt!r} projection keeps no float weight")
         return self.weight_t.t()
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, [len(ids), in] (a tied embedding reads the head's)."""
+        if self.int8 is not None:
+            q, scale = self.int8
+            return q8_matmul.dequantize(q.index_select(0, ids), scale.index_select(0, ids),
+                                        self.dtype)
+        return self.weight.index_select(0, ids)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out]."""
         if self.int8 is not None:
-            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), *self.int8).float()
+            y = q8_matmul.matmul(self.q8_kernel, x, *self.int8)
             return y if self.bias is None else y + self.bias
         if self.packed is not None and (self.rows is None or x.shape[0] > 1
                                         or self.one_row_packed):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kvsession.attention import AttentionMetadata, attention
 from kvsession.cache.kv_pool import KVPool
-from kvsession.config import AttentionBackend, EngineConfig, WeightLayout
+from kvsession.config import AttentionBackend, EngineConfig, Quantization, WeightLayout
 from kvsession.model.config import ModelSpec, RopeSpec
 from kvsession.model.linear import Linear, measure_one_row, pack_rows, round_times
 from kvsession.model.onerow import OneRowKernels, TokenTables
@@ -73,6 +73,8 @@ class LayerWeights:
 
 def weight_format(cfg: EngineConfig) -> str:
     """The projections' format (model/linear.py) for what LLM(...) asked."""
+    if cfg.quantization is Quantization.INT8:
+        return "int8"
     return "both" if cfg.cpu_weight_layout is WeightLayout.DUAL else "onednn"
 
 
@@ -96,9 +98,14 @@ class LlamaModel:
                               fmt="rows" if tied and weight_format == "onednn" else weight_format)
         # the one-row weights in one buffer, in the order a decode step reads them
         pack_rows(self.projections()[1:] + [self.lm_head])
-        # tied: look tokens up in the head's (transposed) copy rather than keep a second one
+        # tied: look tokens up in the head's (transposed) copy rather than keep a second one;
+        # int8 looks them up in int8 (the head's, or an int8 table of its own)
         self.embed = self.lm_head.weight if tied \
             and self.lm_head.fmt in ("float", "both", "rows") else embed
+        self.embed_int8 = None if weight_format != "int8" else \
+            self.lm_head if tied else Linear(embed, fmt="int8")
+        if self.embed_int8 is not None:
+            self.embed = None
         weights.clear()  # the fused copies above replace them; free the originals
         # a batch-1 decode step's kernel, by measurement on this CPU (model/linear.py)
         measure_one_row(self.projections())
@@ -131,7 +138,9 @@ class LlamaModel:
         for lin in self.projections():
             total += sum(size(t) for t in (lin.weight_t, lin.rows, lin.packed, lin.bias,
                                            *(lin.int8 or ())))
-        embed_shared = self.lm_head.rows is not None and \
+        if self.embed_int8 is not None and self.embed_int8 is not self.lm_head:
+            total += sum(size(t) for t in self.embed_int8.int8)
+        embed_shared = self.embed is None or self.lm_head.rows is not None and \
             self.embed.data_ptr() == self.lm_head.rows.data_ptr()
         norms = [self.norm] + [t for lw in self.layers
                                for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm)]
@@ -223,7 +232,8 @@ class LlamaModel:
         if self._one_region(input_ids, kv, meta):
             return self._decode_region(input_ids, positions, kv, meta)[0]
         eps = self.spec.rms_norm_eps
-        h = self.embed.index_select(0, input_ids)
+        h = self.embed.index_select(0, input_ids) if self.embed_int8 is None \
+            else self.embed_int8.lookup(input_ids)
         # rotary tables for this step's positions, [T, 1, head_dim], shared by all layers
         cos_sin = (self.cos.index_select(0, positions).to(h.dtype).unsqueeze(1),
                    self.sin_signed.index_select(0, positions).to(h.dtype).unsqueeze(1))

@@ -1,0 +1,82 @@
+"""Building a C++ kernel with the system's compiler, at first use, for this CPU.
+
+A kernel (cpu_decode.cpp, q8_matmul.cpp) is compiled with `$CXX` (else g++ / c++ /
+clang++) into `$KVSESSION_CACHE/kernels` (default ~/.cache/kvsession/kernels) under a name
+keyed by its sources, the flags, the compiler, the CPU and torch's version, so a change of
+any of them builds anew and an unchanged one loads at once. Callers load the library
+(ctypes or torch.ops.load_library) and fall back to their torch twin when it does not
+build, saying why once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+BUILD_TIMEOUT_S = 120.0
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVSESSION_CACHE") or Path.home() / ".cache" / "kvsession"
+    return Path(root) / "kernels"
+
+
+@functools.cache
+def _found_compiler() -> str | None:
+    return next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or _found_compiler()
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def library_path(cxx: str, directory: Path, name: str, sources: list[Path],
+                 flags: list[str]) -> Path:
+    """Where the library built from `sources` with `flags` by `cxx` for this CPU and this
+    torch lives (a new name whenever any of them changes)."""
+    digest = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in sources),
+                                        " ".join(flags).encode(), cxx.encode(),
+                                        _cpu_id().encode(), torch.__version__.encode()]))
+    return directory / f"{name}-{digest.hexdigest()[:16]}.so"
+
+
+def build(cxx: str, lib: Path, errors: list[str], source: Path, compile_flags: list[str],
+          link_flags: list[str], libs: tuple[str, ...] = (),
+          link_variants: tuple[tuple[str, ...], ...] = ((),)) -> None:
+    """Compile `source` and link it into `lib` (`libs` after the object: a linker that drops
+    libraries nothing before them needs would drop them otherwise), trying each of
+    `link_variants` (extra libraries, best first) until one links; each failed step's
+    reason goes to `errors`. Built under temporary names and renamed: processes building
+    at once (test workers, Ray replicas) never load a half-written library."""
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        obj, out = Path(tmp) / f"{source.stem}.o", Path(tmp) / f"{source.stem}.so"
+        steps = [[cxx, *compile_flags, str(source), "-o", str(obj)]]
+        for link in link_variants:
+            try:
+                for cmd in steps + [[cxx, *link_flags, str(obj), "-o", str(out), *libs,
+                                     *link]]:
+                    subprocess.run(cmd, check=True, capture_output=True,
+                                   timeout=BUILD_TIMEOUT_S)
+                os.replace(out, lib)
+                return
+            except (OSError, subprocess.SubprocessError) as e:
+                detail = getattr(e, "stderr", b"") or b""
+                errors.append(f"{e} {detail.decode(errors='replace')[-500:]}")
+                steps = [] if obj.is_file() else steps  # compiled: only link again

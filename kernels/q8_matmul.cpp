@@ -1,0 +1,73 @@
+// y = x @ W^T for int8 weights with a float scale per group of GROUP inputs (llama.cpp's
+// Q8_0 layout: W[o, g*GROUP + k] ~ scale[o, g] * q[o, g*GROUP + k]), for the few rows of a
+// decode step. Built by kernels/q8_matmul.py with -O3 -march=native -ffast-math -fopenmp.
+//
+// Why its own kernel: ATen's int8 weight-only product (_weight_int8pack_mm) takes one scale
+// per output channel, and a scale per 32 inputs is what keeps int8 as accurate as llama.cpp's
+// Q8_0 (bench/int8_accuracy.py); the int4 products that take group scales round them to
+// bfloat16. A decode step is bound by reading the weights, and int8 reads half of bf16's.
+//
+// Layout: q [out, in] int8 row-major, scale [out, in / GROUP] float32, x [rows, in] float32,
+// y [rows, out] float32; in % GROUP == 0. The output channels are split over the threads in
+// blocks of OUT_BLOCK; a block's rows of q are read once for all rows of x (MAX_ROWS at
+// most: the caller splits larger batches); each group's int8 values are converted and scaled
+// once and multiplied into every row's GROUP float32 lanes (vectorised: the compiler turns
+// the k loops into conversions and FMAs), summed across lanes once per output.
+
+#include <omp.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t MAX_ROWS = 16;
+constexpr int64_t OUT_BLOCK = 16;
+
+template <int64_t GROUP>
+void q8_rows(const int8_t* q, const float* scale, const float* x, int64_t rows, int64_t in,
+             int64_t out, float* y, int threads) {
+  const int64_t groups = in / GROUP;
+  const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t o_end = (b + 1) * OUT_BLOCK < out ? (b + 1) * OUT_BLOCK : out;
+    for (int64_t o = b * OUT_BLOCK; o < o_end; ++o) {
+      const int8_t* qo = q + o * in;
+      const float* so = scale + o * groups;
+      // per row, GROUP lanes of partial sums: the horizontal sum happens once per output,
+      // not once per group
+      float acc[MAX_ROWS][GROUP] = {};
+      for (int64_t g = 0; g < groups; ++g) {
+        const int8_t* qg = qo + g * GROUP;
+        float w[GROUP];
+        for (int64_t k = 0; k < GROUP; ++k) w[k] = so[g] * static_cast<float>(qg[k]);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* xg = x + r * in + g * GROUP;
+          for (int64_t k = 0; k < GROUP; ++k) acc[r][k] += w[k] * xg[k];
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < GROUP; ++k) sum += acc[r][k];
+        y[r * out + o] = sum;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// Returns 0, or 1 when the arguments are outside what the kernel takes (the caller checks
+// them first; this is the last guard against reading out of bounds).
+extern "C" int kvs_q8_matmul(const int8_t* q, const float* scale, const float* x, int64_t rows,
+                             int64_t in, int64_t out, int64_t group, float* y, int threads) {
+  if (rows < 1 || rows > MAX_ROWS || in < 1 || out < 1 || threads < 1) return 1;
+  if (group == 32 && in % 32 == 0) {
+    q8_rows<32>(q, scale, x, rows, in, out, y, threads);
+  } else if (group == 64 && in % 64 == 0) {
+    q8_rows<64>(q, scale, x, rows, in, out, y, threads);
+  } else {
+    return 1;
+  }
+  return 0;
+}
