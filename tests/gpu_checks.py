@@ -17,6 +17,7 @@ import sys
 import tempfile
 
 import torch
+from internals import Internals
 
 from kernel_cases import FP8, make_cache, tables_for
 
@@ -94,7 +95,7 @@ def graphs_match_eager_and_cpu() -> None:
             with LLM(model, device=where, dtype="float32", kv_cache_dtype="float32",
                      kv_cache_memory="8MiB", max_model_len=256,
                      attention_backend=backend) as llm:
-                runner = llm._rt.engine.runner
+                runner = Internals(llm).runner
                 outs.append([[o.token_ids for o in llm.generate(
                     prompt_token_ids=prompts[:n], sampling_params=params, use_tqdm=False)]
                     for n in (1, 3, 7)])
@@ -120,11 +121,11 @@ def fp8_default_and_staged_host_tier() -> None:
             with LLM(model, device=dev.type, dtype="bfloat16", kv_cache_memory="8MiB",
                      host_cache_memory="4MiB", max_model_len=512) as llm:
                 assert llm.config.kv_cache_dtype == FP8 or dev.type == "cpu"
-                assert llm._rt.host.staged == (dev.type == "cuda")
+                assert Internals(llm).host_staged == (dev.type == "cuda")
                 with llm.session(system="You are terse.", sampling=sp) as s:
                     turns = [s.send("first question").token_ids]
                     if spill:
-                        llm._rt.call(lambda s=s: llm._rt.policy.spill(s.kv, Tier.HOST)).result()
+                        Internals(llm).spill(s, Tier.HOST)
                         assert s.state == "host"
                     r = s.send("second question")
                     assert r.restored_from == "host" or not spill

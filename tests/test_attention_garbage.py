@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from internals import Internals
 
 from kernel_cases import FP8, make_cache, tables_for
 from kvsession import LLM, SamplingParams
@@ -105,7 +106,7 @@ def test_engine_over_a_nan_filled_pool_generates_the_same_tokens(llama_dir, kv_d
         with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=128,
                  kv_cache_dtype=kv_dtype) as llm:
             if poison:
-                for name, t in llm._rt.kv_pool.tensors().items():
+                for name, t in Internals(llm).kv_pool.tensors().items():
                     if t.dtype == FP8:
                         t.view(torch.uint8).fill_(0x7F)
                     else:

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from internals import Internals
 
 from kvsession import LLM, SamplingParams
 from kvsession.attention import resolve_backend
@@ -180,12 +181,12 @@ def test_engine_batches_through_the_kernel_with_transformers_tokens(model_dirs, 
     monkeypatch.setattr(cpu_decode, "paged_attention",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with LLM(d, max_model_len=256, kv_cache_memory="4MiB", cpu_weight_layout="dual") as llm:
-        assert llm._rt.engine.runner.backend == AttentionBackend.CPU
+        assert Internals(llm).runner.backend == AttentionBackend.CPU
         llm.pin(system)
         got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
                                                   sampling_params=GREEDY, use_tqdm=False)]
         batched = len(calls)
-        model = llm._rt.model
+        model = Internals(llm).model
         kernels = model.one_row = OneRowKernels.for_model(model)  # tiny: never measured
         kernels.select_attention(kernel=True)
         steps, region = [], kernels.decode
@@ -208,7 +209,8 @@ def test_the_one_region_step_stores_every_layers_kv_and_reports_each_layer(model
     and on_layer_done called for each layer, in order."""
     d = model_dirs("llama")
     with LLM(d, max_model_len=128, kv_cache_memory="2MiB", cpu_weight_layout="dual") as llm:
-        model, kv, spec = llm._rt.model, llm._rt.kv_pool, llm._rt.model.spec
+        ins = Internals(llm)
+        model, kv, spec = ins.model, ins.kv_pool, llm.runtime.spec
         kernels = OneRowKernels.for_model(model)
         g = torch.Generator().manual_seed(0)
         with torch.inference_mode():
@@ -258,7 +260,7 @@ def test_without_a_compiler_the_torch_reference_serves(model_dirs, monkeypatch, 
         resolve_backend(AttentionBackend.CPU, cpu, 16)
     prompts = random_prompts(3, [5, 30], 500)
     with LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
-        assert llm._rt.engine.runner.backend == AttentionBackend.TORCH
+        assert Internals(llm).runner.backend == AttentionBackend.TORCH
         got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
                                                   sampling_params=GREEDY, use_tqdm=False)]
     assert got == hf_greedy(d, prompts, GREEDY.max_tokens)

@@ -28,6 +28,7 @@ import threading
 import time
 
 import pytest
+from internals import CHILD_PRELUDE
 
 from kvsession import LLM, SamplingParams
 
@@ -45,8 +46,9 @@ def message(i: int, t: int) -> str:
     return f"agent {i} step {t}: " + " ".join(rng.choice(WORDS) for _ in range(4 + 7 * t % 19))
 
 
-CHILD = r"""
+CHILD = CHILD_PRELUDE + r"""
 import json, mmap, os, signal, sys, threading
+from internals import Internals
 from kvsession import LLM, SamplingParams
 import kvsession.tiers.commit as commit
 import kvsession.tiers.direct_io as direct_io
@@ -125,8 +127,8 @@ elif site == "compacted":  # the snapshot is in place, the segment not yet remov
 llm = LLM(model, session_dir=sd, **LLM_ARGS)
 # the cost model's inputs fixed (as tests/test_tiers.py does): loading what reached the disk
 # always beats recomputing it, whatever this machine's speed, so reuse is what is checked
-llm._rt.mover.disk_read_bytes_per_s.fix(1e11)
-llm._rt.engine.prefill_tps.fix(1e3)
+Internals(llm).fix_rate("disk_read", 1e11)
+Internals(llm).fix_rate("prefill", 1e3)
 emit({"files": sorted(os.listdir(sd))})
 G = SamplingParams(max_tokens=8, temperature=0.0)
 sessions, state = {}, {}

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from internals import CHILD_PRELUDE, Internals
 from llms import tiny_llm
 from log_files import IDENTITY, write_log
 
@@ -361,7 +362,7 @@ def test_sessions_finishing_together_share_fsyncs(llama_dir, tmp_path):
             t.start()
         for t in threads:
             t.join(timeout=120)
-        journal = llm._rt.journal
+        journal = Internals(llm).journal
         assert journal.records == 24
         # records of turns that ended in one engine step are batched (a turn's 8 sessions
         # may start, and so end, in a few steps)
@@ -408,14 +409,14 @@ def test_a_failed_append_is_cut_off_and_the_next_record_rewrites(tmp_path, monke
 def test_durability_argument(llama_dir, tmp_path):
     # the default, "turn", is valid without a session_dir too: nothing persists there
     with LLM(llama_dir, durability="turn", kv_cache_memory="4MiB", max_model_len=128) as llm:
-        assert llm._rt.journal is None and llm.sessions() == []
+        assert Internals(llm).journal is None and llm.sessions() == []
         assert llm.session(sampling=G).send("hi").token_ids
     with new_llm(llama_dir, tmp_path / "n", durability=None) as llm:  # None: the default
-        assert llm.config.durability.value == "turn" and llm._rt.journal is not None
+        assert llm.config.durability.value == "turn" and Internals(llm).journal is not None
     with pytest.raises(ConfigError, match="durability='sometimes' is not supported"):
         LLM(llama_dir, durability="sometimes", session_dir=tmp_path)
     with new_llm(llama_dir, tmp_path / "c", durability="close") as llm:
-        assert llm._rt.journal is None
+        assert Internals(llm).journal is None
         s = llm.session(session_id="c", sampling=G)
         s.send("hello")
         assert os.listdir(tmp_path / "c") == []  # nothing written yet (no log, no lock)
@@ -446,8 +447,9 @@ def test_every_kind_of_turn_is_durable_before_it_returns(llama_dir, tmp_path):
     assert sorted(os.listdir(sd)) == ["d-fork.kvs", "d.kvs"]  # compacted at close
 
 
-CHILD = r"""
+CHILD = CHILD_PRELUDE + r"""
 import json, os, sys
+from internals import Internals
 from kvsession import LLM, SamplingParams
 model, sd, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 G = SamplingParams(max_tokens=4, temperature=0.0)
@@ -459,8 +461,7 @@ if mode == "hold":
         print(json.dumps({"ack": t, "ids": r.token_ids}), flush=True)
     # the blocks queued behind the turns are on disk before the parent kills this process
     # (how far write-behind got by then would otherwise depend on the machine's load)
-    from kvsession.tiers.writeback import WriteOp
-    llm._rt.writeback.request(WriteOp.FLUSH, None).result(60)
+    Internals(llm).flush_writes(60)
     print("ready", flush=True)
     sys.stdin.readline()
     os.kill(os.getpid(), 9)
@@ -608,8 +609,9 @@ def test_blocks_are_written_behind_once_and_reused_after_a_restart(llama_dir, tm
         s = llm.session(session_id="w", sampling=G)
         for t in range(4):
             s.send(f"turn {t}: " + "read the file and run the tests " * 4)
-        wb = llm._rt.writeback
-        wb.request(WriteOp.FLUSH, None).result(timeout=60)
+        ins = Internals(llm)
+        ins.flush_writes()
+        wb = ins.writeback
         # one record per distinct block, however many turns saw it (a block the
         # re-rendered history changed is a new block); every current block is there, the
         # partial last one as a tail record keyed by the hash before it and its tokens
@@ -626,7 +628,7 @@ def test_blocks_are_written_behind_once_and_reused_after_a_restart(llama_dir, tm
         kv = next(read_blocks(sd / "w.seg", scan.header, [k]))[1]
         for name, x in kv.items():
             assert not x[:, held % 16:].any(), name
-            assert torch.equal(x[:, :held % 16], llm._rt.kv_pool.tensors()[name][
+            assert torch.equal(x[:, :held % 16], ins.kv_pool.tensors()[name][
                 :, s.kv.blocks[-1].block_id, :held % 16])
         # the process "dies" here: a copy of the directory as it is
         shutil.copytree(sd, tmp_path / "copy")
@@ -640,8 +642,9 @@ def test_blocks_are_written_behind_once_and_reused_after_a_restart(llama_dir, tm
         r = s.send("and then?")
         assert r.restored_from == "disk" and r.cached_tokens == held
         assert r.token_ids == expected_turn(llm, s, before, r, G)
-        wb = llm._rt.writeback
-        wb.request(WriteOp.FLUSH, None).result(timeout=60)
+        ins = Internals(llm)
+        ins.flush_writes()
+        wb = ins.writeback
         # only the blocks the new turn completed (the old tail's block among them) and its
         # new tail were written: nothing already on disk
         now = len(s.kv.tokens)
@@ -693,7 +696,7 @@ def test_segments_are_synced_in_bulk_and_when_idle_not_after_every_turn(llama_di
         for t in range(2):
             for s in sessions:
                 s.send(f"turn {t}: " + "read the file and run the tests " * 3)
-        wb = llm._rt.writeback
+        wb = Internals(llm).writeback
         wb.request(WriteOp.CLOSE, "s0").result(timeout=60)  # s0's segment: synced, closed
         assert wb.blocks_written >= 6 and wb.syncs == 1
         wb.request(WriteOp.FLUSH, None).result(timeout=60)
@@ -701,7 +704,7 @@ def test_segments_are_synced_in_bulk_and_when_idle_not_after_every_turn(llama_di
     monkeypatch.setattr(WriteBehind, "IDLE_SYNC_S", 0.05)
     with new_llm(llama_dir, tmp_path / "b") as llm:
         llm.session(session_id="s", sampling=G).send("read the file and run the tests " * 3)
-        wb, deadline = llm._rt.writeback, time.monotonic() + 30
+        wb, deadline = Internals(llm).writeback, time.monotonic() + 30
         while wb.syncs == 0 and time.monotonic() < deadline:
             time.sleep(0.01)  # polling an observable counter, bounded by the deadline
         assert wb.syncs == 1
@@ -710,7 +713,7 @@ def test_segments_are_synced_in_bulk_and_when_idle_not_after_every_turn(llama_di
 def _scan(llm, path):
     from kvsession.tiers.segments import scan_segment
 
-    return scan_segment(path, llm._rt.identity, path.stem)
+    return scan_segment(path, Internals(llm).identity, path.stem)
 
 
 def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path,
@@ -723,8 +726,9 @@ def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path
         s = llm.session(session_id="c", sampling=G)
         for t in range(3):
             s.send(f"turn {t}: " + "read the file and run the tests " * 4)
-        wb = llm._rt.writeback
-        wb.request(WriteOp.FLUSH, None).result(timeout=60)
+        ins = Internals(llm)
+        ins.flush_writes()
+        wb = ins.writeback
         assert wb.compactions >= 1
         from kvsession.tiers.snapshot_format import snapshot_prefix
         from kvsession.tiers.snapshot_read import read_header
@@ -751,7 +755,7 @@ def test_a_fragmented_segment_is_compacted_into_one_snapshot(llama_dir, tmp_path
     with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
         s = llm.session(session_id="c")
         assert len(s.messages) == 6
-        plan = llm._rt.mover.plans[s.kv]
+        plan = Internals(llm).disk_plan(s)
         assert plan.from_files.get("snapshot", 0) >= 1 and len(plan.tokens) == held
         before = s.token_ids
         r = s.send("and then?")
@@ -780,8 +784,9 @@ def test_a_resumed_session_with_a_shared_prefix_is_compacted_without_losing_its_
         s = llm.session(session_id="c")
         for t in range(2):
             s.send(f"turn {t}: " + "read the file and run the tests " * 4)
-        wb = llm._rt.writeback
-        wb.request(WriteOp.FLUSH, None).result(timeout=60)
+        ins = Internals(llm)
+        ins.flush_writes()
+        wb = ins.writeback
         assert wb.compactions >= 1 and lead >= 2
         h = read_header(tmp_path / "copy" / "c.kvs")
         assert snapshot_prefix(h, s.kv.tokens, 16) >= (lead + 4) * 16
@@ -796,8 +801,8 @@ def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path
                     for i in range(4)]
         for s in sessions:
             s.send(f"{s.session_id}: read the file and run the tests " * 3)
-        llm._rt.writeback.request(WriteOp.FLUSH, None).result(timeout=60)
-        lead = on_engine(llm, lambda: llm._rt.policy.num_lead(sessions[0].kv))
+        Internals(llm).flush_writes()
+        lead = Internals(llm).num_lead(sessions[0])
         assert lead >= 2
         shared = _scan(llm, sd / ".shared.seg")
         assert sorted(m.index for m in shared.metas) == list(range(lead))  # once
@@ -811,9 +816,9 @@ def test_a_pinned_system_prompt_is_stored_once_per_directory(llama_dir, tmp_path
         f.unlink()
     with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024,
                  enable_prefix_caching=True) as llm:
-        llm._rt.mover.disk_read_bytes_per_s.fix(1e12)  # loading beats recomputing
+        Internals(llm).fix_rate("disk_read", 1e12)  # loading beats recomputing
         s = llm.session(session_id="p2")
-        plan = llm._rt.mover.plans[s.kv]
+        plan = Internals(llm).disk_plan(s)
         assert plan.from_files["shared"] == lead and plan.from_files["segment"] >= 1
         # the system prompt was pinned again from the shared store: its pin found every
         # full block in the prefix cache (read from .shared.seg), none prefilled
@@ -833,7 +838,7 @@ def test_a_new_session_pins_its_system_prompt_from_the_directorys_shared_store(
     lead = one_turn_copied(llama_dir, tmp_path, "a")  # what another process sees meanwhile
     assert lead >= 2
     with new_llm(llama_dir, tmp_path / "copy", max_model_len=1024) as llm:
-        llm._rt.mover.disk_read_bytes_per_s.fix(1e12)  # loading beats recomputing
+        Internals(llm).fix_rate("disk_read", 1e12)  # loading beats recomputing
         before = llm.stats().prefill_tokens
         b = llm.session(session_id="b", system=LONG_SYSTEM, sampling=G)
         assert llm.stats().prefix.pinned_blocks == lead
@@ -857,18 +862,14 @@ def one_turn_copied(model_dir, tmp_path: Path, session_id: str) -> int:
     try:
         s = llm.session(session_id=session_id, system=LONG_SYSTEM, sampling=G)
         s.send("read the file and run the tests " * 3)
-        llm._rt.writeback.request(WriteOp.FLUSH, None).result(timeout=60)
-        lead = on_engine(llm, lambda: llm._rt.policy.num_lead(s.kv))
+        Internals(llm).flush_writes()
+        lead = Internals(llm).num_lead(s)
         shutil.copytree(sd, tmp_path / "copy")
     finally:
         llm.close()
     for f in (tmp_path / "copy").glob("*.lock"):
         f.unlink()
     return lead
-
-
-def on_engine(llm, fn):
-    return llm._rt.call(fn).result()
 
 
 @pytest.mark.parametrize("durability", ["turn", "close"])
@@ -887,7 +888,7 @@ def test_a_spill_between_a_turns_kv_and_its_messages_loses_nothing_at_close(
     real_finish = Session._finish
 
     def spill_first(self, seq, *args):
-        on_engine(llm, lambda: llm._rt.policy.spill(self.kv, Tier.DISK))
+        Internals(llm).spill(self, Tier.DISK)
         return real_finish(self, seq, *args)
 
     with llm:
@@ -921,7 +922,7 @@ def test_a_closed_session_stays_listed_and_resumes_where_it_was_closed(llama_dir
     with new_llm(llama_dir, sd, durability=durability) as llm:
         s = llm.session(session_id="a", system=SYSTEM, sampling=G)
         s.send("one")
-        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.DISK))
+        Internals(llm).spill(s, Tier.DISK)
         s.send("two")
         messages = s.messages
         s.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import msgspec
+from internals import Internals
 
 from kvsession import LLM, SLO, SamplingParams
 
@@ -15,9 +16,9 @@ def test_stress_random_requests_keep_pool_consistent(llama_dir):
     with LLM(llama_dir, kv_cache_memory=40 * 8 * 512, block_size=8, max_model_len=256,
              max_num_seqs=20, max_num_batched_tokens=64) as llm:
         steps = []
-        engine = llm._rt.engine
-        engine.step_observers.append(llm._rt.integrity.now)
-        engine.step_observers.append(lambda: steps.append(1))
+        ins = Internals(llm)
+        ins.check_every_step()
+        ins.after_each_step(lambda: steps.append(1))
         shared = [rng.randrange(500) for _ in range(40)]
         prompts, params = [], []
         for i in range(60):
@@ -32,10 +33,10 @@ def test_stress_random_requests_keep_pool_consistent(llama_dir):
         with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=256) as roomy:
             alone = roomy.generate(prompt_token_ids=prompts, sampling_params=params,
                                    use_tqdm=False)
-            assert roomy._rt.scheduler.num_preemptions == 0
+            assert roomy.stats().num_preemptions == 0
         assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
         assert all(o.finish_reason == "length" for o in outs)
-        assert llm._rt.scheduler.num_preemptions > 0 and len(steps) > 60
+        assert llm.stats().num_preemptions > 0 and len(steps) > 60
         st = llm.stats()
         assert st.tiers["device"].blocks_free == st.tiers["device"].blocks_total == 40
         assert st.num_requests == 60
@@ -107,7 +108,7 @@ def test_the_stall_ratio_is_measured_from_steps_that_mix_prefill_and_decode(llam
     # first wave gives the pure decode time of that batch size, the second the stall
     with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=1024,
              max_num_batched_tokens=64) as llm:
-        stall = llm._rt.engine.stall_ratio
+        stall = Internals(llm).stall_ratio
         params = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)
         for wave in range(2):
             prompts = [[(7 * i + wave) % 500 + 1] * 5 for i in range(4)]

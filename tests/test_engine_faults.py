@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from internals import CHILD_PRELUDE, Internals
 from safetensors.torch import load_file, save_file
 
 from kvsession import LLM, ConfigError, SamplingParams
@@ -28,7 +29,7 @@ def one_batch(llm):
     """Hold the engine thread in a posted call while the caller submits: everything
     submitted inside the block is taken from the inbox together, into the same step."""
     started, release = threading.Event(), threading.Event()
-    blocker = llm._rt.call(lambda: (started.set(), release.wait(WAIT_S)))
+    blocker = Internals(llm).post(lambda: (started.set(), release.wait(WAIT_S)))
     assert started.wait(WAIT_S)
     try:
         yield
@@ -38,9 +39,9 @@ def one_batch(llm):
 
 
 def submit_batch(llm, prompts, params):
-    rt = llm._rt
+    ins = Internals(llm)
     with one_batch(llm):
-        return [rt.submit(rt.sequences.new(p, sp)) for p, sp in zip(prompts, params, strict=True)]
+        return [ins.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
 
 
 def tokens(futures):
@@ -52,7 +53,7 @@ def tokens(futures):
 
 def test_engine_thread_death_fails_pending_and_later_calls(llama_dir):
     llm = LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256)
-    rt, engine = llm._rt, llm._rt.engine
+    ins = Internals(llm)
     boom = RuntimeError("housekeeping broke")
     armed = threading.Event()
     posted = []
@@ -63,11 +64,11 @@ def test_engine_thread_death_fails_pending_and_later_calls(llama_dir):
 
     def after_first_step():  # engine thread: leave a call in the inbox, then arm the timer
         if not armed.is_set():
-            posted.append(rt.call(lambda: "never runs"))
+            posted.append(ins.post(lambda: "never runs"))
             armed.set()
 
-    engine.timers.append(timer)
-    engine.step_observers.append(after_first_step)
+    ins.add_timer(timer)
+    ins.after_each_step(after_first_step)
     results = []
     caller = threading.Thread(target=lambda: results.append(_capture(lambda: llm.generate(
         "a long answer", SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False))))
@@ -79,14 +80,14 @@ def test_engine_thread_death_fails_pending_and_later_calls(llama_dir):
         assert isinstance(err, EngineClosedError) and err.__cause__ is boom
         assert "housekeeping broke" in str(err)
     # later calls fail at once (the future is resolved before submit returns)
-    fut = rt.submit(rt.sequences.new([1, 2, 3], GREEDY))
+    fut = ins.submit([1, 2, 3], GREEDY)
     assert fut.done() and fut.exception().__cause__ is boom
     for call in (lambda: llm.generate("hi", GREEDY, use_tqdm=False), llm.stats,
                  lambda: llm.session(system="sys")):
         with pytest.raises(EngineClosedError) as e:
             call()
         assert e.value.__cause__ is boom
-    assert rt.engine.futures == {}
+    assert ins.futures == {}
     llm.close()  # returns (and its integrity check at close runs on the dead engine's state)
     llm.close()
 
@@ -99,7 +100,8 @@ def _capture(fn):
 
 
 def test_exit_does_not_hang_after_the_engine_thread_died(llama_dir, tmp_path):
-    script = f"""
+    script = CHILD_PRELUDE + f"""
+from internals import Internals
 from kvsession import LLM, SamplingParams
 llm = LLM({str(llama_dir)!r}, kv_cache_memory="4MiB", max_model_len=256,
           session_dir={str(tmp_path / "sd")!r})
@@ -109,8 +111,8 @@ dead = []
 def timer(now):
     if dead:
         raise ValueError("timer failed")
-llm._rt.engine.timers.append(timer)
-llm._rt.call(lambda: dead.append(1)).result()
+Internals(llm).add_timer(timer)
+Internals(llm).on_engine(lambda: dead.append(1))
 try:
     s.send("again")
 except Exception as e:
@@ -129,7 +131,7 @@ def test_a_cancelled_call_does_not_stop_the_engine(llama_dir):
         with one_batch(llm):
             fut = s.prefetch()  # a Future the caller holds, and may cancel before it runs
             assert fut.cancel()
-        again = llm._rt.submit(llm._rt.sequences.new([1, 2, 3], GREEDY))
+        again = Internals(llm).submit([1, 2, 3], GREEDY)
         assert len(again.result(timeout=WAIT_S).output_token_ids) == 8
         assert len(s.send("hi").token_ids) == 2
         s.close()
@@ -147,7 +149,7 @@ def test_non_json_message_is_refused_before_it_reaches_the_engine(llama_dir, tmp
         assert s.messages == [] and s.stats.turns == 0
         # JSON data (tool calls, metadata) is kept, also through a spill to disk
         s.send({"role": "user", "content": "hi", "meta": {"when": [1, 2.5, None]}})
-        llm._rt.call(lambda: llm._rt.policy.housekeeping(s.kv.last_used + 1.0)).result()
+        Internals(llm).spill_idle(s.kv.last_used + 1.0)
         assert s.state == "disk"
         assert s.send("more").restored_from == "disk"
         assert s.messages[0]["meta"] == {"when": [1, 2.5, None]}
@@ -262,7 +264,7 @@ def test_a_finish_callback_that_raises_fails_its_request_alone(llama_dir):
     (its caller is told, never left waiting); the batch's other requests complete, and a
     step's completions all run their callbacks before any caller is resolved."""
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256) as llm:
-        rt = llm._rt
+        ins = Internals(llm)
         prompts = random_prompts(1, [6, 6, 6], 500)
         seen: list[tuple[int, bool]] = []  # (seq id, a completed request resolved yet)
         futures = []
@@ -276,9 +278,7 @@ def test_a_finish_callback_that_raises_fails_its_request_alone(llama_dir):
 
         with one_batch(llm):
             for i, p in enumerate(prompts):
-                seq = rt.sequences.new(p, GREEDY)
-                seq.on_finish = broken if i == 1 else record
-                futures.append(rt.submit(seq))
+                futures.append(ins.submit(p, GREEDY, on_finish=broken if i == 1 else record))
         assert [len(f.result(timeout=WAIT_S).output_token_ids) for f in (futures[0],
                                                                          futures[2])] == [8, 8]
         err = futures[1].exception(timeout=WAIT_S)

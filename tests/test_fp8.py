@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from internals import Internals
 
 from kvsession import LLM, SamplingParams
 from kvsession.cache.kv_pool import kv_bytes_per_token
@@ -82,7 +83,8 @@ def test_numerics_against_float32_cache(model_dirs, arch):
 def test_blocks_move_with_their_scales_bit_identically(llama_dir, tmp_path):
     with LLM(llama_dir, kv_cache_dtype="fp8", kv_cache_memory="4MiB", max_model_len=256,
              host_cache_memory="1MiB", session_dir=tmp_path) as llm:
-        pool = llm._rt.kv_pool
+        ins = Internals(llm)
+        pool, manager = ins.kv_pool, ins.manager
         assert pool.k.dtype == torch.float8_e4m3fn and pool.k_scale is not None
         s = llm.session(sampling=SamplingParams(max_tokens=9, temperature=0.0))
         s.send("hello there, read the file")
@@ -91,38 +93,37 @@ def test_blocks_move_with_their_scales_bit_identically(llama_dir, tmp_path):
         bs = llm.config.block_size
         n = len(s.kv.tokens) - (1 if len(s.kv.tokens) % bs == 0 else 0)
         target = Transient()  # stands for the child's next turn
-        valid = llm._rt.call(lambda: llm._rt.manager.checkout(child.kv, target, n)).result()
+        valid = ins.on_engine(lambda: manager.checkout(child.kv, target, n))
         kept = target.blocks
         tail = s.kv.blocks[n // bs]
         assert valid == n and kept[-1] is not tail and len(kept) == n // bs + 1
-        for name, t in llm._rt.kv_pool.tensors().items():
+        for name, t in pool.tensors().items():
             a, b = t[:, tail.block_id, : n % bs], t[:, kept[-1].block_id, : n % bs]
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
-        llm._rt.call(lambda: llm._rt.manager.release(target)).result()
+        ins.on_engine(lambda: manager.release(target))
         # out through the real spill paths and back, bit for bit: host, then disk. The
         # device copies are evicted and overwritten first, so the load really copies
-        rt = llm._rt
-        for rate in (rt.mover.host_bytes_per_s, rt.mover.disk_read_bytes_per_s):
-            rate.fix(1e12)  # loading beats recomputing, whatever this machine's speed
+        for rate in ("host", "disk_read"):
+            ins.fix_rate(rate, 1e12)  # loading beats recomputing, whatever this machine's speed
 
         def session_bytes():
             ids = torch.tensor([b.block_id for b in s.kv.blocks])
-            return {k: t[:, ids].clone() for k, t in rt.kv_pool.tensors().items()}
+            return {k: t[:, ids].clone() for k, t in pool.tensors().items()}
 
-        def out_and_back(tier):
-            assert rt.policy.spill(s.kv, tier) is tier and s.kv.blocks == ()
+        def wipe_the_device():
             wipe = Transient()
-            rt.manager.allocate_slots(wipe, rt.pool.num_free)  # evicts every cached copy
+            manager.allocate_slots(wipe, manager.pool.num_free)  # evicts every cached copy
             ids = torch.tensor([b.block_id for b in wipe.blocks])
-            for t in rt.kv_pool.tensors().values():
+            for t in pool.tensors().values():
                 t[:, ids] = torch.zeros((), dtype=torch.float32).to(t.dtype)
-            rt.manager.release(wipe)
-            assert rt.policy.restore(s.kv) == tier.value
-            return session_bytes()
+            manager.release(wipe)
 
-        before = rt.call(session_bytes).result()
+        before = ins.on_engine(session_bytes)
         for tier in (Tier.HOST, Tier.DISK):
-            after = rt.call(lambda tier=tier: out_and_back(tier)).result()
+            assert ins.spill(s, tier) is tier and s.kv.blocks == ()
+            ins.on_engine(wipe_the_device)
+            assert ins.restore(s) == tier.value
+            after = ins.on_engine(session_bytes)
             for k in before:
                 assert torch.equal(after[k].view(torch.uint8), before[k].view(torch.uint8)), \
                     (tier, k)
@@ -144,7 +145,7 @@ def test_fp8_pool_holds_twice_the_tokens(model_dirs):
             stats[dtype] = st = llm.stats().tiers["device"]
             # the reported size per token is what the pool really allocated, scales included
             allocated = sum(t.numel() * t.element_size()
-                            for t in llm._rt.kv_pool.tensors().values())
+                            for t in Internals(llm).kv_pool.tensors().values())
             assert st.bytes_per_token * st.tokens_capacity == allocated <= 8 * 2**20
             out = llm.generate("the agent reads a file", SamplingParams(max_tokens=4),
                                use_tqdm=False)
@@ -159,7 +160,7 @@ def test_fp8_and_bf16_blocks_never_share_hashes(llama_dir):
     for dtype in ("bfloat16", "fp8"):
         with LLM(llama_dir, kv_cache_dtype=dtype, kv_cache_memory="4MiB",
                  max_model_len=128) as llm:
-            scopes.append(llm._rt.prefix.hasher.scope_digest)
+            scopes.append(Internals(llm).hasher.scope_digest)
     assert scopes[0] != scopes[1]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from internals import Internals
 
 from kernel_cases import FP8, make_cache, tables_for
 from kvsession import LLM, SamplingParams
@@ -246,9 +247,10 @@ def test_padded_decode_buckets_match_unpadded(llama_dir, backend):
     for padded in (False, True):
         with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=128,
                  attention_backend=backend) as llm:
-            runner = llm._rt.engine.runner
+            ins = Internals(llm)
+            runner = ins.runner
             if padded:
-                runner.graphs = DecodeGraphs(llm._rt.model, llm._rt.kv_pool, llm.config.device,
+                runner.graphs = DecodeGraphs(ins.model, ins.kv_pool, llm.config.device,
                                              runner.backend, blocks_for(128, 16), 8,
                                              capture=False)
                 assert runner.graphs.buckets == [1, 2, 4, 8]

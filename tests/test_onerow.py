@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from internals import Internals
 
 from kvsession import LLM, SamplingParams
 from kvsession.model.onerow import (
@@ -39,7 +40,7 @@ def test_compiled_one_row_steps_match_transformers(model_dirs, arch, overrides, 
     prompts = random_prompts(4, [1, 40], 500)
     ref = hf_greedy(d, prompts, GREEDY.max_tokens)
     with LLM(d, max_model_len=256, kv_cache_memory="4MiB", cpu_weight_layout="dual") as llm:
-        model = llm._rt.model
+        model = Internals(llm).model
         # tiny weights stay in the caches: not measured, the Linear kernels serve them
         assert model.one_row is None and OneRowKernels.build(model) is None
         kernels = model.one_row = OneRowKernels.for_model(model)
@@ -65,7 +66,7 @@ def test_a_cache_the_decode_layer_cannot_read_goes_through_the_regions(model_dir
     prompt = random_prompts(5, [37], 500)
     with LLM(d, max_model_len=128, kv_cache_memory="2MiB", cpu_weight_layout="dual",
              kv_cache_dtype="bfloat16", enable_prefix_caching=False) as llm:
-        model = llm._rt.model
+        model = Internals(llm).model
         want = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY,
                             use_tqdm=False)[0].token_ids
         kernels = model.one_row = OneRowKernels.for_model(model)
@@ -133,7 +134,7 @@ def test_regions_follow_the_thread_count_they_run_at(model_dirs):
     call (cpp.dynamic_threads), so the ThreadGovernor's choice holds and results agree."""
     d = model_dirs("llama")
     with LLM(d, max_model_len=64, kv_cache_memory="1MiB", cpu_weight_layout="dual") as llm:
-        kernels = OneRowKernels.for_model(llm._rt.model)
+        kernels = OneRowKernels.for_model(Internals(llm).model)
         w, b = kernels.head_args
         x = torch.randn(1, w.shape[1], generator=torch.Generator().manual_seed(0))
         before = torch.get_num_threads()
@@ -160,17 +161,18 @@ def test_nothing_compiles_while_serving_after_the_warm_up(model_dirs, attention_
 
     d = model_dirs("llama")
     with LLM(d, max_model_len=256, kv_cache_memory="4MiB", cpu_weight_layout="dual") as llm:
-        model = llm._rt.model
+        ins = Internals(llm)
+        model = ins.model
         kernels = model.one_row = OneRowKernels.for_model(model)
         # what start-up compiles (and keeps, for a model that measured faster)
         kernels.select_attention(attention_kernel)
-        assert kernels.warm_up(model.spec, llm._rt.kv_pool, model.softmax_scale,
+        assert kernels.warm_up(model.spec, ins.kv_pool, model.softmax_scale,
                                model.token_tables())
         compiled = counters["stats"]["unique_graphs"]
         for n in (1, 17, 150):
             llm.generate(prompt_token_ids=random_prompts(n, [n], 500), use_tqdm=False,
                          sampling_params=SamplingParams(max_tokens=40, ignore_eos=True))
-        governor = llm._rt.engine.runner.governor
+        governor = ins.runner.governor
         if governor is not None:  # several cores: it has probed one thread by now
             assert governor.used[1] > 0
     assert counters["stats"]["unique_graphs"] == compiled
@@ -192,7 +194,8 @@ def test_start_up_times_a_decode_step_both_ways_and_keeps_the_faster(model_dirs,
     monkeypatch.setattr(onerow, "MEASURE_MIN_BYTES", 0)  # measured although tiny
     with caplog.at_level(logging.INFO, logger="kvsession"), \
             LLM(d, max_model_len=128, kv_cache_memory="2MiB", cpu_weight_layout="dual") as llm:
-        model, kv = llm._rt.model, llm._rt.kv_pool
+        ins = Internals(llm)
+        model, kv = ins.model, ins.kv_pool
         said = [r.getMessage() for r in caplog.records
                 if r.getMessage().startswith("one-token step:")]
         assert len(said) == 1
@@ -233,7 +236,7 @@ def test_without_a_working_compiler_the_linear_kernels_serve(model_dirs, monkeyp
     with caplog.at_level(logging.WARNING, logger="kvsession"):
         with torch._inductor.config.patch(no_compiler), \
                 LLM(d, max_model_len=128, kv_cache_memory="2MiB", cpu_weight_layout="dual") as llm:
-            assert llm._rt.model.one_row is None
+            assert Internals(llm).model.one_row is None
             got = llm.generate(prompt_token_ids=prompt, sampling_params=GREEDY,
                                use_tqdm=False)[0].token_ids
     assert "compiling its regions failed" in caplog.text

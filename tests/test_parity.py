@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from internals import Internals
 
 from kvsession import LLM, SamplingParams
 from kvsession.model import llama
@@ -14,9 +15,9 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 def run(model_dir, prompts, **kwargs):
     with LLM(model_dir, max_model_len=512, **kwargs) as llm:
-        llm._rt.engine.step_observers.append(llm._rt.integrity.now)
+        Internals(llm).check_every_step()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
-        return [o.token_ids for o in outs], llm._rt.scheduler.num_preemptions
+        return [o.token_ids for o in outs], llm.stats().num_preemptions
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -8,6 +8,7 @@ import threading
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from internals import Internals
 
 from kvsession import LLM, CacheFullError, ConfigError, SamplingParams
 from kvsession.engine.loop import MAX_IDLE_WAIT_S
@@ -24,7 +25,7 @@ def gen(llm, prompts, params=GREEDY):
 @pytest.fixture(scope="module")
 def cached(llama_dir):
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=512, block_size=BS) as llm:
-        llm._rt.engine.step_observers.append(llm._rt.integrity.now)
+        Internals(llm).check_every_step()
         yield llm
 
 
@@ -58,7 +59,7 @@ def test_hashes_are_chained(cached, uncached):
 def test_collisions_are_rejected_by_token_verification(llama_dir, uncached):
     prompts = random_prompts(23, [40, 40, 40], 500)
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=512, block_size=BS) as llm:
-        llm._rt.prefix.hasher.hash_fn = lambda data: b"\0" * 32  # every block collides
+        Internals(llm).hasher.hash_fn = lambda data: b"\0" * 32  # every block collides
         outs = [gen(llm, [p])[0] for p in prompts]
         again = gen(llm, [prompts[0]])[0]
         llm.check_integrity()
@@ -102,7 +103,7 @@ def test_outputs_with_cache_equal_outputs_without(llama_dir, data):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     with LLM(llama_dir, **kwargs) as on, LLM(llama_dir, enable_prefix_caching=False,
                                              **kwargs) as off:
-        on._rt.engine.step_observers.append(on._rt.integrity.now)
+        Internals(on).check_every_step()
         got = [o.token_ids for o in gen(on, prompts, params)]
         got += [o.token_ids for o in gen(on, prompts[::-1], params)]
         want = [o.token_ids for o in gen(off, prompts, params)]
@@ -150,17 +151,17 @@ def test_pin_budget_overflow_keeps_existing_pins(llama_dir):
 def test_pin_ttl_expires_after_idle_time(llama_dir):
     with LLM(llama_dir, kv_cache_memory="4MiB", max_model_len=256) as llm:
         now = [1000.0]
-        llm._rt.prefix.clock = lambda: now[0]
+        ins = Internals(llm)
+        ins.set_prefix_clock(lambda: now[0])
         system = random_prompts(34, [48], 500)[0]
         pin = llm.pin(system, ttl_s=10.0)
-        housekeeping = llm._rt.engine.housekeeping
         now[0] += 8.0
         assert gen(llm, [system + [7]])[0].num_cached_tokens == 48  # a hit refreshes the TTL
         now[0] += 8.0
-        llm._rt.call(housekeeping).result()
+        ins.housekeeping()
         assert pin.active
         now[0] += 2.5
-        llm._rt.call(housekeeping).result()
+        ins.housekeeping()
         assert not pin.active and llm.stats().prefix.num_pins == 0
         llm.check_integrity()
 
@@ -202,7 +203,7 @@ def test_far_deadlines_do_not_stop_the_engine(llama_dir):
         s = llm.session(system="far")
         s.send("hello", max_tokens=2)
         pin = llm.pin(random_prompts(35, [32], 500)[0], ttl_s=1e10)
-        wait_s = llm._rt.call(llm._rt.engine.housekeeping).result()
+        wait_s = Internals(llm).housekeeping()
         assert wait_s is not None and 0 < wait_s <= MAX_IDLE_WAIT_S < threading.TIMEOUT_MAX
         assert gen(llm, [[5, 6, 7]])[0].token_ids and pin.active
         s.send("again", max_tokens=2)

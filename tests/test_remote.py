@@ -20,6 +20,8 @@ import time
 import pytest
 import torch
 import zmq
+from internals import Internals
+from llms import TINY
 
 from kvsession import LLM, SamplingParams
 from kvsession.connector.base import StatsQuery, WorkerStatus, decode, encode
@@ -29,7 +31,7 @@ from kvsession.errors import ConfigError, RemotePrefillError
 from kvsession.worker_faults import FAULTS_ENV, Faults
 
 G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-KW = dict(kv_cache_memory="8MiB", max_model_len=512)
+KW = TINY  # the tiny LLM of tests/llms.py, as keyword arguments
 
 
 def read_line(stream, timeout_s: float) -> str:
@@ -142,12 +144,15 @@ def local(model_dir, ps, **kw):
         return generate(llm, ps)
 
 
-def assert_no_leak(llm):
+def assert_no_leak(llm, pinned_ok: bool = False) -> None:
+    """No block held but by a pin (`pinned_ok`: a session's pinned system prompt) and
+    nothing left at a worker or in quarantine."""
     llm.check_integrity()
     dev = llm.stats().tiers["device"]
-    assert dev.blocks_used == dev.blocks_pinned == 0
-    assert not llm._rt.connector.pending and not llm._rt.connector.quarantine
-    assert not llm._rt.scheduler.quarantine and not llm._rt.scheduler.remote
+    assert dev.blocks_used == (dev.blocks_pinned if pinned_ok else 0)
+    assert pinned_ok or dev.blocks_pinned == 0
+    holds = Internals(llm).remote_holds()
+    assert not any(holds.values()), holds
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "fp8"])
@@ -162,7 +167,7 @@ def test_outputs_with_a_worker_equal_outputs_without(llama_dir, tmp_path, kv_dty
             st = llm.stats().remote
             assert st.prefills >= 8 and st.bytes > 0 and not st.fallbacks
             assert_no_leak(llm)
-        assert llm._rt.connector.num_registrations == 0
+        assert Internals(llm).connector.num_registrations == 0
     finally:
         assert w.stop() == 0
 
@@ -170,7 +175,7 @@ def test_outputs_with_a_worker_equal_outputs_without(llama_dir, tmp_path, kv_dty
 def test_never_keeps_prefill_local_with_a_worker_configured(llama_dir, worker):
     ps = prompts(10, 3)
     with LLM(llama_dir, prefill_worker=worker.address, remote_prefill="never", **KW) as llm:
-        assert llm._rt.connector is None  # not even connected
+        assert llm.stats().remote.workers == {}  # not even connected
         assert generate(llm, ps) == local(llama_dir, ps)
         st = llm.stats().remote
         assert st.prefills == 0 and not st.fallbacks and st.bytes == 0
@@ -185,11 +190,11 @@ def test_transfers_are_measured_even_when_notifications_finish_first(llama_dir, 
         assert llm.stats().remote.prefills == 4
 
         def measured():
-            llm._rt.call(lambda: llm._rt.engine.poll_remote(0.02)).result()
+            Internals(llm).poll_remote()
             return llm.stats().remote.bandwidth_gbps > 0
 
         wait_for(measured, 60, "the workers' answers to be measured")
-        assert llm._rt.connector.transfer_rate.num_samples >= 1
+        assert Internals(llm).connector.transfer_rate.num_samples >= 1
 
 
 def test_worker_killed_mid_stream(llama_dir, worker):
@@ -238,7 +243,7 @@ def test_mismatched_worker_is_refused_and_fallback_works(llama_dir, model_dirs):
         ps = prompts(5, 4)
         with LLM(llama_dir, prefill_worker=other.address, remote_prefill="always",
                  **KW) as llm:
-            assert not llm._rt.connector.healthy()
+            assert worker_stats(llm, other.address).state != "ready"
             assert generate(llm, ps) == local(llama_dir, ps)
             st = llm.stats().remote
             assert st.prefills == 0 and st.fallbacks.get("handshake refused") == 1
@@ -253,13 +258,13 @@ def test_a_worker_computing_in_another_dtype_is_refused(llama_dir):
     try:
         ps = prompts(8, 2)
         with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always", **KW) as llm:
-            assert not llm._rt.connector.healthy()
+            assert worker_stats(llm, w.address).state != "ready"
             assert "compute dtype" in worker_stats(llm, w.address).reason
             assert generate(llm, ps) == local(llama_dir, ps)
             assert llm.stats().remote.fallbacks.get("handshake refused") == 1
         with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always",
                  dtype="bfloat16", kv_cache_dtype="float32", **KW) as llm:
-            assert llm._rt.connector.healthy()
+            assert worker_stats(llm, w.address).state == "ready"
             generate(llm, ps)
             assert llm.stats().remote.prefills == 2
     finally:
@@ -271,7 +276,7 @@ def test_unreachable_worker_falls_back(llama_dir):
     with unused_address() as address, \
             LLM(llama_dir, prefill_worker=address, remote_prefill="always",
                 remote_prefill_timeout_s=0.5, **KW) as llm:
-        assert not llm._rt.connector.healthy()
+        assert worker_stats(llm, address).state != "ready"
         assert generate(llm, ps) == local(llama_dir, ps)
         assert llm.stats().remote.prefills == 0
 
@@ -308,7 +313,7 @@ def test_a_busy_worker_survives_another_workers_death(llama_dir):
         ps = prompts(9, 1)
         with LLM(llama_dir, prefill_worker=[w.address for w in ws], remote_prefill="always",
                  remote_prefill_timeout_s=60, **KW) as llm:
-            conn = llm._rt.connector
+            conn = Internals(llm).connector
             wait_for(lambda: all(w.state == "ready" for w in conn.workers), 60, "ready")
             out = []
             t = threading.Thread(target=lambda: out.append(generate(llm, ps)))
@@ -343,9 +348,7 @@ def test_a_timed_out_request_whose_answer_is_lost_leaves_quarantine(llama_dir):
         with ready_llm(llama_dir, slow, "always", 0.2) as llm:
             assert generate(llm, ps) == local(llama_dir, ps)  # prefilled here instead
             assert llm.stats().remote.fallbacks.get("timeout") == len(ps)
-            wait_for(lambda: (llm._rt.call(lambda: llm._rt.engine.poll_remote(0.02)).result()
-                              or not llm._rt.scheduler.quarantine), 60,
-                     "the late writes' notifications")
+            wait_for(Internals(llm).poll_remote, 60, "the late writes' notifications")
             assert worker_stats(llm, slow.address).deaths == {}
             assert_no_leak(llm)
     finally:
@@ -363,7 +366,7 @@ def test_required_mode_fails_what_no_worker_prefilled_and_serves_on(llama_dir):
         for p in long_ps:
             with pytest.raises(RemotePrefillError, match="no healthy worker.*required"):
                 generate(llm, [p])
-        assert llm._rt.engine.prefill_tokens == 0  # nothing computed here in its place
+        assert llm.stats().prefill_tokens == 0  # nothing computed here in its place
         assert generate(llm, short) == local(llama_dir, short)
         st = llm.stats().remote
         assert st.prefills == 0 and st.fallbacks == {"no healthy worker": len(long_ps)}
@@ -381,7 +384,7 @@ def test_required_mode_fails_on_a_timeout_and_the_late_answer_frees_the_blocks(l
                 with pytest.raises(RemotePrefillError, match="timeout"):
                     generate(llm, [p])
             assert llm.stats().remote.fallbacks.get("timeout") == len(ps)
-            wait_for(lambda: not llm._rt.scheduler.quarantine, 30,
+            wait_for(lambda: not Internals(llm).remote_holds()["quarantine"], 30,
                      "the late answers to fence the quarantined blocks")
             assert_no_leak(llm)
     finally:
@@ -396,7 +399,7 @@ def test_shared_prefix_sticks_to_one_worker(llama_dir, worker):
                  remote_prefill="always", **KW) as llm:
             for p in ps:  # one at a time: each is offloaded on its own
                 generate(llm, [p])
-            counts = sorted(w.num_requests for w in llm._rt.connector.workers)
+            counts = sorted(w.requests for w in llm.stats().remote.workers.values())
             assert counts[0] == 0 and counts[1] > 0
             assert_no_leak(llm)
     finally:
@@ -407,10 +410,10 @@ def test_auto_mode_uses_the_cost_model(llama_dir, worker):
     with LLM(llama_dir, prefill_worker=worker.address, remote_prefill="auto", **KW) as llm:
         # a measured transfer bandwidth at which ~100 prompt tokens take ~0.1 s to move:
         # worth it for a long answer (saved decode stalls), not for a 1-token one
-        assert llm._rt.connector.bandwidth_bytes_per_s == 0.0  # nothing measured yet
-        llm._rt.connector.transfer_rate.observe(100 * llm.runtime.kv_bytes_per_token, 0.1)
-        assert llm._rt.connector.bandwidth_bytes_per_s == pytest.approx(
-            100 * llm.runtime.kv_bytes_per_token / 0.1)
+        assert llm.stats().remote.bandwidth_gbps == 0.0  # nothing measured yet
+        Internals(llm).connector.transfer_rate.observe(100 * llm.runtime.kv_bytes_per_token, 0.1)
+        assert llm.stats().remote.bandwidth_gbps == pytest.approx(
+            100 * llm.runtime.kv_bytes_per_token / 0.1 * 8 / 1e9)
         short_answer = SamplingParams(max_tokens=1, temperature=0.0)
         long_answer = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         p = [(7 * i) % 500 for i in range(101)]
@@ -497,7 +500,7 @@ def test_an_idle_gap_longer_than_the_heartbeat_timeout_keeps_the_worker(llama_di
     ps = prompts(8, 2)
     want = local(llama_dir, ps)
     with LLM(llama_dir, prefill_worker=worker.address, remote_prefill="always", **KW) as llm:
-        conn = llm._rt.connector
+        conn = Internals(llm).connector
         # the client's own knobs, made small; a pong later than dead_after_s is a death, so
         # it keeps a margin for a loaded machine's scheduling delays
         conn.heartbeat_s, conn.dead_after_s = 0.1, 2.5
@@ -520,8 +523,9 @@ def idle_client(llama_dir, address: str, **timing):
     """A NixlPrefillClient alone, driven from the test's thread: `schedule` hands its idle
     ticks to the returned queue, which the test runs (as the engine thread would)."""
     with LLM(llama_dir, **KW) as llm:
-        tensors = {n: torch.zeros_like(t) for n, t in llm._rt.kv_pool.tensors().items()}
-        compat = llm._rt.compat
+        ins = Internals(llm)
+        tensors = {n: torch.zeros_like(t) for n, t in ins.kv_pool.tensors().items()}
+        compat = ins.compat
     ticks: queue.Queue = queue.Queue()
     client = NixlPrefillClient([address], tensors, compat, timeout_s=30.0,
                                schedule=ticks.put, **timing)
@@ -571,7 +575,7 @@ def test_a_restarted_worker_on_the_same_address_is_used_again(llama_dir):
     try:
         with LLM(llama_dir, prefill_worker=addr, remote_prefill="always",
                  remote_prefill_timeout_s=5.0, **KW) as llm:
-            conn = llm._rt.connector
+            conn = Internals(llm).connector
             conn.reconnect_min_s, conn.reconnect_max_s = 0.1, 0.5
             got = generate(llm, ps[:3])
             assert llm.stats().remote.prefills == 3
@@ -608,7 +612,7 @@ def test_notifications_from_another_agent_do_not_complete_a_request(llama_dir):
     try:
         with LLM(llama_dir, prefill_worker=slow.address, remote_prefill="always",
                  **KW) as llm:
-            conn = llm._rt.connector
+            conn = Internals(llm).connector
             out = []
             t = threading.Thread(target=lambda: out.append(generate(llm, ps)))
             t.start()
@@ -652,7 +656,7 @@ def test_a_caller_the_worker_forgot_says_hello_again(llama_dir):
         ps = prompts(15, 3)
         want = local(llama_dir, ps)
         with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always", **KW) as llm:
-            conn = llm._rt.connector
+            conn = Internals(llm).connector
             conn.heartbeat_s, conn.dead_after_s = 30.0, 60.0  # silent (as if stalled)
             got = generate(llm, ps[:1])
             wait_for(lambda: worker_status(w.address).callers == 0, 60, "the worker to forget")
@@ -712,7 +716,7 @@ def test_a_caller_without_the_workers_key_cannot_use_it(llama_dir, keys, caller_
         ps = prompts(12, 2)
         with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always",
                  prefill_auth_key_file=key_file, **KW) as llm:
-            assert not llm._rt.connector.healthy()
+            assert worker_stats(llm, w.address).state != "ready"
             assert generate(llm, ps) == local(llama_dir, ps)
             st = llm.stats().remote
             assert st.prefills == 0 and st.fallbacks.get("no healthy worker") == 2
@@ -734,7 +738,7 @@ def test_a_worker_rejects_a_caller_key_it_does_not_list(llama_dir, keys, tmp_pat
     try:
         with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always",
                  prefill_auth_key_file=forged, **KW) as llm:
-            assert not llm._rt.connector.healthy()
+            assert worker_stats(llm, w.address).state != "ready"
             deaths = llm.stats().remote.workers[w.address].deaths
             assert deaths.get("authentication refused", 0) >= 1
     finally:

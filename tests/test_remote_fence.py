@@ -12,6 +12,7 @@ import signal
 import threading
 import weakref
 
+from internals import Internals
 from test_remote import (
     KW,
     Worker,
@@ -83,7 +84,7 @@ def test_a_hung_workers_requests_are_prefilled_here_and_freed_when_it_returns(ll
     try:
         with LLM(llama_dir, prefill_worker=w.address, remote_prefill="always",
                  remote_prefill_timeout_s=60.0, **KW) as llm:
-            conn = llm._rt.connector
+            conn = Internals(llm).connector
             conn.heartbeat_s, conn.dead_after_s, conn.reconnect_min_s = 0.1, 1.0, 0.2
             wait_for(lambda: worker_stats(llm, w.address).state == "ready", 60, "ready")
             out: list = []
@@ -95,11 +96,10 @@ def test_a_hung_workers_requests_are_prefilled_here_and_freed_when_it_returns(ll
             assert out == [want]  # prefilled here instead
             st = llm.stats().remote
             assert st.fallbacks.get("no heartbeat", 0) >= 1
-            assert llm._rt.scheduler.quarantine  # the hung worker's blocks are held
+            assert Internals(llm).remote_holds()["quarantine"]  # the hung worker's blocks are held
             os.kill(w.proc.pid, signal.SIGCONT)
             w.proc.send_signal(signal.SIGUSR1)
-            wait_for(lambda: (llm._rt.call(lambda: llm._rt.engine.poll_remote(0.02)).result()
-                              or not llm._rt.scheduler.quarantine), 60, "the release")
+            wait_for(Internals(llm).poll_remote, 60, "the release")
             wait_for(lambda: worker_stats(llm, w.address).state == "ready", 60, "back")
             assert generate(llm, ps) == want  # and it serves again
             assert_no_leak(llm)
@@ -118,7 +118,7 @@ def test_closing_with_a_worker_that_never_returns(llama_dir):
     try:
         llm = LLM(llama_dir, prefill_worker=w.address, remote_prefill="always",
                   remote_prefill_timeout_s=60.0, **KW)
-        conn = llm._rt.connector
+        conn = Internals(llm).connector
         conn.heartbeat_s, conn.dead_after_s = 0.1, 1.0
         wait_for(lambda: worker_stats(llm, w.address).state == "ready", 60, "ready")
         out: list = []
@@ -129,7 +129,7 @@ def test_closing_with_a_worker_that_never_returns(llama_dir):
         t.join(timeout=120)
         assert out == [want[:1]]
         assert generate(llm, ps[1:]) == want[1:]  # locally: no healthy worker
-        assert llm._rt.scheduler.quarantine
+        assert Internals(llm).remote_holds()["quarantine"]
         llm.check_integrity()
         llm.close()  # integrity at rest included: raises on a leak
     finally:

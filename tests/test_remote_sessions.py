@@ -10,7 +10,8 @@ import signal
 import threading
 
 import pytest
-from test_remote import KW, Worker, ready_llm, wait_for
+from internals import Internals
+from test_remote import KW, Worker, assert_no_leak, ready_llm, wait_for
 
 from kvsession import LLM, SamplingParams
 
@@ -40,11 +41,11 @@ def two_workers(llama_dir):
 def answers_in(llm, n: int) -> None:
     """Wait until the workers' answers to the n prefills are in: a request completes with
     its last NIXL notification, and the answer (with the worker's cache hits) may trail."""
-    conn = llm._rt.connector
+    ins = Internals(llm)
 
     def answered():
-        llm._rt.call(lambda: llm._rt.engine.poll_remote(0.02)).result()
-        return conn.transfer_rate.num_samples >= n
+        ins.poll_remote()
+        return ins.connector.transfer_rate.num_samples >= n
 
     wait_for(answered, 60, f"{n} worker answers")
 
@@ -97,15 +98,6 @@ def test_follow_up_turns_move_only_their_new_tokens(llama_dir, worker):
     assert turn2_delta < full / 2
     print(f"turn 2 ({turn2_len} prompt tokens): {turn2_delta} bytes moved for its new tokens;"
           f" {full} bytes offloading the whole context")
-
-
-def assert_no_leak(llm, pinned_ok: bool = False) -> None:
-    llm.check_integrity()
-    dev = llm.stats().tiers["device"]
-    assert dev.blocks_used == (dev.blocks_pinned if pinned_ok else 0)
-    rt = llm._rt
-    assert not rt.connector.pending and not rt.connector.quarantine
-    assert not rt.scheduler.quarantine and not rt.scheduler.remote
 
 
 def shared_prompts(n: int, shared: int, seed: int) -> list[list[int]]:
@@ -169,8 +161,7 @@ def test_follow_ups_slower_than_the_timeout_fall_back_with_equal_tokens(llama_di
             run_turns(llm, ref)
             st = llm.stats().remote
             assert st.fallbacks.get("timeout", 0) >= len(TURNS) and st.prefills == 0
-            wait_for(lambda: (llm._rt.call(lambda: llm._rt.engine.poll_remote(0.02)).result()
-                              or not llm._rt.scheduler.quarantine), 60, "the late answers")
+            wait_for(Internals(llm).poll_remote, 60, "the late answers")
             assert_no_leak(llm, pinned_ok=True)
     finally:
         assert slow.stop() == 0
@@ -188,7 +179,7 @@ def test_a_worker_killed_during_a_follow_up_keeps_the_sessions_kv(llama_dir):
         box = {}
         t = threading.Thread(target=lambda: box.update(reply=s.send(TURNS[1])))
         t.start()
-        wait_for(lambda: llm._rt.connector.pending, 60, "turn 2 at the worker")
+        wait_for(lambda: Internals(llm).connector.pending, 60, "turn 2 at the worker")
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait(timeout=30)
         t.join(timeout=60)

@@ -7,6 +7,7 @@ import shutil
 import threading
 
 import pytest
+from internals import Internals
 from llms import tiny_llm
 
 from kvsession import LLM, ConfigError, SamplingParams, SessionClosedError
@@ -33,7 +34,7 @@ def as_list(msg):
 
 def new_llm(model_dir, **kw):
     llm = tiny_llm(model_dir, **{"max_model_len": 1024, **kw})
-    llm._rt.engine.step_observers.append(llm._rt.integrity.now)
+    Internals(llm).check_every_step()
     return llm
 
 
@@ -137,7 +138,7 @@ def test_sessions_batched_from_threads_and_asyncio(llama_dir):
         llm.check_integrity()
         dev = llm.stats().tiers["device"]
         assert dev.blocks_used == dev.blocks_pinned == 0
-        assert llm._rt.engine.num_steps < sum(len(c) for c in sequential) * 10 * 2
+        assert Internals(llm).steps < sum(len(c) for c in sequential) * 10 * 2
 
 
 def test_same_session_sends_run_in_call_order(llama_dir):

@@ -19,6 +19,8 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from internals import Internals
+from llms import tiny_llm
 
 from kvsession import LLM, SamplingParams, SnapshotError
 from kvsession.cli import main as cli_main
@@ -33,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=512) as llm:
+    with tiny_llm(llama_dir) as llm:
         yield llm
 
 
@@ -360,7 +362,7 @@ def test_restored_block_hashes_are_recomputed_not_trusted(llm, saved, tmp_path):
     valid again) must not let the blocks its session computes next be found by a request
     with that other prefix: the hashes are recomputed from the tokens on load."""
     bs = llm.config.block_size
-    hasher = llm._rt.prefix.hasher
+    hasher = Internals(llm).hasher
     h = snap_read.read_header(saved)
     full = len(h.token_ids) // bs
     one = SamplingParams(max_tokens=1, temperature=0.0)

@@ -9,9 +9,10 @@ import contextlib
 import threading
 
 import pytest
+from internals import Internals
+from llms import tiny_llm
 
 from kvsession import (
-    LLM,
     ConfigError,
     SamplingParams,
     SessionClosedError,
@@ -23,7 +24,7 @@ from oracle import random_prompts
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=512) as llm:
+    with tiny_llm(llama_dir) as llm:
         yield llm
 
 
@@ -119,7 +120,7 @@ def test_concurrent_streams_batch_in_one_engine_loop(llm):
     params = [SamplingParams(max_tokens=20, seed=i, ignore_eos=True) for i in range(8)]
     wants = [llm.generate(prompt_token_ids=[p], sampling_params=s, use_tqdm=False)[0].text
              for p, s in zip(prompts, params, strict=True)]
-    steps0 = llm._rt.engine.num_steps
+    steps0 = Internals(llm).steps
     results: list = [None] * 8
     start = threading.Barrier(8)
 
@@ -135,7 +136,7 @@ def test_concurrent_streams_batch_in_one_engine_loop(llm):
     for deltas, want in zip(results, wants, strict=True):
         check_deltas(deltas, want)
     # 8 x 20 tokens took far fewer steps than 160: the streams shared steps
-    assert llm._rt.engine.num_steps - steps0 < 8 * 20 // 2
+    assert Internals(llm).steps - steps0 < 8 * 20 // 2
 
 
 def test_astream_agenerate_achat(llm):
@@ -172,11 +173,11 @@ def test_closing_a_stream_cancels_its_request(llm):
         first = next(stream)
     assert first.text and first.output is None and stream.output is None
     # the cancel was posted to the engine thread before this call: FIFO, so it has run
-    assert not llm._rt.call(llm._rt.scheduler.has_work).result()
+    assert Internals(llm).idle()
     llm.check_integrity()
     with llm.stream("closed unread", p):  # closed before its first chunk
         pass
-    assert not llm._rt.call(llm._rt.scheduler.has_work).result()
+    assert Internals(llm).idle()
 
     async def early():
         stream = llm.astream("cancel me too", p)
@@ -185,12 +186,8 @@ def test_closing_a_stream_cancels_its_request(llm):
         await stream.aclose()
 
     asyncio.run(early())
-    assert not llm._rt.call(llm._rt.scheduler.has_work).result()
+    assert Internals(llm).idle()
     assert llm.generate("after", SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids
-
-
-def _idle(llm) -> bool:
-    return not llm._rt.call(llm._rt.scheduler.has_work).result()
 
 
 def test_cancelled_agenerate_and_interrupted_generate_end_their_requests(llm, monkeypatch):
@@ -209,9 +206,9 @@ def test_cancelled_agenerate_and_interrupted_generate_end_their_requests(llm, mo
 
     asyncio.run(cancel(llm.agenerate(["stop me", "and me"], long)))
     # the cancels were posted to the engine thread before this call: FIFO
-    assert _idle(llm)
+    assert Internals(llm).idle()
     asyncio.run(cancel(llm.achat([{"role": "user", "content": "hi"}], long)))
-    assert _idle(llm)
+    assert Internals(llm).idle()
     # Ctrl-C while generate waits (here raised by its progress bar, once the batch is
     # submitted)
     interrupted = threading.Event()
@@ -222,7 +219,7 @@ def test_cancelled_agenerate_and_interrupted_generate_end_their_requests(llm, mo
     monkeypatch.setattr("kvsession.llm.tqdm", tqdm_interrupt)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["a", "b"], long)
-    assert interrupted.is_set() and _idle(llm)
+    assert interrupted.is_set() and Internals(llm).idle()
     assert llm.stats().generated_tokens - generated < 2 * long.max_tokens
     llm.check_integrity()
     assert llm.generate("after", SamplingParams(max_tokens=3), use_tqdm=False)[0].token_ids
@@ -280,7 +277,7 @@ def test_cancelled_session_turn_never_happened(llm):
     assert s.token_ids[:len(log)] == log and r.token_ids == want.token_ids
     assert r.prefill_tokens < len(s.token_ids) - len(log)  # the history was not recomputed
     s.close()
-    assert _idle(llm)
+    assert Internals(llm).idle()
     llm.check_integrity()
 
 
@@ -294,19 +291,17 @@ def test_closing_a_session_with_an_open_stream_cancels_its_turn(llm, llama_dir, 
     stream = s.stream("ramble", max_tokens=300, ignore_eos=True)
     next(stream)
     s.close()  # same thread: returned
-    assert s.state == "closed" and _idle(llm)
+    assert s.state == "closed" and Internals(llm).idle()
     with pytest.raises(SessionClosedError, match="closed while this stream was open"):
         list(stream)
     llm.check_integrity()
-    with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=512,
-             session_dir=tmp_path) as other:
+    with tiny_llm(llama_dir, session_dir=tmp_path) as other:
         kept = other.session(system="sys", session_id="kept")
         kept.send("one", max_tokens=2)
         open_stream = kept.stream("two", max_tokens=300, ignore_eos=True)
         next(open_stream)
     # closed (returned), persisting the session as it was before the cancelled turn
-    with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=512,
-             session_dir=tmp_path) as again:
+    with tiny_llm(llama_dir, session_dir=tmp_path) as again:
         assert [m["content"] for m in again.session(session_id="kept").messages
                 if m["role"] == "user"] == ["one"]
 
@@ -329,7 +324,7 @@ def test_cancelling_a_queued_asend_keeps_the_turn_order(llm):
     assert len(ra.token_ids) == 200 and rc.token_ids
     assert [m["content"] for m in s.messages if m["role"] == "user"] == ["A", "C"]
     s.close()
-    assert _idle(llm)
+    assert Internals(llm).idle()
     llm.check_integrity()
 
 
@@ -346,7 +341,7 @@ def test_cancelling_a_queued_asend_keeps_the_turn_order(llm):
 def test_bad_stream_and_async_calls_are_config_errors(llm, call, match):
     with pytest.raises(ConfigError, match=match):
         call(llm)
-    assert not llm._rt.call(llm._rt.scheduler.has_work).result()
+    assert Internals(llm).idle()
 
 
 # ---- Session.astream ------------------------------------------------------------------------
@@ -370,7 +365,7 @@ def test_session_astream_is_stream_for_asyncio(llm):
     assert a.stats.turns == 2
     a.close()
     b.close()
-    assert _idle(llm)
+    assert Internals(llm).idle()
 
 
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
@@ -408,7 +403,7 @@ def test_leaving_a_session_astream_cancels_its_turn(llm, how):
     assert s.send("two").token_ids == twin.send("two").token_ids
     s.close()
     twin.close()
-    assert _idle(llm)
+    assert Internals(llm).idle()
     llm.check_integrity()
 
 

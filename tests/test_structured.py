@@ -9,6 +9,8 @@ import json
 import re
 
 import pytest
+from internals import Internals
+from llms import tiny_llm
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -120,7 +122,7 @@ GRAMMARS = [
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    with LLM(llama_dir, kv_cache_memory="8MiB", max_model_len=512) as llm:
+    with tiny_llm(llama_dir) as llm:
         yield llm
 
 
@@ -251,7 +253,7 @@ def test_structured_output_is_frozen_hashable_and_compiled_once(llm):
     b = StructuredOutput(json_schema='{"type":   "object"}')
     assert a == b and hash(a) == hash(b) and a.kind == "json_schema"
     assert StructuredOutput(json_object=True).kind == "json_object"
-    compiler = llm._rt.sequences.grammars()
+    compiler = Internals(llm).grammars()
     fmt = StructuredOutput(regex=r"[ab]{1,3}")
     sample(llm, fmt, 2, 8, 1)
     compiled = compiler.num_compiled
@@ -350,9 +352,9 @@ def test_jump_forward_appends_forced_tokens_in_fewer_steps(llm):
     counts = {}
     for jf in (False, True):
         fmt = StructuredOutput(json_schema=LONG_KEYS, jump_forward=jf)
-        steps = llm._rt.engine.num_steps
+        steps = Internals(llm).steps
         outs = sample(llm, fmt, 4, 128, 30)
-        counts[jf] = (llm._rt.engine.num_steps - steps, sum(len(o.token_ids) for o in outs))
+        counts[jf] = (Internals(llm).steps - steps, sum(len(o.token_ids) for o in outs))
         for o in outs:
             assert o.finish_reason == "stop"
             jsonschema.validate(json.loads(o.text), LONG_KEYS)

@@ -10,8 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from internals import Internals
+from llms import tiny_llm
 
-from kvsession import LLM, SamplingParams
+from kvsession import SamplingParams
 from kvsession.cache.manager import Tier
 from oracle import expected_turn
 
@@ -24,13 +26,12 @@ def make_llm(model_dir, **kw):
     """The cost model's inputs are fixed, not measured: loading from host or disk beats
     recomputing by orders of magnitude, whatever the load on the machine (tests that want
     a recompute set a rate explicitly)."""
-    llm = LLM(model_dir, **{"kv_cache_memory": "8MiB", "max_model_len": 512,
-                            "host_cache_memory": "2MiB", **kw})
-    llm._rt.engine.step_observers.append(llm._rt.integrity.now)
-    mover = llm._rt.mover
-    mover.host_bytes_per_s.fix(1e12)
-    mover.disk_read_bytes_per_s.fix(1e11)
-    llm._rt.engine.prefill_tps.fix(1e3)
+    llm = tiny_llm(model_dir, **{"host_cache_memory": "2MiB", **kw})
+    ins = Internals(llm)
+    ins.check_every_step()
+    ins.fix_rate("host", 1e12)
+    ins.fix_rate("disk_read", 1e11)
+    ins.fix_rate("prefill", 1e3)
     return llm
 
 
@@ -38,10 +39,6 @@ def reference(model_dir, kv_dtype, n=4, **kw):
     with make_llm(model_dir, kv_cache_dtype=kv_dtype, **kw) as llm:
         with llm.session(system=SYSTEM, sampling=G) as s:
             return [s.send(t).token_ids for t in TURNS[:n]]
-
-
-def on_engine(llm, fn):
-    return llm._rt.call(fn).result()
 
 
 @pytest.mark.parametrize("kv_dtype, backend", [("float32", "torch"), ("fp8", "torch"),
@@ -52,25 +49,26 @@ def test_every_path_continues_exactly(llama_dir, tmp_path, kv_dtype, backend):
     want = reference(llama_dir, kv_dtype, attention_backend=backend)
     with make_llm(llama_dir, kv_cache_dtype=kv_dtype, session_dir=tmp_path / "sd",
                   attention_backend=backend) as llm:
-        assert (llm._rt.host.staged, llm._rt.kv_pool.use_kernels) == ((backend == "triton"),) * 2
+        ins = Internals(llm)
+        assert (ins.host_staged, ins.kv_pool.use_kernels) == ((backend == "triton"),) * 2
         s = llm.session(system=SYSTEM, sampling=G, session_id="agent-1")
         got = [s.send(TURNS[0]).token_ids]
         # device -> host -> device
-        assert on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.HOST)) is Tier.HOST
+        assert ins.spill(s, Tier.HOST) is Tier.HOST
         assert s.state == "host"
         r = s.send(TURNS[1])
         got.append(r.token_ids)
         assert r.restored_from == "host" and r.cached_tokens > 32
         # device -> host -> disk -> device
-        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.HOST))
-        assert on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.DISK)) is Tier.DISK
+        ins.spill(s, Tier.HOST)
+        assert ins.spill(s, Tier.DISK) is Tier.DISK
         assert s.state == "disk"
         r = s.send(TURNS[2])
         got.append(r.token_ids)
         assert r.restored_from == "disk"
         # recompute instead of load: a host tier measured slower than recomputing
-        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.HOST))
-        llm._rt.mover.host_bytes_per_s.fix(1.0)
+        ins.spill(s, Tier.HOST)
+        ins.fix_rate("host", 1.0)
         before = llm.stats().recomputes
         r = s.send(TURNS[3])
         got.append(r.token_ids)
@@ -190,7 +188,7 @@ def test_kv_loaded_ahead_of_a_turn_reports_its_tier(llama_dir, tmp_path):
         # loaded ahead, then dropped before the turn: only the pinned prompt is reused
         assert p.suspend(expected_idle_s=120.0) == "host"
         p.prefetch().result()
-        on_engine(llm, lambda: llm._rt.policy.drop(p.kv, reason="test"))
+        Internals(llm).drop(p)
         r = p.send(TURNS[2])
         assert (r.token_ids, r.restored_from) == (want[2], "device")
         p.close()
@@ -221,8 +219,8 @@ def test_disk_tier_stats(llama_dir, tmp_path):
         block_bytes = d.bytes_per_token * 16
         room = shutil.disk_usage(tmp_path).free // block_bytes
         assert d.blocks_used == 0 and abs(d.blocks_free - room) <= room // 100 + 64
-        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.HOST))
-        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.DISK))
+        Internals(llm).spill(s, Tier.HOST)
+        Internals(llm).spill(s, Tier.DISK)
         d = llm.stats().tiers["disk"]
         assert d.blocks_used == -(-len(s.token_ids) // 16) and d.blocks_free > 0
         assert d.blocks_total == d.blocks_used + d.blocks_free
@@ -238,10 +236,10 @@ def test_suspend_decisions(llama_dir, tmp_path):
         assert s.suspend(expected_idle_s=120.0) == "host" and s.state == "host"
         s.prefetch().result()
         assert s.state == "idle"
-        llm._rt.mover.disk_read_bytes_per_s.fix(1e12)  # a fast disk: long waits go there
+        Internals(llm).fix_rate("disk_read", 1e12)  # a fast disk: long waits go there
         assert s.suspend(expected_idle_s=3600.0) == "disk" and s.state == "disk"
         s.send("again")
-        llm._rt.mover.disk_read_bytes_per_s.fix(1.0)  # a disk slower than recomputing
+        Internals(llm).fix_rate("disk_read", 1.0)  # a disk slower than recomputing
         assert s.suspend(expected_idle_s=3600.0) == "drop"
         assert s.num_cached_tokens == 0
         before = s.token_ids
@@ -276,7 +274,7 @@ def test_spill_after_idle(llama_dir):
     with make_llm(llama_dir, spill_after_s=1e-3) as llm:
         s = llm.session(sampling=G)
         s.send("hello")
-        on_engine(llm, lambda: llm._rt.policy.housekeeping(s.kv.last_used + 1.0))
+        Internals(llm).spill_idle(s.kv.last_used + 1.0)
         assert s.state == "host"
         assert s.send("more").restored_from == "host"
         s.close()
@@ -308,15 +306,16 @@ def test_disk_full_keeps_the_session(llama_dir, tmp_path, monkeypatch, caplog):
     want = reference(llama_dir, "float32", 2)
     # durability="close": only spills write files here (no session log beside them)
     with make_llm(llama_dir, session_dir=tmp_path / "sd", durability="close") as llm:
+        ins = Internals(llm)
         s = llm.session(system=SYSTEM, sampling=G)
         got = [s.send(TURNS[0]).token_ids]
         monkeypatch.setattr(mover_mod, "write_snapshot", full)
         with caplog.at_level(logging.WARNING, logger="kvsession"):
-            assert on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.DISK)) is Tier.DEVICE
+            assert ins.spill(s, Tier.DISK) is Tier.DEVICE
         assert "No space left" in caplog.text and s.state == "idle"
-        on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.HOST))
-        assert on_engine(llm, lambda: llm._rt.policy.spill(s.kv, Tier.DISK)) is Tier.HOST
-        assert llm._rt.policy.spill_failures == 2 and s.state == "host"
+        ins.spill(s, Tier.HOST)
+        assert ins.spill(s, Tier.DISK) is Tier.HOST
+        assert ins.spill_failures == 2 and s.state == "host"
         got.append(s.send(TURNS[1]).token_ids)
         assert list((tmp_path / "sd").iterdir()) == []  # no torn or temporary file left
         s.close()

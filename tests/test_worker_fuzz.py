@@ -21,6 +21,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from internals import CHILD_PRELUDE, Internals
 from test_remote import KW, Worker, generate, prompts, run_worker, wait_for
 from zmq.utils.monitor import recv_monitor_message
 
@@ -106,15 +107,17 @@ class Peer:
 
 class FuzzCaller:
     """A NIXL agent with its own KV-shaped tensors and an authenticated socket: what a
-    caller is, minus the engine, so it can send anything."""
+    caller is, minus the engine, so it can send anything. It speaks `like`'s handshake:
+    KV tensors shaped as that LLM's, its compatibility hash."""
 
-    def __init__(self, ctx, address: str, keys, like: dict[str, torch.Tensor], compat: str):
-        self.tensors = {n: torch.zeros_like(t) for n, t in like.items()}
+    def __init__(self, ctx, address: str, keys, like: LLM):
+        ins = Internals(like)
+        self.tensors = {n: torch.zeros_like(t) for n, t in ins.kv_pool.tensors().items()}
         self.agent = make_agent("kvs-fuzz")
         self.reg = self.agent.register_memory(list(self.tensors.values()))
         self.peer = Peer(ctx, address, keys)
         self.num_blocks = next(iter(self.tensors.values())).shape[1]
-        self.hello = Hello(compat, self.agent.name, self.agent.get_agent_metadata(),
+        self.hello = Hello(ins.compat, self.agent.name, self.agent.get_agent_metadata(),
                            describe_tensors(self.tensors))
 
     def prefill(self, req: PrefillRequest, num_notes: int, timeout_s: float = 30.0):
@@ -364,8 +367,7 @@ def bad_requests(rng: random.Random, vocab: int, num_blocks: int, bs: int = 16):
 
 def test_valid_looking_requests_with_bad_ids_tokens_or_blocks(
         ctx, target, caller_keys, caller, reference, status_peer):
-    rt = caller._rt
-    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv_pool.tensors(), rt.compat)
+    fc = FuzzCaller(ctx, target.address, caller_keys, caller)
     rng = random.Random(7)
     tried = clean = 0
     try:
@@ -374,7 +376,7 @@ def test_valid_looking_requests_with_bad_ids_tokens_or_blocks(
         reply = fc.peer.ask(no_hello)
         assert isinstance(reply, PrefillFailed) and reply.reason == "no handshake"
         assert isinstance(fc.peer.ask(fc.hello), HelloOk)
-        vocab = rt.info.spec.vocab_size
+        vocab = caller.runtime.spec.vocab_size
         for kind, req in bad_requests(rng, vocab, fc.num_blocks):
             reply = fc.peer.ask(req)
             tried += 1
@@ -382,7 +384,7 @@ def test_valid_looking_requests_with_bad_ids_tokens_or_blocks(
             clean += 1
         # odd but valid request ids are served (into the fuzz caller's own tensors)
         for req_id in (-7, 0, 2**62):
-            num_layers = rt.info.spec.num_layers
+            num_layers = caller.runtime.spec.num_layers
             reply, notes = fc.prefill(PrefillRequest(req_id, [3] * 40, 0, [4, 5, 6]), num_layers)
             assert isinstance(reply, PrefillDone) and reply.req_id == req_id
             assert sorted(notes) == sorted(f"{req_id}:{layer}".encode()
@@ -394,8 +396,7 @@ def test_valid_looking_requests_with_bad_ids_tokens_or_blocks(
 
 
 def test_bad_handshakes_are_refused(ctx, target, caller_keys, caller, reference, status_peer):
-    rt = caller._rt
-    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv_pool.tensors(), rt.compat)
+    fc = FuzzCaller(ctx, target.address, caller_keys, caller)
     other = make_agent("kvs-fuzz-other")
     rng = random.Random(11)
     h = fc.hello
@@ -441,11 +442,11 @@ def test_bad_handshakes_are_refused(ctx, target, caller_keys, caller, reference,
 
 def test_unauthenticated_peers_get_nothing(ctx, target, caller_keys, caller, reference,
                                            status_peer, tmp_path):
-    rt = caller._rt
+    ins = Internals(caller)
     _, stranger_caller_file = write_keys(tmp_path)
     stranger = load_keys(stranger_caller_file, "caller")
-    hello = Hello(rt.compat, "kvs-stranger", b"", describe_tensors(
-        rt.kv_pool.tensors()))
+    hello = Hello(ins.compat, "kvs-stranger", b"", describe_tensors(
+        ins.kv_pool.tensors()))
     before = status(status_peer)
     failures = {zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                 zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL}
@@ -474,13 +475,14 @@ def test_unauthenticated_peers_get_nothing(ctx, target, caller_keys, caller, ref
 
 # ---- a caller that vanishes mid-transfer -------------------------------------------------------
 
-VANISHING_CALLER = textwrap.dedent("""
+VANISHING_CALLER = CHILD_PRELUDE + textwrap.dedent("""
     import os, signal, sys, threading, time
+    from internals import Internals
     from kvsession import LLM, SamplingParams
     model, address, key_file = sys.argv[1:4]
     llm = LLM(model, prefill_worker=address, remote_prefill="always",
               prefill_auth_key_file=key_file, kv_cache_memory="8MiB", max_model_len=512)
-    conn = llm._rt.connector
+    conn = Internals(llm).connector
     ps = [[(7 * i + j) % 500 for j in range(400)] for i in range(6)]
     params = SamplingParams(max_tokens=4, temperature=0.0)
     threading.Thread(target=llm.generate, daemon=True,
@@ -554,8 +556,7 @@ def test_a_refused_hello_naming_a_callers_agent_leaves_it_registered(
         ctx, target, caller_keys, caller, reference, status_peer):
     """A Hello carrying a registered caller's agent name but metadata that does not parse is
     refused without dropping that caller's registration (it was dropped first)."""
-    rt = caller._rt
-    fc = FuzzCaller(ctx, target.address, caller_keys, rt.kv_pool.tensors(), rt.compat)
+    fc = FuzzCaller(ctx, target.address, caller_keys, caller)
     intruder = Peer(ctx, target.address, caller_keys)
     try:
         assert isinstance(fc.peer.ask(fc.hello), HelloOk)
@@ -577,8 +578,7 @@ def test_a_full_caller_table_is_a_transient_refusal(ctx, llama_dir):
 
     w = Worker(llama_dir)
     with LLM(llama_dir, **KW) as tmp:
-        rt = tmp._rt
-        fc = FuzzCaller(ctx, w.address, None, rt.kv_pool.tensors(), rt.compat)
+        fc = FuzzCaller(ctx, w.address, None, tmp)
     peers = []
     try:
         h, name = fc.hello, fc.agent.name
@@ -615,8 +615,7 @@ def test_a_bye_refused_by_a_full_queue_still_ends_the_registration(ctx, llama_di
     w = Worker(llama_dir, "--max-queue", "1", "--caller-timeout-s", "1",
                faults="delay_rate=1,delay_s=1.5,seed=0")
     with LLM(llama_dir, **KW) as tmp:
-        rt = tmp._rt
-        fc = FuzzCaller(ctx, w.address, None, rt.kv_pool.tensors(), rt.compat)
+        fc = FuzzCaller(ctx, w.address, None, tmp)
     busy, watcher = Peer(ctx, w.address), Peer(ctx, w.address)
     try:
         assert isinstance(fc.peer.ask(fc.hello), HelloOk)
