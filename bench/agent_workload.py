@@ -267,13 +267,23 @@ def workload(tokenizer, sessions: int, turns: int) -> tuple[str, list[list[dict]
     return system, turn_messages(tokenizer, sessions, turns)
 
 
-def make_llm() -> LLM:
-    return LLM(mid_model(), kv_cache_memory="2GiB", max_model_len=4096, max_num_seqs=16)
+# --weights: (the checkpoint's dtype, kvsession's LLM arguments, the transformers peer's
+# dtype): each format on the same random weights (bf16: rounded to bfloat16)
+WEIGHTS = {"float32": ("float32", {}, torch.float32),
+           "bf16": ("bfloat16", {}, torch.bfloat16),
+           "int8": ("float32", {"quantization": "int8"}, torch.float32)}
 
 
-def kvsession_once(sessions: int, turns: int, history: str, raw_replies: bool) -> dict:
+def make_llm(weights: str = "float32") -> LLM:
+    dtype, kwargs, _ = WEIGHTS[weights]
+    return LLM(mid_model(dtype=dtype), kv_cache_memory="2GiB", max_model_len=4096,
+               max_num_seqs=16, **kwargs)
+
+
+def kvsession_once(sessions: int, turns: int, history: str, raw_replies: bool,
+                   weights: str = "float32") -> dict:
     """One free-running kvsession run in this process, with its CPU use and the load."""
-    llm = make_llm()
+    llm = make_llm(weights)
     agents = Agents(llm, *workload(llm.tokenizer, sessions, turns), history, raw_replies)
     engine = llm._rt._loop._thread.native_id
     r0, e0, s0 = resource.getrusage(resource.RUSAGE_SELF), thread_cpu_s(engine), \
@@ -296,10 +306,11 @@ def kvsession_once(sessions: int, turns: int, history: str, raw_replies: bool) -
     return out
 
 
-def serve_rounds(sessions: int, turns: int, history: str, raw_replies: bool) -> None:
+def serve_rounds(sessions: int, turns: int, history: str, raw_replies: bool,
+                 weights: str = "float32") -> None:
     """Child process of the paired measurement: one JSON line per request read on stdin
     ({"round": t} runs every agent's turn t; {"round": null} closes and reports)."""
-    llm = make_llm()
+    llm = make_llm(weights)
     agents = Agents(llm, *workload(llm.tokenizer, sessions, turns), history, raw_replies)
     answer_rounds(agents.round)
     agents.close()
@@ -307,7 +318,8 @@ def serve_rounds(sessions: int, turns: int, history: str, raw_replies: bool) -> 
     llm.close()
 
 
-def paired(sessions: int, turns: int, raw_replies: bool, timeout_s: float) -> dict:
+def paired(sessions: int, turns: int, raw_replies: bool, timeout_s: float,
+           weights: str = "float32") -> dict:
     """All four systems turn by turn, interleaved (every agent's turn t in one system, then
     in the next, the order rotating each turn): a change in the load of shared cores hits
     them alike, so their ratios hold even when the absolute times do not."""
@@ -315,17 +327,18 @@ def paired(sessions: int, turns: int, raw_replies: bool, timeout_s: float) -> di
 
     from kvsession.model.tokenizer import Tokenizer
 
-    extra = ["--sessions", str(sessions), "--turns", str(turns)] + (
+    extra = ["--sessions", str(sessions), "--turns", str(turns), "--weights", weights] + (
         ["--raw-replies"] if raw_replies else [])
     children = {name: RoundsProcess(__file__, ["--serve-rounds", "--history", h, *extra],
                                      timeout_s)
                 for name, h in (("kvsession", "append"), ("kvsession_template", "template"))}
     for child in children.values():
         child.read()  # ready
-    path = mid_model()
+    dtype, _, hf_dtype = WEIGHTS[weights]
+    path = mid_model(dtype=dtype)
     tok = Tokenizer(path)
     system, convs = workload(tok, sessions, turns)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=hf_dtype).eval()
     hf.generation_config.eos_token_id = None
     peers = {"hf_naive": HFPeer(hf, tok, system, convs, False, raw_replies),
              "hf_best": HFPeer(hf, tok, system, convs, True, raw_replies)}
@@ -360,14 +373,15 @@ def paired(sessions: int, turns: int, raw_replies: bool, timeout_s: float) -> di
     return out
 
 
-def kvsession_runs(sessions: int, turns: int, plan: list[str], raw_replies: bool
-                   ) -> list[dict]:
+def kvsession_runs(sessions: int, turns: int, plan: list[str], raw_replies: bool,
+                   weights: str = "float32") -> list[dict]:
     """One free-running kvsession run per entry of `plan` (a history mode), each in a fresh
     process."""
     out = []
     for i, history in enumerate(plan):
         proc = subprocess.run([sys.executable, __file__, "--once", "--sessions", str(sessions),
-                               "--turns", str(turns), "--history", history]
+                               "--turns", str(turns), "--history", history,
+                               "--weights", weights]
                               + (["--raw-replies"] if raw_replies else []),
                               capture_output=True, text=True, check=True, timeout=1800)
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -398,6 +412,10 @@ def main() -> None:
                          "workload before history='append'; they vanish when re-rendered)")
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="seconds to wait for any one answer of a kvsession child")
+    ap.add_argument("--weights", default="float32", choices=list(WEIGHTS),
+                    help="the weight format of both sides (bf16: the mid model rounded to "
+                         "bfloat16, transformers in bfloat16; int8: kvsession's "
+                         "quantization='int8' against transformers in float32)")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--once", action="store_true", help=argparse.SUPPRESS)  # one run, JSON
     ap.add_argument("--serve-rounds", action="store_true", help=argparse.SUPPRESS)
@@ -405,17 +423,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.once:
         print(json.dumps(kvsession_once(args.sessions, args.turns, args.history,
-                                        args.raw_replies)))
+                                        args.raw_replies, args.weights)))
         return
     if args.serve_rounds:
-        serve_rounds(args.sessions, args.turns, args.history, args.raw_replies)
+        serve_rounds(args.sessions, args.turns, args.history, args.raw_replies, args.weights)
         return
     t_start, load = time.perf_counter(), {"start": os.getloadavg()}
-    pair = paired(args.sessions, args.turns, args.raw_replies, args.timeout)
+    pair = paired(args.sessions, args.turns, args.raw_replies, args.timeout, args.weights)
     load["after_paired"] = os.getloadavg()
     free = kvsession_runs(args.sessions, args.turns, ["append"] * (0 if args.quick
                                                                    else args.runs),
-                          args.raw_replies)
+                          args.raw_replies, args.weights)
     load["end"] = os.getloadavg()
     ours, tmpl, naive, best = (pair[n] for n in ("kvsession", "kvsession_template",
                                                    "hf_naive", "hf_best"))
@@ -485,12 +503,13 @@ def main() -> None:
     print("load average (1/5/15 min): " + ", ".join(
         f"{k} {'/'.join(f'{x:.1f}' for x in v)}" for k, v in load.items())
         + f" on {os.cpu_count()} cores; wall {result['wall_s']:.0f} s")
-    write_result("agent_workload", result)
+    name = "agent_workload" + ("" if args.weights == "float32" else f"_{args.weights}")
+    write_result(name, {"weights": args.weights, **result})
     if args.plot:
-        plot(result, args.sessions, args.turns)
+        plot(result, args.sessions, args.turns, name)
 
 
-def plot(result: dict, sessions: int, turns: int) -> None:
+def plot(result: dict, sessions: int, turns: int, name: str = "agent_workload") -> None:
     plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.9), gridspec_kw={"width_ratios": [3, 2]})
     names = (("kvsession", "kvsession, append history"),
@@ -519,7 +538,7 @@ def plot(result: dict, sessions: int, turns: int) -> None:
     bx.set_xlabel("makespan (s)")
     bx.set_title(f"{result['makespan_ratio_vs_naive']:.1f}x vs naive, "
                  f"{result['makespan_ratio_vs_best']:.2f}x vs past_key_values")
-    save_figure(fig, "agent_workload")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

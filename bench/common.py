@@ -22,11 +22,13 @@ MID_SIZE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                 max_position_embeddings=4096)
 
 
-def mid_model(root: Path | None = None) -> Path:
-    """The mid-size random Llama checkpoint every CPU benchmark uses (built once)."""
-    path = (root or Path.home() / ".cache" / "kvsession") / "bench-mid-llama"
+def mid_model(root: Path | None = None, dtype: str = "float32") -> Path:
+    """The mid-size random Llama checkpoint every CPU benchmark uses (built once); `dtype`
+    "bfloat16": the same weights rounded to bfloat16, a checkpoint of its own."""
+    name = "bench-mid-llama" + ("" if dtype == "float32" else f"-{dtype}")
+    path = (root or Path.home() / ".cache" / "kvsession") / name
     if not (path / "config.json").is_file():
-        make_tiny_model(path, arch="llama", **MID_SIZE)
+        make_tiny_model(path, arch="llama", dtype=dtype, **MID_SIZE)
     return path
 
 
