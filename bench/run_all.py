@@ -32,6 +32,10 @@ BENCHES = {
     "server": ("server.py", ["--plot"]),
     "durability": ("durability.py", ["--plot"]),
     "scale_out": ("scale_out.py", ["--plot"]),
+    "real_shapes": ("real_shapes.py", ["--plot"]),
+    "int8_accuracy": ("int8_accuracy.py", ["--plot"]),
+    "agent_workload_bf16": ("agent_workload.py", ["--plot", "--weights", "bf16"]),
+    "agent_workload_int8": ("agent_workload.py", ["--plot", "--weights", "int8"]),
     "gpu_kernels": ("gpu_kernels.py", []),
 }
 
@@ -459,6 +463,57 @@ def section_scale_out(r) -> list[str]:
     return out
 
 
+def section_real_shapes(r) -> list[str]:
+    out = [f"DRAM read bandwidth: best {fmt(r['bandwidth_best_gb_s'], 1)} GB/s, median "
+           f"{fmt(r['bandwidth_median_gb_s'], 1)} GB/s over the run's samples; decode rates are "
+           f"medians of {r['rounds']} rounds of {r['decode_tokens']} tokens (range in the "
+           f"JSON); resident includes the {r['kv_cache_memory']} KV budget.", ""]
+    for shape, s in r["shapes"].items():
+        out += [f"**{shape}** (checkpoint {s['checkpoint_bytes'] / 1e9:.2f} GB bf16):", "",
+                "| engine | load s | resident GB | weights GB | decode b1 tok/s | x bound "
+                "| decode b8 tok/s | prefill 512 s | vs transformers (b1 / b8 / prefill) |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for name, e in s["engines"].items():
+            vs = e.get("vs_transformers")
+            vs_text = "-" if vs is None else (f"{vs['decode_b1_tok_s']:.2f}x / "
+                                              f"{vs['decode_b8_tok_s']:.2f}x / "
+                                              f"{vs['prefill_512']:.2f}x")
+            out.append(f"| {name} | {fmt(e['load_s'], 1)} | {e['resident_bytes'] / 1e9:.2f} | "
+                       f"{e['weight_bytes'] / 1e9:.2f} | {fmt(e['decode_b1_tok_s'], 1)} | "
+                       f"**{fmt(e['decode_b1_vs_bound'])}x** | {fmt(e['decode_b8_tok_s'], 1)} | "
+                       f"{fmt(e['prefill_512_s'])} | {vs_text} |")
+        out.append("")
+    return out
+
+
+def section_int8(r) -> list[str]:
+    out = ["| weights | kvsession int8 | Q8_0 emulation | per-channel int8 | kvsession / Q8_0 |",
+           "|---|---|---|---|---|"]
+    for w, res in r["results"].items():
+        v = res["variants"]
+        cells = " | ".join(f"{v[n]['mean_abs_dlogprob']:.4f} ({v[n]['top1_agreement']:.3f})"
+                           for n in ("kvsession int8", "Q8_0 emulation", "per-channel int8"))
+        out.append(f"| {w} | {cells} | **{res['ratio_vs_q8_0']:.2f}x** |")
+    return out + ["", "Cells: mean |delta logprob| of the actual next token against float32 "
+                  "(top-1 agreement in brackets), over "
+                  f"{r['prompts']} prompts of {r['prompt_len']} random tokens."]
+
+
+def section_agent_formats(_r) -> list[str]:
+    rows = []
+    for weights in ("float32", "bf16", "int8"):
+        r = load("agent_workload" + ("" if weights == "float32" else f"_{weights}"))
+        if r is None:
+            continue
+        rows.append(f"| {weights} | {fmt(r['kvsession']['makespan_s'])} | "
+                    f"{fmt(r['hf_naive']['makespan_s'])} | {fmt(r['hf_best']['makespan_s'])} | "
+                    f"**{fmt(r['makespan_ratio_vs_naive'], 1)}x** | "
+                    f"**{fmt(r['makespan_ratio_vs_best'])}x** | "
+                    f"{r.get('kvsession_makespan_median_s', float('nan')):.2f} |")
+    return ["| weights | kvsession s | transformers naive s | transformers best s | vs naive "
+            "| vs best | free-running median s |", "|---|---|---|---|---|---|---|", *rows]
+
+
 SECTIONS = [
     ("decode_vs_hf", "Decode and prefill vs transformers",
      "Same random mid-size Llama (hidden 512, 8 layers, vocab 32000), same process, float32 "
@@ -472,6 +527,24 @@ SECTIONS = [
      "truth) and history=\"template\" (re-render every turn). Peers: transformers re-sending "
      "the history, and transformers carrying past_key_values.", section_agent,
      "agent_workload.png"),
+    ("agent_workload_bf16", "Agent workload per weight format",
+     "The same workload with both sides in each weight format: float32 (above), bf16 (the "
+     "mid model rounded to bfloat16; transformers in bfloat16), int8 (kvsession's "
+     "quantization='int8' on the float32 weights; transformers in float32).",
+     section_agent_formats, None),
+    ("real_shapes", "Real checkpoint shapes, per weight format",
+     "Random-weight checkpoints with the exact configs of Qwen3-0.6B and Llama-3.2-1B (bf16 "
+     "safetensors, real vocabulary sizes), each engine and format in a fresh process: load, "
+     "resident memory, decode at batch 1 and 8, prefill of 512 tokens; x bound: the "
+     "batch-1 decode step against the weight bytes it reads at the run's best DRAM rate. "
+     "Peer: transformers (bf16) on the same weights.", section_real_shapes,
+     "real_shapes.png"),
+    ("int8_accuracy", "int8 accuracy against a Q8_0 emulation",
+     "kvsession's quantization='int8' (a float32 scale per 32 inputs) against the float32 "
+     "reference on the same weights, next to an independent emulation of llama.cpp's Q8_0 "
+     "(weights only) and per-channel int8; the mid model's Gaussian weights and the same with "
+     "0.1% outliers (x20). Target: kvsession <= 1.5x the emulation.", section_int8,
+     "int8_accuracy.png"),
     ("fp8_capacity", "FP8 KV capacity and numerics",
      "Sessions of a shared pinned 1,024-token prompt + 1,024 private tokens in a fixed budget; "
      "numerics against a float32 cache.", section_fp8, None),
