@@ -10,18 +10,28 @@ build, saying why once.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+log = logging.getLogger("kvsession")
+
 BUILD_TIMEOUT_S = 120.0
+# a plain C++ kernel: optimised for this CPU, OpenMP for the threads, no torch headers
+KERNEL_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC",
+                        "-std=c++17", "-c"]
+KERNEL_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 def cache_dir() -> Path:
@@ -80,3 +90,47 @@ def build(cxx: str, lib: Path, errors: list[str], source: Path, compile_flags: l
                 detail = getattr(e, "stderr", b"") or b""
                 errors.append(f"{e} {detail.decode(errors='replace')[-500:]}")
                 steps = [] if obj.is_file() else steps  # compiled: only link again
+
+
+class CtypesKernel:
+    """One C++ entry point, built at first use with the plain kernel flags and bound with
+    ctypes; `get()` is the function, or None where it cannot be built (why is logged once
+    per compiler and cache directory: the caller's torch twin serves)."""
+
+    def __init__(self, source: Path, symbol: str, argtypes: list, restype, what: str,
+                 fallback: str):
+        self.source, self.symbol, self.argtypes, self.restype = source, symbol, argtypes, restype
+        self.what, self.fallback = what, fallback  # for the log: "the int8 product kernel"
+        self._lock = threading.Lock()
+        self._loaded: dict[tuple, Callable | None] = {}
+
+    def get(self) -> Callable | None:
+        cxx, directory = compiler(), cache_dir()
+        key = (cxx, str(directory))
+        fn = self._loaded.get(key, self._lock)
+        if fn is not self._lock:
+            return fn
+        with self._lock:
+            if key not in self._loaded:
+                self._loaded[key] = self._build_and_load(cxx, directory)
+            return self._loaded[key]
+
+    def _build_and_load(self, cxx: str | None, directory: Path) -> Callable | None:
+        if cxx is None:
+            log.warning("%s is not used: no C++ compiler found (set CXX); %s", self.what,
+                        self.fallback)
+            return None
+        lib = library_path(cxx, directory, self.source.stem, [self.source],
+                           KERNEL_COMPILE_FLAGS + KERNEL_LINK_FLAGS)
+        errors: list[str] = []
+        try:
+            if not lib.is_file():
+                build(cxx, lib, errors, self.source, KERNEL_COMPILE_FLAGS, KERNEL_LINK_FLAGS)
+            fn = getattr(ctypes.CDLL(str(lib)), self.symbol)
+        except (OSError, AttributeError) as e:
+            errors.append(str(e))
+            log.warning("%s is not used (building it with %s into %s failed: %s); %s",
+                        self.what, cxx, directory, " | ".join(errors), self.fallback)
+            return None
+        fn.argtypes, fn.restype = self.argtypes, self.restype
+        return fn

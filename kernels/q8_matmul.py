@@ -15,65 +15,27 @@ dequantizes the weight (correct, not fast).
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from pathlib import Path
 
 import torch
 
-from kvsession.kernels.cpp_build import build, cache_dir, compiler, library_path
+from kvsession.kernels.cpp_build import CtypesKernel
 
-log = logging.getLogger("kvsession")
-
-SOURCE = Path(__file__).with_name("q8_matmul.cpp")
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17",
-                 "-c"]
-LINK_FLAGS = ["-shared", "-fopenmp"]
 GROUP = 32  # Q8_0's block
 GROUPS = (32, 64)  # what the kernel is built for
 # rows the kernel takes per call (q8_matmul.cpp's MAX_ROWS): a decode batch. Larger ones
 # (prefill) are compute-bound, where dequantizing once and one dense product is faster.
 KERNEL_MAX_ROWS = 16
-
-_lock = threading.Lock()
-_loaded: dict[tuple, object] = {}
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+KERNEL = CtypesKernel(Path(__file__).with_name("q8_matmul.cpp"), "kvs_q8_matmul",
+                      [_P, _P, _P, _I64, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int,
+                      "the int8 product kernel",
+                      "int8 projections dequantize their weights (slow)")
 
 
 def load():
-    """The kernel's entry point (ctypes), built if needed; None when it cannot be (logged
-    once per compiler and cache directory)."""
-    cxx, directory = compiler(), cache_dir()
-    key = (cxx, str(directory))
-    fn = _loaded.get(key, _lock)
-    if fn is not _lock:
-        return fn
-    with _lock:
-        if key not in _loaded:
-            _loaded[key] = _build_and_load(cxx, directory)
-        return _loaded[key]
-
-
-def _build_and_load(cxx: str | None, directory):
-    if cxx is None:
-        log.warning("the int8 product kernel is not used: no C++ compiler found (set CXX); "
-                    "int8 projections dequantize their weights (slow)")
-        return None
-    lib = library_path(cxx, directory, "q8_matmul", [SOURCE], COMPILE_FLAGS + LINK_FLAGS)
-    errors: list[str] = []
-    try:
-        if not lib.is_file():
-            build(cxx, lib, errors, SOURCE, COMPILE_FLAGS, LINK_FLAGS)
-        fn = ctypes.CDLL(str(lib)).kvs_q8_matmul
-    except (OSError, AttributeError) as e:
-        errors.append(str(e))
-        log.warning("the int8 product kernel is not used (building it with %s into %s "
-                    "failed: %s); int8 projections dequantize their weights (slow)", cxx,
-                    directory, " | ".join(errors))
-        return None
-    P, I64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [P, P, P, I64, I64, I64, I64, P, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    """The kernel's entry point (ctypes), built if needed; None when it cannot be."""
+    return KERNEL.get()
 
 
 def group_for(in_features: int) -> int:

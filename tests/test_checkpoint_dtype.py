@@ -51,10 +51,12 @@ def test_a_config_without_a_dtype_computes_in_float32_on_the_cpu(tmp_path):
         assert llm.config.dtype == torch.float32
 
 
-def test_bfloat16_weights_predict_as_float32_does_on_the_same_weights(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # a packed head; a tied one (bf16_rows)
+def test_bfloat16_weights_predict_as_float32_does_on_the_same_weights(tmp_path, arch):
     """The bf16 checkpoint computed in bf16 against the same (bf16-rounded) weights in
-    float32: the next-token choice agrees at nearly every prompt position."""
-    d = make_tiny_model(tmp_path / "m", dtype="bfloat16")
+    float32: the next-token choice agrees at nearly every prompt position, and greedy
+    decoding (one row at a time: the decode kernels) starts the same."""
+    d = make_tiny_model(tmp_path / "m", arch=arch, dtype="bfloat16")
     prompt = list(range(5, 125))
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
 
@@ -63,9 +65,13 @@ def test_bfloat16_weights_predict_as_float32_does_on_the_same_weights(tmp_path):
                            use_tqdm=False)[0].prompt_logprobs[1:]
         return [max(lp, key=lp.get) for lp in lps]
 
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     with LLM(d, device="cpu", **ENGINE) as bf16, \
             LLM(d, device="cpu", dtype="float32", **ENGINE) as f32:
         a, b = top1(bf16), top1(f32)
+        decoded = [llm.generate(prompt_token_ids=[prompt[:50]], sampling_params=greedy,
+                                use_tqdm=False)[0].outputs[0].token_ids for llm in (bf16, f32)]
+    assert decoded[0][0] == decoded[1][0]
     agree = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
     assert agree >= 0.9, agree
 
@@ -117,3 +123,26 @@ def test_a_loaded_bf16_model_holds_its_weights_bytes_plus_its_kv_budget(tmp_path
     size = checkpoint_bytes(d)
     assert got["weights"] <= 1.15 * size
     assert got["grew"] <= 1.15 * size + (16 << 20), (got, size)
+
+
+@pytest.mark.parametrize("rows, out, inp", [(1, 96, 64), (3, 131, 128), (8, 64, 96),
+                                            (16, 7, 32)])
+def test_the_bf16_rows_kernel_equals_f_linear(rows, out, inp):
+    """kernels/bf16_rows (a tied bf16 head's decode product) against F.linear on the same
+    bf16 operands: float32 sums of bf16 products, so equal up to summation order."""
+    from kvsession.kernels import bf16_rows
+
+    fn = bf16_rows.load()
+    if fn is None:
+        pytest.skip("no C++ compiler: F.linear serves")
+    gen = torch.Generator().manual_seed(rows + out)
+    w = torch.randn(out, inp, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, inp, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out, generator=gen).to(torch.bfloat16)
+    assert bf16_rows.applies(w)
+    want = (x.float() @ w.float().t() + bias.float())
+    got = bf16_rows.matmul(fn, x, w, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    many = torch.randn(bf16_rows.KERNEL_MAX_ROWS + 1, inp, generator=gen).to(torch.bfloat16)
+    assert torch.equal(bf16_rows.matmul(fn, many, w), torch.nn.functional.linear(many, w))

@@ -23,9 +23,11 @@ bandwidth of the same run):
   time on the AMD machine), else one row goes through whichever of `F.linear` on the rows
   and oneDNN `measure_one_row` found faster when the model was built. The model's default
   on CPU, at twice the weight memory.
-- "rows": the checkpoint's `[out, in]` rows, `F.linear` for every batch. One copy that a
-  tied embedding shares (the head of a single-layout model that ties its embeddings: a
-  packed head would need the embedding kept a second time, ~0.3 GB for a 152k vocabulary).
+- "rows": the checkpoint's `[out, in]` rows, `F.linear` for every batch but a bfloat16
+  decode batch, which runs kernels/bf16_rows (oneDNN streams unpacked bf16 rows at ~0.6x its
+  packed rate). One copy that a tied embedding shares (the head of a single-layout model
+  that ties its embeddings: a packed head would need the embedding kept a second time,
+  ~0.3 GB for a 152k vocabulary).
 - "int8": int8 weights with a float scale per group of 32 inputs (llama.cpp's Q8_0 layout,
   kernels/q8_matmul.py; `LLM(quantization="int8")`): 0.56x bfloat16's bytes. A decode batch
   (up to 16 rows) runs the C++ kernel built at first use; larger batches (prefill) and a
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from kvsession.host_memory import huge_page_empty
-from kvsession.kernels import q8_matmul
+from kvsession.kernels import bf16_rows, q8_matmul
 
 FORMATS = ("float", "onednn", "both", "rows", "int8")
 PACKED_MAX_ROWS = 64  # oneDNN's blocking hint (decode batches); larger batches run packed too
@@ -75,6 +77,9 @@ class Linear:
         w = torch.cat(parts) if self.fmt != "float" and len(parts) > 1 else parts[0]
         if self.fmt in ("both", "rows"):
             self.rows = w.contiguous()
+        # "rows" in bfloat16 (a tied head): decode rows through kernels/bf16_rows
+        self.rows_kernel = bf16_rows.load() if self.fmt == "rows" and \
+            bf16_rows.applies(self.rows) else None
         if self.fmt in ("onednn", "both"):
             # packed for every batch (the hint only tunes the blocking)
             try:
@@ -114,6 +119,8 @@ class Linear:
         if self.packed is not None and (self.rows is None or x.shape[0] > 1
                                         or self.one_row_packed):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.rows_kernel is not None:
+            return bf16_rows.matmul(self.rows_kernel, x, self.rows, self.bias)
         if self.rows is not None:
             return F.linear(x, self.rows, self.bias)
         if self.bias is None:

@@ -1,0 +1,49 @@
+"""The product of a decode step's few rows with bfloat16 weights kept as `[out, in]` rows
+(a tied output head): a C++ kernel (bf16_rows.cpp; why, in its header), `F.linear`
+where it does not build or the rows do not fit it."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvsession.kernels.cpp_build import CtypesKernel
+
+KERNEL_MAX_ROWS = 16  # bf16_rows.cpp's MAX_ROWS
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+KERNEL = CtypesKernel(Path(__file__).with_name("bf16_rows.cpp"), "kvs_bf16_matmul",
+                      [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int], ctypes.c_int,
+                      "the bfloat16 rows kernel", "a tied head's decode product runs F.linear")
+
+
+def load():
+    """The kernel's entry point (ctypes), built if needed; None when it cannot be."""
+    return KERNEL.get()
+
+
+def applies(w: torch.Tensor) -> bool:
+    """Whether the kernel can take weight `w` (bfloat16 rows on the CPU, inputs a multiple
+    of 32, contiguous)."""
+    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
+            and w.shape[1] % 32 == 0 and w.is_contiguous())
+
+
+def matmul(fn, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x [rows, in] @ w^T (+ bias) in x's dtype: the kernel `fn` (from `load`) for up to
+    KERNEL_MAX_ROWS rows of a weight it `applies` to, else F.linear."""
+    rows = x.shape[0]
+    if fn is None or not 1 <= rows <= KERNEL_MAX_ROWS:
+        return F.linear(x, w, bias)
+    xb = x if x.dtype == torch.bfloat16 and x.is_contiguous() else \
+        x.to(torch.bfloat16).contiguous()
+    y = torch.empty(rows, w.shape[0], dtype=torch.float32)
+    if fn(w.data_ptr(), xb.data_ptr(), rows, w.shape[1], w.shape[0], y.data_ptr(),
+          torch.get_num_threads()):
+        raise ValueError(f"the bfloat16 rows kernel refused rows={rows}, in={w.shape[1]}")
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype)
