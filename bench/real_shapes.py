@@ -20,10 +20,16 @@ off. Resident: RssAnon + RssFile growth over the process's state before loading 
 libraries' first use), so it includes kvsession's KV budget (`--kv-cache-memory`, 1 GiB
 by default, as #47's table).
 
+llama.cpp (`--llama-cpp-python PYTHON --llama-cpp-src DIR`: a Python with llama-cpp-python
+installed, which builds from its sdist, and the sdist's `vendor/llama.cpp` for the
+converter): the same checkpoint converted by llama.cpp's own convert_hf_to_gguf.py to bf16
+and to q8_0 (run by this Python, which has torch and transformers; the converter's check
+of the tokenizer's pre-tokenizer, which does not know the tiny test tokenizer, is told
+"default": prompts are token ids), then measured by bench/llama_cpp_child.py with the
+same method, in the same run.
+
 Writes bench/results/real_shapes.json, and with --plot a figure; docs/benchmarks.md has
-the table. llama.cpp: not measured here (llama-cpp-python builds from source only, and its
-converter refuses a checkpoint whose tokenizer it does not recognise); #47's table has its
-numbers on this machine class.
+the table.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -64,6 +71,19 @@ ENGINES = {
     "kvsession bf16 dual": {"cpu_weight_layout": "dual"},
     "transformers bf16": None,
 }
+LLAMA_CPP = {"llama.cpp bf16": "bf16", "llama.cpp q8_0": "q8_0"}  # engine -> GGUF outtype
+CONVERT = """
+import runpy, sys
+import conversion.base as base
+# the tiny test tokenizer is no tokenizer llama.cpp knows: its pre-tokenizer is "default",
+# and it is a BPE tokenizer.json (no SentencePiece model to look for)
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+def no_sentencepiece(self):
+    raise FileNotFoundError("tokenizer.model")
+base.TextModel._set_vocab_sentencepiece = no_sentencepiece
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
+runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
+"""
 PROMPT_TOKENS = 32
 PREFILL_TOKENS = 512
 WARM_TOKENS = 8
@@ -191,6 +211,24 @@ class Bandwidth:
         return max(self.samples)
 
 
+def gguf(model: Path, outtype: str, src: Path) -> Path:
+    """`model` converted by llama.cpp's converter (in `src`) to `outtype` (built once)."""
+    out = model / f"model-{outtype}.gguf"
+    if not out.is_file():
+        print(f"converting {model} to {outtype} ...", flush=True)
+        subprocess.run([sys.executable, "-c", CONVERT, str(model), "--outtype", outtype,
+                        "--outfile", str(out)], cwd=src, check=True, capture_output=True,
+                       timeout=3600, env={**os.environ, "PYTHONPATH": str(src)})
+    return out
+
+
+def llama_cpp_run(python: str, path: Path, args) -> subprocess.CompletedProcess:
+    return subprocess.run([python, str(Path(__file__).with_name("llama_cpp_child.py")),
+                           str(path), "--threads", str(torch.get_num_threads()),
+                           "--decode-tokens", str(args.decode_tokens), "--rounds",
+                           str(args.rounds)], capture_output=True, text=True, timeout=3600)
+
+
 def decode_bytes_per_token(res: dict) -> int:
     """What a batch-1 decode step reads: every weight once but the embedding's unused rows
     (a tied embedding is the head, read whole; the KV of a short context is negligible)."""
@@ -204,6 +242,10 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--llama-cpp-python", default=None,
+                    help="a Python with llama-cpp-python (adds llama.cpp bf16 and q8_0)")
+    ap.add_argument("--llama-cpp-src", type=Path, default=None,
+                    help="llama.cpp's source (its convert_hf_to_gguf.py and conversion/)")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "ENGINE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -217,17 +259,25 @@ def main() -> None:
         model = checkpoint(shape)
         size = sum(p.stat().st_size for p in model.glob("*.safetensors"))
         results[shape] = {"checkpoint_bytes": size, "engines": {}}
-        for engine in args.engines:
+        peers = list(LLAMA_CPP) if args.llama_cpp_python else []
+        for engine in args.engines + peers:
             bw.sample()
-            proc = subprocess.run(
-                [sys.executable, __file__, "--child", str(model), engine, "--decode-tokens",
-                 str(args.decode_tokens), "--rounds", str(args.rounds),
-                 "--kv-cache-memory", args.kv_cache_memory],
-                capture_output=True, text=True, timeout=3600)
+            if engine in LLAMA_CPP:
+                proc = llama_cpp_run(args.llama_cpp_python,
+                                     gguf(model, LLAMA_CPP[engine], args.llama_cpp_src), args)
+            else:
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--child", str(model), engine,
+                     "--decode-tokens", str(args.decode_tokens), "--rounds", str(args.rounds),
+                     "--kv-cache-memory", args.kv_cache_memory],
+                    capture_output=True, text=True, timeout=3600)
             if proc.returncode != 0:
                 print(f"{shape} {engine}: failed\n{proc.stderr[-3000:]}")
                 continue
             res = json.loads(proc.stdout.strip().splitlines()[-1])
+            if engine in LLAMA_CPP:  # what a decode step reads: the GGUF's tensors
+                res["weight_bytes"] = gguf(model, LLAMA_CPP[engine],
+                                           args.llama_cpp_src).stat().st_size
             results[shape]["engines"][engine] = res
             print(f"{shape:13s} {engine:20s} load {res['load_s']:5.1f} s  resident "
                   f"{res['resident_bytes'] / 1e9:5.2f} GB  decode b1 "
@@ -244,6 +294,15 @@ def main() -> None:
                 res["vs_transformers"] = {
                     k: res[k] / hf[k] for k in ("decode_b1_tok_s", "decode_b8_tok_s")} | {
                     "prefill_512": hf["prefill_512_s"] / res["prefill_512_s"]}
+        # each kvsession format against llama.cpp's nearest: int8 against q8_0, the rest bf16
+        for engine, res in results[shape]["engines"].items():
+            peer = results[shape]["engines"].get(
+                "llama.cpp q8_0" if "int8" in engine else "llama.cpp bf16")
+            if peer is not None and engine.startswith("kvsession"):
+                res["vs_llama_cpp"] = {
+                    k: res[k] / peer[k] for k in ("decode_b1_tok_s", "decode_b8_tok_s")} | {
+                    "prefill_512": peer["prefill_512_s"] / res["prefill_512_s"],
+                    "load": res["load_s"] / peer["load_s"]}
     print(f"DRAM read bandwidth (best of {len(bw.samples)} samples in the run): "
           f"{bw.best / 1e9:.1f} GB/s (median {statistics.median(bw.samples) / 1e9:.1f})")
     for shape, r in results.items():
@@ -251,6 +310,10 @@ def main() -> None:
             extra = "" if "vs_transformers" not in res else \
                 "; vs transformers: decode b1 {decode_b1_tok_s:.2f}x b8 {decode_b8_tok_s:.2f}x " \
                 "prefill {prefill_512:.2f}x".format(**res["vs_transformers"])
+            if "vs_llama_cpp" in res:
+                extra += "; vs llama.cpp: decode b1 {decode_b1_tok_s:.2f}x b8 " \
+                    "{decode_b8_tok_s:.2f}x prefill {prefill_512:.2f}x, load time " \
+                    "{load:.2f}x theirs".format(**res["vs_llama_cpp"])
             print(f"{shape:13s} {engine:20s} decode b1 at {res['decode_b1_vs_bound']:.2f}x its "
                   f"bound ({res['decode_b1_bound_tok_s']:.1f} tok/s); resident "
                   f"{res['resident_bytes'] / r['checkpoint_bytes']:.2f}x the checkpoint{extra}")

@@ -471,17 +471,22 @@ def section_real_shapes(r) -> list[str]:
     for shape, s in r["shapes"].items():
         out += [f"**{shape}** (checkpoint {s['checkpoint_bytes'] / 1e9:.2f} GB bf16):", "",
                 "| engine | load s | resident GB | weights GB | decode b1 tok/s | x bound "
-                "| decode b8 tok/s | prefill 512 s | vs transformers (b1 / b8 / prefill) |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| decode b8 tok/s | prefill 512 s | vs transformers (b1 / b8 / prefill) "
+                "| vs llama.cpp (b1 / b8 / prefill / load time) |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for name, e in s["engines"].items():
             vs = e.get("vs_transformers")
             vs_text = "-" if vs is None else (f"{vs['decode_b1_tok_s']:.2f}x / "
                                               f"{vs['decode_b8_tok_s']:.2f}x / "
                                               f"{vs['prefill_512']:.2f}x")
+            lc = e.get("vs_llama_cpp")
+            lc_text = "-" if lc is None else (f"{lc['decode_b1_tok_s']:.2f}x / "
+                                              f"{lc['decode_b8_tok_s']:.2f}x / "
+                                              f"{lc['prefill_512']:.2f}x / {lc['load']:.2f}x")
             out.append(f"| {name} | {fmt(e['load_s'], 1)} | {e['resident_bytes'] / 1e9:.2f} | "
                        f"{e['weight_bytes'] / 1e9:.2f} | {fmt(e['decode_b1_tok_s'], 1)} | "
                        f"**{fmt(e['decode_b1_vs_bound'])}x** | {fmt(e['decode_b8_tok_s'], 1)} | "
-                       f"{fmt(e['prefill_512_s'])} | {vs_text} |")
+                       f"{fmt(e['prefill_512_s'])} | {vs_text} | {lc_text} |")
         out.append("")
     return out
 

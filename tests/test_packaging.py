@@ -34,8 +34,8 @@ def test_kernels_is_not_a_top_level_module():
 
 
 def test_the_wheel_ships_the_cpu_kernel_source(tmp_path):
-    """kernels/cpu_decode.cpp and cpu_decode_op.cpp are compiled at first use: they must be
-    in the wheel."""
+    """kernels/*.cpp (cpu_decode, its op, the int8 and bf16-rows products) are compiled at
+    first use: they must be in the wheel."""
     import zipfile
 
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
@@ -43,5 +43,5 @@ def test_the_wheel_ships_the_cpu_kernel_source(tmp_path):
                    timeout=300)
     (wheel,) = tmp_path.glob("kvsession-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"kvsession/kernels/cpu_decode.cpp", "kvsession/kernels/cpu_decode_op.cpp"} <= \
-        set(names)
+    assert {f"kvsession/kernels/{n}.cpp" for n in ("cpu_decode", "cpu_decode_op", "q8_matmul",
+                                                  "bf16_rows")} <= set(names)
