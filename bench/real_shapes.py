@@ -229,10 +229,13 @@ def llama_cpp_run(python: str, path: Path, args) -> subprocess.CompletedProcess:
                            str(args.rounds)], capture_output=True, text=True, timeout=3600)
 
 
-def decode_bytes_per_token(res: dict) -> int:
+def decode_bytes_per_token(engine: str, engines: dict) -> int:
     """What a batch-1 decode step reads: every weight once but the embedding's unused rows
-    (a tied embedding is the head, read whole; the KV of a short context is negligible)."""
-    return res["weight_bytes"]
+    (a tied embedding is the head, read whole; the KV of a short context is negligible).
+    The dual layout reads one of its two copies: the single layout's bytes."""
+    if "dual" in engine and "kvsession bf16" in engines:
+        return engines["kvsession bf16"]["weight_bytes"]
+    return engines[engine]["weight_bytes"] // (2 if "dual" in engine else 1)
 
 
 def main() -> None:
@@ -284,8 +287,9 @@ def main() -> None:
                   f"{res['decode_b1_tok_s']:5.1f} b8 {res['decode_b8_tok_s']:6.1f} tok/s  "
                   f"prefill 512 {res['prefill_512_s']:5.2f} s", flush=True)
         bw.sample()
-        for res in results[shape]["engines"].values():
-            bound = bw.best / decode_bytes_per_token(res)
+        engines = results[shape]["engines"]
+        for engine, res in engines.items():
+            bound = bw.best / decode_bytes_per_token(engine, engines)
             res["decode_b1_bound_tok_s"] = bound
             res["decode_b1_vs_bound"] = bound / res["decode_b1_tok_s"]  # >= 1; 1 = the bound
         hf = results[shape]["engines"].get("transformers bf16")

@@ -71,6 +71,14 @@ class LayerWeights:
     down: Linear
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` in memory of its own: a tensor kept as loaded may be a view of the checkpoint
+    file's mapping (loader.load_weights does not copy what needs no conversion), which would
+    keep the whole file resident. The projections need no such copy: fusing, packing and
+    quantizing write new memory."""
+    return t.clone() if t.device.type == "cpu" else t
+
+
 def weight_format(cfg: EngineConfig) -> str:
     """The projections' format (model/linear.py) for what LLM(...) asked."""
     if cfg.quantization is Quantization.INT8:
@@ -89,7 +97,7 @@ class LlamaModel:
         # the paged attention op; an instance attribute so a measurement tool can wrap it
         # for one model (kvsession.numerics) without patching the module for everyone
         self.attention_fn = attention
-        self.norm = weights["model.norm.weight"]
+        self.norm = _own(weights["model.norm.weight"])
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(spec.num_layers)]
         embed = weights["model.embed_tokens.weight"]
         tied = spec.tie_word_embeddings
@@ -106,6 +114,8 @@ class LlamaModel:
             self.lm_head if tied else Linear(embed, fmt="int8")
         if self.embed_int8 is not None:
             self.embed = None
+        elif self.embed is embed:  # kept as loaded (untied): memory of its own
+            self.embed = _own(embed)
         weights.clear()  # the fused copies above replace them; free the originals
         # a batch-1 decode step's kernel, by measurement on this CPU (model/linear.py)
         measure_one_row(self.projections())
@@ -161,13 +171,13 @@ class LlamaModel:
             return Linear([w.pop(n) for n in names], bias, fmt=self.weight_format)
 
         return LayerWeights(
-            input_norm=w[p + "input_layernorm.weight"],
+            input_norm=_own(w[p + "input_layernorm.weight"]),
             qkv=linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
                        [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
-            q_norm=w.get(a + "q_norm.weight") if spec.qk_norm else None,
-            k_norm=w.get(a + "k_norm.weight") if spec.qk_norm else None,
+            q_norm=_own(w[a + "q_norm.weight"]) if spec.qk_norm else None,
+            k_norm=_own(w[a + "k_norm.weight"]) if spec.qk_norm else None,
             o=linear([a + "o_proj.weight"], [a + "o_proj.bias"]),
-            post_norm=w[p + "post_attention_layernorm.weight"],
+            post_norm=_own(w[p + "post_attention_layernorm.weight"]),
             gate_up=linear([m + "gate_proj.weight", m + "up_proj.weight"],
                            [m + "gate_proj.bias", m + "up_proj.bias"]),
             down=linear([m + "down_proj.weight"], [m + "down_proj.bias"]),

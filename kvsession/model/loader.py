@@ -101,10 +101,10 @@ def load_weights(model_dir: Path, spec: ModelSpec, dtype: torch.dtype,
                         raise ModelLoadError(
                             f"tensor {name!r} in {path.name} is {t.dtype}: kvsession loads "
                             f"float weights (float32, bfloat16, float16), not quantized ones")
-                    # an owned copy even when nothing converts: a tensor left a view of the
-                    # file's mapping keeps the whole file resident (counted in the
-                    # process's memory) for as long as the model lives
-                    out[name] = t.to(device=device, dtype=dtype, copy=True)
+                    # unconverted, this is a view of the file's mapping: the model copies
+                    # every tensor it keeps (LlamaModel._own), so that no view keeps the
+                    # whole file resident for as long as the model lives
+                    out[name] = t.to(device=device, dtype=dtype)
         except ModelLoadError:
             raise
         except Exception as e:  # safetensors raises its own error types for bad files
