@@ -107,6 +107,24 @@ def resident_bytes() -> int:
 # ---- the child: one engine, one format ------------------------------------------------
 
 
+def rates(run, prompt, decode_tokens: int, rounds: int) -> dict:
+    """Decode rates at batch 1 and 8 and the 512-token prefill time of an engine whose
+    `run(prompts, n)` generates n tokens for each prompt and returns the wall time."""
+    out = {}
+    for batch in (1, 8):
+        prompts = [prompt(PROMPT_TOKENS) for _ in range(batch)]
+        run(prompts, WARM_TOKENS)  # warm-up (compiling, first touches)
+        samples = []
+        for _ in range(rounds):
+            short, long = run(prompts, WARM_TOKENS), run(prompts, WARM_TOKENS + decode_tokens)
+            samples.append(batch * decode_tokens / max(long - short, 1e-9))
+        out[f"decode_b{batch}_tok_s"] = statistics.median(samples)
+        out[f"decode_b{batch}_range"] = [min(samples), max(samples)]
+    prefill = [run([prompt(PREFILL_TOKENS)], 1) for _ in range(rounds + 1)][1:]
+    out["prefill_512_s"] = statistics.median(prefill)
+    return out
+
+
 def child(model: Path, engine: str, decode_tokens: int, rounds: int, kv: str) -> dict:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     gen = torch.Generator().manual_seed(0)
@@ -138,17 +156,7 @@ def child(model: Path, engine: str, decode_tokens: int, rounds: int, kv: str) ->
 
     out = {"load_s": load_s, "resident_bytes": grew,
            "weight_bytes": llm.runtime.weight_bytes}
-    for batch in (1, 8):
-        prompts = [prompt(PROMPT_TOKENS) for _ in range(batch)]
-        run(prompts, WARM_TOKENS)  # warm-up (compiling, first touches)
-        rates = []
-        for _ in range(rounds):
-            short, long = run(prompts, WARM_TOKENS), run(prompts, WARM_TOKENS + decode_tokens)
-            rates.append(batch * decode_tokens / max(long - short, 1e-9))
-        out[f"decode_b{batch}_tok_s"] = statistics.median(rates)
-        out[f"decode_b{batch}_range"] = [min(rates), max(rates)]
-    prefill = [run([prompt(PREFILL_TOKENS)], 1) for _ in range(rounds + 1)][1:]
-    out["prefill_512_s"] = statistics.median(prefill)
+    out |= rates(run, prompt, decode_tokens, rounds)
     llm.close()
     return out
 
@@ -175,17 +183,7 @@ def hf_child(model: Path, prompt, decode_tokens: int, rounds: int) -> dict:
 
     out = {"load_s": load_s, "resident_bytes": grew,
            "weight_bytes": sum(p.numel() * p.element_size() for p in hf.parameters())}
-    for batch in (1, 8):
-        prompts = [prompt(PROMPT_TOKENS) for _ in range(batch)]
-        run(prompts, WARM_TOKENS)
-        rates = []
-        for _ in range(rounds):
-            short, long = run(prompts, WARM_TOKENS), run(prompts, WARM_TOKENS + decode_tokens)
-            rates.append(batch * decode_tokens / max(long - short, 1e-9))
-        out[f"decode_b{batch}_tok_s"] = statistics.median(rates)
-        out[f"decode_b{batch}_range"] = [min(rates), max(rates)]
-    prefill = [run([prompt(PREFILL_TOKENS)], 1) for _ in range(rounds + 1)][1:]
-    out["prefill_512_s"] = statistics.median(prefill)
+    out |= rates(run, prompt, decode_tokens, rounds)
     return out
 
 
