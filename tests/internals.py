@@ -12,8 +12,9 @@ The contract:
   a function on the engine thread (or holding it, to batch requests into one step),
   observing or failing steps, driving the prefill workers' connector, and reading or
   changing the model and the KV pool a kernel test works on.
-* `Internals(llm)` is the only code in tests/ that touches `llm._rt`
-  (tests/test_test_seams.py checks it). Every member says which behaviour it makes
+* `Internals(llm)` is the only code in tests/ that touches `llm._rt` (or the LLM's other
+  private parts, its session store and request builder; tests/test_test_seams.py checks
+  it). Every member says which behaviour it makes
   testable; a new need gets a member here, with its reason, not a reach-in in a test.
   Members return internal objects only where a test must drive them (the connector's
   knobs, the kernels' model and pool); specific verbs are preferred.
@@ -42,6 +43,7 @@ class Internals:
 
     def __init__(self, llm):
         self._rt = llm._rt
+        self._store = llm._store
 
     # ---- the engine thread -----------------------------------------------------------
 
@@ -143,6 +145,11 @@ class Internals:
     def spill_failures(self) -> int:
         """Spills to disk that failed (a full disk): the session must keep its KV."""
         return self._rt.policy.spill_failures
+
+    @property
+    def live_sessions(self) -> dict:
+        """The LLM's registry of open sessions: a refused fork must register nothing."""
+        return self._store.live
 
     @property
     def tracked_sessions(self) -> list:

@@ -11,10 +11,12 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 INTERFACE = TESTS / "internals.py"
 MAX_MEMBERS = 40
-# an attribute access to the runtime (an alias of it too, in code or in a child process's
-# script) or a getattr of it; its name spelled apart so that this file does not match
+# an attribute access to the LLM's private parts (the runtime, the session store, the
+# request builder; an alias of one too, in code or in a child process's script) or a
+# getattr of one; the names spelled apart so that this file does not match
 PRIVATE = "_" + "rt"
-REACH_IN = re.compile(rf"\.\s*{PRIVATE}\b|getattr\([^)]*['\"]{PRIVATE}['\"]")
+PRIVATES = "|".join([PRIVATE, "_" + "store", "_" + "requests"])
+REACH_IN = re.compile(rf"\.\s*(?:{PRIVATES})\b|getattr\([^)]*['\"](?:{PRIVATES})['\"]")
 
 
 def reach_ins(source: str) -> list[int]:
@@ -34,7 +36,8 @@ def test_the_scan_finds_a_reach_in():
     assert reach_ins(f"x = 1\nrt = llm.{PRIVATE}\n") == [2]
     assert reach_ins(f"llm.{PRIVATE}.engine.num_steps") == [1]
     assert reach_ins(f"getattr(llm, '{PRIVATE}')") == [1]
-    assert reach_ins("self.rt_x, llm.runtime, s._rtt") == []
+    assert reach_ins("llm." + "_" + "store.live") == [1]
+    assert reach_ins("self.rt_x, llm.runtime, s._rtt, s._stores") == []
 
 
 def test_the_interface_is_small_and_says_why():
