@@ -509,7 +509,7 @@ def main() -> None:
         plot(result, args.sessions, args.turns, name)
 
 
-def plot(result: dict, sessions: int, turns: int, name: str = "agent_workload") -> None:
+def plot(result: dict, sessions: int, turns: int, figure: str = "agent_workload") -> None:
     plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.9), gridspec_kw={"width_ratios": [3, 2]})
     names = (("kvsession", "kvsession, append history"),
@@ -538,7 +538,7 @@ def plot(result: dict, sessions: int, turns: int, name: str = "agent_workload") 
     bx.set_xlabel("makespan (s)")
     bx.set_title(f"{result['makespan_ratio_vs_naive']:.1f}x vs naive, "
                  f"{result['makespan_ratio_vs_best']:.2f}x vs past_key_values")
-    save_figure(fig, name)
+    save_figure(fig, figure)
 
 
 if __name__ == "__main__":

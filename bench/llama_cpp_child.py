@@ -15,15 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 
 import llama_cpp as L
+from decode_rates import BATCHES, PREFILL_TOKENS, rates
 
-PROMPT_TOKENS = 32
-PREFILL_TOKENS = 512
-WARM_TOKENS = 8
-SEQS = 8
+SEQS = max(BATCHES)
 
 
 def resident_bytes() -> int:
@@ -65,13 +62,13 @@ class Engine:
             raise RuntimeError("llama_decode failed")
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> float:
-        """Prefill each prompt as its own sequence, then `new_tokens` steps of one token per
-        sequence; the wall time of all of it."""
+        """Prefill each prompt as its own sequence (its logits: the first new token), then
+        `new_tokens - 1` steps of one token per sequence; the wall time of all of it."""
         self.clear()
         t = time.perf_counter()
         for seq, p in enumerate(prompts):
             self.decode([(tok, pos, seq) for pos, tok in enumerate(p)], True)
-        for step in range(new_tokens):
+        for step in range(new_tokens - 1):
             self.decode([(7 + step % 100, len(p) + step, seq)
                          for seq, p in enumerate(prompts)], False)
         return time.perf_counter() - t
@@ -94,18 +91,7 @@ def main() -> None:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(1000, eng.n_vocab) for _ in range(n)]
 
-    for batch in (1, SEQS):
-        prompts = [prompt(PROMPT_TOKENS) for _ in range(batch)]
-        eng.run(prompts, WARM_TOKENS)
-        rates = []
-        for _ in range(args.rounds):
-            short = eng.run(prompts, WARM_TOKENS)
-            long = eng.run(prompts, WARM_TOKENS + args.decode_tokens)
-            rates.append(batch * args.decode_tokens / max(long - short, 1e-9))
-        out[f"decode_b{batch}_tok_s"] = statistics.median(rates)
-        out[f"decode_b{batch}_range"] = [min(rates), max(rates)]
-    prefill = [eng.run([prompt(PREFILL_TOKENS)], 0) for _ in range(args.rounds + 1)][1:]
-    out["prefill_512_s"] = statistics.median(prefill)
+    out |= rates(eng.run, prompt, args.decode_tokens, args.rounds)
     print(json.dumps(out))
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 from common import pyplot, save_figure, write_result
+from decode_rates import rates
 
 from kvsession.testing import make_tiny_model
 
@@ -84,9 +85,6 @@ base.TextModel._set_vocab_sentencepiece = no_sentencepiece
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
 runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
 """
-PROMPT_TOKENS = 32
-PREFILL_TOKENS = 512
-WARM_TOKENS = 8
 
 
 def checkpoint(name: str) -> Path:
@@ -105,24 +103,6 @@ def resident_bytes() -> int:
 
 
 # ---- the child: one engine, one format ------------------------------------------------
-
-
-def rates(run, prompt, decode_tokens: int, rounds: int) -> dict:
-    """Decode rates at batch 1 and 8 and the 512-token prefill time of an engine whose
-    `run(prompts, n)` generates n tokens for each prompt and returns the wall time."""
-    out = {}
-    for batch in (1, 8):
-        prompts = [prompt(PROMPT_TOKENS) for _ in range(batch)]
-        run(prompts, WARM_TOKENS)  # warm-up (compiling, first touches)
-        samples = []
-        for _ in range(rounds):
-            short, long = run(prompts, WARM_TOKENS), run(prompts, WARM_TOKENS + decode_tokens)
-            samples.append(batch * decode_tokens / max(long - short, 1e-9))
-        out[f"decode_b{batch}_tok_s"] = statistics.median(samples)
-        out[f"decode_b{batch}_range"] = [min(samples), max(samples)]
-    prefill = [run([prompt(PREFILL_TOKENS)], 1) for _ in range(rounds + 1)][1:]
-    out["prefill_512_s"] = statistics.median(prefill)
-    return out
 
 
 def child(model: Path, engine: str, decode_tokens: int, rounds: int, kv: str) -> dict:

@@ -28,7 +28,11 @@ import torch
 log = logging.getLogger("kvsession")
 
 BUILD_TIMEOUT_S = 120.0
-# a plain C++ kernel: optimised for this CPU, OpenMP for the threads, no torch headers
+# a plain C++ kernel: optimised for this CPU, OpenMP for the threads, no torch headers.
+# -ffast-math lets loops call glibc's vector math (libmvec: its declarations need
+# finite-math-only too). Compiled and linked in two steps: linking with -ffast-math adds
+# gcc's crtfastmath, whose constructor turns on flush-to-zero for the whole process when
+# the library loads.
 KERNEL_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC",
                         "-std=c++17", "-c"]
 KERNEL_LINK_FLAGS = ["-shared", "-fopenmp"]
@@ -95,24 +99,35 @@ def build(cxx: str, lib: Path, errors: list[str], source: Path, compile_flags: l
 class CtypesKernel:
     """One C++ entry point, built at first use with the plain kernel flags and bound with
     ctypes; `get()` is the function, or None where it cannot be built (why is logged once
-    per compiler and cache directory: the caller's torch twin serves)."""
+    per compiler and cache directory: the caller's torch twin serves). `link_variants`:
+    extra libraries to link with, best first (`build`)."""
 
     def __init__(self, source: Path, symbol: str, argtypes: list, restype, what: str,
-                 fallback: str):
+                 fallback: str, link_variants: tuple[tuple[str, ...], ...] = ((),)):
         self.source, self.symbol, self.argtypes, self.restype = source, symbol, argtypes, restype
         self.what, self.fallback = what, fallback  # for the log: "the int8 product kernel"
+        self.link_variants = link_variants
         self._lock = threading.Lock()
+        # (compiler, directory) -> the entry point or None; also by get()'s arguments and
+        # the environment variables that decide them, so that a known answer costs one
+        # lookup (callers may call get() per use)
         self._loaded: dict[tuple, Callable | None] = {}
 
-    def get(self) -> Callable | None:
-        cxx, directory = compiler(), cache_dir()
-        key = (cxx, str(directory))
-        fn = self._loaded.get(key, self._lock)
+    def get(self, cxx: str | None = None, directory: Path | None = None) -> Callable | None:
+        """The entry point, built if needed with `cxx` (default `compiler()`) into
+        `directory` (default `cache_dir()`); None when it cannot be built or loaded."""
+        env = os.environ
+        fast = (cxx, directory, env.get("CXX"), env.get("KVSESSION_CACHE"))
+        fn = self._loaded.get(fast, self._lock)
         if fn is not self._lock:
             return fn
+        cxx = cxx or compiler()
+        directory = directory or cache_dir()
+        key = (cxx, str(directory))
         with self._lock:
             if key not in self._loaded:
                 self._loaded[key] = self._build_and_load(cxx, directory)
+            self._loaded[fast] = self._loaded[key]
             return self._loaded[key]
 
     def _build_and_load(self, cxx: str | None, directory: Path) -> Callable | None:
@@ -125,9 +140,11 @@ class CtypesKernel:
         errors: list[str] = []
         try:
             if not lib.is_file():
-                build(cxx, lib, errors, self.source, KERNEL_COMPILE_FLAGS, KERNEL_LINK_FLAGS)
+                build(cxx, lib, errors, self.source, KERNEL_COMPILE_FLAGS, KERNEL_LINK_FLAGS,
+                      link_variants=self.link_variants)
             fn = getattr(ctypes.CDLL(str(lib)), self.symbol)
-        except (OSError, AttributeError) as e:
+        except (OSError, AttributeError) as e:  # no library (the build failed), a directory
+            # that cannot be written, a library without the entry point
             errors.append(str(e))
             log.warning("%s is not used (building it with %s into %s failed: %s); %s",
                         self.what, cxx, directory, " | ".join(errors), self.fallback)

@@ -23,33 +23,38 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from kvsession.kernels.cpp_build import build, cache_dir, compiler, library_path
+from kvsession.kernels.cpp_build import (
+    KERNEL_COMPILE_FLAGS,
+    KERNEL_LINK_FLAGS,
+    CtypesKernel,
+    build,
+    cache_dir,
+    compiler,
+    library_path,
+)
 
 log = logging.getLogger("kvsession")
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-# -ffast-math lets the exp loops call glibc's vector exp (libmvec; its declarations need
-# finite-math-only too, so the kernel uses no infinity: -FLT_MAX starts each running max).
-# Compiled and linked in two steps: linking with -ffast-math adds gcc's crtfastmath, whose
-# constructor turns on flush-to-zero for the whole process when the library loads.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17",
-                 "-c"]
-LINK_FLAGS = ["-shared", "-fopenmp"]
+# (built with cpp_build's kernel flags: -ffast-math lets the exp loops call glibc's vector
+# exp, so the kernel uses no infinity: -FLT_MAX starts each running max)
 LINK = (("-lmvec", "-lm"), ("-lm",))  # libmvec is glibc's; without it exp stays scalar
 # tokens per task (the unit split across threads): long enough that a task's setup and
 # its merge are small next to reading it, short enough that 2,048 tokens make 8 tasks
 TASK_TOKENS = 256
 
-_lock = threading.Lock()
-# (compiler, directory) -> the entry point or None; also by load()'s arguments and the
-# environment variables that decide them, so that a known answer costs one lookup
-_loaded: dict[tuple, object] = {}
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+KERNEL = CtypesKernel(SOURCE, "kvs_decode_attention",
+                      [_P, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, ctypes.c_float,
+                       _I64, _I64, _P, ctypes.c_int, _P, _P, _P], ctypes.c_int,
+                      "the CPU decode attention kernel",
+                      "decode attention runs the torch reference", link_variants=LINK)
+_lock = threading.Lock()  # register_op's
 
 
 def load(cxx: str | None = None, directory: Path | None = None):
@@ -57,44 +62,7 @@ def load(cxx: str | None = None, directory: Path | None = None):
     `compiler()`) into `directory` (default `cache_dir()`); None when it cannot be built or
     loaded (the reason is logged once per compiler and directory). Cheap once known: a
     dict lookup, so callers may call it per use."""
-    env = os.environ
-    fast = (cxx, directory, env.get("CXX"), env.get("KVSESSION_CACHE"))  # what decides both
-    fn = _loaded.get(fast, _lock)
-    if fn is not _lock:
-        return fn
-    cxx = cxx or compiler()
-    directory = directory or cache_dir()
-    key = (cxx, str(directory))
-    with _lock:
-        if key not in _loaded:
-            _loaded[key] = _build_and_load(cxx, directory)
-        _loaded[fast] = _loaded[key]
-        return _loaded[key]
-
-
-def _build_and_load(cxx: str | None, directory: Path):
-    if cxx is None:
-        log.warning("the CPU decode attention kernel is not used: no C++ compiler found "
-                    "(set CXX); decode attention runs the torch reference")
-        return None
-    lib = library_path(cxx, directory, "cpu_decode", [SOURCE], COMPILE_FLAGS + LINK_FLAGS)
-    errors: list[str] = []
-    try:
-        if not lib.is_file():
-            build(cxx, lib, errors, SOURCE, COMPILE_FLAGS, LINK_FLAGS, link_variants=LINK)
-        fn = ctypes.CDLL(str(lib)).kvs_decode_attention
-    except (OSError, AttributeError) as e:  # no library (the build failed), a directory
-        # that cannot be written, a library without the entry point
-        errors.append(str(e))
-        log.warning("the CPU decode attention kernel is not used (building it with %s "
-                    "into %s failed: %s); decode attention runs the torch reference", cxx,
-                    directory, " | ".join(errors))
-        return None
-    P, I64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [P, P, I64, I64, I64, P, I64, P, I64, I64, P, ctypes.c_float, I64, I64,
-                   P, ctypes.c_int, P, P, P]
-    fn.restype = ctypes.c_int
-    return fn
+    return KERNEL.get(cxx, directory)
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -176,11 +144,11 @@ def _op_flags() -> tuple[list[str], list[str], tuple[str, ...]]:
     root = Path(torch.__file__).parent
     include = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    compile_flags = [f for f in COMPILE_FLAGS if not f.startswith("-std=")] + [
+    compile_flags = [f for f in KERNEL_COMPILE_FLAGS if not f.startswith("-std=")] + [
         "-std=c++20", f"-DKVS_TASK_TOKENS={TASK_TOKENS}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include)]
     lib = root / "lib"
-    return compile_flags, LINK_FLAGS + [f"-L{lib}", f"-Wl,-rpath,{lib}"], ("-ltorch_cpu",
+    return compile_flags, KERNEL_LINK_FLAGS + [f"-L{lib}", f"-Wl,-rpath,{lib}"], ("-ltorch_cpu",
                                                                            "-lc10")
 
 

@@ -18,7 +18,6 @@ checks the whole engine's integrity (the test suite turns it on after every step
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -84,7 +83,6 @@ class Runtime:
         backend = resolve_backend(cfg.attention_backend, cfg.device, cfg.block_size)
         fingerprint = hashlib.sha256(json.dumps(
             [spec.to_dict(), weights_digest(cfg.model)], sort_keys=True).encode()).hexdigest()
-        self.info = RuntimeInfo(spec, max_model_len, num_blocks, bpt, fingerprint)
         # what a request's unset sampling fields become (the checkpoint's own defaults)
         self.generation = GenerationDefaults.load(cfg.model, cfg.generation_config,
                                                   max_model_len)
@@ -97,7 +95,8 @@ class Runtime:
                               spec.head_dim, cfg.kv_cache_dtype, cfg.device,
                               use_kernels=backend == AttentionBackend.TRITON)
         self.model.warm_up(self.kv_pool, backend)
-        self.info = dataclasses.replace(self.info, weight_bytes=self.model.weight_bytes())
+        self.info = RuntimeInfo(spec, max_model_len, num_blocks, bpt, fingerprint,
+                                self.model.weight_bytes())
         # the originals the weights were fused and packed from are freed: give them back
         release_free_memory()
         # what stored KV is valid under: block hashes, snapshots, segments, the session log

@@ -30,7 +30,7 @@ class RuntimeInfo:
     num_blocks: int
     kv_bytes_per_token: int
     model_fingerprint: str
-    weight_bytes: int = 0  # resident, once loaded (LlamaModel.weight_bytes)
+    weight_bytes: int  # what the loaded weights hold resident (LlamaModel.weight_bytes)
 
 
 @dataclass(frozen=True)

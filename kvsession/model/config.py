@@ -70,8 +70,13 @@ def checkpoint_dtype(model_dir: Path, known: dict[str, torch.dtype]) -> torch.dt
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError, UnicodeDecodeError):
         return None
-    name = (cfg.get("dtype") or cfg.get("torch_dtype")) if isinstance(cfg, dict) else None
+    name = dtype_name(cfg) if isinstance(cfg, dict) else None
     return known.get(name) if isinstance(name, str) else None
+
+
+def dtype_name(cfg: dict):
+    """The dtype a config.json names: `dtype` (current transformers) or `torch_dtype`."""
+    return cfg.get("dtype") or cfg.get("torch_dtype")
 
 
 def read_json(path: Path) -> dict:
@@ -147,7 +152,7 @@ def load_model_spec(model_dir: Path) -> ModelSpec:
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=_sliding_window(arch, cfg),
             hidden_act=cfg.get("hidden_act", "silu"),
-            checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            checkpoint_dtype=dtype_name(cfg),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json is missing required field {e.args[0]!r}") from None

@@ -106,15 +106,16 @@ class LlamaModel:
                               fmt="rows" if tied and weight_format == "onednn" else weight_format)
         # the one-row weights in one buffer, in the order a decode step reads them
         pack_rows(self.projections()[1:] + [self.lm_head])
-        # tied: look tokens up in the head's (transposed) copy rather than keep a second one;
-        # int8 looks them up in int8 (the head's, or an int8 table of its own)
-        self.embed = self.lm_head.weight if tied \
-            and self.lm_head.fmt in ("float", "both", "rows") else embed
-        self.embed_int8 = None if weight_format != "int8" else \
-            self.lm_head if tied else Linear(embed, fmt="int8")
-        if self.embed_int8 is not None:
+        # where tokens are looked up: int8 in int8 (the head's rows, or an int8 table of its
+        # own); a tied head's float rows rather than a second copy; else the embedding as
+        # loaded, in memory of its own
+        self.embed_int8: Linear | None = None
+        if weight_format == "int8":
             self.embed = None
-        elif self.embed is embed:  # kept as loaded (untied): memory of its own
+            self.embed_int8 = self.lm_head if tied else Linear(embed, fmt="int8")
+        elif tied and self.lm_head.fmt in ("float", "both", "rows"):
+            self.embed = self.lm_head.weight
+        else:
             self.embed = _own(embed)
         weights.clear()  # the fused copies above replace them; free the originals
         # a batch-1 decode step's kernel, by measurement on this CPU (model/linear.py)
