@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvsession.kernels.cpp_build import CtypesKernel
+from kvsession.kernels.cpp_build import CtypesKernel, OpKind, TorchOp
 
 KERNEL_MAX_ROWS = 16  # bf16_rows.cpp's MAX_ROWS
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -19,9 +19,21 @@ KERNEL = CtypesKernel(Path(__file__).with_name("bf16_rows.cpp"), "kvs_bf16_matmu
                       "the bfloat16 rows kernel", "a tied head's decode product runs F.linear")
 
 
+NATIVE = CtypesKernel(Path(__file__).with_name("bf16_rows.cpp"), "kvs_bf16_native", [],
+                      ctypes.c_int, "the bfloat16 rows kernel",
+                      "bfloat16 projections keep oneDNN's packed layout")
+
+
 def load():
     """The kernel's entry point (ctypes), built if needed; None when it cannot be."""
     return KERNEL.get()
+
+
+def native() -> bool:
+    """Whether the kernel builds here with AVX512-BF16 products (its portable loop converts
+    to float32 and runs several times slower than oneDNN's packed layout)."""
+    fn = NATIVE.get()
+    return fn is not None and fn() == 1
 
 
 def applies(w: torch.Tensor) -> bool:
@@ -47,3 +59,30 @@ def matmul(fn, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     if bias is not None:
         y += bias
     return y.to(x.dtype)
+
+
+# The product as an op that compiled code calls (model/onerow.py's one-token regions for a
+# bfloat16 model): x [rows, in] (1 to KERNEL_MAX_ROWS rows) @ w^T in x's dtype, w bfloat16
+# [out, in] rows. Its C++ implementation is bf16_rows_op.cpp (`register_op`).
+_LIBRARY = torch.library.Library("kvsession", "FRAGMENT")
+_LIBRARY.define("bf16_rows_matmul(Tensor x, Tensor w) -> Tensor")
+
+
+def _op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The op's implementation in Python (where bf16_rows_op.cpp could not be built)."""
+    return matmul(load(), x, w)
+
+
+OP = TorchOp(_LIBRARY, "bf16_rows_matmul", Path(__file__).with_name("bf16_rows_op.cpp"),
+             Path(__file__).with_name("bf16_rows.cpp"), _op, "the bfloat16 rows op")
+
+
+def register_op() -> OpKind:
+    """Give kvsession::bf16_rows_matmul its CPU implementation, once per process: C++ where
+    it builds, else `_op` (cpp_build.TorchOp). Returns which."""
+    return OP.register()
+
+
+@torch.library.register_fake("kvsession::bf16_rows_matmul")
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])

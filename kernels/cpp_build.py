@@ -11,6 +11,7 @@ build, saying why once.
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import hashlib
 import logging
@@ -151,3 +152,69 @@ class CtypesKernel:
             return None
         fn.argtypes, fn.restype = self.argtypes, self.restype
         return fn
+
+
+class OpKind(enum.Enum):
+    NATIVE = "native"  # a C++ implementation behind torch's dispatcher, no Python
+    PYTHON = "python"  # the op's Python implementation (its kernel through ctypes)
+
+
+def torch_flags(defines: tuple[str, ...] = ()) -> tuple[list[str], list[str], tuple[str, ...]]:
+    """(compile flags, link flags, libraries) of an op's library: the kernel flags, plus
+    torch's headers and libraries (those of the torch this process runs) and `defines`
+    (-D...)."""
+    root = Path(torch.__file__).parent
+    include = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compile_flags = [f for f in KERNEL_COMPILE_FLAGS if not f.startswith("-std=")] + [
+        "-std=c++20", *defines, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in include)]
+    lib = root / "lib"
+    return compile_flags, KERNEL_LINK_FLAGS + [f"-L{lib}", f"-Wl,-rpath,{lib}"], ("-ltorch_cpu",
+                                                                           "-lc10")
+
+
+class TorchOp:
+    """The CPU implementation of an op a `torch.library.Library` defines: C++ (`source`,
+    which includes its kernel's source `kernel`, built like a kernel with torch's headers:
+    ~10-20 s once) where it builds and loads, else `python` registered for the CPU. Why
+    C++: compiled code (model/onerow.py's one-token regions) calls such ops per layer, and
+    a Python implementation's argument boxing, Python and ctypes cost ~30 us a call against
+    ~2 us (measured on the decode attention op). `register()` once per process, by callers
+    that found the kernel itself loading (`CtypesKernel.get`)."""
+
+    def __init__(self, library: torch.library.Library, name: str, source: Path, kernel: Path,
+                 python: Callable, what: str, defines: tuple[str, ...] = (),
+                 link_variants: tuple[tuple[str, ...], ...] = ((),)):
+        self.library, self.name, self.source, self.kernel = library, name, source, kernel
+        self.python, self.what, self.defines = python, what, defines
+        self.link_variants = link_variants
+        self._lock = threading.Lock()
+        self.kind: OpKind | None = None  # the implementation registered, once chosen
+
+    def register(self) -> OpKind:
+        """Give the op its CPU implementation, once per process; which one it got."""
+        with self._lock:
+            if self.kind is not None:
+                return self.kind
+            cxx, directory = compiler(), cache_dir()
+            errors: list[str] = []
+            if cxx is not None:
+                compile_flags, link_flags, libs = torch_flags(self.defines)
+                lib = library_path(cxx, directory, self.source.stem, [self.source, self.kernel],
+                                   compile_flags + link_flags + list(libs))
+                try:
+                    if not lib.is_file():
+                        build(cxx, lib, errors, self.source, compile_flags, link_flags, libs,
+                              link_variants=self.link_variants)
+                    torch.ops.load_library(str(lib))  # its static initialiser registers it
+                    self.kind = OpKind.NATIVE
+                except (OSError, RuntimeError) as e:  # not built, or torch refused to load it
+                    errors.append(str(e))
+            if self.kind is None:
+                log.warning("%s runs its kernel through Python (building its C++ "
+                            "implementation with %s into %s failed: %s)", self.what, cxx,
+                            directory, " | ".join(errors) or "no C++ compiler")
+                self.library.impl(self.name, self.python, "CPU")
+                self.kind = OpKind.PYTHON
+            return self.kind

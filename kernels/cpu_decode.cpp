@@ -1,4 +1,4 @@
-// Decode attention over a paged float32 KV cache on CPU: one query token per sequence,
+// Decode attention over a paged float32 or bfloat16 KV cache on CPU: one query token per sequence,
 // every block read in place through the block table (no gather), the batch's shared
 // leading blocks read once for all of its queries. Built at first use by cpu_decode.py
 // (the system's C++ compiler, -O3 -march=native, OpenMP: the same runtime torch loaded).
@@ -26,6 +26,8 @@
 // - portable loops (omp simd) serve other head sizes, partial blocks and CPUs without
 //   AVX-512. On the AMD EPYC bench machine, 2,048 tokens of the bench model's layer took
 //   ~128 us of compute on one thread with the data in cache.
+// - a bfloat16 cache (a bfloat16 model's) is read as such and widened to float32 in
+//   registers (bfloat16 is float32's upper half: one shift); everything else is float32.
 // Slots past a sequence's last token are never read, so whatever they hold (freed data,
 // NaN) cannot reach the output.
 
@@ -53,9 +55,22 @@ struct Task {
   int64_t scratch;     // offset of its (acc, m, l) rows in the scratch buffer
 };
 
+// The cache's element: float, or uint16_t for bfloat16.
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+// elements of T in one 64-byte cache line
+template <typename T>
+constexpr int64_t LINE = 64 / int64_t(sizeof(T));
+
+template <typename T>
 struct Args {
-  const float* k;
-  const float* v;
+  const T* k;
+  const T* v;
   int64_t bs, kvh, dim, group;
   const int64_t* table;
   int64_t stride;
@@ -65,6 +80,13 @@ struct Args {
 };
 
 #if defined(__AVX512F__)
+// 16 consecutive elements as float32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 // Lane i of the result: the sum of the 16 lanes of v[i]. Summing each dot product's 16
 // partial sums on its own costs ~7 dependent shuffles and adds; summing 16 of them at once
 // as a tree of shuffles costs ~3 per dot.
@@ -92,9 +114,9 @@ inline __m512 transpose_sum16(const __m512* v) {
 // instead of stalling it (~15% faster cold on the AMD bench machine than one line a page).
 // Into L2, not L1: the current K block, the next one and `part` together overflow a 32 KiB
 // L1, and prefetching K into L1 ran 12-20% slower cold (batch 1 and 8, 2,048 tokens).
-template <int DC>
-void block_scores16(const Args& a, const Task& t, const float* kb, float* sc,
-                    int64_t stride, const float* next_k, const float* vb) {
+template <int DC, typename T>
+void block_scores16(const Args<T>& a, const Task& t, const T* kb, float* sc,
+                    int64_t stride, const T* next_k, const T* vb) {
   constexpr int64_t CHUNK = 16;  // 16 KiB of partial sums
   const int64_t row = a.kvh * DC, rows = a.kvh * a.group;
   const __m512 scale = _mm512_set1_ps(a.scale);
@@ -105,20 +127,19 @@ void block_scores16(const Args& a, const Task& t, const float* kb, float* sc,
     for (int64_t r0 = 0; r0 < rows; r0 += CHUNK) {
       const int64_t r1 = std::min(rows, r0 + CHUNK);
       for (int i = 0; i < 16; i++) {
-        const float* kt = kb + i * row;
+        const T* kt = kb + i * row;
         if (r0 == 0 && s == t.s0) {
-          for (int64_t x = 0; x < row; x += 16) {
+          for (int64_t x = 0; x < row; x += LINE<T>) {
             if (next_k) __builtin_prefetch(next_k + i * row + x, 0, 2);  // prefetcht1
             __builtin_prefetch(vb + i * row + x, 0, 1);                  // prefetcht2
           }
         }
         for (int64_t r = r0; r < r1; r++) {
-          const float* kr = kt + (r / a.group) * DC;
+          const T* kr = kt + (r / a.group) * DC;
           const float* qr = qs + r * DC;
-          __m512 d = _mm512_mul_ps(_mm512_loadu_ps(kr), _mm512_loadu_ps(qr));
+          __m512 d = _mm512_mul_ps(load16(kr), _mm512_loadu_ps(qr));
           for (int c = 1; c < DC / 16; c++)
-            d = _mm512_fmadd_ps(_mm512_loadu_ps(kr + 16 * c), _mm512_loadu_ps(qr + 16 * c),
-                                d);
+            d = _mm512_fmadd_ps(load16(kr + 16 * c), _mm512_loadu_ps(qr + 16 * c), d);
           part[(r - r0) * 16 + i] = d;
         }
       }
@@ -130,21 +151,22 @@ void block_scores16(const Args& a, const Task& t, const float* kb, float* sc,
 }
 
 // o[:DC] += sum_i p[i] * v[i * row : i * row + DC] for i < n.
-template <int DC>
-inline void values16(float* o, const float* p, int64_t n, const float* v, int64_t row) {
+template <int DC, typename T>
+inline void values16(float* o, const float* p, int64_t n, const T* v, int64_t row) {
   __m512 r[DC / 16];
   for (int k = 0; k < DC / 16; k++) r[k] = _mm512_loadu_ps(o + 16 * k);
   for (int64_t i = 0; i < n; i++) {
     const __m512 w = _mm512_set1_ps(p[i]);
     for (int k = 0; k < DC / 16; k++)
-      r[k] = _mm512_fmadd_ps(_mm512_loadu_ps(v + i * row + 16 * k), w, r[k]);
+      r[k] = _mm512_fmadd_ps(load16(v + i * row + 16 * k), w, r[k]);
   }
   for (int k = 0; k < DC / 16; k++) _mm512_storeu_ps(o + 16 * k, r[k]);
 }
 #endif
 
 // one line per page of a block: the hardware's streamer does the rest within each page
-inline void prefetch_block(const float* base, int64_t bytes) {
+template <typename T>
+inline void prefetch_block(const T* base, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 4096)
     __builtin_prefetch(reinterpret_cast<const char*>(base) + off);
 }
@@ -153,8 +175,8 @@ inline void prefetch_block(const float* base, int64_t bytes) {
 // query row over the task's tokens, then the weighted values (V streamed once). Two
 // sequential streams, one at a time, and no per-block rescaling.
 // sc: room for (t.s1 - t.s0) * kv_heads * group * (t.b1 - t.b0) * block_size floats.
-template <int DC>
-void run_task(const Args& a, const Task& t, float* scratch, float* sc, const Task* next) {
+template <int DC, typename T>
+void run_task(const Args<T>& a, const Task& t, float* scratch, float* sc, const Task* next) {
   const int64_t D = DC ? DC : a.dim;
   const int64_t row = a.kvh * D, block = a.bs * row;
   const int64_t per_seq = a.kvh * a.group;               // query rows of one sequence
@@ -169,7 +191,7 @@ void run_task(const Args& a, const Task& t, float* scratch, float* sc, const Tas
   const int64_t ntok = std::min<int64_t>(stride, len - t.b0 * a.bs);
   for (int64_t b = t.b0; b < t.b1; b++) {
     const int64_t n = std::min<int64_t>(a.bs, len - b * a.bs), first = (b - t.b0) * a.bs;
-    const float* kb = a.k + ids[b] * block;
+    const T* kb = a.k + ids[b] * block;
 #if defined(__AVX512F__)
     if (DC && a.bs == 16 && n == 16) {
       block_scores16<DC ? DC : 16>(a, t, kb, sc + first, stride,
@@ -178,23 +200,23 @@ void run_task(const Args& a, const Task& t, float* scratch, float* sc, const Tas
       continue;
     }
 #endif
-    if (b + 1 < t.b1) prefetch_block(a.k + ids[b + 1] * block, block * 4);
+    if (b + 1 < t.b1) prefetch_block(a.k + ids[b + 1] * block, block * int64_t(sizeof(T)));
     for (int64_t i = 0; i < n; i++) {
       for (int64_t h = 0; h < a.kvh; h++) {
-        const float* kr = kb + i * row + h * D;
+        const T* kr = kb + i * row + h * D;
         for (int64_t s = t.s0; s < t.s1; s++) {
           for (int64_t j = 0; j < a.group; j++) {
             const float* qr = a.q + ((s * a.kvh + h) * a.group + j) * D;
             float d = 0.f;
 #pragma omp simd reduction(+ : d)
-            for (int64_t x = 0; x < D; x++) d += kr[x] * qr[x];
+            for (int64_t x = 0; x < D; x++) d += to_float(kr[x]) * qr[x];
             sc[(((s - t.s0) * a.kvh + h) * a.group + j) * stride + first + i] = d * a.scale;
           }
         }
       }
     }
   }
-  prefetch_block(a.v + ids[t.b0] * block, block * 4);
+  prefetch_block(a.v + ids[t.b0] * block, block * int64_t(sizeof(T)));
   for (int64_t r = 0; r < rows; r++) {
     float* p = sc + r * stride;
     float mx = p[0];
@@ -213,17 +235,17 @@ void run_task(const Args& a, const Task& t, float* scratch, float* sc, const Tas
   // are read into L2, a share of their lines per block of this pass (attention alone 5-14%
   // faster at batch 1 and 2,048 tokens on the AMD bench machine).
   const int64_t ahead_lines =
-      next ? std::min(AHEAD_BLOCKS, next->b1 - next->b0) * block * 4 / 64 : 0;
+      next ? std::min(AHEAD_BLOCKS, next->b1 - next->b0) * block / LINE<T> : 0;
   const int64_t lines_per_block = (ahead_lines + (t.b1 - t.b0) - 1) / (t.b1 - t.b0);
   for (int64_t b = t.b0; b < t.b1; b++) {
     const int64_t n = std::min<int64_t>(a.bs, len - b * a.bs), first = (b - t.b0) * a.bs;
-    const float* vb = a.v + ids[b] * block;
-    if (b + 1 < t.b1) prefetch_block(a.v + ids[b + 1] * block, block * 4);
+    const T* vb = a.v + ids[b] * block;
+    if (b + 1 < t.b1) prefetch_block(a.v + ids[b + 1] * block, block * int64_t(sizeof(T)));
     const int64_t line_end = std::min(ahead_lines, (b - t.b0 + 1) * lines_per_block);
     for (int64_t line = (b - t.b0) * lines_per_block; line < line_end; line++) {
-      const int64_t j = line * 16 / block;  // the next task's j-th block (16 floats a line)
-      const float* kb = a.k + a.table[next->s0 * a.stride + next->b0 + j] * block;
-      __builtin_prefetch(kb + (line * 16 - j * block), 0, 2);
+      const int64_t j = line * LINE<T> / block;  // the next task's j-th block
+      const T* kb = a.k + a.table[next->s0 * a.stride + next->b0 + j] * block;
+      __builtin_prefetch(kb + (line * LINE<T> - j * block), 0, 2);
     }
     for (int64_t r = 0; r < rows; r++) {
       const float* p = sc + r * stride + first;
@@ -236,10 +258,10 @@ void run_task(const Args& a, const Task& t, float* scratch, float* sc, const Tas
       }
 #endif
       for (int64_t i = 0; i < n; i++) {
-        const float* vr = vb + i * row + h * D;
+        const T* vr = vb + i * row + h * D;
         const float w = p[i];
 #pragma omp simd
-        for (int64_t x = 0; x < D; x++) o[x] += w * vr[x];
+        for (int64_t x = 0; x < D; x++) o[x] += w * to_float(vr[x]);
       }
     }
   }
@@ -247,7 +269,8 @@ void run_task(const Args& a, const Task& t, float* scratch, float* sc, const Tas
 
 // out rows of sequence s: its tasks' partial results merged by log-sum-exp; zeros when it
 // has no token (padding).
-void merge(const Args& a, const std::vector<Task>& tasks, const std::vector<int64_t>& mine,
+template <typename T>
+void merge(const Args<T>& a, const std::vector<Task>& tasks, const std::vector<int64_t>& mine,
            int64_t s, const float* scratch, float* out) {
   const int64_t D = a.dim, per_seq = a.kvh * a.group;
   for (int64_t r = 0; r < per_seq; r++) {
@@ -274,8 +297,33 @@ void merge(const Args& a, const std::vector<Task>& tasks, const std::vector<int6
   }
 }
 
-void run(const Args& a, int64_t num_seqs, int64_t shared_blocks, int64_t chunk_blocks,
+template <typename T>
+void run(const Args<T>& a, int64_t num_seqs, int64_t shared_blocks, int64_t chunk_blocks,
          float* out, int num_threads);
+
+template <typename T>
+int decode_attention(T* k_cache, T* v_cache, int64_t block_size, int64_t kv_heads,
+                     int64_t head_dim, const int64_t* block_tables, int64_t table_stride,
+                     const int64_t* seq_lens, int64_t num_seqs, int64_t group, const float* q,
+                     float scale, int64_t shared_blocks, int64_t chunk_blocks, float* out,
+                     int num_threads, const T* new_k, const T* new_v, const int64_t* slots) {
+  if (new_k) {
+    const int64_t row = kv_heads * head_dim;
+    for (int64_t s = 0; s < num_seqs; s++) {
+      if (slots[s] < 0) continue;
+      std::memcpy(k_cache + slots[s] * row, new_k + s * row, sizeof(T) * row);
+      std::memcpy(v_cache + slots[s] * row, new_v + s * row, sizeof(T) * row);
+    }
+  }
+  try {
+    run(Args<T>{k_cache, v_cache, block_size, kv_heads, head_dim, group, block_tables,
+                table_stride, seq_lens, q, scale},
+        num_seqs, shared_blocks, chunk_blocks, out, num_threads);
+  } catch (const std::bad_alloc&) {  // an exception must not cross the C boundary
+    return 1;
+  }
+  return 0;
+}
 
 }  // namespace
 
@@ -294,27 +342,31 @@ extern "C" int kvs_decode_attention(float* k_cache, float* v_cache,
                                     int64_t chunk_blocks, float* out, int num_threads,
                                     const float* new_k, const float* new_v,
                                     const int64_t* slots) {
-  if (new_k) {
-    const int64_t row = kv_heads * head_dim;
-    for (int64_t s = 0; s < num_seqs; s++) {
-      if (slots[s] < 0) continue;
-      std::memcpy(k_cache + slots[s] * row, new_k + s * row, sizeof(float) * row);
-      std::memcpy(v_cache + slots[s] * row, new_v + s * row, sizeof(float) * row);
-    }
-  }
-  try {
-    run(Args{k_cache, v_cache, block_size, kv_heads, head_dim, group, block_tables,
-             table_stride, seq_lens, q, scale},
-        num_seqs, shared_blocks, chunk_blocks, out, num_threads);
-  } catch (const std::bad_alloc&) {  // an exception must not cross the C boundary
-    return 1;
-  }
-  return 0;
+  return decode_attention(k_cache, v_cache, block_size, kv_heads, head_dim, block_tables,
+                          table_stride, seq_lens, num_seqs, group, q, scale, shared_blocks,
+                          chunk_blocks, out, num_threads, new_k, new_v, slots);
+}
+
+// The same over bfloat16 caches (raw uint16_t; new_k / new_v bfloat16 rows too); q and out
+// stay float32.
+extern "C" int kvs_decode_attention_bf16(uint16_t* k_cache, uint16_t* v_cache,
+                                         int64_t block_size, int64_t kv_heads,
+                                         int64_t head_dim, const int64_t* block_tables,
+                                         int64_t table_stride, const int64_t* seq_lens,
+                                         int64_t num_seqs, int64_t group, const float* q,
+                                         float scale, int64_t shared_blocks,
+                                         int64_t chunk_blocks, float* out, int num_threads,
+                                         const uint16_t* new_k, const uint16_t* new_v,
+                                         const int64_t* slots) {
+  return decode_attention(k_cache, v_cache, block_size, kv_heads, head_dim, block_tables,
+                          table_stride, seq_lens, num_seqs, group, q, scale, shared_blocks,
+                          chunk_blocks, out, num_threads, new_k, new_v, slots);
 }
 
 namespace {
 
-void run(const Args& a, int64_t num_seqs, int64_t shared_blocks, int64_t chunk_blocks,
+template <typename T>
+void run(const Args<T>& a, int64_t num_seqs, int64_t shared_blocks, int64_t chunk_blocks,
          float* out, int num_threads) {
   const int64_t block_size = a.bs, kv_heads = a.kvh, head_dim = a.dim, group = a.group;
   const int64_t* seq_lens = a.lens;
@@ -347,9 +399,9 @@ void run(const Args& a, int64_t num_seqs, int64_t shared_blocks, int64_t chunk_b
     // dynamic scheduling hands out tasks in order: with threads of even speed, this one's
     // next task is i + threads
     const Task* next = i + threads < num_tasks ? &tasks[i + threads] : nullptr;
-    if (head_dim == 64) run_task<64>(a, tasks[i], buf.data(), sc, next);
-    else if (head_dim == 128) run_task<128>(a, tasks[i], buf.data(), sc, next);
-    else run_task<0>(a, tasks[i], buf.data(), sc, next);
+    if (head_dim == 64) run_task<64, T>(a, tasks[i], buf.data(), sc, next);
+    else if (head_dim == 128) run_task<128, T>(a, tasks[i], buf.data(), sc, next);
+    else run_task<0, T>(a, tasks[i], buf.data(), sc, next);
   }
   const int merge_threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_seqs)));
 #pragma omp parallel for num_threads(merge_threads)

@@ -1,4 +1,5 @@
-"""Decode attention over a paged float32 cache on CPU, by a C++ kernel (cpu_decode.cpp).
+"""Decode attention over a paged float32 or bfloat16 cache on CPU, by a C++ kernel
+(cpu_decode.cpp).
 
 PyTorch's CPU attention ops read a decode step's KV at a fraction of the memory's rate:
 a query of one token makes them a string of skinny products (and MKL's run slowly on AMD
@@ -21,22 +22,12 @@ implementation (cpu_decode_op.cpp, `register_op`) builds the same way with torch
 from __future__ import annotations
 
 import ctypes
-import enum
 import logging
-import threading
 from pathlib import Path
 
 import torch
 
-from kvsession.kernels.cpp_build import (
-    KERNEL_COMPILE_FLAGS,
-    KERNEL_LINK_FLAGS,
-    CtypesKernel,
-    build,
-    cache_dir,
-    compiler,
-    library_path,
-)
+from kvsession.kernels.cpp_build import CtypesKernel, OpKind, TorchOp
 
 log = logging.getLogger("kvsession")
 
@@ -49,26 +40,32 @@ LINK = (("-lmvec", "-lm"), ("-lm",))  # libmvec is glibc's; without it exp stays
 TASK_TOKENS = 256
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-KERNEL = CtypesKernel(SOURCE, "kvs_decode_attention",
-                      [_P, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, ctypes.c_float,
-                       _I64, _I64, _P, ctypes.c_int, _P, _P, _P], ctypes.c_int,
-                      "the CPU decode attention kernel",
-                      "decode attention runs the torch reference", link_variants=LINK)
-_lock = threading.Lock()  # register_op's
+_ARGS = [_P, _P, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _P, ctypes.c_float, _I64, _I64, _P,
+         ctypes.c_int, _P, _P, _P]
+# the entry point per cache dtype (one library: the same source and flags)
+KERNELS = {dtype: CtypesKernel(SOURCE, symbol, _ARGS, ctypes.c_int,
+                               "the CPU decode attention kernel",
+                               "decode attention runs the torch reference", link_variants=LINK)
+           for dtype, symbol in ((torch.float32, "kvs_decode_attention"),
+                                 (torch.bfloat16, "kvs_decode_attention_bf16"))}
+KERNEL = KERNELS[torch.float32]
 
 
-def load(cxx: str | None = None, directory: Path | None = None):
-    """The kernel's entry point (a ctypes function), built if needed with `cxx` (default
-    `compiler()`) into `directory` (default `cache_dir()`); None when it cannot be built or
-    loaded (the reason is logged once per compiler and directory). Cheap once known: a
-    dict lookup, so callers may call it per use."""
-    return KERNEL.get(cxx, directory)
+def load(cxx: str | None = None, directory: Path | None = None,
+         dtype: torch.dtype = torch.float32):
+    """The kernel's entry point (a ctypes function) for caches of `dtype` (float32 or
+    bfloat16), built if needed with `cxx` (default `compiler()`) into `directory` (default
+    `cache_dir()`); None when it cannot be built or loaded (the reason is logged once per
+    compiler and directory). Cheap once known: a dict lookup, so callers may call it per
+    use."""
+    return KERNELS[dtype].get(cxx, directory)
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             k_scale: torch.Tensor | None) -> bool:
-    """Whether the kernel reads this cache: float32 on CPU, unscaled, contiguous."""
-    return (k_cache.dtype == torch.float32 and q.device.type == "cpu" and k_scale is None
+    """Whether the kernel reads this cache: float32 or bfloat16 on CPU, unscaled,
+    contiguous."""
+    return (k_cache.dtype in KERNELS and q.device.type == "cpu" and k_scale is None
             and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
@@ -78,8 +75,9 @@ def paged_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """reference.paged_attention's contract (q [num_seqs, heads, D], one token each; rows of
     seq_len 0 give zeros) through the kernel `fn` (from `load`). shared_blocks: leading
     table columns all sequences share (reference.shared_prefix_blocks), read once.
-    `store`: (key, value, slots), float32 contiguous [num_seqs, kv_heads, D] rows and int64
-    slots (< 0: none), written into the caches first, as reference.store_kv does."""
+    `store`: (key, value, slots), contiguous [num_seqs, kv_heads, D] rows in the cache's
+    dtype and int64 slots (< 0: none), written into the caches first, as reference.store_kv
+    does. `fn`: load()'s entry point for the cache's dtype."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     # called per layer: every conversion is skipped when not needed (each costs ~1 us)
@@ -116,72 +114,33 @@ _LIBRARY.define("cpu_decode_store_attention(Tensor q, Tensor key, Tensor value, 
                 "Tensor seq_lens, float softmax_scale) -> Tensor")
 
 
-def store_rows(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> tuple:
+def store_rows(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> tuple:
     """paged_attention's `store` for a step's new K/V rows and their slots: the kernel copies
-    raw rows, so float32 (the caches it reads are) and int64 slots, contiguous."""
-    return key.float().contiguous(), value.float().contiguous(), slots.long().contiguous()
+    raw rows, so in the cache's `dtype`, and int64 slots, contiguous."""
+    return (key.to(dtype).contiguous(), value.to(dtype).contiguous(),
+            slots.long().contiguous())
 
 
 def _op(q, key, value, k_cache, v_cache, slots, block_tables, seq_lens, softmax_scale):
     """The op's implementation in Python: the kernel through ctypes (where the C++ one,
     cpu_decode_op.cpp, could not be built)."""
-    return paged_attention(load(), q, k_cache, v_cache, block_tables, seq_lens,
-                           softmax_scale, store=store_rows(key, value, slots))
+    dtype = k_cache.dtype
+    return paged_attention(load(dtype=dtype), q, k_cache, v_cache, block_tables, seq_lens,
+                           softmax_scale, store=store_rows(key, value, slots, dtype))
 
 
-class OpKind(enum.Enum):
-    NATIVE = "native"  # cpu_decode_op.cpp: the kernel behind torch's dispatcher, no Python
-    PYTHON = "python"  # _op
-
-
-OP_SOURCE = SOURCE.with_name("cpu_decode_op.cpp")
-_op_kind: OpKind | None = None  # the implementation registered, once chosen
-
-
-def _op_flags() -> tuple[list[str], list[str], tuple[str, ...]]:
-    """(compile flags, link flags, libraries) of the op's library: the kernel's, plus
-    torch's headers and libraries (those of the torch this process runs)."""
-    root = Path(torch.__file__).parent
-    include = [root / "include", root / "include" / "torch" / "csrc" / "api" / "include"]
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    compile_flags = [f for f in KERNEL_COMPILE_FLAGS if not f.startswith("-std=")] + [
-        "-std=c++20", f"-DKVS_TASK_TOKENS={TASK_TOKENS}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *(f"-I{p}" for p in include)]
-    lib = root / "lib"
-    return compile_flags, KERNEL_LINK_FLAGS + [f"-L{lib}", f"-Wl,-rpath,{lib}"], ("-ltorch_cpu",
-                                                                           "-lc10")
+OP = TorchOp(_LIBRARY, "cpu_decode_store_attention", SOURCE.with_name("cpu_decode_op.cpp"),
+             SOURCE, _op, "the CPU decode op", defines=(f"-DKVS_TASK_TOKENS={TASK_TOKENS}",),
+             link_variants=LINK)
 
 
 def register_op() -> OpKind:
     """Give kvsession::cpu_decode_store_attention its CPU implementation, once per process:
-    the C++ one (cpu_decode_op.cpp, built like the kernel into the same directory, with
-    torch's headers: ~10-20 s once) when it builds and loads, else `_op`. Returns which.
-    For callers that found `load()` working (compiled code calls the op per layer)."""
-    global _op_kind
-    with _lock:
-        if _op_kind is not None:
-            return _op_kind
-        cxx, directory = compiler(), cache_dir()
-        errors: list[str] = []
-        if cxx is not None:
-            compile_flags, link_flags, libs = _op_flags()
-            lib = library_path(cxx, directory, "cpu_decode_op", [OP_SOURCE, SOURCE],
-                               compile_flags + link_flags + list(libs))
-            try:
-                if not lib.is_file():
-                    build(cxx, lib, errors, OP_SOURCE, compile_flags, link_flags, libs,
-                          link_variants=LINK)
-                torch.ops.load_library(str(lib))  # its static initialiser registers the op
-                _op_kind = OpKind.NATIVE
-            except (OSError, RuntimeError) as e:  # not built, or torch refused to load it
-                errors.append(str(e))
-        if _op_kind is None:
-            log.warning("the CPU decode op runs its kernel through Python (building its C++ "
-                        "implementation with %s into %s failed: %s)", cxx, directory,
-                        " | ".join(errors) or "no C++ compiler")
-            _LIBRARY.impl("cpu_decode_store_attention", _op, "CPU")
-            _op_kind = OpKind.PYTHON
-        return _op_kind
+    the C++ one (cpu_decode_op.cpp) when it builds and loads, else `_op` (cpp_build.TorchOp).
+    Returns which. For callers that found `load()` working (compiled code calls the op per
+    layer)."""
+    return OP.register()
 
 
 @torch.library.register_fake("kvsession::cpu_decode_store_attention")

@@ -22,19 +22,21 @@ at::Tensor store_attention(const at::Tensor& q, const at::Tensor& key, const at:
                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            double softmax_scale) {
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+  const auto cache = k_cache.scalar_type();
+  TORCH_CHECK((cache == at::kFloat || cache == at::kBFloat16) &&
+                  v_cache.scalar_type() == cache && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.dim() == 4 &&
                   v_cache.sizes() == k_cache.sizes(),
-              "cpu_decode_store_attention reads contiguous float32 caches "
+              "cpu_decode_store_attention reads contiguous float32 or bfloat16 caches "
               "[num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(q.dim() == 3 && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "cpu_decode_store_attention: q is [num_seqs, heads, head_dim] with heads a "
               "multiple of the cache's kv_heads");
   const int64_t num_seqs = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  // each conversion returns its input when it already is float32 / int64 and contiguous
+  // each conversion returns its input when it already has the dtype and is contiguous
   const at::Tensor qf = q.to(at::kFloat).contiguous();
-  const at::Tensor kf = key.to(at::kFloat).contiguous(), vf = value.to(at::kFloat).contiguous();
+  const at::Tensor kf = key.to(cache).contiguous(), vf = value.to(cache).contiguous();
   const at::Tensor sl = slots.to(at::kLong).contiguous();
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
@@ -44,15 +46,27 @@ at::Tensor store_attention(const at::Tensor& q, const at::Tensor& key, const at:
               "cpu_decode_store_attention: one new K/V row, slot, length and table row a "
               "sequence");
   at::Tensor out = at::empty({num_seqs, heads, head_dim}, qf.options());
-  if (num_seqs &&
-      kvs_decode_attention(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_size,
-                           kv_heads, head_dim, tables.data_ptr<int64_t>(), tables.stride(0),
-                           lens.data_ptr<int64_t>(), num_seqs, heads / kv_heads,
-                           qf.data_ptr<float>(), float(softmax_scale), 0,
-                           std::max<int64_t>(1, KVS_TASK_TOKENS / block_size),
-                           out.data_ptr<float>(), at::get_num_threads(), kf.data_ptr<float>(),
-                           vf.data_ptr<float>(), sl.data_ptr<int64_t>()))
-    TORCH_CHECK(false, "the CPU decode attention kernel could not allocate its scratch");
+  if (num_seqs) {
+    const int64_t chunk = std::max<int64_t>(1, KVS_TASK_TOKENS / block_size);
+    const int failed =
+        cache == at::kFloat
+            ? kvs_decode_attention(
+                  k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_size, kv_heads,
+                  head_dim, tables.data_ptr<int64_t>(), tables.stride(0),
+                  lens.data_ptr<int64_t>(), num_seqs, heads / kv_heads, qf.data_ptr<float>(),
+                  float(softmax_scale), 0, chunk, out.data_ptr<float>(),
+                  at::get_num_threads(), kf.data_ptr<float>(), vf.data_ptr<float>(),
+                  sl.data_ptr<int64_t>())
+            : kvs_decode_attention_bf16(
+                  static_cast<uint16_t*>(k_cache.data_ptr()),
+                  static_cast<uint16_t*>(v_cache.data_ptr()), block_size, kv_heads, head_dim,
+                  tables.data_ptr<int64_t>(), tables.stride(0), lens.data_ptr<int64_t>(),
+                  num_seqs, heads / kv_heads, qf.data_ptr<float>(), float(softmax_scale), 0,
+                  chunk, out.data_ptr<float>(), at::get_num_threads(),
+                  static_cast<const uint16_t*>(kf.data_ptr()),
+                  static_cast<const uint16_t*>(vf.data_ptr()), sl.data_ptr<int64_t>());
+    TORCH_CHECK(!failed, "the CPU decode attention kernel could not allocate its scratch");
+  }
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 

@@ -75,10 +75,11 @@ def _cpu_decode(q, k, v, layer_kv: LayerKV, meta: AttentionMetadata) -> torch.Te
     if shared is None:  # once per step: the layers share the table
         shared = meta.memo["cpu_shared"] = reference.shared_prefix_blocks(
             meta.block_tables, meta.seq_lens_tensor, layer_kv.k.shape[1])
-    return cpu_decode.paged_attention(cpu_decode.load(), q, layer_kv.k, layer_kv.v,
+    dtype = layer_kv.k.dtype
+    return cpu_decode.paged_attention(cpu_decode.load(dtype=dtype), q, layer_kv.k, layer_kv.v,
                                       meta.block_tables, meta.seq_lens_tensor,
                                       meta.softmax_scale, shared,
-                                      cpu_decode.store_rows(k, v, meta.slot_mapping))
+                                      cpu_decode.store_rows(k, v, meta.slot_mapping, dtype))
 
 
 def _triton_attention(q, k, v, layer_kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from internals import Internals
 
 from kvsession import LLM, SamplingParams
 from kvsession.errors import ConfigError
@@ -91,7 +92,8 @@ def test_the_weights_are_resident_once_unless_the_dual_layout_is_asked(tmp_path,
 def test_a_loaded_bf16_model_holds_its_weights_bytes_plus_its_kv_budget(tmp_path):
     """Measured on the process: resident memory (anonymous and file-backed) grows by at most
     1.15x the checkpoint's bytes plus the KV budget when a 125 MB bf16 checkpoint loads
-    (float32 on the CPU and a second layout made it ~4x; glibc's retained frees ~1.6x)."""
+    (float32 on the CPU and a second layout made it ~4x; glibc's retained frees ~1.6x),
+    besides the compiled one-token step."""
     d = make_tiny_model(tmp_path / "m", dtype="bfloat16", hidden_size=768,
                         intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
                         num_key_value_heads=4, head_dim=64, vocab_size=32000,
@@ -105,9 +107,13 @@ def test_a_loaded_bf16_model_holds_its_weights_bytes_plus_its_kv_budget(tmp_path
             fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
             return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssFile"))
 
-        # the libraries' own first-use memory, before the measured load
+        # the libraries' own first-use memory, before the measured load: the engine's, and
+        # the compiler's that builds the one-token step (importing inductor and a first
+        # compile: ~0.23 GB, whatever the model; docs/benchmarks.md reports it)
         LLM(make_tiny_model({str(tmp_path / "t")!r}), kv_cache_memory="4MiB",
             max_model_len=64).close()
+        import torch
+        torch.compile(lambda x: x + 1)(torch.zeros(1))
         gc.collect()
         before = resident()
         llm = LLM({str(d)!r}, device="cpu", kv_cache_memory="16MiB", max_model_len=512)
@@ -122,14 +128,19 @@ def test_a_loaded_bf16_model_holds_its_weights_bytes_plus_its_kv_budget(tmp_path
     got = json.loads(out.stdout.strip().splitlines()[-1])
     size = checkpoint_bytes(d)
     assert got["weights"] <= 1.15 * size
-    assert got["grew"] <= 1.15 * size + (16 << 20), (got, size)
+    # 16 MiB of allocator slack, 32 MiB for the compiled one-token step's code and graphs
+    # (~35 MB here, ~50 MB for Qwen3-0.6B's 28 layers: they do not grow with the weights)
+    assert got["grew"] <= 1.15 * size + (48 << 20), (got, size)
 
 
-@pytest.mark.parametrize("rows, out, inp", [(1, 96, 64), (3, 131, 128), (8, 64, 96),
-                                            (16, 7, 32)])
+@pytest.mark.parametrize("rows, out, inp", [
+    (1, 96, 64), (1, 200, 416),  # one row: 128 inputs a step and a tail of 32s
+    (2, 131, 128), (3, 131, 128), (5, 70, 64), (6, 90, 96), (8, 64, 96), (8, 257, 160),
+    (9, 33, 32), (16, 7, 32)])  # 2-8 rows: 3 or 4 channels a pass and the rest; 9+ tiles
 def test_the_bf16_rows_kernel_equals_f_linear(rows, out, inp):
-    """kernels/bf16_rows (a tied bf16 head's decode product) against F.linear on the same
-    bf16 operands: float32 sums of bf16 products, so equal up to summation order."""
+    """kernels/bf16_rows (every decode product of a bf16 model) against F.linear on the same
+    bf16 operands: float32 sums of bf16 products, so equal up to summation order; and its op
+    (what compiled one-token steps call) gives the kernel's bits."""
     from kvsession.kernels import bf16_rows
 
     fn = bf16_rows.load()
@@ -146,3 +157,17 @@ def test_the_bf16_rows_kernel_equals_f_linear(rows, out, inp):
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
     many = torch.randn(bf16_rows.KERNEL_MAX_ROWS + 1, inp, generator=gen).to(torch.bfloat16)
     assert torch.equal(bf16_rows.matmul(fn, many, w), torch.nn.functional.linear(many, w))
+    bf16_rows.register_op()
+    assert torch.equal(torch.ops.kvsession.bf16_rows_matmul(x, w), bf16_rows.matmul(fn, x, w))
+
+
+def test_a_bf16_model_keeps_every_projection_as_rows_where_the_cpu_multiplies_bf16(tmp_path):
+    """With AVX512-BF16 every projection of a bf16 model is one copy of the checkpoint's
+    rows (the kernel for decode batches, F.linear for prefill); elsewhere oneDNN's packed
+    layout and the tied head's rows. (What they predict: the test above.)"""
+    from kvsession.kernels import bf16_rows
+
+    d = make_tiny_model(tmp_path / "m", arch="qwen3", dtype="bfloat16")
+    with LLM(d, device="cpu", **ENGINE) as llm:
+        fmts = {lin.fmt for lin in Internals(llm).model.projections()}
+    assert fmts == ({"rows"} if bf16_rows.native() else {"onednn", "rows"})

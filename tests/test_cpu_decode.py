@@ -65,44 +65,50 @@ CASES = [  # lens, shared blocks, block size, kv heads, group, head dim
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_the_torch_twin(kernel, case, threads):
+def test_kernel_matches_the_torch_twin(case, threads, dtype):
+    """Over float32 caches and bfloat16 ones (a bfloat16 model's: widened in registers,
+    so the same float32 arithmetic as the twin on the widened cache)."""
     lens, shared, bs, kvh, group, dim = case
     q, k, v, table, seq_lens = random_case(random.Random(str(case)), lens=lens,
                                            shared=shared, block_size=bs, kv_heads=kvh,
                                            group=group, dim=dim)
+    k, v = k.to(dtype), v.to(dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = cpu_decode.paged_attention(kernel, q, k, v, table, seq_lens, dim ** -0.5,
-                                         shared)
+        got = cpu_decode.paged_attention(cpu_decode.load(dtype=dtype), q, k, v, table,
+                                         seq_lens, dim ** -0.5, shared)
     finally:
         torch.set_num_threads(before)
     # the twin reads only the rows' own slots too; NaN elsewhere would poison either
-    want = reference.paged_attention(q, k.nan_to_num(0.0), v.nan_to_num(0.0), table,
-                                     seq_lens, dim ** -0.5)
+    want = reference.paged_attention(q, k.float().nan_to_num(0.0), v.float().nan_to_num(0.0),
+                                     table, seq_lens, dim ** -0.5)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got[seq_lens == 0] == 0).all()
 
 
-def test_the_kernel_stores_each_new_token_at_its_slot_before_attending(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_stores_each_new_token_at_its_slot_before_attending(dtype):
     """store=(key, value, slots): the rows land where reference.store_kv puts them (a slot
     of -1 is skipped, every other slot untouched), and the attention reads them: the new
     token's own K/V is part of its context."""
     lens = [40, 0, 17]
     q, k, v, table, seq_lens = random_case(random.Random(7), lens=lens, shared=0,
                                            block_size=16, kv_heads=2, group=2, dim=64)
-    k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
+    k, v = k.nan_to_num(0.0).to(dtype), v.nan_to_num(0.0).to(dtype)
     g = torch.Generator().manual_seed(3)
     key, value = torch.randn(3, 2, 64, generator=g), torch.randn(3, 2, 64, generator=g)
     slots = torch.tensor([int(table[0, 2]) * 16 + 7, -1, int(table[2, 1]) * 16])
     want_k, want_v = k.clone(), v.clone()
     reference.store_kv(key, value, want_k, want_v, slots)
-    want = reference.paged_attention(q, want_k, want_v, table, seq_lens, 0.125)
-    got = cpu_decode.paged_attention(kernel, q, k, v, table, seq_lens, 0.125,
-                                     store=(key, value, slots))
+    want = reference.paged_attention(q, want_k.float(), want_v.float(), table, seq_lens, 0.125)
+    got = cpu_decode.paged_attention(cpu_decode.load(dtype=dtype), q, k, v, table, seq_lens,
+                                     0.125, store=cpu_decode.store_rows(key, value, slots,
+                                                                        dtype))
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -241,3 +241,58 @@ def test_without_a_working_compiler_the_linear_kernels_serve(model_dirs, monkeyp
                                use_tqdm=False)[0].token_ids
     assert "compiling its regions failed" in caplog.text
     assert got == hf_greedy(d, prompt, GREEDY.max_tokens)[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # an untied head; q/k norms, tied
+def test_a_bf16_step_in_one_region_calls_the_kernels_ops_and_matches_the_eager_step(
+        model_dirs, arch):
+    """A bfloat16 model (every projection bf16 rows, a bfloat16 cache): the whole decode
+    step compiles into one region whose products are the rows kernel's op and whose
+    attention is the decode kernel's op over the bfloat16 cache; its logits equal those of
+    the same step through the eager ops (the same kernels) up to bfloat16 rounding, and the
+    step writes the same K/V."""
+    from kvsession.attention import AttentionMetadata
+    from kvsession.config import AttentionBackend
+    from kvsession.kernels import bf16_rows
+
+    if not bf16_rows.native():
+        pytest.skip("no AVX512-BF16 here: bfloat16 projections stay oneDNN's")
+    d = model_dirs(arch, dtype="bfloat16")
+    with LLM(d, max_model_len=128, kv_cache_memory="2MiB") as llm:
+        ins = Internals(llm)
+        model, kv = ins.model, ins.kv_pool
+        assert kv.layer(0).k.dtype == torch.bfloat16
+        kernels = OneRowKernels.for_model(model)  # tiny weights: built by hand
+        kernels.select_attention(True)
+        assert kernels.reads_cache(kv.layer(0))
+        assert kernels.warm_up(model.spec, kv, model.softmax_scale, model.token_tables())
+        steps = count_calls(kernels, "decode")
+        bs = kv.block_size
+
+        def step(one_row):
+            model.one_row = one_row
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor([bs + 3]), block_tables=torch.tensor([[0, 1]]),
+                query_start_loc=[0, 1], seq_lens=[bs + 4],
+                seq_lens_tensor=torch.tensor([bs + 4]), decode_only=True,
+                softmax_scale=model.softmax_scale, backend=AttentionBackend.CPU,
+                query_start_loc_tensor=torch.tensor([0, 1]), max_query_len=1,
+                all_slots_valid=True)
+            logits = model.step_logits(torch.tensor([7]), torch.tensor([bs + 3]), kv, meta, [0])
+            stored = kv.layer(len(model.layers) - 1).k[1, 3].clone()
+            return logits, stored
+
+        def both():
+            g = torch.Generator().manual_seed(0)
+            for t in kv.tensors().values():  # a context to attend over, the same both times
+                t[:2].copy_(torch.randn(t[:2].shape, generator=g).to(t.dtype))
+            try:
+                return step(kernels), step(None)
+            finally:
+                kv.reset_blocks(2)
+
+        (compiled, k_compiled), (eager, k_eager) = ins.on_engine(both)
+    assert len(steps) == 1 and compiled.dtype == eager.dtype == torch.float32
+    scale = eager.abs().max().item()
+    assert (compiled - eager).abs().max().item() <= 0.05 * scale
+    torch.testing.assert_close(k_compiled.float(), k_eager.float(), rtol=0.02, atol=0.02)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from kvsession.attention import AttentionMetadata, attention
 from kvsession.cache.kv_pool import KVPool
 from kvsession.config import AttentionBackend, EngineConfig, Quantization, WeightLayout
+from kvsession.kernels import bf16_rows
 from kvsession.model.config import ModelSpec, RopeSpec
 from kvsession.model.linear import Linear, measure_one_row, pack_rows, round_times
 from kvsession.model.onerow import OneRowKernels, TokenTables
@@ -93,13 +94,17 @@ class LlamaModel:
         "onednn" by default (one copy; a tied output head keeps the checkpoint's rows,
         which the embedding shares); "both" adds the rows for batch-1 decode at twice the
         weight memory (LLM(cpu_weight_layout="dual")); "int8" quantizes."""
+        embed = weights["model.embed_tokens.weight"]
+        if weight_format == "onednn" and embed.dtype == torch.bfloat16 \
+                and embed.device.type == "cpu" and bf16_rows.native():
+            # bfloat16 on a CPU with AVX512-BF16: every projection as rows (linear.py)
+            weight_format = "rows"
         self.spec, self.weight_format = spec, weight_format
         # the paged attention op; an instance attribute so a measurement tool can wrap it
         # for one model (kvsession.numerics) without patching the module for everyone
         self.attention_fn = attention
         self.norm = _own(weights["model.norm.weight"])
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(spec.num_layers)]
-        embed = weights["model.embed_tokens.weight"]
         tied = spec.tie_word_embeddings
         # a packed head would leave the embedding a second copy: a tied one keeps the rows
         self.lm_head = Linear(embed if tied else weights["lm_head.weight"],
@@ -122,7 +127,7 @@ class LlamaModel:
         measure_one_row(self.projections())
         # a one-token step compiled (model/onerow.py): a candidate until warm_up measured it
         # faster than the Linear kernels on this machine
-        self.one_row = OneRowKernels.build(self) if weight_format == "both" else None
+        self.one_row = OneRowKernels.build(self) if weight_format in ("both", "rows") else None
         positions = torch.arange(max_model_len, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(spec.rope, spec.head_dim))
         dev = self.norm.device

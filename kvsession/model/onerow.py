@@ -52,7 +52,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kvsession.kernels import cpu_decode  # defines the kernel's op
+from kvsession.kernels import bf16_rows, cpu_decode  # define the kernels' ops
+from kvsession.kernels.cpp_build import OpKind
 from kvsession.model.linear import MEASURE_MIN_BYTES, Linear, weight_bytes
 
 log = logging.getLogger("kvsession")
@@ -68,8 +69,13 @@ DENSE_OPTIONS = COMPILE_OPTIONS | {"realize_cpu_acc_reads_threshold": 2}
 
 
 def row_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x [in] times w [out, in] (+ b): [out], one pass over w's rows."""
-    y = (w * x).sum(-1)
+    """x [in] times w [out, in] (+ b): [out], one pass over w's rows. bfloat16 rows through
+    the kernel's op (kernels/bf16_rows: one vdpbf16ps per 32 weights, where the generated
+    loop widens each weight to float32 first)."""
+    if w.dtype == torch.bfloat16:
+        y = torch.ops.kvsession.bf16_rows_matmul(x[None], w)[0]
+    else:
+        y = (w * x).sum(-1)
     return y if b is None else y + b
 
 
@@ -157,8 +163,9 @@ def decode_logits_kernel(token, position, embed, cos_table, sin_table, layers, c
     AMD bench machine (3.23-3.33 vs 2.98-3.04 ms at 66-79 GB/s, ~8%; the same logits to the
     bit): each call's Python, guards and OpenMP start, with the memory idle meanwhile."""
     h = embed.index_select(0, token)
-    cos = cos_table.index_select(0, position).unsqueeze(1)
-    sin_signed = sin_table.index_select(0, position).unsqueeze(1)
+    # in the model's dtype, as LlamaModel.forward rounds them
+    cos = cos_table.index_select(0, position).unsqueeze(1).to(h.dtype)
+    sin_signed = sin_table.index_select(0, position).unsqueeze(1).to(h.dtype)
     hidden = decode_layers_kernel(h, layers, caches, cos, sin_signed, eps, heads, kv_heads,
                                   slot, block_ids, num_tokens, scale, final_norm)
     return hidden, head(hidden, head_w, head_b)
@@ -229,11 +236,14 @@ class OneRowKernels:
         self._caches: tuple | None = None  # (the KVPool, its layers' (k, v) views)
 
     def reads_cache(self, layer_kv) -> bool:
-        """Whether decode_layer serves decode steps on this layer's cache: float32, no fp8
-        scales (other caches go through the model's paged attention op between the
-        regions), and it compiled."""
+        """Whether the decode step's region serves decode steps on this layer's cache:
+        float32, or bfloat16 where the kernel's op reads attention; no fp8 scales (other
+        caches go through the model's paged attention op between the regions); and it
+        compiled."""
+        dtype = layer_kv.k.dtype
         return self.decode_compiles and layer_kv.k_scale is None \
-            and layer_kv.k.dtype == torch.float32 and layer_kv.k.device.type == "cpu"
+            and layer_kv.k.device.type == "cpu" and (
+                dtype == torch.float32 or dtype == torch.bfloat16 and self.kernel_attention)
 
     def decode_logits(self, token, position, tables: TokenTables, spec, kv, slot,
                       block_ids, num_tokens, scale: float, on_layer_done=None):
@@ -301,8 +311,10 @@ class OneRowKernels:
         before = torch.get_num_threads()
         try:
             with torch.inference_mode():
-                h = torch.zeros(1, spec.hidden_size)
-                rope = (torch.zeros(1, 1, spec.head_dim), torch.zeros(1, 1, spec.head_dim))
+                dtype = self.final_norm.dtype  # the model's
+                h = torch.zeros(1, spec.hidden_size, dtype=dtype)
+                rope = (torch.zeros(1, 1, spec.head_dim, dtype=dtype),
+                        torch.zeros(1, 1, spec.head_dim, dtype=dtype))
                 for threads in sorted({before, 1}, reverse=True):
                     torch.set_num_threads(threads)
                     self.logits(h)
@@ -324,8 +336,8 @@ class OneRowKernels:
                     if not decodes:
                         self.pre(h, *self.layers[0].pre, *rope, spec.rms_norm_eps,
                                  spec.num_heads, spec.num_kv_heads)
-                        self.post(h, torch.zeros(1, spec.num_heads * spec.head_dim),
-                                  *self.layers[0].post)
+                        self.post(h, torch.zeros(1, spec.num_heads * spec.head_dim,
+                                                 dtype=dtype), *self.layers[0].post)
         except Exception as e:  # noqa: BLE001 - any compiler failure: keep the Linears
             log.warning("one-token decode stays on the Linear kernels: compiling its regions "
                         "failed (%s: %s)", type(e).__name__, e)
@@ -340,9 +352,15 @@ class OneRowKernels:
     def for_model(model) -> OneRowKernels | None:
         """Regions for `model` (a LlamaModel; nothing compiled before their first call), or
         None when its one-row weights are not float32 "both" rows on the CPU."""
-        if any(lin.rows is None or lin.rows.dtype != torch.float32
-               or lin.rows.device.type != "cpu" for lin in model.projections()):
+        lins = model.projections()
+        dtype = lins[0].rows.dtype if lins[0].rows is not None else None
+        if dtype not in (torch.float32, torch.bfloat16) or any(
+                lin.rows is None or lin.rows.dtype != dtype or lin.rows.device.type != "cpu"
+                for lin in lins):
             return None
+        if dtype == torch.bfloat16 and (bf16_rows.load() is None
+                                        or bf16_rows.register_op() != OpKind.NATIVE):
+            return None  # through Python, the op would cost more than the regions save
         eps = model.spec.rms_norm_eps
         return OneRowKernels([LayerArgs(
             pre=(lw.input_norm, *_wb(lw.qkv), lw.q_norm, lw.k_norm),
