@@ -36,7 +36,13 @@ from kvsession import LLM, SamplingParams
 
 Q8_0_BLOCK = 32
 TARGET_RATIO = 1.5
-VARIANTS = ("kvsession int8", "Q8_0 emulation", "per-channel int8")
+# "16-token steps": the same model with every step at most 16 tokens, so that every
+# product runs the decode kernel (with AVX512-VNNI it rounds activations to int8 per 32, as
+# llama.cpp's Q8_0 products do); larger steps (prefill) multiply unrounded activations by
+# the dequantized weights
+VARIANTS = ("kvsession int8", "kvsession int8, 16-token steps", "Q8_0 emulation",
+            "per-channel int8")
+KERNEL_STEP_TOKENS = 16
 
 
 def q8_0(w: torch.Tensor) -> torch.Tensor:
@@ -106,33 +112,41 @@ def run(model: Path, weights: str, num_prompts: int, prompt_len: int) -> dict:
         ref = next_token_logprobs(base, prompts)
         runs = {
             "kvsession int8": next_token_logprobs(base, prompts, quantization="int8"),
+            "kvsession int8, 16-token steps": next_token_logprobs(
+                base, prompts, quantization="int8",
+                max_num_batched_tokens=KERNEL_STEP_TOKENS),
             "Q8_0 emulation": next_token_logprobs(variant_dir(base, root, "q8_0", q8_0),
                                                   prompts),
             "per-channel int8": next_token_logprobs(
                 variant_dir(base, root, "per_channel", per_channel), prompts),
         }
     res = {name: compare(ref, got, prompts) for name, got in runs.items()}
-    ratio = res["kvsession int8"]["mean_abs_dlogprob"] / \
-        res["Q8_0 emulation"]["mean_abs_dlogprob"]
+    emulation = res["Q8_0 emulation"]["mean_abs_dlogprob"]
+    ratios = {name: res[name]["mean_abs_dlogprob"] / emulation
+              for name in ("kvsession int8", "kvsession int8, 16-token steps")}
     print(f"{weights} weights: mean |dlogprob| vs float32 (top-1 agreement):")
     for name in VARIANTS:
         r = res[name]
-        print(f"  {name:18s} {r['mean_abs_dlogprob']:.5f}  ({r['top1_agreement']:.3f})")
-    print(f"  kvsession / Q8_0 emulation: {ratio:.2f}x (target <= {TARGET_RATIO}x: "
-          f"{'met' if ratio <= TARGET_RATIO else 'MISSED'})")
-    return {"variants": res, "ratio_vs_q8_0": ratio, "target_met": ratio <= TARGET_RATIO}
+        print(f"  {name:31s} {r['mean_abs_dlogprob']:.5f}  ({r['top1_agreement']:.3f})")
+    for name, ratio in ratios.items():
+        print(f"  {name} / Q8_0 emulation: {ratio:.2f}x (target <= {TARGET_RATIO}x: "
+              f"{'met' if ratio <= TARGET_RATIO else 'MISSED'})")
+    return {"variants": res, "ratio_vs_q8_0": ratios["kvsession int8"],
+            "ratio_vs_q8_0_kernel_steps": ratios["kvsession int8, 16-token steps"],
+            "target_met": all(r <= TARGET_RATIO for r in ratios.values())}
 
 
 def plot(results: dict) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.25
+    width = 0.2
     sets = list(results)
     for i, name in enumerate(VARIANTS):
         ax.bar([j + i * width for j in range(len(sets))],
                [results[s]["variants"][name]["mean_abs_dlogprob"] for s in sets], width,
                label=name)
-    ax.set_xticks([j + width for j in range(len(sets))], [f"{s} weights" for s in sets])
+    ax.set_xticks([j + 1.5 * width for j in range(len(sets))],
+                  [f"{s} weights" for s in sets])
     ax.set_ylabel("mean |delta logprob| vs float32")
     ax.set_title("int8 weights: kvsession (group 32) vs a Q8_0 emulation")
     ax.legend()

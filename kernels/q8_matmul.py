@@ -7,6 +7,14 @@ scale = max |w| / 127 and q = round(w / scale) in [-127, 127], as Q8_0 does (whi
 the scale as float16; here float32, 1/8 byte per weight more, so the scale itself is not
 rounded). Resident bytes: 1 + 4/GROUP per weight, 0.56x bfloat16's with groups of 32.
 
+Products: with AVX512-VNNI and groups of 32 the kernel rounds a decode batch's activations
+to int8 per group as llama.cpp's Q8_0 products do (`round_activations`; its integer dot
+products read the weights ~1.3x faster at one row and ~1.6x at eight than converting them to
+float32): on the mid model that costs 1.33x the weight-only error in mean |delta logprob|,
+within the 1.5x of a weight-only Q8_0 emulation allowed (bench/int8_accuracy.py, its
+16-token-steps variant). Prefill (more rows than the kernel takes) keeps float activations
+against the dequantized weight.
+
 The kernel is built at first use like cpu_decode's (kernels/cpp_build.py); without a
 compiler `load()` returns None, logged once, and every product runs the twin, which
 dequantizes the weight (correct, not fast).
@@ -19,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvsession.kernels.cpp_build import CtypesKernel
+from kvsession.kernels.cpp_build import CtypesKernel, OpKind, TorchOp
 
 GROUP = 32  # Q8_0's block
 GROUPS = (32, 64)  # what the kernel is built for
@@ -33,9 +41,31 @@ KERNEL = CtypesKernel(Path(__file__).with_name("q8_matmul.cpp"), "kvs_q8_matmul"
                       "int8 projections dequantize their weights (slow)")
 
 
+ROUNDS = CtypesKernel(KERNEL.source, "kvs_q8_rounds_activations", [], ctypes.c_int,
+                      "the int8 product kernel", "int8 projections dequantize their weights")
+
+
 def load():
     """The kernel's entry point (ctypes), built if needed; None when it cannot be."""
     return KERNEL.get()
+
+
+def rounds_activations(group: int) -> bool:
+    """Whether the kernel rounds x to int8 (`round_activations`) for weights of `group`:
+    groups of 32 on a CPU with AVX512-VNNI (q8_matmul.cpp's header says why)."""
+    fn = ROUNDS.get()
+    return group == GROUP and fn is not None and fn() == 1
+
+
+def round_activations(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """x [rows, in] rounded as the kernel's VNNI path rounds it (llama.cpp's Q8_0 rule for
+    activations): per group of inputs, d = max |x| / 127 and x ~ round(x / d) * d (halves
+    to even), in float32."""
+    rows, inp = x.shape
+    g = x.float().reshape(rows, inp // group, group)
+    d = g.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 127 / g.abs().amax(-1, keepdim=True), torch.zeros_like(d))
+    return (torch.round(g * inv) * d).reshape(rows, inp)
 
 
 def group_for(in_features: int) -> int:
@@ -61,8 +91,14 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
         out, inp).to(dtype)
 
 
-def matmul_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ W^T in x's dtype: the weight dequantized (the kernel's torch twin)."""
+def matmul_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     rounded: bool = False) -> torch.Tensor:
+    """x [rows, in] @ W^T in x's dtype: the weight dequantized; with `rounded`, x first
+    rounded as the kernel's VNNI path does (`round_activations`): the kernel's torch twin.
+    Prefill (more rows than the kernel takes) runs it unrounded: a dense float product,
+    compute-bound, where rounding x would only lose accuracy."""
+    if rounded:
+        x = round_activations(x, x.shape[1] // scale.shape[1]).to(x.dtype)
     return x @ dequantize(q, scale, x.dtype).t()
 
 
@@ -71,7 +107,8 @@ def matmul(fn, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.T
     KERNEL_MAX_ROWS rows of a supported group size, else by the twin."""
     rows, inp = x.shape
     group = inp // scale.shape[1]
-    if fn is None or rows > KERNEL_MAX_ROWS or group not in GROUPS or x.device.type != "cpu":
+    if fn is None or not 1 <= rows <= KERNEL_MAX_ROWS or group not in GROUPS \
+            or x.device.type != "cpu":
         return matmul_reference(x, q, scale)
     xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     y = torch.empty(rows, q.shape[0], dtype=torch.float32)
@@ -79,3 +116,30 @@ def matmul(fn, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.T
           y.data_ptr(), torch.get_num_threads()):
         raise ValueError(f"the int8 kernel refused rows={rows}, in={inp}, group={group}")
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+# The product as an op that compiled code calls (model/onerow.py's one-token regions for an
+# int8 model): x [rows, in] (1 to KERNEL_MAX_ROWS rows) @ W^T in x's dtype. Its C++
+# implementation is q8_matmul_op.cpp (`register_op`).
+_LIBRARY = torch.library.Library("kvsession", "FRAGMENT")
+_LIBRARY.define("q8_matmul(Tensor x, Tensor q, Tensor scale) -> Tensor")
+
+
+def _op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The op's implementation in Python (where q8_matmul_op.cpp could not be built)."""
+    return matmul(load(), x, q, scale)
+
+
+OP = TorchOp(_LIBRARY, "q8_matmul", Path(__file__).with_name("q8_matmul_op.cpp"),
+             Path(__file__).with_name("q8_matmul.cpp"), _op, "the int8 product op")
+
+
+def register_op() -> OpKind:
+    """Give kvsession::q8_matmul its CPU implementation, once per process: C++ where it
+    builds, else `_op` (cpp_build.TorchOp). Returns which."""
+    return OP.register()
+
+
+@torch.library.register_fake("kvsession::q8_matmul")
+def _(x, q, scale):
+    return x.new_empty(x.shape[0], q.shape[0])

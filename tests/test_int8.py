@@ -44,11 +44,17 @@ def test_the_kernel_equals_its_torch_twin(rows, out, inp, group, dtype):
     q, scale = q8_matmul.quantize(torch.randn(out, inp, generator=gen), group)
     x = torch.randn(rows, inp, generator=gen).to(dtype)
     got = q8_matmul.matmul(fn, x, q, scale)
-    want = q8_matmul.matmul_reference(x.float(), q, scale)
+    # (with AVX512-VNNI groups of 32 round x to int8 first, as llama.cpp's Q8_0 products do)
+    want = q8_matmul.matmul_reference(x.float(), q, scale, q8_matmul.rounds_activations(group))
     assert got.dtype == dtype and got.shape == (rows, out)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
-    # past the kernel's rows the twin runs (a prefill chunk)
+    # the op compiled one-token steps call: the kernel's bits
+    q8_matmul.register_op()
+    assert torch.equal(torch.ops.kvsession.q8_matmul(x, q, scale), got)
+    # no rows (a chunk of a prompt none of whose rows sample) and past the kernel's rows
+    # (a prefill chunk): the twin runs
+    assert q8_matmul.matmul(fn, x[:0], q, scale).shape == (0, out)
     many = torch.randn(q8_matmul.KERNEL_MAX_ROWS + 1, inp, generator=gen)
     assert torch.equal(q8_matmul.matmul(fn, many, q, scale),
                        q8_matmul.matmul_reference(many, q, scale))

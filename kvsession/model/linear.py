@@ -24,15 +24,19 @@ bandwidth of the same run):
   and oneDNN `measure_one_row` found faster when the model was built. The model's default
   on CPU, at twice the weight memory.
 - "rows": the checkpoint's `[out, in]` rows, `F.linear` for every batch but a bfloat16
-  decode batch, which runs kernels/bf16_rows (oneDNN streams unpacked bf16 rows at ~0.6x its
-  packed rate). One copy that a tied embedding shares (the head of a single-layout model
-  that ties its embeddings: a packed head would need the embedding kept a second time,
-  ~0.3 GB for a 152k vocabulary).
+  decode batch (up to 16 rows), which runs kernels/bf16_rows (oneDNN streams unpacked bf16
+  rows at ~0.6x its packed rate, and the kernel at one row ~1.4x the packed rate: ~0.9 of
+  a plain read loop's). One copy that a tied embedding shares. Every projection of a
+  bfloat16 model on a CPU with AVX512-BF16 (LlamaModel; prefill through F.linear on the
+  rows ran ~4% slower than packed at 512 rows), and elsewhere the head of a single-layout
+  model that ties its embeddings (a packed head would need the embedding kept a second
+  time, ~0.3 GB for a 152k vocabulary).
 - "int8": int8 weights with a float scale per group of 32 inputs (llama.cpp's Q8_0 layout,
   kernels/q8_matmul.py; `LLM(quantization="int8")`): 0.56x bfloat16's bytes. A decode batch
-  (up to 16 rows) runs the C++ kernel built at first use; larger batches (prefill) and a
-  machine without a compiler dequantize the weight for one dense product. Activations stay
-  in the compute dtype. Accuracy against float32 and against a Q8_0 emulation:
+  (up to 16 rows) runs the C++ kernel built at first use (with AVX512-VNNI rounding its
+  activations to int8 per 32, as llama.cpp's Q8_0 products do); larger batches (prefill)
+  and a machine without a compiler dequantize the weight for one dense product in the
+  compute dtype. Accuracy against float32 and against a Q8_0 emulation:
   bench/int8_accuracy.py.
 """
 
@@ -188,9 +192,11 @@ def pack_rows(linears: list[Linear]) -> None:
 
 
 def weight_bytes(linears: list[Linear]) -> int:
-    """Bytes of the one-row weights ("both" rows) of `linears`."""
-    return sum(lin.rows.numel() * lin.rows.element_size() for lin in linears
-               if lin.rows is not None)
+    """Bytes of the one-row weights of `linears`: their rows ("both" and "rows"), or their
+    int8 weights and scales."""
+    return sum(sum(t.numel() * t.element_size() for t in lin.int8) if lin.int8 is not None
+               else lin.rows.numel() * lin.rows.element_size() if lin.rows is not None else 0
+               for lin in linears)
 
 
 def round_times(fns: list, rounds: int) -> list[list[float]]:

@@ -127,7 +127,8 @@ class LlamaModel:
         measure_one_row(self.projections())
         # a one-token step compiled (model/onerow.py): a candidate until warm_up measured it
         # faster than the Linear kernels on this machine
-        self.one_row = OneRowKernels.build(self) if weight_format in ("both", "rows") else None
+        self.one_row = OneRowKernels.build(self) if weight_format in ("both", "rows", "int8") \
+            else None
         positions = torch.arange(max_model_len, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(spec.rope, spec.head_dim))
         dev = self.norm.device
@@ -311,7 +312,8 @@ class LlamaModel:
 
     def token_tables(self) -> TokenTables:
         """The tables a token's inputs are read from (embedding, rotary)."""
-        return TokenTables(self.embed, self.cos, self.sin_signed)
+        embed = self.embed if self.embed_int8 is None else self.embed_int8.int8
+        return TokenTables(embed, self.cos, self.sin_signed)
 
     def _forward_one_row(self, h: torch.Tensor, cos_sin: tuple, kv: KVPool,
                          meta: AttentionMetadata) -> torch.Tensor:

@@ -11,8 +11,16 @@ rows is one pass over the weight (the rows split over the threads), and the elem
 work is fused into the loops around it. On the AMD machine that read the same projections
 at ~30 GB/s, the rate of the `sum` measured beside it.
 
-A batch-1 decode step on a float32 cache where the engine reads decode attention with the
-C++ kernel (attention_backend "cpu", the default on CPU when it builds) runs as one region
+A bfloat16 model's products (every projection bf16 rows) and an int8 model's are ops of
+their C++ kernels (kernels/bf16_rows, kernels/q8_matmul: a vdpbf16ps or vpdpbusd per
+64 weight bytes, where inductor's loop would widen each weight to float32 first), so that
+the regions below fuse only the elementwise work around them: a Qwen3-0.6B-shaped bfloat16
+step took ~45 ms with the same kernels between eager ops (~40 small ops a layer) and
+~31-34 ms as one region on the bench VM; int8 ~28.8 -> ~24.6 ms.
+
+A batch-1 decode step on a float32 or bfloat16 cache where the engine reads decode
+attention with the C++ kernel (attention_backend "cpu", the default on CPU when it builds)
+runs as one region
 from the token id to its logits (`decode_logits_kernel`): the embedding and rotary rows,
 every layer's norm, q/k/v product, rotary, o product, MLP and residuals, the final norm,
 the output head, and for each layer the kernel called as an op that stores the new K/V and
@@ -24,9 +32,9 @@ two regions per layer: before attention (input norm, fused q/k/v product, per-he
 norms, rotary) and after it (o product, residual, post norm, gate/up product, SiLU-mul, down
 product, residual). One-row logits run the output head as a region. Used only where
 a one-token step through them measured faster than through the model's Linear kernels
-(model/linear.py; LlamaModel.warm_up times both), on float32 CPU models large enough to be
-measured (linear.MEASURE_MIN_BYTES: smaller weights stay in the caches, where every kernel
-is fast).
+(model/linear.py; LlamaModel.warm_up times both), on CPU models (float32 "both" rows,
+bfloat16 rows, int8) large enough to be measured (linear.MEASURE_MIN_BYTES: smaller
+weights stay in the caches, where every kernel is fast).
 
 Why these details:
 - `cpp.dynamic_threads`: the generated loops ask OpenMP for the thread count at each call,
@@ -52,7 +60,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kvsession.kernels import bf16_rows, cpu_decode  # define the kernels' ops
+from kvsession.kernels import bf16_rows, cpu_decode, q8_matmul  # define the kernels' ops
 from kvsession.kernels.cpp_build import OpKind
 from kvsession.model.linear import MEASURE_MIN_BYTES, Linear, weight_bytes
 
@@ -68,11 +76,14 @@ COMPILE_OPTIONS = {"cpp.dynamic_threads": True}
 DENSE_OPTIONS = COMPILE_OPTIONS | {"realize_cpu_acc_reads_threshold": 2}
 
 
-def row_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def row_product(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
     """x [in] times w [out, in] (+ b): [out], one pass over w's rows. bfloat16 rows through
     the kernel's op (kernels/bf16_rows: one vdpbf16ps per 32 weights, where the generated
-    loop widens each weight to float32 first)."""
-    if w.dtype == torch.bfloat16:
+    loop widens each weight to float32 first); an int8 weight, w = (q, scale) as
+    q8_matmul.quantize makes it, through the int8 kernel's op."""
+    if isinstance(w, tuple):
+        y = torch.ops.kvsession.q8_matmul(x[None], *w)[0]
+    elif w.dtype == torch.bfloat16:
         y = torch.ops.kvsession.bf16_rows_matmul(x[None], w)[0]
     else:
         y = (w * x).sum(-1)
@@ -144,10 +155,10 @@ def decode_layers_kernel(h, layers, caches, cos, sin_signed, eps: float, heads: 
 
 class TokenTables(NamedTuple):
     """What a whole-step region reads a token's inputs from: the model's embedding [vocab,
-    hidden] and its rotary tables cos and sin_signed [max_model_len, head_dim] (as
-    LlamaModel.forward indexes them)."""
+    hidden] (or an int8 model's, as (q, scale)) and its rotary tables cos and sin_signed
+    [max_model_len, head_dim] (as LlamaModel.forward indexes them)."""
 
-    embed: torch.Tensor
+    embed: torch.Tensor | tuple
     cos: torch.Tensor
     sin_signed: torch.Tensor
 
@@ -162,7 +173,9 @@ def decode_logits_kernel(token, position, embed, cos_table, sin_table, layers, c
     rotary rows in eager ops, the layers, the head) a step took ~0.25-0.3 ms longer on the
     AMD bench machine (3.23-3.33 vs 2.98-3.04 ms at 66-79 GB/s, ~8%; the same logits to the
     bit): each call's Python, guards and OpenMP start, with the memory idle meanwhile."""
-    h = embed.index_select(0, token)
+    h = embed.index_select(0, token) if isinstance(embed, torch.Tensor) else \
+        q8_matmul.dequantize(embed[0].index_select(0, token), embed[1].index_select(0, token),
+                             final_norm.dtype)  # an int8 table (q, scale)
     # in the model's dtype, as LlamaModel.forward rounds them
     cos = cos_table.index_select(0, position).unsqueeze(1).to(h.dtype)
     sin_signed = sin_table.index_select(0, position).unsqueeze(1).to(h.dtype)
@@ -351,16 +364,22 @@ class OneRowKernels:
     @staticmethod
     def for_model(model) -> OneRowKernels | None:
         """Regions for `model` (a LlamaModel; nothing compiled before their first call), or
-        None when its one-row weights are not float32 "both" rows on the CPU."""
+        None when its one-row weights are not all float32 rows, bfloat16 rows or int8
+        weights on the CPU (or their kernel's op has no C++ implementation here: through
+        Python it would cost more than the regions save)."""
         lins = model.projections()
-        dtype = lins[0].rows.dtype if lins[0].rows is not None else None
-        if dtype not in (torch.float32, torch.bfloat16) or any(
-                lin.rows is None or lin.rows.dtype != dtype or lin.rows.device.type != "cpu"
-                for lin in lins):
-            return None
-        if dtype == torch.bfloat16 and (bf16_rows.load() is None
-                                        or bf16_rows.register_op() != OpKind.NATIVE):
-            return None  # through Python, the op would cost more than the regions save
+        if all(lin.int8 is not None and lin.int8[0].device.type == "cpu" for lin in lins):
+            if q8_matmul.load() is None or q8_matmul.register_op() != OpKind.NATIVE:
+                return None
+        else:
+            dtype = lins[0].rows.dtype if lins[0].rows is not None else None
+            if dtype not in (torch.float32, torch.bfloat16) or any(
+                    lin.rows is None or lin.rows.dtype != dtype
+                    or lin.rows.device.type != "cpu" for lin in lins):
+                return None
+            if dtype == torch.bfloat16 and (bf16_rows.load() is None
+                                            or bf16_rows.register_op() != OpKind.NATIVE):
+                return None
         eps = model.spec.rms_norm_eps
         return OneRowKernels([LayerArgs(
             pre=(lw.input_norm, *_wb(lw.qkv), lw.q_norm, lw.k_norm),
@@ -396,4 +415,5 @@ def _inference(t: torch.Tensor) -> torch.Tensor:
 
 
 def _wb(lin: Linear) -> tuple:
-    return lin.rows, lin.bias
+    """(weight, bias) as row_product takes them: the rows, or an int8 weight's (q, scale)."""
+    return (lin.rows if lin.int8 is None else lin.int8), lin.bias
