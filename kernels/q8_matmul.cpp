@@ -25,12 +25,29 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
 constexpr int64_t MAX_ROWS = 16;
 constexpr int64_t ROW_TILE = 8;  // rows whose GROUP-lane accumulators stay in registers
 constexpr int64_t OUT_BLOCK = 16;
+
+// f(std::integral_constant<int64_t, R>) for R = min(n, ROW_TILE): a tile's row count as a
+// compile-time constant (n >= 1).
+template <typename F>
+void with_rows(int64_t n, F&& f) {
+  switch (n < ROW_TILE ? n : ROW_TILE) {
+    case 1: f(std::integral_constant<int64_t, 1>{}); break;
+    case 2: f(std::integral_constant<int64_t, 2>{}); break;
+    case 3: f(std::integral_constant<int64_t, 3>{}); break;
+    case 4: f(std::integral_constant<int64_t, 4>{}); break;
+    case 5: f(std::integral_constant<int64_t, 5>{}); break;
+    case 6: f(std::integral_constant<int64_t, 6>{}); break;
+    case 7: f(std::integral_constant<int64_t, 7>{}); break;
+    default: f(std::integral_constant<int64_t, 8>{}); break;
+  }
+}
 
 // ROWS rows of x against output channels [o_begin, o_end): ROWS and GROUP are compile-time
 // constants, so the row and lane loops unroll and each row's accumulator lanes stay in
@@ -75,16 +92,9 @@ void q8_rows(const int8_t* q, const float* scale, const float* x, int64_t rows, 
     for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
       const float* xr = x + r0 * in;
       float* yr = y + r0 * out;
-      switch (rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE) {
-        case 1: q8_tile<GROUP, 1>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 2: q8_tile<GROUP, 2>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 3: q8_tile<GROUP, 3>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 4: q8_tile<GROUP, 4>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 5: q8_tile<GROUP, 5>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 6: q8_tile<GROUP, 6>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 7: q8_tile<GROUP, 7>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        default: q8_tile<GROUP, 8>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-      }
+      with_rows(rows - r0, [&](auto n) {
+        q8_tile<GROUP, decltype(n)::value>(q, scale, xr, in, out, o_begin, o_end, yr);
+      });
     }
   }
 }
@@ -206,16 +216,9 @@ void vnni_rows(const int8_t* q, const float* scale, const float* x, int64_t rows
       const int64_t at = r0 * lanes_row;
       const QuantizedRows xr{xq.data() + r0 * in, d.data() + at, cv.data() + at, lanes_row};
       float* yr = y + r0 * out;
-      switch (rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE) {
-        case 1: vnni_tile<1>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 2: vnni_tile<2>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 3: vnni_tile<3>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 4: vnni_tile<4>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 5: vnni_tile<5>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 6: vnni_tile<6>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        case 7: vnni_tile<7>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-        default: vnni_tile<8>(q, scale, xr, in, out, o_begin, o_end, yr); break;
-      }
+      with_rows(rows - r0, [&](auto n) {
+        vnni_tile<decltype(n)::value>(q, scale, xr, in, out, o_begin, o_end, yr);
+      });
     }
   }
 }
