@@ -105,21 +105,29 @@ void q8_rows(const int8_t* q, const float* scale, const float* x, int64_t rows, 
 // weight row (two groups) are one vpdpbusd per row of x, the int32 sums scaled to float per
 // group. The float path above spends ~10 instructions a 32 weights converting and scaling
 // them before its FMAs: compute-bound, ~22 GB/s at one row and ~6 at eight on the bench VM,
-// where this reads ~25-28 and ~10. vpdpbusd multiplies unsigned by signed bytes: the
+// where this reads ~26-31 GB/s and ~12-14 (Qwen3-0.6B's and Llama-3.2-1B's shapes). vpdpbusd multiplies unsigned by signed bytes: the
 // weights go in plus 128 (a XOR of the sign bit), which adds 128 * (the group's sum of x)
 // to each group's sum: taken off in float, from a per-row table (`cv`), so that no
 // instruction per 64 weights is spent on it.
 constexpr int64_t G = 32;
 
-// A batch's rows of x rounded to int8, and per pair of groups two 16-lane vectors in the
-// layout of vpdpbusd's sums (lanes 0-7 the first group, 8-15 the second): d, and
-// 128 * d * (the group's sum of q) / 8 (the surplus, spread over the group's 8 lanes).
+// A batch's rows of x rounded to int8, and per pair of groups (a, b) four floats:
+// d_a, d_b, and each group's surplus 128 * d * (the group's sum of q) / 8 (spread over the
+// group's 8 lanes of vpdpbusd's sums), widened to those lanes in registers (`lanes`). Four
+// floats, not the two 16-lane vectors they widen to: with 8 rows of 8,192 inputs the
+// vectors took 256 KiB, read from L2 for every 64 weight bytes (3.7 GB/s at 8 rows on
+// Llama-3.2-1B's shapes, against ~8 on Qwen3-0.6B's).
 struct QuantizedRows {
-  const int8_t* q;   // [rows, in]
-  const float* d;    // [rows, pairs_up * 16]
-  const float* cv;   // [rows, pairs_up * 16]
-  int64_t lanes_row; // pairs_up * 16: groups / 2 rounded up, times 16
+  const int8_t* q;    // [rows, in]
+  const float* dcv;   // [rows, pairs_up, 4]: d_a, d_b, surplus_a, surplus_b
+  int64_t pairs_up;   // groups / 2 rounded up
 };
+
+// lanes 0-7 v[i], lanes 8-15 v[j] of the four floats at `p`
+inline __m512 lanes(__m512 four, int i, int j) {
+  return _mm512_permutexvar_ps(
+      _mm512_set_epi32(j, j, j, j, j, j, j, j, i, i, i, i, i, i, i, i), four);
+}
 
 // so[0] in lanes 0-7, so[1] in lanes 8-15 (`n` = 1: lanes 8-15 zero)
 inline __m512 scale_pair(const float* so, int n) {
@@ -156,14 +164,15 @@ void vnni_tile(const int8_t* q, const float* scale, const QuantizedRows& x, int6
       const __m512 ws = scale_pair(so + 2 * p, p < pairs ? 2 : 1);
 #pragma GCC unroll 8
       for (int64_t r = 0; r < ROWS; ++r) {
-        const int64_t lane = r * x.lanes_row + p * 16;
+        const __m512 four = _mm512_castps128_ps512(
+            _mm_loadu_ps(x.dcv + (r * x.pairs_up + p) * 4));
         const __m512i xv = p < pairs ? _mm512_loadu_si512(x.q + r * in + p * 2 * G)
                                      : _mm512_zextsi256_si512(_mm256_loadu_si256(
                                            reinterpret_cast<const __m256i*>(
                                                x.q + r * in + p * 2 * G)));
         const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xv);
-        const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(x.d + lane),
-                                         _mm512_loadu_ps(x.cv + lane));
+        const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(d), lanes(four, 0, 1),
+                                         lanes(four, 2, 3));
         acc[r] = _mm512_fmadd_ps(t, ws, acc[r]);
       }
     }
@@ -172,12 +181,12 @@ void vnni_tile(const int8_t* q, const float* scale, const QuantizedRows& x, int6
   }
 }
 
-// Rows of x rounded to int8 per group into `q`, with their `d` and `cv` lanes
-// (QuantizedRows' layout; a lone last group's upper lanes zero).
-void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, float* d, float* cv) {
-  const int64_t groups = in / G, lanes_row = (groups + 1) / 2 * 16;
+// Rows of x rounded to int8 per group into `q`, with their d and surplus per group in
+// `dcv` (QuantizedRows' layout; a lone last group's pair partner zero).
+void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, float* dcv) {
+  const int64_t groups = in / G, pairs_up = (groups + 1) / 2;
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < lanes_row; ++i) d[r * lanes_row + i] = cv[r * lanes_row + i] = 0.0f;
+    for (int64_t i = 0; i < pairs_up * 4; ++i) dcv[r * pairs_up * 4 + i] = 0.0f;
     for (int64_t g = 0; g < groups; ++g) {
       const float* xg = x + r * in + g * G;
       const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
@@ -192,29 +201,26 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, float* d
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * in + g * G + 16),
                        _mm512_cvtepi32_epi8(qb));
       const float sum_q = float(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
-      const int64_t lane = r * lanes_row + g / 2 * 16 + g % 2 * 8;
-      for (int j = 0; j < 8; ++j) {
-        d[lane + j] = dg;
-        cv[lane + j] = 128.0f * dg * sum_q / 8.0f;
-      }
+      float* pair = dcv + (r * pairs_up + g / 2) * 4;
+      pair[g % 2] = dg;
+      pair[2 + g % 2] = 128.0f * dg * sum_q / 8.0f;
     }
   }
 }
 
 void vnni_rows(const int8_t* q, const float* scale, const float* x, int64_t rows, int64_t in,
                int64_t out, float* y, int threads) {
-  const int64_t lanes_row = (in / G + 1) / 2 * 16;
+  const int64_t pairs_up = (in / G + 1) / 2;
   std::vector<int8_t> xq(rows * in);
-  std::vector<float> d(rows * lanes_row), cv(rows * lanes_row);
-  quantize_rows(x, rows, in, xq.data(), d.data(), cv.data());
+  std::vector<float> dcv(rows * pairs_up * 4);
+  quantize_rows(x, rows, in, xq.data(), dcv.data());
   const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t o_begin = b * OUT_BLOCK;
     const int64_t o_end = o_begin + OUT_BLOCK < out ? o_begin + OUT_BLOCK : out;
     for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-      const int64_t at = r0 * lanes_row;
-      const QuantizedRows xr{xq.data() + r0 * in, d.data() + at, cv.data() + at, lanes_row};
+      const QuantizedRows xr{xq.data() + r0 * in, dcv.data() + r0 * pairs_up * 4, pairs_up};
       float* yr = y + r0 * out;
       with_rows(rows - r0, [&](auto n) {
         vnni_tile<decltype(n)::value>(q, scale, xr, in, out, o_begin, o_end, yr);
