@@ -550,7 +550,11 @@ SECTIONS = [
      "safetensors, real vocabulary sizes), each engine and format in a fresh process: load, "
      "resident memory, decode at batch 1 and 8, prefill of 512 tokens; x bound: the "
      "batch-1 decode step against the weight bytes it reads at the run's best DRAM rate. "
-     "Peer: transformers (bf16) on the same weights.", section_real_shapes,
+     "Peer: transformers (bf16) on the same weights. kvsession's load includes compiling "
+     "its one-token step (bf16, int8 and dual: the whole step one region, at both thread "
+     "counts the engine may choose; inductor's disk cache warm: ~5-8 s of it here, a shape's "
+     "first compile ~20 s); resident leaves out the compiler's own first use (importing it: "
+     "~0.23 GB, whatever the model) and includes the compiled step.", section_real_shapes,
      "real_shapes.png"),
     ("int8_accuracy", "int8 accuracy against a Q8_0 emulation",
      "kvsession's quantization='int8' (a float32 scale per 32 inputs) against the float32 "
