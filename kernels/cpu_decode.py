@@ -48,7 +48,6 @@ KERNELS = {dtype: CtypesKernel(SOURCE, symbol, _ARGS, ctypes.c_int,
                                "decode attention runs the torch reference", link_variants=LINK)
            for dtype, symbol in ((torch.float32, "kvs_decode_attention"),
                                  (torch.bfloat16, "kvs_decode_attention_bf16"))}
-KERNEL = KERNELS[torch.float32]
 
 
 def load(cxx: str | None = None, directory: Path | None = None,

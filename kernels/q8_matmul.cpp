@@ -49,6 +49,22 @@ void with_rows(int64_t n, F&& f) {
   }
 }
 
+// The output channels in blocks of OUT_BLOCK split over the threads (static: each thread
+// one contiguous range), and a block's rows of x in tiles of up to ROW_TILE, so that the
+// block's weights are read once per tile (once for a decode batch of <= 8):
+// tile(o_begin, o_end, r0, n) with n a compile-time row count (with_rows).
+template <typename F>
+void over_tiles(int64_t rows, int64_t out, int threads, F&& tile) {
+  const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t o_begin = b * OUT_BLOCK;
+    const int64_t o_end = o_begin + OUT_BLOCK < out ? o_begin + OUT_BLOCK : out;
+    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE)
+      with_rows(rows - r0, [&](auto n) { tile(o_begin, o_end, r0, n); });
+  }
+}
+
 // ROWS rows of x against output channels [o_begin, o_end): ROWS and GROUP are compile-time
 // constants, so the row and lane loops unroll and each row's accumulator lanes stay in
 // vector registers (8 rows x 32 lanes: 16 of AVX-512's 32 registers).
@@ -83,20 +99,10 @@ void q8_tile(const int8_t* q, const float* scale, const float* x, int64_t in, in
 template <int64_t GROUP>
 void q8_rows(const int8_t* q, const float* scale, const float* x, int64_t rows, int64_t in,
              int64_t out, float* y, int threads) {
-  const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t o_begin = b * OUT_BLOCK;
-    const int64_t o_end = o_begin + OUT_BLOCK < out ? o_begin + OUT_BLOCK : out;
-    // the block's weights are read once per tile of rows: once for a decode batch of <= 8
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-      const float* xr = x + r0 * in;
-      float* yr = y + r0 * out;
-      with_rows(rows - r0, [&](auto n) {
-        q8_tile<GROUP, decltype(n)::value>(q, scale, xr, in, out, o_begin, o_end, yr);
-      });
-    }
-  }
+  over_tiles(rows, out, threads, [&](int64_t o_begin, int64_t o_end, int64_t r0, auto n) {
+    q8_tile<GROUP, decltype(n)::value>(q, scale, x + r0 * in, in, out, o_begin, o_end,
+                                       y + r0 * out);
+  });
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -214,19 +220,10 @@ void vnni_rows(const int8_t* q, const float* scale, const float* x, int64_t rows
   std::vector<int8_t> xq(rows * in);
   std::vector<float> dcv(rows * pairs_up * 4);
   quantize_rows(x, rows, in, xq.data(), dcv.data());
-  const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t o_begin = b * OUT_BLOCK;
-    const int64_t o_end = o_begin + OUT_BLOCK < out ? o_begin + OUT_BLOCK : out;
-    for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-      const QuantizedRows xr{xq.data() + r0 * in, dcv.data() + r0 * pairs_up * 4, pairs_up};
-      float* yr = y + r0 * out;
-      with_rows(rows - r0, [&](auto n) {
-        vnni_tile<decltype(n)::value>(q, scale, xr, in, out, o_begin, o_end, yr);
-      });
-    }
-  }
+  over_tiles(rows, out, threads, [&](int64_t o_begin, int64_t o_end, int64_t r0, auto n) {
+    const QuantizedRows xr{xq.data() + r0 * in, dcv.data() + r0 * pairs_up * 4, pairs_up};
+    vnni_tile<decltype(n)::value>(q, scale, xr, in, out, o_begin, o_end, y + r0 * out);
+  });
 }
 #endif
 

@@ -194,9 +194,12 @@ def pack_rows(linears: list[Linear]) -> None:
 def weight_bytes(linears: list[Linear]) -> int:
     """Bytes of the one-row weights of `linears`: their rows ("both" and "rows"), or their
     int8 weights and scales."""
-    return sum(sum(t.numel() * t.element_size() for t in lin.int8) if lin.int8 is not None
-               else lin.rows.numel() * lin.rows.element_size() if lin.rows is not None else 0
-               for lin in linears)
+    def nbytes(lin: Linear) -> int:
+        kept = lin.int8 if lin.int8 is not None else (lin.rows,) if lin.rows is not None \
+            else ()
+        return sum(t.numel() * t.element_size() for t in kept)
+
+    return sum(nbytes(lin) for lin in linears)
 
 
 def round_times(fns: list, rounds: int) -> list[list[float]]:

@@ -81,30 +81,34 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 
 def weight_format(cfg: EngineConfig) -> str:
-    """The projections' format (model/linear.py) for what LLM(...) asked."""
+    """The projections' format (model/linear.py) for what LLM(...) asked: one copy, as
+    rows for a bfloat16 model on a CPU whose kernels/bf16_rows multiplies in bfloat16
+    (AVX512-BF16), else oneDNN's packed layout; both with the dual layout."""
     if cfg.quantization is Quantization.INT8:
         return "int8"
-    return "both" if cfg.cpu_weight_layout is WeightLayout.DUAL else "onednn"
+    if cfg.cpu_weight_layout is WeightLayout.DUAL:
+        return "both"
+    native_bf16 = cfg.dtype == torch.bfloat16 and cfg.device.type == "cpu" \
+        and bf16_rows.native()
+    return "rows" if native_bf16 else "onednn"
 
 
 class LlamaModel:
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], max_model_len: int,
                  weight_format: str = "onednn"):
-        """weight_format: how the projections keep their weights on CPU (model/linear.py):
-        "onednn" by default (one copy; a tied output head keeps the checkpoint's rows,
-        which the embedding shares); "both" adds the rows for batch-1 decode at twice the
-        weight memory (LLM(cpu_weight_layout="dual")); "int8" quantizes."""
-        embed = weights["model.embed_tokens.weight"]
-        if weight_format == "onednn" and embed.dtype == torch.bfloat16 \
-                and embed.device.type == "cpu" and bf16_rows.native():
-            # bfloat16 on a CPU with AVX512-BF16: every projection as rows (linear.py)
-            weight_format = "rows"
+        """weight_format: how the projections keep their weights on CPU (model/linear.py;
+        `weight_format(cfg)` chooses for LLM): "onednn" by default (one copy; a tied output
+        head keeps the checkpoint's rows, which the embedding shares); "rows" (one copy,
+        every projection the checkpoint's rows: a bfloat16 model on AVX512-BF16); "both"
+        adds the rows for batch-1 decode at twice the weight memory
+        (LLM(cpu_weight_layout="dual")); "int8" quantizes."""
         self.spec, self.weight_format = spec, weight_format
         # the paged attention op; an instance attribute so a measurement tool can wrap it
         # for one model (kvsession.numerics) without patching the module for everyone
         self.attention_fn = attention
         self.norm = _own(weights["model.norm.weight"])
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(spec.num_layers)]
+        embed = weights["model.embed_tokens.weight"]
         tied = spec.tie_word_embeddings
         # a packed head would leave the embedding a second copy: a tied one keeps the rows
         self.lm_head = Linear(embed if tied else weights["lm_head.weight"],
