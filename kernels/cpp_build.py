@@ -39,9 +39,13 @@ KERNEL_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPI
 KERNEL_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
+def cache_root() -> Path:
+    """kvsession's cache directory: $KVSESSION_CACHE, default ~/.cache/kvsession."""
+    return Path(os.environ.get("KVSESSION_CACHE") or Path.home() / ".cache" / "kvsession")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("KVSESSION_CACHE") or Path.home() / ".cache" / "kvsession"
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 @functools.cache
@@ -53,7 +57,8 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or _found_compiler()
 
 
-def _cpu_id() -> str:
+def cpu_id() -> str:
+    """This CPU's identity for caches of code built for it (its feature flags)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -67,7 +72,7 @@ def library_path(cxx: str, directory: Path, name: str, sources: list[Path],
     torch lives (a new name whenever any of them changes)."""
     digest = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in sources),
                                         " ".join(flags).encode(), cxx.encode(),
-                                        _cpu_id().encode(), torch.__version__.encode()]))
+                                        cpu_id().encode(), torch.__version__.encode()]))
     return directory / f"{name}-{digest.hexdigest()[:16]}.so"
 
 

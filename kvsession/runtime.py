@@ -48,6 +48,7 @@ from kvsession.metrics import SLO, LatencyTracker, Stats
 from kvsession.model.config import load_model_spec
 from kvsession.model.llama import LlamaModel, weight_format
 from kvsession.model.loader import load_weights, weights_digest
+from kvsession.model.region_store import RegionStore
 from kvsession.model.tokenizer import Tokenizer
 from kvsession.observability import StatsCollector
 from kvsession.pinning import Pinning
@@ -94,7 +95,7 @@ class Runtime:
         self.kv_pool = KVPool(spec.num_layers, num_blocks, cfg.block_size, spec.num_kv_heads,
                               spec.head_dim, cfg.kv_cache_dtype, cfg.device,
                               use_kernels=backend == AttentionBackend.TRITON)
-        self.model.warm_up(self.kv_pool, backend)
+        self.model.warm_up(self.kv_pool, backend, RegionStore.default())
         self.info = RuntimeInfo(spec, max_model_len, num_blocks, bpt, fingerprint,
                                 self.model.weight_bytes())
         # the originals the weights were fused and packed from are freed: give them back

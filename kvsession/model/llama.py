@@ -23,6 +23,7 @@ from kvsession.kernels import bf16_rows
 from kvsession.model.config import ModelSpec, RopeSpec
 from kvsession.model.linear import Linear, measure_one_row, pack_rows, round_times
 from kvsession.model.onerow import OneRowKernels, TokenTables
+from kvsession.model.region_store import RegionStore
 
 log = logging.getLogger("kvsession")
 
@@ -339,24 +340,29 @@ class LlamaModel:
             h = k.post(h, o.reshape(1, spec.num_heads * spec.head_dim), *args.post)
         return rms_norm(h, self.norm, spec.rms_norm_eps)
 
-    def warm_up(self, kv: KVPool, backend: AttentionBackend = AttentionBackend.TORCH) -> None:
+    def warm_up(self, kv: KVPool, backend: AttentionBackend = AttentionBackend.TORCH,
+                store: RegionStore | None = None) -> None:
         """Compile what a one-token step on `kv` runs before the first step needs it (the
         one-token regions; their decode layer reads attention with kernels/cpu_decode on
-        the CPU backend), and keep them only if a decode step through them measured faster
-        than through the Linear kernels (`_one_token_times`). Nothing for models without
-        them. At start-up, while no block holds anything."""
+        the CPU backend), through `store` when given (loaded where an earlier process
+        compiled them: model/region_store.py), and keep them only if a decode step through
+        them measured faster than through the Linear kernels (`_one_token_times`). Nothing
+        for models without them. At start-up, while no block holds anything."""
         kernels = self.one_row
         if kernels is None:
             return
         kernels.select_attention(backend == AttentionBackend.CPU)
+        kernels.attach_store(store)
         if not kernels.warm_up(self.spec, kv, self.softmax_scale, self.token_tables()):
             self.one_row = None  # did not compile (the log says why)
             return
         t_regions, t_linear = self._one_token_times(kv, backend)
         faster = t_regions < t_linear
         log.info("one-token step: %.4g ms through the compiled regions, %.4g ms through the "
-                 "Linear kernels: %s", t_regions * 1e3, t_linear * 1e3,
-                 "compiled" if faster else "Linear kernels")
+                 "Linear kernels: %s%s", t_regions * 1e3, t_linear * 1e3,
+                 "compiled" if faster else "Linear kernels", "" if store is None else
+                 f" ({store.loaded} regions loaded from {store.directory}, "
+                 f"{store.compiled} compiled into it)")
         self.one_row = kernels if faster else None
 
     def _one_token_times(self, kv: KVPool, backend: AttentionBackend) -> tuple[float, float]:

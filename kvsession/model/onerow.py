@@ -53,7 +53,6 @@ Why these details:
 from __future__ import annotations
 
 import logging
-import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -63,6 +62,7 @@ import torch.nn.functional as F
 from kvsession.kernels import bf16_rows, cpu_decode, q8_matmul  # define the kernels' ops
 from kvsession.kernels.cpp_build import OpKind
 from kvsession.model.linear import MEASURE_MIN_BYTES, Linear, weight_bytes
+from kvsession.model.region_store import RegionStore, StoredRegion
 
 log = logging.getLogger("kvsession")
 
@@ -222,10 +222,11 @@ def head(hidden, w, b):
     return row_product(hidden[0], w, b).unsqueeze(0).float()
 
 
-def compile_region(fn, dynamic: bool | None = False, options: dict = DENSE_OPTIONS):
-    """`fn` compiled from a copy of its code object: a cache of its own in dynamo."""
-    clone = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
-    return torch.compile(clone, dynamic=dynamic, options=options)
+def compile_region(fn, dynamic: bool | None = False,
+                   options: dict = DENSE_OPTIONS) -> StoredRegion:
+    """`fn` compiled from a copy of its code object (a cache of its own in dynamo), by
+    dynamo in this process until a RegionStore is attached (model/region_store.py)."""
+    return StoredRegion(fn, dynamic, options)
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,7 @@ class OneRowKernels:
         self.layer_pairs = [(lw.pre, lw.post) for lw in layers]  # decode_layers_kernel's
         self.pre, self.post, self.head = (compile_region(f) for f in
                                           (pre_attention, post_attention, head))
+        self.store: RegionStore | None = None
         self.select_attention(kernel=False)
         self.decode_compiles = True  # until warm_up finds otherwise
         self._caches: tuple | None = None  # (the KVPool, its layers' (k, v) views)
@@ -310,16 +312,26 @@ class OneRowKernels:
             cpu_decode.register_op()  # the op's implementation: C++ where it builds
         self.decode = compile_region(decode_logits_kernel, dynamic=None) if kernel else \
             compile_region(decode_layer, dynamic=None, options=COMPILE_OPTIONS)
+        self.decode.attach(self.store)
+
+    def attach_store(self, store: RegionStore | None) -> None:
+        """Compile the regions ahead of time through `store` (loading what an earlier
+        process stored: model/region_store.py); None: in this process only. Before
+        warm_up."""
+        self.store = store
+        for region in (self.pre, self.post, self.head, self.decode):
+            region.attach(store)
 
     def warm_up(self, spec, kv, scale: float, tables: TokenTables) -> bool:
         """Compile what the engine will run, before its first step needs it; False if that
         failed (said in the log: the model then keeps its Linear kernels). Dynamo guards on
         the thread count, so each region is run at each count the engine's ThreadGovernor
-        may choose (all threads, one); the decode step for `kv`'s cache (the whole-step
-        region, reading the model's `tables`, or the decode layer), on a step that writes
-        and reads its first two blocks, or else the two regions (also where the decode step
-        fails to compile). Inputs as a step's (distinct cos and sin: dynamo also guards on
-        aliasing). Only while no block holds anything: at start-up."""
+        may choose (all threads, one; a region compiled ahead of time through the attached
+        store serves both, and the second pass only runs it); the decode step for `kv`'s
+        cache (the whole-step region, reading the model's `tables`, or the decode layer), on
+        a step that writes and reads its first two blocks, or else the two regions (also
+        where the decode step fails to compile). Inputs as a step's (distinct cos and sin:
+        dynamo also guards on aliasing). Only while no block holds anything: at start-up."""
         decodes = writes = self.reads_cache(kv.layer(0)) and kv.num_blocks >= 2
         before = torch.get_num_threads()
         try:
