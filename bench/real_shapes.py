@@ -20,6 +20,13 @@ off. Resident: RssAnon + RssFile growth over the process's state before loading 
 libraries' first use), so it includes kvsession's KV budget (`--kv-cache-memory`, 1 GiB
 by default, as #47's table).
 
+Load time: kvsession keeps the one-token step it compiles on disk (model/region_store.py),
+so a process loads what the first one compiled. The run gives kvsession a compiled store
+of its own (a fresh $KVSESSION_CACHE sharing the built C++ kernels) and loads each
+kvsession format twice: `first_load_s`, a child that only loads, compiling into the empty
+store (inductor's own cache as the machine has it), then the measured child, which loads
+from it (`load_s`, compared with llama.cpp's).
+
 llama.cpp (`--llama-cpp-python PYTHON --llama-cpp-src DIR`: a Python with llama-cpp-python
 installed, which builds from its sdist, and the sdist's `vendor/llama.cpp` for the
 converter): the same checkpoint converted by llama.cpp's own convert_hf_to_gguf.py to bf16
@@ -41,6 +48,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +56,7 @@ import torch
 from common import pyplot, save_figure, write_result
 from decode_rates import rates
 
+from kvsession.kernels.cpp_build import cache_dir
 from kvsession.testing import make_tiny_model
 
 SHAPES = {
@@ -105,7 +114,8 @@ def resident_bytes() -> int:
 # ---- the child: one engine, one format ------------------------------------------------
 
 
-def child(model: Path, engine: str, decode_tokens: int, rounds: int, kv: str) -> dict:
+def child(model: Path, engine: str, decode_tokens: int, rounds: int, kv: str,
+          load_only: bool = False) -> dict:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     gen = torch.Generator().manual_seed(0)
 
@@ -139,7 +149,8 @@ def child(model: Path, engine: str, decode_tokens: int, rounds: int, kv: str) ->
 
     out = {"load_s": load_s, "resident_bytes": grew,
            "weight_bytes": llm.runtime.weight_bytes}
-    out |= rates(run, prompt, decode_tokens, rounds)
+    if not load_only:
+        out |= rates(run, prompt, decode_tokens, rounds)
     llm.close()
     return out
 
@@ -232,11 +243,15 @@ def main() -> None:
                     help="llama.cpp's source (its convert_hf_to_gguf.py and conversion/)")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "ENGINE"), help=argparse.SUPPRESS)
+    ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(Path(args.child[0]), args.child[1], args.decode_tokens,
-                               args.rounds, args.kv_cache_memory)))
+                               args.rounds, args.kv_cache_memory, args.load_only)))
         return
+    store = tempfile.TemporaryDirectory(prefix="real_shapes-")  # kvsession's cache, this run
+    (Path(store.name) / "kernels").symlink_to(cache_dir(), target_is_directory=True)
+    env = {**os.environ, "KVSESSION_CACHE": store.name}
     bw = Bandwidth()
     results: dict = {}
     for shape in args.shapes:
@@ -246,24 +261,34 @@ def main() -> None:
         peers = list(LLAMA_CPP) if args.llama_cpp_python else []
         for engine in args.engines + peers:
             bw.sample()
+            first = None
             if engine in LLAMA_CPP:
                 proc = llama_cpp_run(args.llama_cpp_python,
                                      gguf(model, LLAMA_CPP[engine], args.llama_cpp_src), args)
             else:
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--child", str(model), engine,
-                     "--decode-tokens", str(args.decode_tokens), "--rounds", str(args.rounds),
-                     "--kv-cache-memory", args.kv_cache_memory],
-                    capture_output=True, text=True, timeout=3600)
+                command = [sys.executable, __file__, "--child", str(model), engine,
+                           "--decode-tokens", str(args.decode_tokens), "--rounds",
+                           str(args.rounds), "--kv-cache-memory", args.kv_cache_memory]
+                if engine.startswith("kvsession"):  # compiles into the run's empty store
+                    first = subprocess.run(command + ["--load-only"], capture_output=True,
+                                           text=True, timeout=3600, env=env)
+                proc = subprocess.run(command, capture_output=True, text=True, timeout=3600,
+                                      env=env)
+                if first is not None and first.returncode != 0:
+                    proc = first
             if proc.returncode != 0:
                 print(f"{shape} {engine}: failed\n{proc.stderr[-3000:]}")
                 continue
             res = json.loads(proc.stdout.strip().splitlines()[-1])
+            if first is not None:
+                res["first_load_s"] = json.loads(first.stdout.strip().splitlines()[-1])[
+                    "load_s"]
             if engine in LLAMA_CPP:  # what a decode step reads: the GGUF's tensors
                 res["weight_bytes"] = gguf(model, LLAMA_CPP[engine],
                                            args.llama_cpp_src).stat().st_size
             results[shape]["engines"][engine] = res
-            print(f"{shape:13s} {engine:20s} load {res['load_s']:5.1f} s  resident "
+            print(f"{shape:13s} {engine:20s} load {res['load_s']:5.1f} s (first "
+                  f"{res.get('first_load_s', res['load_s']):5.1f})  resident "
                   f"{res['resident_bytes'] / 1e9:5.2f} GB  decode b1 "
                   f"{res['decode_b1_tok_s']:5.1f} b8 {res['decode_b8_tok_s']:6.1f} tok/s  "
                   f"prefill 512 {res['prefill_512_s']:5.2f} s", flush=True)
