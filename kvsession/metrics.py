@@ -6,6 +6,7 @@ Structs are msgspec Structs so `msgspec.json.encode(llm.stats())` works.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -94,11 +95,44 @@ class RemoteStats(msgspec.Struct):
     foreign_notifications: int = 0  # NIXL notifications not from the request's worker
 
 
+# A latency histogram's bucket upper bounds, seconds (the last bucket, +Inf, is implicit):
+# from a millisecond (a decode step's time per token on a GPU) to a minute (a queued long
+# prefill on a CPU), roughly x2.5 apart, as Prometheus' default buckets are
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 30.0, 60.0)
+
+
+class Histogram(msgspec.Struct):
+    """Every finished request's value, counted since the LLM started: `counts[i]` values
+    in (bounds_s[i - 1], bounds_s[i]] (`counts[-1]`: above the last bound), their `sum_s`
+    and `count`. Monotonic, so that histograms of several replicas add up (Prometheus'
+    histogram; the percentiles beside it cover only a recent window)."""
+
+    bounds_s: list[float] = msgspec.field(default_factory=lambda: list(LATENCY_BUCKETS_S))
+    counts: list[int] = msgspec.field(
+        default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    sum_s: float = 0.0
+    count: int = 0
+
+    def observe(self, value_s: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds_s, value_s)] += 1
+        self.sum_s += value_s
+        self.count += 1
+
+    def copy(self) -> Histogram:
+        return Histogram(list(self.bounds_s), list(self.counts), self.sum_s, self.count)
+
+
 class LatencyStats(msgspec.Struct):
     ttft_p50_s: float = 0.0
     ttft_p99_s: float = 0.0
     tpot_p50_s: float = 0.0
     tpot_p99_s: float = 0.0
+    # since start: time to first token, time per output token, time queued before the
+    # first step
+    ttft_s: Histogram = msgspec.field(default_factory=Histogram)
+    tpot_s: Histogram = msgspec.field(default_factory=Histogram)
+    queue_s: Histogram = msgspec.field(default_factory=Histogram)
 
 
 class Stats(msgspec.Struct):
@@ -133,18 +167,25 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class LatencyTracker:
-    """The last `window` finished requests: (arrival, finish, ttft, tpot, output tokens).
+    """The last `window` finished requests: (arrival, finish, ttft, tpot, output tokens),
+    and histograms of every finished request's TTFT, TPOT and queue time.
     Thread-safe: the engine thread records, any thread summarises."""
 
     def __init__(self, window: int = 1024):
         self._records: deque[tuple[float, float, float, float, int]] = deque(maxlen=window)
         self._lock = threading.Lock()
         self.num_requests = 0
+        self._histograms = (Histogram(), Histogram(), Histogram())  # ttft, tpot, queue
 
     def record(self, arrival: float, finish: float, m: RequestMetrics, num_tokens: int) -> None:
         with self._lock:
             self._records.append((arrival, finish, m.ttft_s, m.tpot_s, num_tokens))
             self.num_requests += 1
+            ttft, tpot, queue = self._histograms
+            ttft.observe(m.ttft_s)
+            queue.observe(m.queue_s)
+            if num_tokens > 1:  # one token has no time per output token
+                tpot.observe(m.tpot_s)
 
     def tpot_p50_s(self) -> float:
         """Median time per output token over the window (0.0 before any request): what
@@ -157,13 +198,15 @@ class LatencyTracker:
         runs from the earliest arrival to the latest finish among the window's requests."""
         with self._lock:
             recs = list(self._records)
+            ttft_h, tpot_h, queue_h = (h.copy() for h in self._histograms)
         if not recs:
-            return LatencyStats(), 0.0, 0.0
+            return LatencyStats(ttft_s=ttft_h, tpot_s=tpot_h, queue_s=queue_h), 0.0, 0.0
         requests = [(ttft, tpot, n) for _, _, ttft, tpot, n in recs]
         wall = max(r[1] for r in recs) - min(r[0] for r in recs)
         goodput = costmodel.goodput_tokens_per_s(requests, slo.ttft_s, slo.tpot_s, wall)
         attainment = costmodel.slo_attainment(requests, slo.ttft_s, slo.tpot_s)
         ttfts, tpots = [r[0] for r in requests], [r[1] for r in requests]
         lat = LatencyStats(percentile(ttfts, 50), percentile(ttfts, 99),
-                           percentile(tpots, 50), percentile(tpots, 99))
+                           percentile(tpots, 50), percentile(tpots, 99), ttft_h, tpot_h,
+                           queue_h)
         return lat, goodput, attainment

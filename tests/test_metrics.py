@@ -10,13 +10,24 @@ import random
 import pytest
 
 from kvsession import LLM, ConfigError, SamplingParams, costmodel
-from kvsession.metrics import SLO, LatencyStats, LatencyTracker, RequestMetrics, percentile
+from kvsession.metrics import (
+    LATENCY_BUCKETS_S,
+    SLO,
+    LatencyStats,
+    LatencyTracker,
+    RequestMetrics,
+    percentile,
+)
 
 
 def record(tracker: LatencyTracker, arrival: float, finish: float, ttft: float, tpot: float,
            tokens: int) -> None:
     tracker.record(arrival, finish, RequestMetrics(ttft_s=ttft, tpot_s=tpot,
                                                    e2e_s=finish - arrival, queue_s=0.0), tokens)
+
+
+def percentiles(lat: LatencyStats) -> tuple[float, float, float, float]:
+    return lat.ttft_p50_s, lat.ttft_p99_s, lat.tpot_p50_s, lat.tpot_p99_s
 
 
 # (arrival s, finish s, ttft s, tpot s, output tokens) against SLO(1.0, 0.1)
@@ -37,7 +48,7 @@ def test_summary_worked_example():
     assert goodput == pytest.approx((100 + 50) / 11.0)
     assert attainment == 0.5
     # sorted TTFTs 0.2 0.5 1.0 1.5: p50 is the 2nd, p99 the 4th; TPOTs 0.05 0.05 0.1 0.2
-    assert lat == LatencyStats(ttft_p50_s=0.5, ttft_p99_s=1.5, tpot_p50_s=0.05, tpot_p99_s=0.2)
+    assert percentiles(lat) == (0.5, 1.5, 0.05, 0.2)
     assert t.tpot_p50_s() == 0.05
     assert t.num_requests == 4
 
@@ -61,8 +72,27 @@ def test_summary_covers_only_the_window():
     # the last two records: (12, 20, 0.2, 0.2, 300) misses, (9, 14, 1.0, 0.1, 50) meets
     assert goodput == pytest.approx(50 / 11.0)
     assert attainment == 0.5
-    assert lat == LatencyStats(ttft_p50_s=0.2, ttft_p99_s=1.0, tpot_p50_s=0.1, tpot_p99_s=0.2)
+    assert percentiles(lat) == (0.2, 1.0, 0.1, 0.2)
     assert t.num_requests == 4  # every request ever recorded, not only the window
+
+
+def test_histograms_count_every_request_since_start():
+    """The histograms (Prometheus' buckets: a value equal to a bound counts in its bucket)
+    hold every finished request, not only the window's; one-token requests have no TPOT."""
+    t = LatencyTracker(window=2)
+    for r in EXAMPLE:
+        record(t, *r)
+    record(t, 30.0, 30.5, 0.5, 0.0, 1)
+    lat, _, _ = t.summary(SLO())
+    bounds = list(LATENCY_BUCKETS_S)
+    ttft = {b: n for b, n in zip([*bounds, math.inf], lat.ttft_s.counts, strict=True) if n}
+    assert ttft == {0.25: 1, 0.5: 2, 1.0: 1, 2.5: 1}  # 0.2 | 0.5 0.5 | 1.0 | 1.5
+    assert lat.ttft_s.count == 5 and lat.ttft_s.sum_s == pytest.approx(3.7)
+    tpot = {b: n for b, n in zip([*bounds, math.inf], lat.tpot_s.counts, strict=True) if n}
+    assert tpot == {0.05: 2, 0.1: 1, 0.25: 1} and lat.tpot_s.count == 4
+    assert lat.queue_s.count == 5 and lat.queue_s.counts[0] == 5  # all 0.0
+    record(t, 31.0, 200.0, 100.0, 0.0, 1)  # beyond the last bound: the +Inf bucket
+    assert t.summary(SLO())[0].ttft_s.counts[-1] == 1
 
 
 def test_zero_wall_time_gives_no_goodput_but_attainment():
@@ -71,7 +101,7 @@ def test_zero_wall_time_gives_no_goodput_but_attainment():
     lat, goodput, attainment = t.summary(SLO())
     assert goodput == 0.0
     assert attainment == 1.0
-    assert lat == LatencyStats(0.0, 0.0, 0.0, 0.0)
+    assert percentiles(lat) == (0.0, 0.0, 0.0, 0.0)
 
 
 def test_empty_tracker():

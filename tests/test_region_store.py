@@ -6,6 +6,7 @@ through dynamo."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import torch
 from internals import CHILD_PRELUDE
 
 from kvsession import SamplingParams
+from kvsession.model import region_store
 from kvsession.model.onerow import DENSE_OPTIONS, head
 from kvsession.model.region_store import RegionStore, StoredRegion, region_key
 from oracle import hf_greedy, random_prompts
@@ -100,6 +102,31 @@ def test_a_call_unlike_the_first_runs_through_dynamo(tmp_path):
         torch.testing.assert_close(region(h, w2, None), head(h, w2, None))
         torch.testing.assert_close(region(h, w, None), head(h, w, None))
     assert store.compiled == 1 and region.stored_calls == 2
+
+
+def test_the_store_keeps_the_most_recently_used_files(tmp_path, monkeypatch):
+    """Past MAX_STORED_FILES, storing another removes the least recently used (loading a
+    file counts as a use)."""
+    monkeypatch.setattr(region_store, "MAX_STORED_FILES", 2)
+    store = RegionStore(tmp_path)
+    h = torch.ones(1, 8)
+
+    def run(rows: int) -> None:
+        region = StoredRegion(head, dynamic=False, options=DENSE_OPTIONS)
+        region.attach(store)
+        with torch.inference_mode():
+            region(h, torch.ones(rows, 8), None)
+
+    run(4)
+    run(5)
+    first, second = sorted(tmp_path.glob("*.aot"), key=lambda f: f.stat().st_mtime)
+    os.utime(first, (1, 1))
+    os.utime(second, (2, 2))
+    run(4)  # loads the first file: now the most recently used
+    assert store.loaded == 1 and first.stat().st_mtime > 2
+    run(6)  # a third: the second, least recently used, goes
+    assert first.exists() and not second.exists()
+    assert len(list(tmp_path.glob("*.aot"))) == 2 and store.compiled == 3
 
 
 def test_the_key_follows_what_the_compiled_code_depends_on():

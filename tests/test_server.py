@@ -29,6 +29,7 @@ MAX_CONCURRENT = 40
 ENGINE = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
           "--host-cache-memory", "0"]
 SYSTEM = "You are a helpful coding assistant."
+ORIGIN = "https://agents.example"  # the one origin the module's server allows (CORS)
 
 
 class Server(ServerProcess):
@@ -66,7 +67,7 @@ def hermes_dir(model_dirs):
 @pytest.fixture(scope="module")
 def server(hermes_dir, tmp_path_factory):
     s = start(hermes_dir, tmp_path_factory.mktemp("server"), "--api-key", KEY,
-              "--max-concurrent-requests", str(MAX_CONCURRENT))
+              "--max-concurrent-requests", str(MAX_CONCURRENT), "--allowed-origins", ORIGIN)
     yield s
     rc = s.stop()
     assert rc == 0, s.stderr_tail()
@@ -243,14 +244,14 @@ def test_named_session_binds_turns(server, hermes_dir):
     # reply: nothing is generated and the history is not forked
     history = msgs + [{"role": "assistant", "content": r1.choices[0].message.content},
                       {"role": "user", "content": "and close it"}]
-    generated = _metric(server, "kvsession_generated_tokens")
+    generated = _metric(server, "kvsession_generated_tokens_total")
     raw = c.chat.completions.with_raw_response.create(
         model=model_name(hermes_dir), messages=history, max_tokens=8, temperature=0,
         extra_body={"session_id": "named-1"})
     again = raw.parse()
     assert raw.headers["x-kvsession-replayed"] == "true"
     assert again.choices[0].message.content == r2.choices[0].message.content
-    assert _metric(server, "kvsession_generated_tokens") == generated
+    assert _metric(server, "kvsession_generated_tokens_total") == generated
     chunks = list(c.chat.completions.create(
         model=model_name(hermes_dir), messages=history, max_tokens=8, temperature=0,
         stream=True, extra_body={"session_id": "named-1"}))
@@ -484,7 +485,7 @@ def test_disconnect_cancels_and_frees_blocks(server, hermes_dir):
     c = server.client()
     wait_until(lambda: server.health()["requests_in_flight"] == 0, what="idle server")
     baseline = server.health()["blocks_used"]
-    generated = _metric(server, "kvsession_generated_tokens")
+    generated = _metric(server, "kvsession_generated_tokens_total")
     # a stateless stream and a conversation's session turn, both cancelled when their
     # client goes away (the turn at its next token): no block in use, nowhere near
     # max_tokens generated
@@ -506,7 +507,7 @@ def test_disconnect_cancels_and_frees_blocks(server, hermes_dir):
     _give_up(server, "/v1/completions", dict(body, prompt="the agent reads"))
     _give_up(server, "/v1/chat/completions", dict(body, messages=convo))
     wait_until(lambda: _blocks_settled(server, baseline), what="blocks freed")
-    assert _metric(server, "kvsession_generated_tokens") - generated < 900 + 4
+    assert _metric(server, "kvsession_generated_tokens_total") - generated < 900 + 4
     # the cancelled turn never happened: its conversation, re-sent, continues the session
     hits = _metric(server, "kvsession_server_conversation_hits_total")
     r = c.chat.completions.create(model=model_name(hermes_dir), messages=convo, max_tokens=4,
@@ -520,7 +521,7 @@ def test_giving_up_on_a_batch_cancels_every_completion(server, hermes_dir):
     cancels every completion, not only the wait for them."""
     wait_until(lambda: server.health()["requests_in_flight"] == 0, what="idle server")
     baseline = server.health()["blocks_used"]
-    generated = _metric(server, "kvsession_generated_tokens")
+    generated = _metric(server, "kvsession_generated_tokens_total")
     long = dict(model=model_name(hermes_dir), max_tokens=900, temperature=0.8, seed=1,
                 ignore_eos=True)
     msgs = [{"role": "user", "content": "many answers"}]
@@ -529,7 +530,7 @@ def test_giving_up_on_a_batch_cancels_every_completion(server, hermes_dir):
     _give_up(server, "/v1/completions", dict(long, prompt=["one", "two", "three", "four"]))
     wait_until(lambda: _blocks_settled(server, baseline), what="blocks freed")
     # 12 completions of 900 tokens each had they run on
-    assert _metric(server, "kvsession_generated_tokens") - generated < 900 * 4
+    assert _metric(server, "kvsession_generated_tokens_total") - generated < 900 * 4
 
 
 def test_identical_requests_keep_one_conversation(server, hermes_dir):
@@ -722,17 +723,72 @@ def test_models_health_metrics(server, hermes_dir):
     h = server.health()
     assert h["status"] == "ok" and h["blocks_total"] > 0
     text = server.http("GET", "/metrics")[1].decode()
-    for metric in ('kvsession_tiers_blocks_used{tier="device"}', "kvsession_prefix_hit_tokens",
-                   'kvsession_spills{tier="host"}', "kvsession_latency_ttft_p99_s",
-                   "kvsession_goodput_tokens_per_s", "kvsession_server_requests_in_flight",
-                   'kvsession_server_requests_total{route="/v1/chat/completions",code="200"}'):
-        assert re.search(rf"^{re.escape(metric)} [0-9.e+-]+$", text, re.M), metric
-    assert re.search(r"^kvsession_server_cached_tokens_total [1-9]", text, re.M)
-    sample = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]\w*="[^"]*",?)*\})? '
-                        r'(-?[0-9.e+-]+|[+-]Inf|NaN)$')
-    for line in text.splitlines():
-        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or \
-            sample.match(line), line
+    # read by prometheus_client's own parser: what a Prometheus server would see
+    from prometheus_client.parser import text_string_to_metric_families
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(name: str, sample: str | None = None, **labels) -> float:
+        found = [s.value for s in families[name].samples
+                 if s.name == (sample or name) and s.labels == labels]
+        assert len(found) == 1, (name, labels, families[name].samples)
+        return found[0]
+
+    kinds = {name: f.type for name, f in families.items()}
+    # counts since start are counters (exposed with _total), levels are gauges
+    for name in ("kvsession_prefix_hit_tokens", "kvsession_generated_tokens",
+                 "kvsession_num_requests", "kvsession_spills", "kvsession_server_requests",
+                 "kvsession_server_cached_tokens"):
+        assert kinds[name] == "counter", name
+    for name in ("kvsession_tiers_blocks_used", "kvsession_goodput_tokens_per_s",
+                 "kvsession_server_requests_in_flight", "kvsession_prefix_hit_rate"):
+        assert kinds[name] == "gauge", name
+    assert value("kvsession_tiers_blocks_used", tier="device") >= 0
+    assert value("kvsession_spills", "kvsession_spills_total", tier="host") >= 0
+    assert value("kvsession_server_requests", "kvsession_server_requests_total",
+                 route="/v1/chat/completions", code="200") >= 2
+    assert value("kvsession_server_cached_tokens", "kvsession_server_cached_tokens_total") > 0
+    # latency: histograms over every finished request, which add up across replicas; no
+    # window percentiles
+    requests = value("kvsession_num_requests", "kvsession_num_requests_total")
+    for name in ("kvsession_request_ttft_seconds", "kvsession_request_queue_seconds"):
+        assert kinds[name] == "histogram"
+        buckets = [(float(s.labels["le"]), s.value) for s in families[name].samples
+                   if s.name == f"{name}_bucket"]
+        counts = [n for _, n in buckets]
+        assert counts == sorted(counts) and buckets[-1][0] == float("inf")
+        assert counts[-1] == value(name, f"{name}_count") == requests >= 2
+        assert value(name, f"{name}_sum") > 0 or name.endswith("queue_seconds")
+    assert kinds["kvsession_request_tpot_seconds"] == "histogram"
+    assert not any("p99" in name or "p50" in name for name in families)
+
+
+def test_cross_origin_requests_follow_allowed_origins(server):
+    """A browser's preflight from the allowed origin is answered with the method and the
+    headers it asked for; another origin gets no CORS headers (its browser refuses); an
+    allowed page reads the answer of a real request."""
+    def request(method: str, path: str, headers: dict) -> tuple[int, dict]:
+        req = urllib.request.Request(f"{server.url}{path}", method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, {k.lower(): v for k, v in r.headers.items()}
+        except urllib.error.HTTPError as e:
+            return e.code, {k.lower(): v for k, v in e.headers.items()}
+
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    status, headers = request("OPTIONS", "/v1/chat/completions",
+                              {"Origin": ORIGIN, **preflight})
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in headers["access-control-allow-methods"]
+    assert "authorization" in headers["access-control-allow-headers"].lower()
+    status, headers = request("OPTIONS", "/v1/chat/completions",
+                              {"Origin": "https://elsewhere.example", **preflight})
+    assert status == 400 and "access-control-allow-origin" not in headers
+    status, headers = request("GET", "/v1/models",
+                              {"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"})
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    status, headers = request("GET", "/v1/models", {"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and "access-control-allow-origin" not in headers
 
 
 def test_conversation_key_ignores_how_a_client_sends_the_reply_back():

@@ -37,6 +37,7 @@ What a stored function is valid for, and how that is kept true:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -53,6 +54,9 @@ from kvsession.kernels import cpp_build
 log = logging.getLogger("kvsession")
 
 SUFFIX = ".aot"
+# files a store keeps: storing one more removes the least recently used beyond this (a
+# model's step is 0.05-2 MB; each model shape, KV budget and kvsession build has its own)
+MAX_STORED_FILES = 64
 
 
 class RegionStore:
@@ -90,6 +94,8 @@ class RegionStore:
             return None
         compiled.disable_guard_check()  # why: the module's docstring
         self.loaded += 1
+        with contextlib.suppress(OSError):  # a read-only store serves as it is
+            path.touch()  # recently used: kept when the store prunes
         return compiled
 
     def compile(self, key: str, fn: Callable, args: tuple, dynamic: bool | None,
@@ -111,10 +117,19 @@ class RegionStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             compiled.save_compiled_function(str(self.path(key)))
+            self._prune()
         except Exception as e:  # noqa: BLE001 - unwritable or unserializable: this process
             log.warning("compiled region %s: not stored in %s (%s: %s)", fn.__name__,
                         self.directory, type(e).__name__, e)
         return compiled
+
+    def _prune(self) -> None:
+        """Remove the least recently used files beyond MAX_STORED_FILES (by modification
+        time: loading touches a file). Another process may prune at the same time: a file
+        already gone is skipped."""
+        files = sorted(self.directory.glob(f"*{SUFFIX}"), key=_mtime, reverse=True)
+        for f in files[MAX_STORED_FILES:]:
+            f.unlink(missing_ok=True)
 
 
 class StoredRegion:
@@ -196,6 +211,13 @@ def _signature(args: Sequence, deep: bool) -> tuple:
         return (type(a).__name__, a)
 
     return tuple(sig(a) for a in args)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _clone(fn: Callable) -> Callable:

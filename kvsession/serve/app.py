@@ -35,7 +35,7 @@ from kvsession.serve.conversations import (
     conversation_salt,
     turn_prompt_tokens,
 )
-from kvsession.serve.prometheus import CONTENT_TYPE, Exposition
+from kvsession.serve.prometheus import CONTENT_TYPE, Exposition, MetricKind
 from kvsession.serve.responses import ClientGone, SSEResponse, sse, unless_disconnected
 from kvsession.serve.runs import SessionTurn, Slot, collect, stateless_events, turn_overrides
 
@@ -550,18 +550,19 @@ class Server:
                help="generation requests admitted and not finished")
         ex.add("kvsession_server_max_concurrent_requests", self.max_concurrent,
                help="the admission bound (503 beyond it)")
+        counter = MetricKind.COUNTER
         for (route, status), n in sorted(self.requests.items()):
             ex.add("kvsession_server_requests_total", n, {"route": route, "code": str(status)},
-                   kind="counter", help="answered requests by route and status")
+                   counter, help="answered requests by route and status")
         conv = self.conversations
         ex.add("kvsession_server_conversations", conv.num_sessions,
                help="idle sessions kept for conversations that may continue")
-        ex.add("kvsession_server_conversation_hits_total", conv.hits, kind="counter",
+        ex.add("kvsession_server_conversation_hits_total", conv.hits, kind=counter,
                help="requests that continued a kept session")
-        ex.add("kvsession_server_conversation_misses_total", conv.misses, kind="counter",
+        ex.add("kvsession_server_conversation_misses_total", conv.misses, kind=counter,
                help="requests that started a new session")
         for kind in ("prompt", "cached", "completion"):
-            ex.add(f"kvsession_server_{kind}_tokens_total", self.tokens[kind], kind="counter",
+            ex.add(f"kvsession_server_{kind}_tokens_total", self.tokens[kind], kind=counter,
                    help=f"{kind} tokens of answered requests")
         return Response(ex.render(), media_type=CONTENT_TYPE)
 

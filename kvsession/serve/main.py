@@ -23,6 +23,7 @@ from pathlib import Path
 import uvicorn
 
 from kvsession.flags import add_llm_flags, llm_kwargs
+from kvsession.serve.cors import allow_origins
 from kvsession.serve.listen import LISTENING, bind_listener
 from kvsession.serve.ray_main import add_replica_arguments, run_replicated, wants_replicas
 
@@ -45,6 +46,9 @@ def add_serve_arguments(p: argparse.ArgumentParser, llm_cls) -> None:
                         "max_model_len, as OpenAI)")
     p.add_argument("--shutdown-timeout-s", type=float, default=30.0,
                    help="on SIGTERM, how long requests in flight may take to finish")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="origins whose web pages may call the API (CORS), e.g. "
+                        "http://localhost:3000; * for any (default: none)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_llm_flags(p, llm_cls)
@@ -103,6 +107,7 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         await asyncio.to_thread(server.conversations.close_all)
 
     app = server.app()
+    allow_origins(app, args.allowed_origins)
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=int(max(1, args.shutdown_timeout_s)),

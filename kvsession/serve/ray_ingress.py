@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from kvsession.serve import protocol as P
 from kvsession.serve.conversations import conversation_keys
-from kvsession.serve.prometheus import CONTENT_TYPE, Exposition
+from kvsession.serve.prometheus import CONTENT_TYPE, Exposition, MetricKind
 from kvsession.serve.ray_replica import RELEASE_PATH, SUMMARY_PATH, check_bearer
 from kvsession.serve.ray_replicas import STOP_GRACE_S, ReplicaGone
 from kvsession.serve.responses import ClientGone, SSEResponse, unless_disconnected
@@ -501,26 +501,30 @@ class Ingress:
             lab = {"replica": n}
             ex.add("kvsession_router_in_flight", r.load[n], lab,
                    help="requests in flight per replica")
-            ex.add("kvsession_router_requests_total", r.routed[n], lab, kind="counter",
+            ex.add("kvsession_router_requests_total", r.routed[n], lab, kind=MetricKind.COUNTER,
                    help="requests sent to each replica")
             ex.add("kvsession_router_sessions", r.sessions_on(n), lab,
                    help="named sessions held by each replica")
-            ex.add("kvsession_router_restarts_total", self.restarts[n], lab, kind="counter",
-                   help="times the replica came back after it was lost")
+            ex.add("kvsession_router_restarts_total", self.restarts[n], lab,
+                   kind=MetricKind.COUNTER, help="times the replica came back after it was lost")
             s = self.summaries.get(n)
             if s:
                 for field in ("prefix_hit_rate", "prefix_hit_tokens", "prefix_queried_tokens",
                               "prefill_tokens", "prompt_tokens", "cached_tokens",
                               "conversation_hits", "conversation_misses", "blocks_used",
                               "blocks_total"):
-                    ex.add(f"kvsession_replica_{field}", s.get(field, 0), lab,
+                    # counts since the replica started (a restart resets them, which
+                    # Prometheus' rate() takes for a counter reset); the rest are levels
+                    kind = MetricKind.GAUGE if field.startswith(("blocks_", "prefix_hit_rate")) \
+                        else MetricKind.COUNTER
+                    ex.add(f"kvsession_replica_{field}", s.get(field, 0), lab, kind,
                            help=f"the replica's {field.replace('_', ' ')} (last summary)")
         for kind, count in sorted(r.decisions.items(), key=lambda kv: kv[0].value):
             ex.add("kvsession_router_decisions_total", count, {"kind": kind.value},
-                   kind="counter", help="routing decisions by kind")
+                   kind=MetricKind.COUNTER, help="routing decisions by kind")
         for reason in Reason:
             ex.add("kvsession_router_migrations_total", r.migrations[reason],
-                   {"reason": reason.value}, kind="counter",
+                   {"reason": reason.value}, kind=MetricKind.COUNTER,
                    help="sessions that moved to another replica, by why")
         ex.add("kvsession_router_load_cap", r.cap(),
                help="the most requests one replica may hold after the next (bounded load)")

@@ -21,6 +21,7 @@ from pathlib import Path
 import uvicorn
 
 from kvsession.flags import llm_kwargs
+from kvsession.serve.cors import allow_origins
 from kvsession.serve.listen import LISTENING, bind_listener
 from kvsession.serve.router import Routing
 
@@ -146,6 +147,7 @@ def _serve(args, sock, replicas, ingress_cls, gone_error, log) -> int:
         await ingress.close()  # stops the replicas: they persist their named sessions
 
     app = ingress.app()
+    allow_origins(app, args.allowed_origins)
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=int(max(1, args.shutdown_timeout_s)))
