@@ -11,6 +11,7 @@ import queue
 from collections.abc import AsyncIterator, Iterator
 
 from kvsession.outputs import DeltaText, RequestOutput, TextChunk
+from kvsession.requests import ChatInputs
 from kvsession.runtime import PinHandle, Runtime
 
 
@@ -23,12 +24,20 @@ def _progress(seq) -> int:
 
 class _Chunks:
     """Turns the engine's progress reports into TextChunks; the last one (always sent, its
-    text possibly empty) carries the output, so a caller reading chunks alone gets it."""
+    text possibly empty) carries the output, so a caller reading chunks alone gets it.
+    A chat's reply is split as it streams by `chat`'s ReplySplitter (reply_stream.py),
+    reading the text as generated (or as `chat.splitter_decode` spells it)."""
 
-    def __init__(self, rt: Runtime, seq, prompt: str | None, finish):
-        self._rt, self._seq, self._prompt, self._finish = rt, seq, prompt, finish
+    def __init__(self, rt: Runtime, seq, prompt: str | None, chat: ChatInputs | None):
+        self._rt, self._seq, self._prompt, self._chat = rt, seq, prompt, chat
         self._text = DeltaText(rt.tokenizer.decode, seq.params.stop_strings)
         self._sent = seq.num_prompt_tokens  # tokens reported so far (an index into the log)
+        prompt_ids = seq.token_ids[:seq.num_prompt_tokens]
+        self._splitter = chat.splitter(prompt_ids) if chat is not None else None
+        decode = chat.splitter_decode() if chat is not None else None
+        # the splitter's own view of the text where it differs (markers put back)
+        self._split_text = None if decode is None else \
+            DeltaText(decode, seq.params.stop_strings)
 
     def _ids(self, end: int) -> list[int]:
         ids = self._seq.token_ids[self._sent:end]
@@ -37,27 +46,44 @@ class _Chunks:
 
     def update(self, n: int) -> TextChunk | None:
         """The request has `n` tokens (0: it finished): a chunk if there is new text."""
+        if not n:
+            return None
         seq = self._seq
-        if n and (delta := self._text.update(seq.token_ids[seq.num_prompt_tokens:n])):
-            return TextChunk(delta, self._ids(n))
+        ids = seq.token_ids[seq.num_prompt_tokens:n]
+        delta = self._text.update(ids)
+        if self._splitter is None:
+            return TextChunk(delta, self._ids(n), content=delta) if delta else None
+        split = self._splitter.feed(delta if self._split_text is None
+                                    else self._split_text.update(ids))
+        if delta or split:
+            return TextChunk(delta, self._ids(n), None, split.content, split.reasoning,
+                             split.tool_calls)
         return None
 
     def last(self, result) -> TextChunk:
         out = self._rt.sequences.output(result, self._prompt)
         tail = self._text.finish(out.text)
-        out = out if self._finish is None else self._finish(out)
-        return TextChunk(tail, self._ids(len(self._seq.token_ids)), out)
+        if self._chat is not None:
+            out = self._chat.finish(out)
+        if self._splitter is None:
+            return TextChunk(tail, self._ids(len(self._seq.token_ids)), out, content=tail)
+        # (what the splitter has not seen: the finished split's rest, from `finish`)
+        rest = self._splitter.finish(out.reasoning, out.text, out.tool_calls)
+        return TextChunk(tail, self._ids(len(self._seq.token_ids)), out, rest.content,
+                         rest.reasoning, rest.tool_calls)
 
 
 class TextStream:
     """The `TextChunk`s of one streamed request (an iterator); `output` is its RequestOutput
     once the stream is exhausted (also on the last chunk). `close()` (or leaving a `with`
-    block) before the end cancels the request. `finish` (e.g. tool-call parsing) turns the
-    request's output into `output`; the deltas are the raw text."""
+    block) before the end cancels the request. A conversation's `chat` inputs turn the
+    request's output into a reply (`ChatInputs.finish`: reasoning, tool calls) and split
+    the chunks as they come (`TextChunk.content`, `.reasoning`, `.tool_calls`); `.text`
+    is the text as generated."""
 
-    def __init__(self, rt: Runtime, seq, prompt: str | None, finish=None):
+    def __init__(self, rt: Runtime, seq, prompt: str | None, chat: ChatInputs | None = None):
         self._rt, self._seq, self._prompt = rt, seq, prompt
-        self._finish = finish
+        self._chat = chat
         self.output: RequestOutput | None = None
         self._updates: queue.SimpleQueue = queue.SimpleQueue()
         self._fut = rt.submit(seq, on_update=lambda s: self._updates.put(_progress(s)))
@@ -65,7 +91,7 @@ class TextStream:
         self._gen = self._deltas()
 
     def _deltas(self) -> Iterator[TextChunk]:
-        chunks = _Chunks(self._rt, self._seq, self._prompt, self._finish)
+        chunks = _Chunks(self._rt, self._seq, self._prompt, self._chat)
         try:
             while (n := self._updates.get()) is not None:
                 if chunk := chunks.update(n):
@@ -98,9 +124,9 @@ class TextStream:
 class AsyncTextStream:
     """`TextStream` for asyncio (`async for`); `output` once exhausted, `aclose()` cancels."""
 
-    def __init__(self, rt: Runtime, seq, prompt: str | None, finish=None):
+    def __init__(self, rt: Runtime, seq, prompt: str | None, chat: ChatInputs | None = None):
         self._rt, self._seq, self._prompt = rt, seq, prompt
-        self._finish = finish
+        self._chat = chat
         self.output: RequestOutput | None = None
         self._gen = self._deltas()
 
@@ -114,7 +140,7 @@ class AsyncTextStream:
 
         fut = self._rt.submit(seq, on_update=lambda s: post(_progress(s)))
         fut.add_done_callback(lambda f: post(None))
-        chunks = _Chunks(self._rt, seq, self._prompt, self._finish)
+        chunks = _Chunks(self._rt, seq, self._prompt, self._chat)
         try:
             while (n := await updates.get()) is not None:
                 if chunk := chunks.update(n):

@@ -234,14 +234,17 @@ class LLM:
         tokens arrive: `chunk.text` deltas join to exactly the text `generate` returns (stop
         strings never leak, no UTF-8 character is split), and the last chunk's `.output` is
         the RequestOutput (also the stream's `.output` once exhausted). Closing the stream
-        early (or leaving a `with` block) cancels the request. With `tools` (conversations
-        only, as `chat`) the deltas are the raw text, call markup included, and `.output` has
-        the parsed `tool_calls`."""
+        early (or leaving a `with` block) cancels the request. For a conversation each chunk
+        also has the delta split as the finished reply is: `chunk.content`,
+        `chunk.reasoning` (a reasoning template's <think> block) and, with `tools` (as
+        `chat`), `chunk.tool_calls` (ToolCallDelta: index, id and name first, then
+        fragments of the arguments' JSON) — markup never in `content`; `chunk.text` stays
+        the text as generated, and `.output` has the parsed reply."""
         reject_unknown("stream()", unknown, STREAM_ARGS, hints=TO_SAMPLING_PARAMS)
         text, seq, chat = self._requests.one_request(prompt, sampling_params, prompt_token_ids,
                                                      messages, tools, tool_choice,
                                                      chat_template_kwargs, parallel_tool_calls)
-        return TextStream(self._rt, seq, text, chat.finish)
+        return TextStream(self._rt, seq, text, chat)
 
     def astream(self, prompt=None, sampling_params=None, prompt_token_ids=None,
                 messages=None, tools: list[dict] | None = None, tool_choice="auto",
@@ -253,7 +256,7 @@ class LLM:
         text, seq, chat = self._requests.one_request(prompt, sampling_params, prompt_token_ids,
                                                      messages, tools, tool_choice,
                                                      chat_template_kwargs, parallel_tool_calls)
-        return AsyncTextStream(self._rt, seq, text, chat.finish)
+        return AsyncTextStream(self._rt, seq, text, chat)
 
     # ---- sessions ----------------------------------------------------------------------
 

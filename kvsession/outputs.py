@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kvsession.metrics import RequestMetrics
 
 if TYPE_CHECKING:
+    from kvsession.reply_stream import ToolCallDelta
     from kvsession.tools import ToolCall
 
 log = logging.getLogger("kvsession")
@@ -22,7 +23,8 @@ class CompletionOutput:
     dict per generated token; `finish_reason` is "stop" (EOS, a stop token or string, or a
     structured format completed) or "length". With `tools`, `tool_calls` holds the calls
     parsed from the output and `text` is the content before them ([] and the whole text
-    when there are none)."""
+    when there are none). A chat reply of a reasoning template has its thinking in
+    `reasoning` and the answer after it in `text`."""
 
     index: int
     text: str
@@ -30,6 +32,9 @@ class CompletionOutput:
     finish_reason: str
     logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    # a chat reply of a reasoning template (<think>...</think>): its thinking (`text` is
+    # then the answer after it); None when the reply has no closed thinking block
+    reasoning: str | None = None
 
 
 @dataclass
@@ -67,16 +72,30 @@ class RequestOutput:
     def tool_calls(self) -> list[ToolCall]:
         return self.outputs[0].tool_calls
 
+    @property
+    def reasoning(self) -> str | None:
+        return self.outputs[0].reasoning
+
 
 @dataclass
 class TextChunk:
-    """One piece of `LLM.stream` / `LLM.astream`: `text` is a delta (the deltas join to
-    exactly the text `generate` returns), `token_ids` the tokens generated since the previous
-    chunk, and the last chunk carries the request's `output` (None before it)."""
+    """One piece of `LLM.stream` / `LLM.astream`: `text` is a delta of the text as
+    generated (the deltas join to exactly the text `generate` returns for a prompt; for a
+    conversation, markup and thinking included), `token_ids` the tokens generated since the
+    previous chunk, and the last chunk carries the request's `output` (None before it).
+
+    The same delta split as the finished reply is (kvsession/reply_stream.py): `content`
+    and `reasoning` deltas join to the output's `text` and `reasoning`, and `tool_calls`
+    (ToolCallDelta: a call's index, id and name first, then fragments of its JSON
+    arguments) to its `tool_calls`, whose ids are the ones streamed. For a prompt,
+    `content` is `text`."""
 
     text: str
     token_ids: list[int]
     output: RequestOutput | None = None
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 class DeltaText:

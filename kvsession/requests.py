@@ -4,15 +4,16 @@ naming the argument before anything is submitted."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError
 from kvsession.generation_defaults import Budget
-from kvsession.history import check_template_kwargs
+from kvsession.history import check_template_kwargs, split_reasoning, template_marks_reasoning
 from kvsession.model.tokenizer import check_messages
 from kvsession.outputs import RequestOutput
 from kvsession.params import SAMPLING_ARG_NAMES, SamplingParams
+from kvsession.reply_stream import ReplySplitter, prompt_opens_reasoning
 from kvsession.runtime import Runtime
 from kvsession.tools import ToolSpec
 from kvsession.validation import check_bool
@@ -47,19 +48,49 @@ def token_id_lists(prompt_token_ids) -> list[list[int]]:
 
 @dataclass
 class ChatInputs:
-    """Rendered conversations and their tools (None without tools)."""
+    """Rendered conversations and their tools (None without tools); `reasoning`: the
+    template marks thinking (<think>...</think>). None for a prompt's (not a chat)."""
 
     texts: list[str]
     ids: list[list[int]]
     tools: ToolSpec | None = None
+    reasoning: bool = False
+    tokenizer: object = field(default=None, repr=False)
 
     def params(self, params: list[SamplingParams]) -> list[SamplingParams]:
         """The requests' parameters with a forced tool call's grammar (tool_choice)."""
         return params if self.tools is None else [self.tools.constrain(p) for p in params]
 
     def finish(self, output: RequestOutput) -> RequestOutput:
-        """The output with its tool calls parsed out (when tools were given)."""
-        return output if self.tools is None else self.tools.apply(output)
+        """The output as a reply: a reasoning template's thinking split off
+        (history.split_reasoning), then the tool calls parsed out of the answer (when
+        tools were given), as a Session's turn does."""
+        if not self.reasoning:
+            return output if self.tools is None else self.tools.apply(output)
+        outs = []
+        for c in output.outputs:
+            reasoning, text = split_reasoning(c.text)
+            calls = []
+            if self.tools is not None:
+                text, calls = self.tools.parse(text) if reasoning is not None else \
+                    self.tools.parse_output(c.token_ids, text)
+            outs.append(replace(c, text=text, tool_calls=calls, reasoning=reasoning))
+        return replace(output, outputs=outs)
+
+    def splitter(self, prompt_ids: list[int]) -> ReplySplitter | None:
+        """What splits the reply to `prompt_ids` as it streams (reply_stream.py); None for
+        a prompt's inputs (not a chat: its text is all content)."""
+        if self.tokenizer is None:
+            return None
+        return ReplySplitter(self.reasoning, self.tools,
+                             self.reasoning and prompt_opens_reasoning(self.tokenizer,
+                                                                       prompt_ids))
+
+    def splitter_decode(self):
+        """The decode whose text the splitter reads: Mistral's special markers put back
+        (ToolSpec.decode_marked), else None (the stream's own text)."""
+        return self.tools.decode_marked if self.tools is not None and self.tools.markers \
+            else None
 
 
 class RequestBuilder:
@@ -113,7 +144,9 @@ class RequestBuilder:
         texts = [self.tokenizer.render_chat(c, add_generation_prompt, tools, kwargs)
                  for c in convs]
         return ChatInputs(texts, [self.tokenizer.encode(t, add_special_tokens=False)
-                                  for t in texts], spec)
+                                  for t in texts], spec,
+                          template_marks_reasoning(self.tokenizer.chat_template),
+                          self.tokenizer)
 
     def one_request(self, prompt, sampling_params, prompt_token_ids, messages, tools=None,
                     tool_choice="auto", chat_template_kwargs=None,

@@ -43,8 +43,9 @@ from kvsession.history import (
 )
 from kvsession.metrics import RequestMetrics
 from kvsession.model.tokenizer import check_messages, message_content
-from kvsession.outputs import DeltaText
+from kvsession.outputs import DeltaText, RequestOutput
 from kvsession.params import SamplingParams
+from kvsession.reply_stream import ReplySplitter, ToolCallDelta, prompt_opens_reasoning
 from kvsession.sampling_record import OVERRIDE_FIELDS, sampling_record
 from kvsession.tiers.commit import SessionLog
 from kvsession.tiers.recovery import LogRecovery
@@ -89,11 +90,17 @@ class Reply:
 
 @dataclass
 class StreamChunk:
-    """Incremental output of `Session.stream`; the last chunk carries the Reply."""
+    """Incremental output of `Session.stream`; the last chunk carries the Reply. `text` is
+    the text as generated; `content`, `reasoning` and `tool_calls` (ToolCallDelta) the same
+    delta split as the Reply is (kvsession/reply_stream.py): they join to `reply.text`,
+    `reply.reasoning` and `reply.tool_calls` (whose ids are the ones streamed)."""
 
     text: str
     token_ids: list[int]
     reply: Reply | None = None
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass
@@ -139,24 +146,35 @@ class _TurnChunks:
     last one (ids whose text is held back, an incomplete UTF-8 character or a possible stop
     string, wait for it); the last chunk carries the Reply and the text not sent yet."""
 
-    def __init__(self, seq: Sequence, decode):
+    def __init__(self, seq: Sequence, decode, splitter: ReplySplitter, split_decode=None):
         self._seq, self._sent = seq, 0  # token ids sent so far (of the reply)
         self._text = DeltaText(decode, seq.params.stop_strings)
+        self.splitter = splitter
+        # the splitter's own view of the text where it differs (Mistral's markers put back)
+        self._split_text = None if split_decode is None else \
+            DeltaText(split_decode, seq.params.stop_strings)
 
     def update(self, n: int) -> StreamChunk | None:
         """The turn has `n` tokens: a chunk if there is new text."""
         seq = self._seq
         ids = seq.token_ids[seq.num_prompt_tokens:n]
-        if text := self._text.update(ids):
-            chunk = StreamChunk(text, ids[self._sent:])
+        text = self._text.update(ids)
+        split = self.splitter.feed(text if self._split_text is None
+                                   else self._split_text.update(ids))
+        if text or split:
+            chunk = StreamChunk(text, ids[self._sent:], None, split.content, split.reasoning,
+                                split.tool_calls)
             self._sent = len(ids)
             return chunk
         return None
 
-    def last(self, reply: Reply) -> StreamChunk:
-        sent = self._text.sent
-        tail = reply.text[len(sent):] if reply.text.startswith(sent) else ""
-        return StreamChunk(tail, reply.token_ids[self._sent:], reply)
+    def last(self, reply: Reply, raw_text: str) -> StreamChunk:
+        """The last chunk: the rest of the text as generated (`raw_text`, the turn's
+        output) and of the split (the Reply's)."""
+        tail = self._text.finish(raw_text)
+        rest = self.splitter.finish(reply.reasoning, reply.text, reply.tool_calls)
+        return StreamChunk(tail, reply.token_ids[self._sent:], reply, rest.content,
+                           rest.reasoning, rest.tool_calls)
 
 
 class Session:
@@ -316,11 +334,22 @@ class Session:
             renderer = dataclasses.replace(renderer, tools=tools)
         return renderer.encode(self._messages + new_msgs)
 
+    def _turn_chunks(self, seq: Sequence, spec: ToolSpec | None) -> _TurnChunks:
+        """A streamed turn's chunks, split as its Reply will be."""
+        tokenizer = self._exec.tokenizer
+        reasoning = template_marks_reasoning(tokenizer.chat_template)
+        splitter = ReplySplitter(reasoning, spec, reasoning and prompt_opens_reasoning(
+            tokenizer, seq.token_ids[:seq.num_prompt_tokens]))
+        return _TurnChunks(seq, tokenizer.decode, splitter,
+                           spec.decode_marked if spec is not None and spec.markers else None)
+
     def _finish(self, seq: Sequence, new_msgs: list[dict], info: TurnInfo,
-                spec: ToolSpec | None) -> Reply:
+                spec: ToolSpec | None, out: RequestOutput | None = None,
+                announced: list[str] | tuple = ()) -> Reply:
         """Record the finished turn (caller's thread; the KV went back on the engine
-        thread)."""
-        out = self._exec.output(seq)
+        thread). `out`: the turn's output, if already built; `announced`: the ids a stream
+        gave the reply's calls (the reply's calls keep them)."""
+        out = out if out is not None else self._exec.output(seq)
         reasoning, text = None, out.text
         if template_marks_reasoning(self._exec.tokenizer.chat_template):
             reasoning, text = split_reasoning(out.text)
@@ -329,6 +358,9 @@ class Session:
             text, calls = spec.parse(text) if reasoning is not None else \
                 spec.parse_output(out.token_ids, text)
         reply_msg = {"role": "assistant", "content": text}
+        for call, call_id in zip(calls, announced, strict=False):  # (a stream may announce
+            # a call the finished parse did not keep, or not see the last ones)
+            call.id = call_id
         if reasoning is not None:  # what reasoning templates (Qwen3) read back
             reply_msg["reasoning_content"] = reasoning
         if calls:  # the OpenAI shape, as a client would send it back
@@ -472,7 +504,7 @@ class Session:
                 new_msgs, params, spec, on_update=lambda s: updates.put(s.num_tokens))
             fut.add_done_callback(lambda f: updates.put(None))
             st = self._turns.open_stream(seq, fut, mine)
-            chunks = _TurnChunks(seq, self._exec.tokenizer.decode)
+            chunks = self._turn_chunks(seq, spec)
             try:
                 while (n := updates.get()) is not None:
                     if chunk := chunks.update(n):
@@ -486,9 +518,11 @@ class Session:
                 abandoned = True  # the close that took it gives its place up
                 raise SessionClosedError(f"session {self.session_id!r} was closed while this "
                                          f"stream was open: its turn was cancelled")
-            reply = self._finish(fut.result(), new_msgs, info, spec)
+            done = fut.result()
+            out = self._exec.output(done)
+            reply = self._finish(done, new_msgs, info, spec, out, chunks.splitter.announced_ids)
             self._wait_durable(self._commit(self._record_tokens(info), params))
-            yield chunks.last(reply)
+            yield chunks.last(reply, out.text)
         finally:
             if not abandoned and (st is None or self._turns.claim(st)):
                 self._turns.leave(mine)
@@ -525,7 +559,7 @@ class Session:
                                          on_update=lambda s: post(s.num_tokens))
             fut.add_done_callback(lambda f: post(None))
             st = self._turns.open_stream(seq, fut, mine)
-            chunks = _TurnChunks(seq, self._exec.tokenizer.decode)
+            chunks = self._turn_chunks(seq, spec)
             try:
                 while (n := await updates.get()) is not None:
                     if chunk := chunks.update(n):
@@ -539,9 +573,11 @@ class Session:
                 abandoned = True  # the close that took it gives its place up
                 raise SessionClosedError(f"session {self.session_id!r} was closed while this "
                                          f"stream was open: its turn was cancelled")
-            reply = self._finish(fut.result(), new_msgs, info, spec)
+            done = fut.result()
+            out = self._exec.output(done)
+            reply = self._finish(done, new_msgs, info, spec, out, chunks.splitter.announced_ids)
             await self._await_durable(self._commit(self._record_tokens(info), params))
-            yield chunks.last(reply)
+            yield chunks.last(reply, out.text)
         finally:
             if not abandoned and (st is None or self._turns.claim(st)):
                 self._turns.leave(mine)

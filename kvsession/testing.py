@@ -71,6 +71,14 @@ HERMES_TEMPLATE = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# Qwen3's shape of the Hermes template: a reasoning model's (its replies think in
+# <think>...</think> first); chat_template_kwargs={"enable_thinking": False} writes an
+# empty thinking block into the generation prompt, as Qwen3's does
+QWEN3_TEMPLATE = HERMES_TEMPLATE.replace(
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools or messages[0]['role'] == 'system' %}"
@@ -125,7 +133,7 @@ MISTRAL_TEMPLATE = (
     "{% else %}{{ message['content'] + '<|im_end|>' }}"
     "{% endif %}{% endfor %}"
 )
-CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "hermes": HERMES_TEMPLATE,
+CHAT_TEMPLATES = {"chatml": CHATML_TEMPLATE, "hermes": HERMES_TEMPLATE, "qwen3": QWEN3_TEMPLATE,
                   "llama3": LLAMA3_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
 _WORDS = (
     "the agent reads a file and calls a tool then writes the answer to the user who asked for "

@@ -514,6 +514,12 @@ class ToolSpec:
         token ids decoded with them (the text as generated when no call is found)."""
         if not self.markers:
             return self.parse(text)
+        content, calls = self.parse(self.decode_marked(token_ids))
+        return (content, calls) if calls else (text, [])
+
+    def decode_marked(self, token_ids) -> str:
+        """`token_ids` decoded with the markers that are special tokens put back (decoding
+        drops them; the parsers read them)."""
         marks, parts, run = dict(self.markers), [], []
         for t in token_ids:
             if t in marks:
@@ -521,8 +527,7 @@ class ToolSpec:
                 run = []
             else:
                 run.append(t)
-        content, calls = self.parse("".join(parts) + self.tokenizer.decode(run))
-        return (content, calls) if calls else (text, [])
+        return "".join(parts) + self.tokenizer.decode(run)
 
     def apply(self, output):
         """`output` (a RequestOutput) with every completion's calls parsed out."""

@@ -279,6 +279,18 @@ def test_named_session_binds_turns(server, hermes_dir):
 
 # ---- tools -------------------------------------------------------------------------------
 
+def streamed_calls(chunks) -> list[tuple[str, str]]:
+    """(name, arguments) of each call of a streamed reply, its pieces joined by index."""
+    calls: dict[int, list] = {}
+    for ch in chunks:
+        for piece in (ch.choices[0].delta.tool_calls or ()) if ch.choices else ():
+            call = calls.setdefault(piece.index, [None, ""])
+            if piece.function.name:
+                call[0] = piece.function.name
+            call[1] += piece.function.arguments or ""
+    return [tuple(calls[i]) for i in sorted(calls)]
+
+
 READ_FILE = {"type": "function", "function": {
     "name": "read_file", "description": "Read a file of the project",
     "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 8}},
@@ -314,8 +326,8 @@ def test_a_named_session_keeps_its_tools(server, hermes_dir):
 def test_a_named_sessions_tools_hold_a_stream_back_without_tools_in_the_request(
         server, hermes_dir):
     """A stateful client sends only the new message: the named session parses the reply
-    with its own tools, and the streamed answer holds the call markup back as the
-    non-streamed one does (it streamed the raw markup as content, then the call)."""
+    with its own tools, and the streamed answer keeps the call markup out of its content
+    as the non-streamed one does (it once streamed the raw markup as content)."""
     c, name = server.client(), model_name(hermes_dir)
     text = 'Adding.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a"}}\n</tool_call>'
     fmt = {"type": "grammar", "ebnf": f"root ::= {json.dumps(text)}"}  # the reply, fixed
@@ -340,6 +352,40 @@ def test_a_named_sessions_tools_hold_a_stream_back_without_tools_in_the_request(
     assert got[0] == got[1] == ("tool_calls", "Adding.", [("read_file", '{"path": "a"}')])
 
 
+def test_tool_calls_stream_in_pieces(server, hermes_dir):
+    """A streamed reply with a call: content deltas until the markup, then the call in
+    OpenAI's pieces (index, id, type and name first; argument fragments after), joining to
+    the non-streamed answer; the openai package's streaming helper sees the fragments as
+    `tool_calls.function.arguments.delta` events and ends with the same completion."""
+    c, name = server.client(), model_name(hermes_dir)
+    text = ('Let me look.\n<tool_call>\n{"name": "read_file", "arguments": {"path": '
+            '"src/a.py"}}\n</tool_call>')
+    kw = dict(model=name, messages=[{"role": "user", "content": "read a"}], max_tokens=200,
+              temperature=0, tools=[READ_FILE],
+              response_format={"type": "grammar", "ebnf": f"root ::= {json.dumps(text)}"})
+    ref = c.chat.completions.create(**kw).choices[0]
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    pieces = [t for d in deltas for t in d.tool_calls or ()]
+    content = "".join(d.content or "" for d in deltas)
+    assert content == ref.message.content == "Let me look."
+    assert pieces[0].id and pieces[0].type == "function" and pieces[0].function.name == \
+        "read_file" and all(p.id is None and p.index == 0 for p in pieces[1:])
+    assert sum(bool(p.function.arguments) for p in pieces) >= 2
+    assert "".join(p.function.arguments or "" for p in pieces) == \
+        ref.message.tool_calls[0].function.arguments == '{"path": "src/a.py"}'
+    first_piece = next(i for i, d in enumerate(deltas) if d.tool_calls)
+    assert first_piece < len(deltas) - 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(d.content for d in deltas[first_piece:])
+    with c.chat.completions.stream(**kw) as events:
+        kinds = [e.type for e in events]
+        final = events.get_final_completion().choices[0]
+    assert kinds.count("tool_calls.function.arguments.delta") >= 2
+    assert final.finish_reason == "tool_calls" and final.message.content == "Let me look."
+    assert [(t.function.name, t.function.arguments) for t in final.message.tool_calls] == \
+        [(t.function.name, t.function.arguments) for t in ref.message.tool_calls]
+
+
 def test_tool_choice_required_returns_tool_calls(server, hermes_dir):
     jsonschema = pytest.importorskip("jsonschema")
     c = server.client()
@@ -361,13 +407,12 @@ def test_tool_choice_required_returns_tool_calls(server, hermes_dir):
                                    tools=[READ_FILE], max_tokens=8, temperature=0)
     assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r2.usage.prompt_tokens_details.cached_tokens >= 0.5 * r.usage.prompt_tokens
-    # streamed, a named function: the call arrives whole in one delta
+    # streamed, a named function: the call arrives in pieces (name first, then arguments)
     chunks = list(c.chat.completions.create(
         model=model_name(hermes_dir), messages=msgs[:2], tools=[READ_FILE], max_tokens=200,
         tool_choice={"type": "function", "function": {"name": "read_file"}}, temperature=0,
         stream=True))
-    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
-    assert [tc.function.name for tc in calls] == ["read_file"]
+    assert [name for name, _ in streamed_calls(chunks)] == ["read_file"]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # no text: content None, as in the non-streamed answer (not "")
     assert all(ch.choices[0].delta.content is None for ch in chunks if ch.choices)
@@ -393,8 +438,7 @@ def test_parallel_tool_calls_false(server, hermes_dir):
     assert paths(c.chat.completions.create(**kw)) == ["a.py", "b.py"]
     assert paths(c.chat.completions.create(parallel_tool_calls=False, **kw)) == ["a.py"]
     chunks = list(c.chat.completions.create(parallel_tool_calls=False, stream=True, **kw))
-    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
-    assert [json.loads(tc.function.arguments)["path"] for tc in calls] == ["a.py"]
+    assert [json.loads(args)["path"] for _, args in streamed_calls(chunks)] == ["a.py"]
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(parallel_tool_calls=False,
                                   extra_body={"session_id": "one-call"}, **kw)
@@ -406,11 +450,11 @@ def test_parallel_tool_calls_false(server, hermes_dir):
         c.chat.completions.create(extra_body={"parallel_tool_calls": "no"}, **kw)
 
 
-def test_agent_framework_two_step_tool_task(server, hermes_dir):
-    """pydantic-ai drives the server: step 1 calls a tool, step 2 returns the structured
-    answer through the output tool. The random tiny model follows only what the grammar
-    forces, so each step forces its tool (the agent's own per-step tool_choice)."""
-    pytest.importorskip("pydantic_ai")
+def coding_agent(server, hermes_dir):
+    """A pydantic-ai agent on the server: step 1 calls `list_files`, step 2 returns the
+    structured answer through the output tool. The random tiny model follows only what the
+    grammar forces, so each step forces its tool (the agent's own per-step tool_choice).
+    (the agent, the directories list_files was called with)."""
     from pydantic import BaseModel, Field
     from pydantic_ai import Agent, RunContext, ToolOutput
     from pydantic_ai.models.openai import OpenAIChatModel
@@ -435,11 +479,38 @@ def test_agent_framework_two_step_tool_task(server, hermes_dir):
         listed.append(directory)
         return ["a.py", "b.py"]
 
+    return agent, listed
+
+
+def test_agent_framework_two_step_tool_task(server, hermes_dir):
+    """pydantic-ai drives the server through a two-step tool task (coding_agent)."""
+    pytest.importorskip("pydantic_ai")
+    agent, listed = coding_agent(server, hermes_dir)
     result = agent.run_sync("How many files are in the project?")
-    assert isinstance(result.output, Report) and 0 <= result.output.count <= 9
+    assert 0 <= result.output.count <= 9
     assert len(listed) == 1
     kinds = [type(p).__name__ for m in result.all_messages() for p in m.parts]
     assert kinds.count("ToolCallPart") == 2 and kinds.count("ToolReturnPart") == 2
+
+
+def test_agent_framework_streams_its_tool_steps(server, hermes_dir):
+    """pydantic-ai's streamed run (`run_stream`: every model request streamed): the tool
+    call of step 1 and the output tool of step 2 arrive as streamed tool-call pieces,
+    which pydantic-ai assembles into its calls."""
+    pytest.importorskip("pydantic_ai")
+    import asyncio
+
+    agent, listed = coding_agent(server, hermes_dir)
+
+    async def run():
+        async with agent.run_stream("How many files are in the project?") as result:
+            return await result.get_output(), result.all_messages()
+
+    output, messages = asyncio.run(run())
+    assert 0 <= output.count <= 9
+    assert len(listed) == 1
+    kinds = [type(p).__name__ for m in messages for p in m.parts]
+    assert kinds.count("ToolCallPart") == 2
 
 
 # ---- load, disconnects, errors ---------------------------------------------------------
@@ -569,6 +640,53 @@ def test_a_chunked_body_over_the_limit_is_413(server, hermes_dir):
             data += chunk
     assert data.startswith(b"HTTP/1.1 413"), data[:200]
     assert server.health()["status"] == "ok"
+
+
+@pytest.fixture(scope="module")
+def thinking_server(model_dirs, tmp_path_factory):
+    """A server on a model with a Qwen3-like template (replies think in <think>...</think>
+    first; enable_thinking=false closes the block in the prompt)."""
+    model = model_dirs("llama", chat_template="qwen3")
+    s = start(model, tmp_path_factory.mktemp("thinking"), "--api-key", KEY)
+    s.model = model_name(model)
+    yield s
+    assert s.stop() == 0, s.stderr_tail()
+
+
+THINK = {"type": "regex",
+         "pattern": r"<think>\n[a-z]{4,9}( [a-z]{2,6}){2}\n</think>\n\n[a-z]{3,8}( [a-z]{2,6})"}
+
+
+def test_reasoning_content_stateless_and_session_served(thinking_server):
+    """`reasoning_content` beside the answer: on the message, and streamed as its own
+    deltas before the content's (joining to the same), for a stateless request and for a
+    conversation the server continues as a Session; none with enable_thinking false."""
+    s = thinking_server
+    c = s.client()
+    msgs = [{"role": "user", "content": "think, then answer"}]
+    kw = dict(model=s.model, max_tokens=80, temperature=0, response_format=THINK)
+    r = c.chat.completions.create(messages=msgs, **kw).choices[0].message
+    thinking = r.model_extra["reasoning_content"]
+    assert thinking and r.content and "<think>" not in r.content + thinking
+    assert "</think>" not in r.content + thinking
+    chunks = [ch.choices[0].delta for ch in c.chat.completions.create(
+        messages=msgs, stream=True, **kw) if ch.choices]
+    streamed = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks)
+    assert streamed == thinking and "".join(d.content or "" for d in chunks) == r.content
+    last_thought = max(i for i, d in enumerate(chunks)
+                       if (d.model_extra or {}).get("reasoning_content"))
+    assert last_thought < min(i for i, d in enumerate(chunks) if d.content)
+    # the next turn continues the conversation's Session (the client drops the thinking,
+    # as OpenAI clients do): served from it, and split alike
+    msgs += [{"role": "assistant", "content": r.content},
+             {"role": "user", "content": "and again"}]
+    r2 = c.chat.completions.create(messages=msgs, **kw)
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    assert r2.choices[0].message.model_extra["reasoning_content"]
+    plain = c.chat.completions.create(
+        messages=msgs[:1], model=s.model, max_tokens=8, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert (plain.model_extra or {}).get("reasoning_content") is None
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import hmac
 import inspect
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
@@ -26,6 +26,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvsession import LLM, KVSessionError
+from kvsession.serve import anthropic_messages as A
+from kvsession.serve import openai_responses as R
 from kvsession.serve import protocol as P
 from kvsession.serve.conversations import (
     SEND_TAKES,
@@ -58,7 +60,8 @@ class Server:
 
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None,
                  max_concurrent: int = 256, max_conversations: int = 256,
-                 default_max_tokens: int | None = None, aliases: tuple[str, ...] = ()):
+                 default_max_tokens: int | None = None, aliases: tuple[str, ...] = (),
+                 session_dir: str | None = None):
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
         self.names = {model_name, *aliases}
         self.max_concurrent = max_concurrent
@@ -72,6 +75,10 @@ class Server:
         self.requests: Counter = Counter()  # (route, status) -> count
         self.tokens: Counter = Counter()  # prompt / cached / completion
         self.decode = llm.tokenizer.decode
+        # the Responses API's stored responses (written beside the sessions in session_dir)
+        self.stored = R.ResponseStore(session_dir)
+        # system prompts pinned by Anthropic cache_control breakpoints: (text, ttl) -> pin
+        self.pins: OrderedDict[tuple[str, float], object] = OrderedDict()
 
     # ---- app -------------------------------------------------------------------------
 
@@ -79,6 +86,9 @@ class Server:
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/messages", self.messages, methods=["POST"]),
+            Route("/v1/responses/{rid}", self.response, methods=["GET", "DELETE"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -94,7 +104,8 @@ class Server:
 
     async def _api_error(self, request: Request, e: P.APIError) -> Response:
         self.requests[(request.url.path, e.status)] += 1
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        body = A.error_body(e) if request.url.path == "/v1/messages" else e.body()
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     async def _http_error(self, request: Request, e: HTTPException) -> Response:
         return await self._api_error(request, P.from_routing_error(
@@ -111,10 +122,11 @@ class Server:
             return
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), self.api_key.encode()):
-            raise P.APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                             code="invalid_api_key")
+        if scheme.lower() != "bearer":  # Anthropic's clients send x-api-key instead
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise P.APIError(401, "invalid or missing API key (Authorization: Bearer KEY, "
+                                  "or x-api-key: KEY)", code="invalid_api_key")
 
     def _check_model(self, model: str) -> None:
         if model not in self.names:
@@ -247,7 +259,7 @@ class Server:
                 log.info("%s: the last turn of session %s answered this request already: "
                          "its reply is sent again", rid, session_id)
                 res = self._stored_reply(plan)
-                if req.stream:  # as one event: buffered, like a tool-call answer
+                if req.stream:  # as one event
                     return await self._chat_stream(request, req, rid, plan, _events_of(res),
                                                    slot, buffered=True, replayed=True)
             elif req.stream:
@@ -256,25 +268,17 @@ class Server:
                 events = self._chat_events(plan, params, tool_kwargs, per_turn)
                 # (a named session parses with its own tools, the request may send none)
                 tools = req.tools or plan.session is not None and plan.session.renderer.tools
-                buffered = bool(tools) and req.tool_choice != "none"
                 return await self._chat_stream(request, req, rid, plan, events, slot,
-                                               buffered, limit=limit, prompt_tokens=prompt)
-            elif plan.session is not None:  # no thread, no per-token hops: one await
-                work = self._reply(plan, turn_overrides(params, per_turn))
-                res = await self._until_disconnect(request, work)
+                                               False, limit=limit, prompt_tokens=prompt,
+                                               calls=bool(tools) and req.tool_choice != "none")
             else:
-                work = collect(stateless_events(self.llm, params, messages=plan.new,
-                                                tool_kwargs=tool_kwargs))
-                res = await self._until_disconnect(request, work)
+                res = await self._run_turn(request, plan, params, tool_kwargs, per_turn)
         except BaseException:
             if plan is not None:
                 self.conversations.abandon(plan)
             slot.release()
             raise
-        self.conversations.finish(plan, P.assistant_message(res.choices[0]))
-        slot.release()
-        self._count(res)
-        self.requests[(request.url.path, 200)] += 1
+        self._answered(request, plan, res, slot)
         lp = P.Logprobs(self.decode, params.logprobs) if req.logprobs else None
         return JSONResponse(P.chat_response(rid, self.model_name, res, lp),
                             headers=REPLAYED if plan.replay is not None
@@ -324,6 +328,27 @@ class Server:
     async def _reply(plan: Plan, overrides: dict) -> P.Result:
         return P.Result.of_reply(await plan.session.asend(plan.new, **overrides))
 
+    def _answered(self, request: Request, plan: Plan, res: P.Result, slot: Slot) -> dict:
+        """A request answered whole: its session filed under the conversation the client
+        will send back, its slot released, counted. The reply's assistant message."""
+        reply = P.assistant_message(res.choices[0])
+        self.conversations.finish(plan, reply)
+        slot.release()
+        self._count(res)
+        self.requests[(request.url.path, 200)] += 1
+        return reply
+
+    async def _run_turn(self, request: Request, plan: Plan, params, tool_kwargs: dict,
+                        per_turn: dict) -> P.Result:
+        """A request answered whole: its session's turn (no thread, no per-token hops: one
+        await), or a stateless request; cancelled if the client leaves first."""
+        if plan.session is not None:
+            work = self._reply(plan, turn_overrides(params, per_turn))
+        else:
+            work = collect(stateless_events(self.llm, params, messages=plan.new,
+                                            tool_kwargs=tool_kwargs))
+        return await self._until_disconnect(request, work)
+
     async def _until_disconnect(self, request: Request, work,
                                 fields: tuple[str, ...] = P.SAMPLING_FIELDS):
         """Await `work` (an awaitable: a Result, the results of a batch, a stream's first
@@ -349,11 +374,14 @@ class Server:
 
     async def _chat_stream(self, request: Request, req: P.ChatRequest, rid: str, plan: Plan,
                            events, slot: Slot, buffered: bool, replayed: bool = False,
-                           limit: int | None = None,
-                           prompt_tokens: int | None = None) -> Response:
+                           limit: int | None = None, prompt_tokens: int | None = None,
+                           calls: bool = False) -> Response:
+        """`calls`: the reply may be tool calls (its content may never come: the first
+        delta's content is then None, as a non-streamed answer's without text)."""
         turn = events if isinstance(events, SessionTurn) else None
         source = turn.events() if turn else events
-        # choice 0's text arrives as deltas unless held back (tools) or batched (n > 1)
+        # choice 0 arrives as deltas (reasoning, content, tool-call pieces, split as the
+        # reply is) unless it is a stored reply sent again (`buffered`) or a batch (n > 1)
         live = not buffered and (turn is not None or req.n == 1)
         first = await self._first(request, source)
         created, model = int(time.time()), self.model_name
@@ -365,21 +393,26 @@ class Server:
         async def body() -> AsyncIterator[str]:
             try:
                 yield sse(P.chat_chunk(rid, model, created, 0, {  # (None: as non-streamed
-                    "role": "assistant", "content": None if buffered else ""}))  # if no text)
+                    "role": "assistant", "content": None if buffered or calls else ""}))
                 event = first
                 while event[0] == "delta":
-                    if not buffered:  # tool calls are parsed from the whole text
-                        yield sse(P.chat_chunk(rid, model, created, 0, {"content": event[1]}))
+                    if live and (delta := P.stream_delta(event[1])):
+                        yield sse(P.chat_chunk(rid, model, created, 0, delta))
                     event = await source.__anext__()
                 res: P.Result = event[1]
                 for c in res.choices:
                     if c.index > 0:
                         yield sse(P.chat_chunk(rid, model, created, c.index,
                                                {"role": "assistant", "content": ""}))
-                    delta = {"content": c.text} if c.text and (c.index or not live) else {}
-                    if c.tool_calls:
-                        delta["tool_calls"] = [P.tool_call_json(t, i)
-                                               for i, t in enumerate(c.tool_calls)]
+                    delta = {}
+                    if c.index or not live:  # the whole choice in its one delta
+                        if c.reasoning:
+                            delta["reasoning_content"] = c.reasoning
+                        if c.text:
+                            delta["content"] = c.text
+                        if c.tool_calls:
+                            delta["tool_calls"] = [P.tool_call_json(t, i)
+                                                   for i, t in enumerate(c.tool_calls)]
                     yield sse(P.chat_chunk(rid, model, created, c.index, delta,
                                            P.finish_reason(c),
                                            lp.chat(c.token_ids, c.logprobs) if lp else None))
@@ -394,6 +427,15 @@ class Server:
                 yield sse(P.from_engine_error(e).body())
                 yield "data: [DONE]\n\n"
 
+        if first[0] == "done":  # a batch (n > 1), or a turn over at once: its usage is known
+            prompt_tokens = first[1].prompt_tokens
+        return SSEResponse(body(), self._closer(state, turn, source, plan, slot),
+                           REPLAYED if replayed else self._cut(limit, prompt_tokens))
+
+    def _closer(self, state: dict, turn: SessionTurn | None, source, plan: Plan, slot: Slot):
+        """What a streamed response runs when it ends (`state["done"]`: it was answered
+        whole): an unfinished turn is cancelled (a session's ends at its next token, the
+        session as before it; a stateless request at once) and its plan abandoned."""
         async def on_close() -> None:
             if state["done"]:
                 slot.release()
@@ -405,11 +447,185 @@ class Server:
                 await source.aclose()  # a stateless request is cancelled here
                 self.conversations.abandon(plan)
                 slot.release()
+        return on_close
 
-        if first[0] == "done":  # a batch (n > 1), or a turn over at once: its usage is known
-            prompt_tokens = first[1].prompt_tokens
-        return SSEResponse(body(), on_close,
-                           REPLAYED if replayed else self._cut(limit, prompt_tokens))
+    # ---- /v1/responses ---------------------------------------------------------------
+
+    async def _responses_plan(self, req: R.ResponsesRequest, rid: str) -> tuple:
+        """(the chat messages to send, the named session they go to or None, the whole
+        conversation with them) of a Responses request (openai_responses' docstring:
+        chains, branches)."""
+        new = R.input_messages(req.input)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        if req.previous_response_id is None:
+            full = system + new
+            return full, rid if req.store else None, full
+        prev = await asyncio.to_thread(self.stored.get, req.previous_response_id)
+        if prev is None:
+            raise P.APIError(404, f"previous response {req.previous_response_id!r} not "
+                                  f"found", param="previous_response_id",
+                             code="previous_response_not_found")
+        history = prev.messages
+        same = req.instructions is None or req.instructions == prev.instructions
+        if not same:  # new instructions: the conversation with them in the system's place
+            history = system + [m for m in history if m.get("role") != "system"]
+        full = history + new
+        chain = prev.chain
+        if same and chain is not None and self.stored.is_latest(req.previous_response_id,
+                                                                 prev) \
+                and (chain in self.conversations.named_ids()
+                     or chain in await asyncio.to_thread(self.llm.sessions)):
+            return new, chain, full  # the chain's next turn: only what is new
+        return full, rid if req.store else None, full  # a branch: a chain of its own
+
+    async def responses(self, request: Request) -> Response:
+        P.PROMPT_FIELD.set("input")
+        req: R.ResponsesRequest = await self._body(request, R.ResponsesRequest)
+        rid, created = R.new_response_id(), R.now()
+        messages, chain, full = await self._responses_plan(req, rid)
+        chat = R.to_chat(req, messages)
+        params, tool_kwargs = self._chat_params(chat)
+        salt = conversation_salt(chat.tools, None, None)
+        per_session, per_turn, can_session = self._session_kwargs(params, tool_kwargs)
+        if chain is not None and not can_session:  # (parallel_tool_calls: false) stateless
+            chain, messages = None, full
+        slot = self._admit()
+        plan: Plan | None = None
+        try:
+            plan = await self._until_disconnect(request, self.conversations.plan(
+                messages, salt, chain, per_session, can_session), fields=())
+            if plan.replay is not None:  # the chain's last turn answered this already
+                res = self._stored_reply(plan)
+            elif req.stream:
+                events = self._chat_events(plan, params, tool_kwargs, per_turn)
+                encoder = R.ResponseEvents(rid, req, self.model_name, created)
+                return await self._encoded_stream(
+                    request, "/v1/responses", plan, events, slot, encoder,
+                    lambda res, reply: self._store_response(req, rid, encoder.response,
+                                                            chain, full + [reply]))
+            else:
+                res = await self._run_turn(request, plan, params, tool_kwargs, per_turn)
+        except BaseException:
+            if plan is not None:
+                self.conversations.abandon(plan)
+            slot.release()
+            raise
+        reply = self._answered(request, plan, res, slot)
+        response = R.response_object(rid, req, self.model_name, created, res)
+        self._store_response(req, rid, response, chain, full + [reply])
+        return JSONResponse(response)
+
+    def _store_response(self, req: R.ResponsesRequest, rid: str, response: dict,
+                        chain: str | None, conversation: list[dict]) -> None:
+        if req.store:
+            instructions = req.instructions
+            if req.previous_response_id is not None and instructions is None:
+                prev = self.stored.get(req.previous_response_id)
+                instructions = prev.instructions if prev is not None else None
+            self.stored.put(rid, R.Stored(response, chain, conversation, instructions))
+
+    async def _encoded_stream(self, request: Request, route: str, plan: Plan, events,
+                              slot: Slot, encoder, finished=None) -> Response:
+        """A turn streamed in another API's events: `encoder` (openai_responses'
+        ResponseEvents, anthropic_messages' MessageEvents) turns the turn's pieces into
+        them (`start()`, `delta(chunk)`, `finish(result)`, `error(api_error)`: lists of
+        SSE events, error one); `finished(result, reply message)` runs once it is done."""
+        turn = events if isinstance(events, SessionTurn) else None
+        source = turn.events() if turn else events
+        first = await self._first(request, source)
+        state = {"done": False}
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                for e in encoder.start():
+                    yield e
+                event = first
+                while event[0] == "delta":
+                    for e in encoder.delta(event[1]):
+                        yield e
+                    event = await source.__anext__()
+                res: P.Result = event[1]
+                for e in encoder.finish(res):
+                    yield e
+                state["done"] = True
+                reply = P.assistant_message(res.choices[0])
+                self.conversations.finish(plan, reply)
+                if finished is not None:
+                    finished(res, reply)
+                self._count(res)
+                self.requests[(route, 200)] += 1
+            except KVSessionError as e:  # mid-stream: the error is the last event
+                yield encoder.error(P.from_engine_error(e))
+
+        return SSEResponse(body(), self._closer(state, turn, source, plan, slot))
+
+    async def response(self, request: Request) -> Response:
+        """GET or DELETE a stored response."""
+        self._check_key(request)
+        rid = request.path_params["rid"]
+        if request.method == "DELETE":
+            stored = await asyncio.to_thread(self.stored.delete, rid)
+            body = {"id": rid, "object": "response", "deleted": True}
+        else:
+            stored = await asyncio.to_thread(self.stored.get, rid)
+            body = None if stored is None else stored.response
+        if stored is None:
+            raise P.APIError(404, f"no stored response {rid!r}", param="response_id",
+                             code="not_found")
+        return JSONResponse(body)
+
+    # ---- /v1/messages (Anthropic) ----------------------------------------------------
+
+    MAX_PINS = 64  # system prompts pinned by cache_control at once (the oldest unpinned)
+
+    async def _pin_system(self, system: str | None, ttl_s: float | None) -> int:
+        """Pin `system` for `ttl_s` (a cache_control breakpoint): the tokens this request
+        pinned anew (0 when it was pinned already, or there is nothing to pin)."""
+        if system is None or ttl_s is None:
+            return 0
+        key = (system, ttl_s)
+        held = self.pins.get(key)
+        if held is not None and held.active:
+            self.pins.move_to_end(key)
+            return 0
+        try:
+            pin = await asyncio.to_thread(self.llm.pin, system=system, ttl_s=ttl_s)
+        except KVSessionError as e:  # the pinned share is full: served, not pinned
+            log.warning("cache_control: the system prompt was not pinned (%s)", e)
+            return 0
+        self.pins[key] = pin
+        while len(self.pins) > self.MAX_PINS:
+            _, old = self.pins.popitem(last=False)
+            await asyncio.to_thread(old.unpin)
+        return pin.num_tokens
+
+    async def messages(self, request: Request) -> Response:
+        P.PROMPT_FIELD.set("messages")
+        req: A.MessagesRequest = await self._body(request, A.MessagesRequest)
+        chat = A.to_chat(req)
+        params, tool_kwargs = self._chat_params(chat)
+        created = await self._pin_system(A.system_text(req.system), A.system_ttl_s(req))
+        salt = conversation_salt(chat.tools, None, None)
+        per_session, per_turn, can_session = self._session_kwargs(params, tool_kwargs)
+        mid = A.new_id("msg")
+        slot = self._admit()
+        plan: Plan | None = None
+        try:
+            plan = await self._until_disconnect(request, self.conversations.plan(
+                chat.messages, salt, None, per_session, can_session), fields=())
+            if req.stream:
+                events = self._chat_events(plan, params, tool_kwargs, per_turn)
+                return await self._encoded_stream(
+                    request, "/v1/messages", plan, events, slot,
+                    A.MessageEvents(mid, self.model_name, created))
+            res = await self._run_turn(request, plan, params, tool_kwargs, per_turn)
+        except BaseException:
+            if plan is not None:
+                self.conversations.abandon(plan)
+            slot.release()
+            raise
+        self._answered(request, plan, res, slot)
+        return JSONResponse(A.message_object(mid, self.model_name, res, created))
 
     # ---- /v1/completions -------------------------------------------------------------
 
@@ -495,7 +711,8 @@ class Server:
                     yield sse(P.completion_chunk(rid, model, created, echo))
                 event = first
                 while event[0] == "delta":
-                    yield sse(P.completion_chunk(rid, model, created, event[1]))
+                    if event[1].text:
+                        yield sse(P.completion_chunk(rid, model, created, event[1].text))
                     event = await events.__anext__()
                 res: P.Result = event[1]
                 c = res.choices[0]

@@ -90,7 +90,8 @@ def run(args, parser: argparse.ArgumentParser) -> int:
         signal.signal(signal.SIGTERM, previous)
     server = Server(llm, args.served_model_name or Path(args.model).name, args.api_key,
                     args.max_concurrent_requests, args.max_conversations,
-                    args.default_max_tokens, aliases=(str(args.model),))
+                    args.default_max_tokens, aliases=(str(args.model),),
+                    session_dir=args.session_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

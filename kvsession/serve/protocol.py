@@ -355,6 +355,7 @@ class Choice:
     finish_reason: str
     logprobs: list[dict[int, float]] | None = None
     tool_calls: list = field(default_factory=list)
+    reasoning: str | None = None  # a reasoning template's thinking (`text`: the answer)
 
 
 @dataclass
@@ -368,13 +369,13 @@ class Result:
     @classmethod
     def of_output(cls, out) -> Result:
         return cls([Choice(c.index, c.text, c.token_ids, c.finish_reason, c.logprobs,
-                           list(getattr(c, "tool_calls", None) or ())) for c in out.outputs],
+                           list(c.tool_calls), c.reasoning) for c in out.outputs],
                    len(out.prompt_token_ids), max(out.num_cached_tokens, 0))
 
     @classmethod
     def of_reply(cls, r) -> Result:
         return cls([Choice(0, r.text, r.token_ids, r.finish_reason, r.logprobs,
-                           list(getattr(r, "tool_calls", None) or ()))],
+                           list(r.tool_calls), r.reasoning)],
                    r.prompt_tokens, max(r.cached_tokens, 0))  # (not prefill + cached:
         # a preempted turn computes its prompt again, counted in prefill_tokens)
 
@@ -385,8 +386,10 @@ class Result:
         "tool_calls" or "stop" (a reply cut at max_tokens is not told apart)."""
         calls = [ToolCall(c.get("id") or "", (c.get("function") or {}).get("name") or "",
                           _arguments_of(c)) for c in message.get("tool_calls") or ()]
+        reasoning = message.get("reasoning_content")
         return cls([Choice(0, message.get("content") or "", list(token_ids), "stop", None,
-                           calls)], prompt_tokens, prompt_tokens)
+                           calls, reasoning if isinstance(reasoning, str) else None)],
+                   prompt_tokens, prompt_tokens)
 
     def usage(self) -> dict:
         completion = sum(len(c.token_ids) for c in self.choices)
@@ -417,11 +420,29 @@ def tool_call_json(call, index: int | None = None) -> dict:
 
 def assistant_message(c: Choice) -> dict:
     """The assistant message of a choice, as a client will send it back next turn: with
-    calls, `content` is the text before the first call (None when there is none)."""
+    calls, `content` is the text before the first call (None when there is none); a
+    reasoning template's thinking in `reasoning_content` (vLLM's and DeepSeek's field)."""
+    msg: dict = {"role": "assistant", "content": c.text}
+    if c.reasoning is not None:
+        msg["reasoning_content"] = c.reasoning
     if c.tool_calls:
-        return {"role": "assistant", "content": c.text or None,
+        msg |= {"content": c.text or None,
                 "tool_calls": [tool_call_json(t) for t in c.tool_calls]}
-    return {"role": "assistant", "content": c.text}
+    return msg
+
+
+def stream_delta(chunk) -> dict:
+    """A streamed chunk's chat delta: `reasoning_content`, `content` and `tool_calls`
+    (OpenAI's pieces: index, id and name first, then argument fragments), each only
+    when the chunk has some."""
+    delta: dict = {}
+    if chunk.reasoning:
+        delta["reasoning_content"] = chunk.reasoning
+    if chunk.content:
+        delta["content"] = chunk.content
+    if chunk.tool_calls:
+        delta["tool_calls"] = [c.to_dict() for c in chunk.tool_calls]
+    return delta
 
 
 def finish_reason(c: Choice) -> str:

@@ -113,7 +113,8 @@ def run_replicated(args, parser: argparse.ArgumentParser, llm_cls) -> int:
                              max_concurrent=args.max_concurrent_requests,
                              max_conversations=args.max_conversations,
                              default_max_tokens=args.default_max_tokens,
-                             aliases=(str(args.model),))
+                             aliases=(str(args.model),),
+                             session_dir=kwargs.get("session_dir"))
         replicas = RayReplicas(args.replicas, str(Path(args.model).resolve()), kwargs,
                                server_kwargs, "127.0.0.1" if local else "node",
                                ActorOptions(args.replica_num_cpus, gpus,

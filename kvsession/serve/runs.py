@@ -1,5 +1,7 @@
 """Running one request on the engine, as a stream of events for the HTTP layer:
-`("delta", text)` while tokens arrive, then `("done", Result)`.
+`("delta", chunk)` while tokens arrive (a TextChunk or a Session's StreamChunk: `text` as
+generated, and for a conversation `content`, `reasoning` and `tool_calls` split as the
+reply will be, their last pieces included), then `("done", Result)`.
 
 Three ways, by the request's plan:
 - a Session turn (`Session.astream`, run by a task of its own). A turn whose client went
@@ -67,8 +69,8 @@ class SessionTurn:
             async for chunk in chunks:
                 if chunk.reply is not None:
                     reply = chunk.reply
-                if chunk.text:
-                    self._queue.put_nowait(("delta", chunk.text))
+                if _says_something(chunk):
+                    self._queue.put_nowait(("delta", chunk))
             self._queue.put_nowait(("done", Result.of_reply(reply)))
         except asyncio.CancelledError:
             pass  # cancel(): the turn was cancelled with it (nobody reads the queue)
@@ -112,12 +114,16 @@ async def stateless_events(llm: LLM, params: SamplingParams, *, messages=None, p
                          **tool_kwargs)
     try:
         async for chunk in stream:
-            if chunk.text:
-                yield "delta", chunk.text
+            if _says_something(chunk):
+                yield "delta", chunk
         yield "done", Result.of_output(stream.output)
     finally:
         if stream.output is None:
             await stream.aclose()  # cancels the request: its blocks are freed now
+
+
+def _says_something(chunk) -> bool:
+    return bool(chunk.text or chunk.content or chunk.reasoning or chunk.tool_calls)
 
 
 async def collect(events: AsyncIterator[tuple[str, object]]) -> Result:
