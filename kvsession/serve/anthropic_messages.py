@@ -54,6 +54,9 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None  # a breakpoint after the system prompt
+    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", ...}}
+    ignore_eos: bool | None = None  # vLLM's extension, as on chat completions
 
 
 def error_body(e: P.APIError) -> dict:
@@ -108,6 +111,7 @@ def system_ttl_s(req: MessagesRequest) -> float | None:
     last tool's), or None when it has none."""
     marks = [b.get("cache_control") for b in req.system or () if isinstance(b, dict)] \
         if isinstance(req.system, list) else []
+    marks.append(req.cache_control)
     if req.tools:
         marks.append(req.tools[-1].get("cache_control") if isinstance(req.tools[-1], dict)
                      else None)
@@ -233,7 +237,21 @@ def to_chat(req: MessagesRequest) -> P.ChatRequest:
         model=req.model, messages=chat_messages(req), max_tokens=req.max_tokens,
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         stop=req.stop_sequences, stream=req.stream, tools=chat_tools(req.tools),
-        tool_choice=choice, parallel_tool_calls=parallel)
+        tool_choice=choice, parallel_tool_calls=parallel,
+        response_format=output_format(req.output_config), ignore_eos=req.ignore_eos)
+
+
+def output_format(config) -> dict | None:
+    """`output_config.format` (a JSON schema the reply follows) as chat's
+    response_format."""
+    fmt = config.get("format") if isinstance(config, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or \
+            not isinstance(fmt.get("schema"), dict):
+        raise P.APIError(400, "output_config.format must be {\"type\": \"json_schema\", "
+                              "\"schema\": {...}}", param="output_config")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 # ---- reply -> message -------------------------------------------------------------------
@@ -261,10 +279,11 @@ def content_blocks(c: P.Choice) -> list[dict]:
 
 def usage(res: P.Result, created_tokens: int) -> dict:
     """Anthropic counts the prompt in three parts that add up: read from cache, written to
-    it at a breakpoint (a pin this request made), and the rest."""
+    it at a breakpoint, and the rest. A pin this request made was computed before its turn,
+    which then read it from the cache: those tokens count as written, not read."""
     prompt, cached = res.prompt_tokens, res.cached_tokens
-    created = min(created_tokens, prompt - cached)
-    return {"input_tokens": prompt - cached - created, "cache_read_input_tokens": cached,
+    created = min(created_tokens, cached)
+    return {"input_tokens": prompt - cached, "cache_read_input_tokens": cached - created,
             "cache_creation_input_tokens": created,
             "output_tokens": sum(len(c.token_ids) for c in res.choices)}
 

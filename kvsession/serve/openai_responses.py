@@ -57,6 +57,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    ignore_eos: bool | None = None  # vLLM's extension, as on chat completions
 
 
 def new_response_id() -> str:
@@ -188,7 +189,8 @@ def to_chat(req: ResponsesRequest, messages: list[dict]) -> P.ChatRequest:
         model=req.model, messages=messages, max_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, stream=req.stream,
         tools=chat_tools(req.tools), tool_choice=chat_tool_choice(req.tool_choice),
-        parallel_tool_calls=req.parallel_tool_calls, response_format=response_format(req.text))
+        parallel_tool_calls=req.parallel_tool_calls, response_format=response_format(req.text),
+        ignore_eos=req.ignore_eos)
 
 
 # ---- reply -> response ------------------------------------------------------------------
