@@ -107,3 +107,45 @@ def test_a_client_gone_mid_stream_frees_its_blocks(server, path, body):
         assert time.monotonic() < deadline, h
         time.sleep(0.05)
     assert metric(server, "kvsession_generated_tokens_total") - generated < 900
+
+
+def test_agent_hints_in_the_responses_and_messages_apis(server):
+    """The same hints in the other two APIs: a body's kvsession object (Responses) and a
+    header (Messages) suspend the session after a forced tool call; a bad one is a 400
+    in that API's shape."""
+    import re
+    import urllib.request
+
+    def waits() -> float:
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return sum(float(v) for v in re.findall(
+            r"^kvsession_server_tool_waits_total\{[^}]*\} (\S+)$", text, re.M))
+
+    tool = {"name": "read_file", "input_schema": {"type": "object", "properties": {
+        "path": {"type": "string", "maxLength": 8}}, "required": ["path"]}}
+    before = waits()
+    oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    oc.responses.create(model=server.model, input="read it", max_output_tokens=80,
+                        tools=[{"type": "function", "name": "read_file",
+                                "parameters": tool["input_schema"]}],
+                        tool_choice="required", extra_body={"kvsession": {
+                            "expected_tool_latency_s": 30}})
+    ac = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    ac.messages.create(model=server.model, max_tokens=80, tools=[tool],
+                       tool_choice={"type": "any"},
+                       messages=[{"role": "user", "content": "read it"}],
+                       extra_headers={"X-KVSession-Expected-Tool-Latency-S": "30"})
+    deadline = time.monotonic() + 30
+    while waits() < before + 2:
+        assert time.monotonic() < deadline, "the sessions were not suspended"
+        time.sleep(0.05)
+    with pytest.raises(openai.BadRequestError) as e:
+        oc.responses.create(model=server.model, input="x", max_output_tokens=2,
+                            extra_body={"kvsession": {"priority": "high"}})
+    assert e.value.body["param"] == "kvsession.priority"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ac.messages.create(model=server.model, max_tokens=2,
+                           messages=[{"role": "user", "content": "x"}],
+                           extra_body={"kvsession": {"session_ttl_s": -1}})
+    assert "kvsession.session_ttl_s" in e.value.body["error"]["message"]

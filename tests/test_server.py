@@ -386,6 +386,70 @@ def test_tool_calls_stream_in_pieces(server, hermes_dir):
         [(t.function.name, t.function.arguments) for t in ref.message.tool_calls]
 
 
+def tool_waits(server) -> float:
+    """Sessions the server suspended while their client ran a tool (every decision)."""
+    text = server.http("GET", "/metrics")[1].decode()
+    return sum(float(v) for v in re.findall(
+        r"^kvsession_server_tool_waits_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_agent_hints_suspend_a_session_waiting_on_a_tool(server, hermes_dir):
+    """After a reply that calls a tool, the session is suspended for the tool's expected
+    latency: the hint's (in the body's kvsession object, or a header), or, without one,
+    the gap the server learned for that conversation; a reply without calls is not."""
+    c, name = server.client(), model_name(hermes_dir)
+    forced = dict(model=name, max_tokens=200, temperature=0, tools=[READ_FILE],
+                  tool_choice="required")
+    before = tool_waits(server)
+    c.chat.completions.create(messages=[{"role": "user", "content": "hinted"}],
+                              extra_body={"kvsession": {"expected_tool_latency_s": 600}},
+                              **forced)
+    wait_until(lambda: tool_waits(server) == before + 1, what="a suspended session")
+    c.chat.completions.create(messages=[{"role": "user", "content": "by header"}],
+                              extra_headers={"X-KVSession-Expected-Tool-Latency-S": "0.5"},
+                              **forced)
+    wait_until(lambda: tool_waits(server) == before + 2, what="a suspended session")
+    # no hint: nothing is known of this conversation's tools at its first call...
+    msgs = [{"role": "user", "content": "learned"}]
+    r = c.chat.completions.create(messages=msgs, **forced)
+    call = r.choices[0].message.tool_calls[0]
+    msgs += [r.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "print(1)"}]
+    # ...its second call is suspended with the gap its first one took (learned)
+    r2 = c.chat.completions.create(messages=msgs, **forced)
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0  # the same Session, continued
+    wait_until(lambda: tool_waits(server) == before + 3, what="a learned suspension")
+    c.chat.completions.create(model=name, max_tokens=2, messages=[
+        {"role": "user", "content": "no tools"}],
+        extra_body={"kvsession": {"expected_tool_latency_s": 600}})
+    assert tool_waits(server) == before + 3
+
+
+def test_agent_hint_session_ttl_closes_an_idle_conversation(server, hermes_dir):
+    c, name = server.client(), model_name(hermes_dir)
+    expired = _metric(server, "kvsession_server_sessions_expired_total")
+    kept = server.health()["conversations"]
+    c.chat.completions.create(model=name, max_tokens=2, messages=[
+        {"role": "user", "content": "a short-lived conversation"}],
+        extra_body={"kvsession": {"session_ttl_s": 0.2}})
+    wait_until(lambda: _metric(server, "kvsession_server_sessions_expired_total")
+               == expired + 1, what="the conversation's session closed")
+    assert server.health()["conversations"] <= kept
+
+
+@pytest.mark.parametrize("hints,param", [
+    ({"priority": 1.5}, "kvsession.priority"), ({"session_ttl_s": 0}, "kvsession.session_ttl_s"),
+    ({"expected_tool_latency_s": -1}, "kvsession.expected_tool_latency_s"),
+    ({"session_ttl_s": "soon"}, "kvsession.session_ttl_s"), ({"nope": 1}, "kvsession.nope"),
+    ([1], "kvsession")])
+def test_bad_agent_hints_are_400s_naming_them(server, hermes_dir, hints, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(
+            model=model_name(hermes_dir), max_tokens=2, extra_body={"kvsession": hints},
+            messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["param"] == param
+
+
 def test_tool_choice_required_returns_tool_calls(server, hermes_dir):
     jsonschema = pytest.importorskip("jsonschema")
     c = server.client()

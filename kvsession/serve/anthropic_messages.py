@@ -57,6 +57,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     cache_control: dict[str, Any] | None = None  # a breakpoint after the system prompt
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", ...}}
     ignore_eos: bool | None = None  # vLLM's extension, as on chat completions
+    kvsession: Any = None  # agent hints (serve/agent_hints.py)
 
 
 def error_body(e: P.APIError) -> dict:

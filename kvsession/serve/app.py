@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvsession import LLM, KVSessionError
+from kvsession.serve import agent_hints as H
 from kvsession.serve import anthropic_messages as A
 from kvsession.serve import openai_responses as R
 from kvsession.serve import protocol as P
@@ -77,6 +78,10 @@ class Server:
         self.decode = llm.tokenizer.decode
         # the Responses API's stored responses (written beside the sessions in session_dir)
         self.stored = R.ResponseStore(session_dir)
+        # agent hints: what the server learns of conversations' tool waits, and the
+        # engine's decisions on the sessions it suspended for them
+        self.gaps = H.ToolGaps()
+        self.tool_waits: Counter = Counter()
         # system prompts pinned by Anthropic cache_control breakpoints: (text, ttl) -> pin
         self.pins: OrderedDict[tuple[str, float], object] = OrderedDict()
 
@@ -233,6 +238,7 @@ class Server:
         # where a text completion set "prompt"
         P.PROMPT_FIELD.set("messages")
         req: P.ChatRequest = await self._body(request, P.ChatRequest)
+        hints = H.read_hints(req.kvsession, request.headers)
         params, tool_kwargs = self._chat_params(req)
         limit = self._limit(req.max_completion_tokens if req.max_completion_tokens is not None
                             else req.max_tokens)
@@ -251,6 +257,7 @@ class Server:
             # a named session's turn may wait behind earlier ones: its client may leave
             plan = await self._until_disconnect(request, self.conversations.plan(
                 req.messages, salt, session_id, per_session, can_session), fields=())
+            self._arrived(plan, hints)
             rid = P.new_id("chatcmpl")
             log.info("%s: %s, %d new messages", rid, "stateless" if plan.session is None else
                      "session (continued)" if plan.reused or plan.named_len else "session (new)",
@@ -328,11 +335,48 @@ class Server:
     async def _reply(plan: Plan, overrides: dict) -> P.Result:
         return P.Result.of_reply(await plan.session.asend(plan.new, **overrides))
 
+    def _arrived(self, plan: Plan, hints: H.AgentHints) -> None:
+        """A request planned: its hints go with the plan, and a conversation's gap since
+        a reply that called a tool is learned (agent_hints.ToolGaps)."""
+        plan.hints = hints
+        if plan.session is not None:
+            self.gaps.request_arrived(plan.session.session_id, time.monotonic())
+
+    def _finished(self, plan: Plan, reply: dict) -> None:
+        """A turn answered `reply`: its session filed for the conversation's next request;
+        then what the agent hints ask (agent_hints.py): the session closed after
+        `session_ttl_s` idle, and after a reply that calls a tool, suspended for the
+        expected tool latency (the hint's, or the one learned for this conversation)."""
+        self.conversations.finish(plan, reply)
+        sess, hints = plan.session, plan.hints or H.AgentHints()
+        if sess is None or plan.replay is not None:
+            return
+        if hints.session_ttl_s is not None:
+            self.conversations.expire_after(sess, hints.session_ttl_s)
+        if not reply.get("tool_calls"):
+            return
+        self.gaps.replied_with_calls(sess.session_id, time.monotonic())
+        wait_s = hints.expected_tool_latency_s
+        if wait_s is None:
+            wait_s = self.gaps.estimate(sess.session_id)
+        if wait_s is not None:
+            asyncio.get_running_loop().run_in_executor(None, self._suspend, sess, wait_s)
+
+    def _suspend(self, sess, wait_s: float) -> None:
+        """(a worker thread) Suspend a session that waits on a tool; counted by the
+        engine's decision."""
+        try:
+            decision = sess.suspend(expected_idle_s=wait_s)
+        except KVSessionError as e:  # closed or taken meanwhile: nothing waits any more
+            log.debug("tool wait of session %s not suspended: %s", sess.session_id, e)
+            return
+        self.tool_waits[decision] += 1
+
     def _answered(self, request: Request, plan: Plan, res: P.Result, slot: Slot) -> dict:
         """A request answered whole: its session filed under the conversation the client
         will send back, its slot released, counted. The reply's assistant message."""
         reply = P.assistant_message(res.choices[0])
-        self.conversations.finish(plan, reply)
+        self._finished(plan, reply)
         slot.release()
         self._count(res)
         self.requests[(request.url.path, 200)] += 1
@@ -420,7 +464,7 @@ class Server:
                     yield sse(P.usage_chunk(rid, model, created, "chat.completion.chunk", res))
                 yield "data: [DONE]\n\n"
                 state["done"] = True
-                self.conversations.finish(plan, P.assistant_message(res.choices[0]))
+                self._finished(plan, P.assistant_message(res.choices[0]))
                 self._count(res)
                 self.requests[("/v1/chat/completions", 200)] += 1
             except KVSessionError as e:  # mid-stream: the error is the last event
@@ -481,6 +525,7 @@ class Server:
     async def responses(self, request: Request) -> Response:
         P.PROMPT_FIELD.set("input")
         req: R.ResponsesRequest = await self._body(request, R.ResponsesRequest)
+        hints = H.read_hints(req.kvsession, request.headers)
         rid, created = R.new_response_id(), R.now()
         messages, chain, full = await self._responses_plan(req, rid)
         chat = R.to_chat(req, messages)
@@ -494,6 +539,7 @@ class Server:
         try:
             plan = await self._until_disconnect(request, self.conversations.plan(
                 messages, salt, chain, per_session, can_session), fields=())
+            self._arrived(plan, hints)
             if plan.replay is not None:  # the chain's last turn answered this already
                 res = self._stored_reply(plan)
             elif req.stream:
@@ -549,7 +595,7 @@ class Server:
                     yield e
                 state["done"] = True
                 reply = P.assistant_message(res.choices[0])
-                self.conversations.finish(plan, reply)
+                self._finished(plan, reply)
                 if finished is not None:
                     finished(res, reply)
                 self._count(res)
@@ -602,6 +648,7 @@ class Server:
     async def messages(self, request: Request) -> Response:
         P.PROMPT_FIELD.set("messages")
         req: A.MessagesRequest = await self._body(request, A.MessagesRequest)
+        hints = H.read_hints(req.kvsession, request.headers)
         chat = A.to_chat(req)
         params, tool_kwargs = self._chat_params(chat)
         created = await self._pin_system(A.system_text(req.system), A.system_ttl_s(req))
@@ -613,6 +660,7 @@ class Server:
         try:
             plan = await self._until_disconnect(request, self.conversations.plan(
                 chat.messages, salt, None, per_session, can_session), fields=())
+            self._arrived(plan, hints)
             if req.stream:
                 events = self._chat_events(plan, params, tool_kwargs, per_turn)
                 return await self._encoded_stream(
@@ -778,6 +826,12 @@ class Server:
                help="requests that continued a kept session")
         ex.add("kvsession_server_conversation_misses_total", conv.misses, kind=counter,
                help="requests that started a new session")
+        for decision, n in sorted(self.tool_waits.items()):
+            ex.add("kvsession_server_tool_waits_total", n, {"decision": decision},
+                   kind=counter, help="sessions suspended while their client runs a tool, "
+                                      "by the engine's decision")
+        ex.add("kvsession_server_sessions_expired_total", conv.expired, kind=counter,
+               help="conversation sessions closed by their session_ttl_s hint")
         for kind in ("prompt", "cached", "completion"):
             ex.add(f"kvsession_server_{kind}_tokens_total", self.tokens[kind], kind=counter,
                    help=f"{kind} tokens of answered requests")

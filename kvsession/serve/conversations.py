@@ -182,6 +182,7 @@ class Plan:
     # a named session's last turn answered exactly this request (a retry): its stored
     # reply (the assistant message) is sent again and nothing runs
     replay: dict | None = None
+    hints: object = None  # the request's agent hints (serve/agent_hints.AgentHints)
 
 
 @dataclass
@@ -199,6 +200,9 @@ class Conversations:
         self._auto: OrderedDict[bytes, Session] = OrderedDict()
         self._named: OrderedDict[str, _Named] = OrderedDict()
         self.hits = self.misses = 0
+        # session id -> when it expires (its client's session_ttl_s after its last turn)
+        self._deadlines: dict[str, float] = {}
+        self.expired = 0
 
     @property
     def num_sessions(self) -> int:
@@ -377,6 +381,34 @@ class Conversations:
             self._file(plan.prior_key, plan.session)
             return
         self._close_later(plan.session)
+
+    def expire_after(self, sess: Session, ttl_s: float) -> None:
+        """Close `sess` if it waits `ttl_s` for its next turn (an agent hint: its client
+        said how long the conversation may be idle). A turn in between re-arms it."""
+        loop = asyncio.get_running_loop()
+        self._deadlines[sess.session_id] = loop.time() + ttl_s
+        loop.call_later(ttl_s, self._expire, sess)
+
+    def _expire(self, sess: Session) -> None:
+        deadline = self._deadlines.get(sess.session_id)
+        if deadline is None or asyncio.get_running_loop().time() < deadline:
+            return  # re-armed by a later turn (its own timer decides)
+        for key, filed in self._auto.items():
+            if filed is sess:  # idle in the table: closed, its file with it
+                del self._auto[key]
+                break
+        else:
+            entry = self._named.get(sess.session_id)
+            if entry is None or entry.session is not sess or entry.lock.locked():
+                return  # in a turn (which re-arms it), or gone already
+            del self._named[sess.session_id]
+            del self._deadlines[sess.session_id]
+            self.expired += 1
+            self._close_later(sess, delete=False)  # a named session stays resumable
+            return
+        del self._deadlines[sess.session_id]
+        self.expired += 1
+        self._close_later(sess)
 
     def _file(self, key: bytes, sess: Session) -> None:
         """File `sess` under `key`, the most recent entry. A session filed there already

@@ -58,6 +58,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     ignore_eos: bool | None = None  # vLLM's extension, as on chat completions
+    kvsession: Any = None  # agent hints (serve/agent_hints.py)
 
 
 def new_response_id() -> str:

@@ -140,6 +140,7 @@ class ChatRequest(_Sampling, kw_only=True):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     session_id: str | None = None
+    kvsession: Any = None  # agent hints (serve/agent_hints.py)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
