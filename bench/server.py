@@ -18,8 +18,11 @@ makespan ratio HTTP / in process (target: overhead <= 15%), the engine's TTFT p5
 both sides (over HTTP from the server's /metrics), the client's time to the first streamed
 text (a random model often writes bytes that are not yet valid UTF-8, which a stream holds
 back: an upper bound on the HTTP TTFT), CPU seconds of the serving process, and the share of
-prompt tokens the server reports as cached. Writes bench/results/server.json (+ server.png
-with --plot).
+prompt tokens the server reports as cached. The same conversations also run through the
+Responses API (previous_response_id: each turn sends only its new message) and Anthropic's
+Messages API (`--apis`): a row each, makespan and TTFT against in process. The engine TTFT
+over HTTP is estimated from the server's /metrics histogram (Prometheus' histogram_quantile:
+linear within a bucket). Writes bench/results/server.json (+ server.png with --plot).
 """
 
 from __future__ import annotations
@@ -82,23 +85,112 @@ def in_process(model: Path, kw: dict, system: str, convs: list[list[dict]]) -> d
 
 
 def engine_ttft(url: str) -> tuple[float, float]:
-    """The server's engine TTFT p50 / p99 (its /metrics: llm.stats() over its last 1,024
-    requests)."""
+    """The server's engine TTFT p50 / p99, estimated from its /metrics histogram
+    (kvsession_request_ttft_seconds, every request of this fresh server) as Prometheus'
+    histogram_quantile does: linear within the bucket the quantile falls in."""
     import urllib.request
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
         text = r.read().decode()
-    return tuple(float(re.search(rf"^kvsession_latency_ttft_{q}_s (\S+)$", text, re.M).group(1))
-                 for q in ("p50", "p99"))
+    buckets = [(float(le), float(n)) for le, n in re.findall(
+        r'^kvsession_request_ttft_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)]
+    return tuple(histogram_quantile(buckets, q) for q in (0.5, 0.99))
 
 
-def over_http(model: Path, kw: dict, system: str, convs: list[list[dict]]) -> dict:
-    """One run against a fresh server (its latency window holds this run only)."""
+def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """The q-quantile of cumulative (upper bound, count) buckets, linear within a bucket
+    (the +Inf bucket: its lower bound)."""
+    total = buckets[-1][1]
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+APIS = ("chat", "responses", "messages")
+
+
+def over_http(model: Path, kw: dict, system: str, convs: list[list[dict]],
+              api: str = "chat") -> dict:
+    """One run against a fresh server (its metrics hold this run only), through `api`:
+    chat completions (stateless: each turn re-sends the conversation), Responses (each turn
+    sends its new message with previous_response_id) or Anthropic Messages (stateless, the
+    `anthropic` client). The workload's tool turns are user messages in the last two (no
+    call of theirs to answer)."""
     server = ServerProcess(model, *engine_flags(kw))
     try:
-        return _over_http(server, model.name, system, convs)
+        if api == "chat":
+            return _over_http(server, model.name, system, convs)
+        return _over_api(server, model.name, system, convs, api)
     finally:
         server.stop()
+
+
+def _over_api(server: ServerProcess, model_name: str, system: str, convs: list[list[dict]],
+              api: str) -> dict:
+    from openai import OpenAI
+
+    url, ttfts, prompt, cached = server.url, [], [0], [0]
+    lock = threading.Lock()
+
+    def responses_turns(i: int) -> None:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        prev = None
+        for msg in convs[i]:
+            t0, first = time.perf_counter(), None
+            for e in client.responses.create(
+                    model=model_name, instructions=system, input=msg["content"],
+                    previous_response_id=prev, max_output_tokens=NEW_TOKENS, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True}):
+                if e.type == "response.output_text.delta":
+                    first = first or time.perf_counter()
+                elif e.type == "response.completed":
+                    prev = e.response.id
+                    with lock:
+                        prompt[0] += e.response.usage.input_tokens
+                        cached[0] += e.response.usage.input_tokens_details.cached_tokens
+            ttfts.append((first or time.perf_counter()) - t0)
+
+    def messages_turns(i: int) -> None:
+        import anthropic
+
+        client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0,
+                                     timeout=600)
+        history: list[dict] = []
+        for msg in convs[i]:
+            history.append({"role": "user", "content": msg["content"]})
+            t0, first = time.perf_counter(), None
+            with client.messages.stream(model=model_name, system=system, messages=history,
+                                        max_tokens=NEW_TOKENS,
+                                        extra_body={"temperature": 0, "ignore_eos": True}) as st:
+                text = []
+                for piece in st.text_stream:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+                usage = st.get_final_message().usage
+            with lock:
+                prompt[0] += usage.input_tokens + usage.cache_read_input_tokens + \
+                    usage.cache_creation_input_tokens
+                cached[0] += usage.cache_read_input_tokens
+            ttfts.append((first or time.perf_counter()) - t0)
+            history.append({"role": "assistant", "content": "".join(text)})
+
+    OpenAI(base_url=f"{url}/v1", api_key="unused").chat.completions.create(
+        model=model_name, max_tokens=1, messages=[{"role": "system", "content": system},
+                                                  {"role": "user", "content": "warm up"}])
+    cpu = process_cpu_s(server.proc.pid)
+    makespan = in_threads(responses_turns if api == "responses" else messages_turns,
+                          len(convs))
+    cpu = process_cpu_s(server.proc.pid) - cpu
+    p50, p99 = engine_ttft(url)
+    return {"makespan_s": makespan, "cpu_s": cpu, "ttft_p50_s": p50, "ttft_p99_s": p99,
+            "client_first_text_p50_s": percentile(ttfts, 50),
+            "client_first_text_p99_s": percentile(ttfts, 99), "turns": len(ttfts),
+            "cached_share": cached[0] / max(prompt[0], 1)}
 
 
 def _over_http(server: ServerProcess, model_name: str, system: str,
@@ -175,7 +267,9 @@ def workload(args, n: int, run: int) -> tuple[str, list[list[dict]]]:
 
     tok = Tokenizer(model_path(args.model))
     system = "You are a coding agent. " + text_of(tok, random.Random(1), args.system_tokens)
-    convs = [[{**m, "content": f"run {run}: {m['content']}"} for m in c]
+    # (tool turns as user messages: no call of the replies' to answer, which the chat
+    # API refuses a tool message for; the same in every API and in process)
+    convs = [[{"role": "user", "content": f"run {run}: {m['content']}"} for m in c]
              for c in turn_messages(tok, n, args.turns)]
     return system, convs
 
@@ -202,6 +296,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved runs of each side")
     ap.add_argument("--peers-at", type=int, nargs="*", default=[8],
                     help="concurrency levels also run through the transformers peers")
+    ap.add_argument("--apis", nargs="+", default=list(APIS), choices=APIS,
+                    help="the HTTP APIs run beside in-process (a row each)")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--once", type=int, nargs=2, help=argparse.SUPPRESS)  # child: n, run
     args = ap.parse_args()
@@ -212,19 +308,30 @@ def main() -> None:
         return
     results = {}
     for n in args.concurrency:
-        local_runs, http_runs = [], []
-        # interleaved repeats: machine noise hits both sides alike; the best of each is
+        local_runs, api_runs = [], {api: [] for api in args.apis}
+        # interleaved repeats: machine noise hits every side alike; the best of each is
         # compared
         for r in range(args.repeat):
             local_runs.append(in_process_fresh(args, n, r))
             system, convs = workload(args, n, r)
-            http_runs.append(over_http(model, kw, system, convs))
+            for api in args.apis:
+                api_runs[api].append(over_http(model, kw, system, convs, api))
         local = min(local_runs, key=lambda x: x["makespan_s"])
-        http = min(http_runs, key=lambda x: x["makespan_s"])
+        best = {api: min(runs, key=lambda x: x["makespan_s"]) for api, runs in api_runs.items()}
+        http = best.get("chat") or next(iter(best.values()))
         results[str(n)] = {"in_process": local, "http": http,
                            "makespan_ratio": http["makespan_s"] / local["makespan_s"],
                            "in_process_makespans_s": [x["makespan_s"] for x in local_runs],
-                           "http_makespans_s": [x["makespan_s"] for x in http_runs]}
+                           "http_makespans_s": [x["makespan_s"] for x in api_runs.get(
+                               "chat", next(iter(api_runs.values())))],
+                           "apis": {api: {**b, "makespan_ratio": b["makespan_s"]
+                                          / local["makespan_s"]} for api, b in best.items()}}
+        for api, b in results[str(n)]["apis"].items():
+            print(f"{n:3d} conversations, {api:9s}: makespan x{b['makespan_ratio']:.3f} of "
+                  f"in process; engine TTFT p50/p99 {b['ttft_p50_s'] * 1e3:.0f}/"
+                  f"{b['ttft_p99_s'] * 1e3:.0f} ms (in process {local['ttft_p50_s'] * 1e3:.0f}/"
+                  f"{local['ttft_p99_s'] * 1e3:.0f}); cached {b['cached_share']:.0%}",
+                  flush=True)
         print(f"{n:3d} conversations x {args.turns} turns: makespan in process "
               f"{local['makespan_s']:.2f} s, over HTTP {http['makespan_s']:.2f} s "
               f"(x{results[str(n)]['makespan_ratio']:.3f}); CPU in process "
