@@ -75,6 +75,32 @@ def test_a_chain_of_responses_is_one_session(server, model):
     assert e.value.body["param"] == "previous_response_id"
 
 
+def test_continuing_an_older_response_branches(server, model):
+    """A second continuation of the same response is a branch: a chain of its own from the
+    stored conversation up to that response, which does not hold the other branch's turn;
+    the first branch goes on as before."""
+    c = client(server)
+    r1 = c.responses.create(model=model.name, input="Start.", max_output_tokens=6,
+                            temperature=0)
+    r2 = c.responses.create(model=model.name, input="Go on.", previous_response_id=r1.id,
+                            max_output_tokens=6, temperature=0)
+    r3 = c.responses.create(model=model.name, input="Go on.", previous_response_id=r1.id,
+                            max_output_tokens=6, temperature=0)
+    assert r3.id[5:21] != r1.id[5:21] == r2.id[5:21]  # its own chain; r2 in r1's
+    # its prompt is the conversation up to r1 and its own message, as a client sending
+    # that conversation whole has it rendered (not r1's chain, which holds r2's turn)
+    whole = c.responses.create(model=model.name, store=False, max_output_tokens=6,
+                               temperature=0, input=[
+                                   {"role": "user", "content": "Start."},
+                                   {"role": "assistant", "content": r1.output_text},
+                                   {"role": "user", "content": "Go on."}])
+    assert r3.usage.input_tokens == whole.usage.input_tokens
+    r4 = c.responses.create(model=model.name, input="And?", previous_response_id=r2.id,
+                            max_output_tokens=6, temperature=0)
+    assert r4.usage.input_tokens_details.cached_tokens >= \
+        r2.usage.input_tokens + r2.usage.output_tokens - 1
+
+
 def test_function_calls_round_trip(server, model):
     """A forced call comes back as a function_call item (call_id, name, JSON arguments);
     its output, sent as a function_call_output item with previous_response_id, continues

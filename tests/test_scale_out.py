@@ -469,6 +469,40 @@ def test_resent_conversations_return_to_the_replica_holding_them(cluster):
     assert cluster.metric("kvsession_router_decisions_total", kind="conversation_affine") >= 3
 
 
+def test_responses_chains_and_anthropic_conversations_stay_on_their_replica(cluster):
+    """Through the ingress: a chain of Responses (previous_response_id) goes to its chain's
+    Session on one replica, each turn served from its KV; GET finds a stored response
+    there; an Anthropic conversation re-sent each turn returns to the replica holding it."""
+    client = openai_client(cluster)
+    anthropic = pytest.importorskip("anthropic")
+    replicas, prev, history = [], None, 0
+    for turn in range(4):
+        raw = client.responses.with_raw_response.create(
+            model=cluster.model, input=f"step {turn}: open the next file", instructions=PROMPT,
+            previous_response_id=prev, max_output_tokens=8, temperature=0)
+        r = raw.parse()
+        replicas.append(raw.headers["x-kvsession-replica"])
+        if turn:
+            assert r.usage.input_tokens_details.cached_tokens >= history - 1
+        history = r.usage.input_tokens + r.usage.output_tokens
+        prev = r.id
+    assert len(set(replicas)) == 1, replicas
+    assert client.responses.retrieve(prev).id == prev
+    ac = anthropic.Anthropic(base_url=cluster.url, api_key="unused", max_retries=0, timeout=60)
+    msgs, replicas = [{"role": "user", "content": "Anthropic client: list the files"}], []
+    for turn in range(3):
+        raw = ac.messages.with_raw_response.create(model=cluster.model, max_tokens=8,
+                                                   system=PROMPT, messages=msgs,
+                                                   extra_body={"temperature": 0})
+        m = raw.parse()
+        replicas.append(raw.headers["x-kvsession-replica"])
+        if turn:
+            assert m.usage.cache_read_input_tokens > 0
+        msgs += [{"role": "assistant", "content": m.content[0].text},
+                 {"role": "user", "content": f"then step {turn}"}]
+    assert len(set(replicas)) == 1, replicas
+
+
 def test_streams_models_and_errors_pass_through(cluster):
     client = openai_client(cluster)
     msgs = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "stream it"}]

@@ -12,7 +12,6 @@ design.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import logging
 import time
@@ -30,6 +29,7 @@ from kvsession.serve import agent_hints as H
 from kvsession.serve import anthropic_messages as A
 from kvsession.serve import openai_responses as R
 from kvsession.serve import protocol as P
+from kvsession.serve.auth import check_key
 from kvsession.serve.conversations import (
     SEND_TAKES,
     SESSION_TAKES,
@@ -123,15 +123,7 @@ class Server:
     # ---- admission -------------------------------------------------------------------
 
     def _check_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer":  # Anthropic's clients send x-api-key instead
-            token = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise P.APIError(401, "invalid or missing API key (Authorization: Bearer KEY, "
-                                  "or x-api-key: KEY)", code="invalid_api_key")
+        check_key(request, self.api_key)
 
     def _check_model(self, model: str) -> None:
         if model not in self.names:
@@ -495,15 +487,18 @@ class Server:
 
     # ---- /v1/responses ---------------------------------------------------------------
 
-    async def _responses_plan(self, req: R.ResponsesRequest, rid: str) -> tuple:
+    async def _responses_plan(self, req: R.ResponsesRequest, request: Request) -> tuple:
         """(the chat messages to send, the named session they go to or None, the whole
-        conversation with them) of a Responses request (openai_responses' docstring:
-        chains, branches)."""
+        conversation with them, the response's id) of a Responses request
+        (openai_responses' docstring: chains, branches). A new chain's digits are the
+        ingress's when it sent them (R.CHAIN_HEADER: it routed the chain already)."""
         new = R.input_messages(req.input)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        given = request.headers.get(R.CHAIN_HEADER)
+        rid = R.new_response_id(given if given and R.chain_session(given) else None)
         if req.previous_response_id is None:
             full = system + new
-            return full, rid if req.store else None, full
+            return full, R.chain_session(rid) if req.store else None, full, rid
         prev = await asyncio.to_thread(self.stored.get, req.previous_response_id)
         if prev is None:
             raise P.APIError(404, f"previous response {req.previous_response_id!r} not "
@@ -519,15 +514,17 @@ class Server:
                                                                  prev) \
                 and (chain in self.conversations.named_ids()
                      or chain in await asyncio.to_thread(self.llm.sessions)):
-            return new, chain, full  # the chain's next turn: only what is new
-        return full, rid if req.store else None, full  # a branch: a chain of its own
+            # the chain's next turn: only what is new, its id in the chain
+            return new, chain, full, R.new_response_id(req.previous_response_id[5:21])
+        # a branch: a chain of its own
+        return full, R.chain_session(rid) if req.store else None, full, rid
 
     async def responses(self, request: Request) -> Response:
         P.PROMPT_FIELD.set("input")
         req: R.ResponsesRequest = await self._body(request, R.ResponsesRequest)
         hints = H.read_hints(req.kvsession, request.headers)
-        rid, created = R.new_response_id(), R.now()
-        messages, chain, full = await self._responses_plan(req, rid)
+        created = R.now()
+        messages, chain, full, rid = await self._responses_plan(req, request)
         chat = R.to_chat(req, messages)
         params, tool_kwargs = self._chat_params(chat)
         salt = conversation_salt(chat.tools, None, None)

@@ -14,7 +14,8 @@ cache, which shows a continued Session). A stream becomes Responses events
 `response.completed`, each with its `sequence_number`).
 
 Stored responses (`store`, the default) are chains of a named Session (`ResponseStore`):
-the first response of a conversation opens a session named after it; a request whose
+the first response of a conversation opens a session named after its chain (the first 16
+hex digits of every id in it: `chain_session`); a request whose
 `previous_response_id` is the latest response of its chain is that session's next turn,
 sent only the new items (the session's KV holds the rest: nothing is computed again). One
 that continues an older response (a branch), or whose instructions differ from the
@@ -25,11 +26,13 @@ written beside them (`responses/<id>.json`), so a restarted server continues the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,8 +64,27 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     kvsession: Any = None  # agent hints (serve/agent_hints.py)
 
 
-def new_response_id() -> str:
-    return P.new_id("resp").replace("resp-", "resp_")
+# A response id is "resp_" + its chain's 16 hex digits + 16 of its own, so that whoever
+# routes requests (the Ray ingress) finds a chain's Session from any of its responses'
+# ids; the ingress picks a new chain's digits itself and passes them in this header
+CHAIN_HEADER = "x-kvsession-response-chain"
+_CHAIN = re.compile(r"[0-9a-f]{16}")
+
+
+def new_chain() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def new_response_id(chain: str | None = None) -> str:
+    """A response id in `chain` (its 16 hex digits), or in a new chain."""
+    return f"resp_{chain or new_chain()}{uuid.uuid4().hex[:16]}"
+
+
+def chain_session(rid_or_chain: str) -> str | None:
+    """The named Session of the chain a response id (or a chain's digits) belongs to;
+    None for anything else."""
+    digits = rid_or_chain[5:21] if _ID.fullmatch(rid_or_chain) else rid_or_chain
+    return f"responses-{digits}" if _CHAIN.fullmatch(digits) else None
 
 
 # ---- request -> chat --------------------------------------------------------------------
@@ -414,24 +436,36 @@ class ResponseStore:
         stored = Stored(data["response"], data["chain"], data["messages"],
                         data.get("instructions"))
         self._by_id[rid] = stored
-        self._latest.setdefault(stored.chain, data.get("latest", rid))
         return stored
 
     def is_latest(self, rid: str, stored: Stored) -> bool:
-        return self._latest.get(stored.chain, rid) == rid
+        """Whether `rid` is the latest response of its chain: what the chain's Session
+        holds (a continuation of any other is a branch)."""
+        chain = stored.chain
+        if chain not in self._latest and self.dir is not None:
+            with contextlib.suppress(OSError):  # the chain's, as a restarted server left it
+                self._latest[chain] = (self.dir / f"{chain}.latest").read_text().strip()
+        return self._latest.get(chain) == rid
 
     def put(self, rid: str, stored: Stored) -> None:
         self._by_id[rid] = stored
-        self._latest[stored.chain] = rid
+        if stored.chain is not None:
+            self._latest[stored.chain] = rid
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            data = {"response": stored.response, "chain": stored.chain,
-                    "messages": stored.messages, "instructions": stored.instructions,
-                    "latest": rid}
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, ensure_ascii=False)
-            os.replace(tmp, self.dir / f"{rid}.json")
+            self._write(f"{rid}.json", json.dumps({
+                "response": stored.response, "chain": stored.chain,
+                "messages": stored.messages, "instructions": stored.instructions},
+                ensure_ascii=False))
+            if stored.chain is not None:
+                self._write(f"{stored.chain}.latest", rid)
+
+    def _write(self, name: str, text: str) -> None:
+        """Atomically: a reader sees the old file or the new one, never half of one."""
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, self.dir / name)
 
     def delete(self, rid: str) -> Stored | None:
         stored = self.get(rid)

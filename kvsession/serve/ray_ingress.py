@@ -28,16 +28,20 @@ import time
 from collections import Counter
 
 import httpx
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvsession.serve import anthropic_messages as A
+from kvsession.serve import openai_responses as R
 from kvsession.serve import protocol as P
+from kvsession.serve.auth import check_key
 from kvsession.serve.conversations import conversation_keys
 from kvsession.serve.prometheus import CONTENT_TYPE, Exposition, MetricKind
-from kvsession.serve.ray_replica import RELEASE_PATH, SUMMARY_PATH, check_bearer
+from kvsession.serve.ray_replica import RELEASE_PATH, SUMMARY_PATH
 from kvsession.serve.ray_replicas import STOP_GRACE_S, ReplicaGone
 from kvsession.serve.responses import ClientGone, SSEResponse, unless_disconnected
 from kvsession.serve.router import Decision, Reason, ReplicaRouter, ReplicaState, Routing
@@ -227,6 +231,9 @@ class Ingress:
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{rid}", self.stored_response, methods=["GET", "DELETE"]),
+            Route("/v1/messages", self.messages, methods=["POST"]),
             Route("/v1/models", self.passthrough, methods=["GET"]),
             Route("/v1/models/{model:path}", self.passthrough, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -243,7 +250,8 @@ class Ingress:
         return Response(status_code=499)  # nginx's "client closed request"
 
     async def _api_error(self, request: Request, e: P.APIError) -> Response:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        body = A.error_body(e) if request.url.path == "/v1/messages" else e.body()
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     async def _http_error(self, request: Request, e: HTTPException) -> Response:
         return await self._api_error(request, P.from_routing_error(
@@ -253,7 +261,7 @@ class Ingress:
         return await self._api_error(request, P.from_engine_error(e))
 
     def _check(self, request: Request) -> None:
-        check_bearer(request, self.api_key)
+        check_key(request, self.api_key)
         if not self.accepting:
             raise P.APIError(503, "the server is shutting down", type="server_error",
                              code="shutting_down", headers={"Retry-After": "1"})
@@ -290,7 +298,46 @@ class Ingress:
         self._check(request)
         return await self._send(request, b"", lambda: self.router.route_other([]))
 
-    async def _session_request(self, request: Request, body: bytes, sid: str) -> Response:
+    async def responses(self, request: Request) -> Response:
+        """A Responses request goes to its chain's Session (a named session: sticky, moved
+        as sessions move): the chain of its previous_response_id, or for a stored one
+        starting a chain, a chain picked here and passed on (R.CHAIN_HEADER), so that the
+        chain's next request finds it. store: false goes anywhere."""
+        self._check(request)
+        body = await request.body()
+        req = _json(body)
+        prev = req.get("previous_response_id")
+        sid = R.chain_session(prev) if isinstance(prev, str) else None
+        extra = {}
+        if sid is None and req.get("store", True) is not False:
+            chain = R.new_chain()
+            sid, extra = R.chain_session(chain), {R.CHAIN_HEADER: chain}
+        if sid is None:
+            return await self._send(request, body, lambda: self.router.route_other([]))
+        return await self._session_request(request, body, sid, extra)
+
+    async def stored_response(self, request: Request) -> Response:
+        """GET / DELETE a stored response: where its chain's Session is."""
+        self._check(request)
+        sid = R.chain_session(request.path_params["rid"])
+        if sid is None:
+            raise P.APIError(404, "no stored response with that id", code="not_found")
+        return await self._session_request(request, b"", sid)
+
+    async def messages(self, request: Request) -> Response:
+        """An Anthropic conversation goes where its history is, as a chat one does (its
+        messages as chat messages: the keys the replica files it under)."""
+        self._check(request)
+        body = await request.body()
+        keys = []
+        with contextlib.suppress(Exception):  # the replica answers a malformed body's 400
+            req = msgspec.convert(_json(body), A.MessagesRequest)
+            keys = conversation_keys(A.chat_messages(req), A.chat_tools(req.tools))[1:]
+        return await self._send(request, body, lambda: self.router.route_conversation(keys),
+                                keys=keys)
+
+    async def _session_request(self, request: Request, body: bytes, sid: str,
+                               extra: dict | None = None) -> Response:
         holder = self.router.waiting_on(sid)
         if holder is not None:  # it is persisting the session as it stops: wait for it
             with contextlib.suppress(TimeoutError):  # the stop's own bound, and a margin
@@ -300,9 +347,10 @@ class Ingress:
         def route() -> Decision | None:
             return self.router.route_session(sid)
 
-        return await self._send(request, body, route, session_id=sid)
+        return await self._send(request, body, route, session_id=sid, extra=extra)
 
     async def _send(self, request: Request, body: bytes, route, session_id: str | None = None,
+                    extra: dict | None = None,
                     keys: list[bytes] | None = None) -> Response:
         """Route (again after a replica is found dead) and relay the answer."""
         tried_locked = False
@@ -321,7 +369,8 @@ class Ingress:
                 # header comes before the answer): the connection to the replica is then
                 # closed, which cancels the request there, and its place is free at once
                 upstream = await unless_disconnected(request,
-                                                     self._forward(d.replica, request, body))
+                                                     self._forward(d.replica, request, body,
+                                                                   extra))
                 if (upstream.status_code == 409 and session_id is not None
                         and not tried_locked and await _is_locked(upstream)):
                     # open on a replica this ingress has not heard of: ask them all. This
@@ -357,11 +406,13 @@ class Ingress:
         raise P.APIError(503, "no replica could take the request", type="server_error",
                          code="no_replica", headers={"Retry-After": "1"})
 
-    async def _forward(self, name: str, request: Request, body: bytes) -> httpx.Response:
+    async def _forward(self, name: str, request: Request, body: bytes,
+                       extra: dict | None = None) -> httpx.Response:
         url = self.urls[name]
         if url is None:
             raise httpx.ConnectError(f"{name} has no address")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
+        headers += list((extra or {}).items())
         target = f"{url}{request.url.path}"
         if request.url.query:
             target += f"?{request.url.query}"
@@ -429,7 +480,7 @@ class Ingress:
         done (or --drain-timeout-s passed) it stops, persisting its sessions, which resume
         on the others at their next request. `?restart=false` drops it; by default Ray
         starts a fresh one in its place."""
-        check_bearer(request, self.api_key)
+        check_key(request, self.api_key)
         name = request.path_params["replica"]
         if name not in self.router.state:
             raise P.APIError(404, f"no replica {name!r}; replicas: {self.router.names}",

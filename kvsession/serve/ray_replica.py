@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import os
 import socket
@@ -32,20 +31,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from kvsession.serve import protocol as P
+from kvsession.serve.auth import check_key
 
 SUMMARY_PATH = "/v1/kvsession/summary"
 RELEASE_PATH = "/v1/kvsession/release"
-
-
-def check_bearer(request: Request, api_key: str | None) -> None:
-    """401 unless `Authorization: Bearer <api_key>` (when a key is set)."""
-    if api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                              api_key.encode()):
-        raise P.APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                         code="invalid_api_key")
 
 
 def _node_ip() -> str:
@@ -129,7 +118,7 @@ class Replica:
     # ---- routes for the ingress --------------------------------------------------------
 
     async def summary(self, request: Request) -> JSONResponse:
-        check_bearer(request, self.api_key)
+        check_key(request, self.api_key)
         st = await asyncio.to_thread(self.llm.stats)
         conv, srv = self.server.conversations, self.server
         dev = st.tiers["device"]
@@ -148,7 +137,7 @@ class Replica:
             "restores": dict(st.restores), "recomputes": st.recomputes})
 
     async def release(self, request: Request) -> JSONResponse:
-        check_bearer(request, self.api_key)
+        check_key(request, self.api_key)
         try:
             body = await request.body()
             P.check_nesting(body)  # (json.loads recurses: a deep body was a 500)
