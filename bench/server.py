@@ -123,8 +123,6 @@ def over_http(model: Path, kw: dict, system: str, convs: list[list[dict]],
     call of theirs to answer)."""
     server = ServerProcess(model, *engine_flags(kw))
     try:
-        if api == "chat":
-            return _over_http(server, model.name, system, convs)
         return _over_api(server, model.name, system, convs, api)
     finally:
         server.stop()
@@ -136,6 +134,26 @@ def _over_api(server: ServerProcess, model_name: str, system: str, convs: list[l
 
     url, ttfts, prompt, cached = server.url, [], [0], [0]
     lock = threading.Lock()
+
+    def chat_turns(i: int) -> None:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        messages = [{"role": "system", "content": system}]
+        for msg in convs[i]:
+            messages.append(msg)
+            t0, first, text = time.perf_counter(), None, []
+            for chunk in client.chat.completions.create(
+                    model=model_name, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
+                    stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True}):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first = first or time.perf_counter()
+                    text.append(chunk.choices[0].delta.content)
+                if chunk.usage is not None:
+                    with lock:
+                        prompt[0] += chunk.usage.prompt_tokens
+                        cached[0] += chunk.usage.prompt_tokens_details.cached_tokens
+            ttfts.append((first or time.perf_counter()) - t0)
+            messages.append({"role": "assistant", "content": "".join(text)})
 
     def responses_turns(i: int) -> None:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
@@ -183,50 +201,8 @@ def _over_api(server: ServerProcess, model_name: str, system: str, convs: list[l
         model=model_name, max_tokens=1, messages=[{"role": "system", "content": system},
                                                   {"role": "user", "content": "warm up"}])
     cpu = process_cpu_s(server.proc.pid)
-    makespan = in_threads(responses_turns if api == "responses" else messages_turns,
-                          len(convs))
-    cpu = process_cpu_s(server.proc.pid) - cpu
-    p50, p99 = engine_ttft(url)
-    return {"makespan_s": makespan, "cpu_s": cpu, "ttft_p50_s": p50, "ttft_p99_s": p99,
-            "client_first_text_p50_s": percentile(ttfts, 50),
-            "client_first_text_p99_s": percentile(ttfts, 99), "turns": len(ttfts),
-            "cached_share": cached[0] / max(prompt[0], 1)}
-
-
-def _over_http(server: ServerProcess, model_name: str, system: str,
-               convs: list[list[dict]]) -> dict:
-    from openai import OpenAI
-
-    url = server.url
-    ttfts: list[float] = []
-    prompt, cached = [0], [0]
-    lock = threading.Lock()
-
-    def agent(i: int) -> None:
-        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-        messages = [{"role": "system", "content": system}]
-        for msg in convs[i]:
-            messages.append(msg)
-            t0, first, text = time.perf_counter(), None, []
-            for chunk in client.chat.completions.create(
-                    model=model_name, messages=messages, max_tokens=NEW_TOKENS, temperature=0,
-                    stream=True, stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True}):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    first = first or time.perf_counter()
-                    text.append(chunk.choices[0].delta.content)
-                if chunk.usage is not None:
-                    with lock:
-                        prompt[0] += chunk.usage.prompt_tokens
-                        cached[0] += chunk.usage.prompt_tokens_details.cached_tokens
-            ttfts.append((first or time.perf_counter()) - t0)
-            messages.append({"role": "assistant", "content": "".join(text)})
-
-    OpenAI(base_url=f"{url}/v1", api_key="unused").chat.completions.create(
-        model=model_name, max_tokens=1, messages=[{"role": "system", "content": system},
-                                                  {"role": "user", "content": "warm up"}])
-    cpu = process_cpu_s(server.proc.pid)
-    makespan = in_threads(agent, len(convs))
+    turns = {"chat": chat_turns, "responses": responses_turns, "messages": messages_turns}
+    makespan = in_threads(turns[api], len(convs))
     cpu = process_cpu_s(server.proc.pid) - cpu
     p50, p99 = engine_ttft(url)
     return {"makespan_s": makespan, "cpu_s": cpu, "ttft_p50_s": p50, "ttft_p99_s": p99,

@@ -219,22 +219,24 @@ def to_chat(req: ResponsesRequest, messages: list[dict]) -> P.ChatRequest:
 # ---- reply -> response ------------------------------------------------------------------
 
 
-def output_items(c: P.Choice, ids: dict | None = None) -> list[dict]:
-    """The output items of a reply: its reasoning, its message (when it has text, or no
-    calls), its function calls. `ids`: the items' ids so far (a stream's), by key."""
+def output_items(c: P.Choice, ids: dict | None = None) -> list[tuple]:
+    """The output items of a reply, each with its key ("reasoning", "message",
+    ("call", i)): its reasoning, its message (when it has text, or no calls), its function
+    calls. `ids`: the items' ids so far (a stream's), by key."""
     ids = ids if ids is not None else {}
-    items: list[dict] = []
+    items: list[tuple] = []
     if c.reasoning:
-        items.append({"type": "reasoning", "id": ids.setdefault("reasoning", _item("rs")),
-                      "summary": [], "content": [{"type": "reasoning_text",
-                                                  "text": c.reasoning}],
-                      "status": "completed"})
+        items.append(("reasoning", {
+            "type": "reasoning", "id": ids.setdefault("reasoning", _item("rs")),
+            "summary": [], "content": [{"type": "reasoning_text", "text": c.reasoning}],
+            "status": "completed"}))
     if c.text or not c.tool_calls:
-        items.append(message_item(ids.setdefault("message", _item("msg")), c.text,
-                                  "completed"))
+        items.append(("message", message_item(ids.setdefault("message", _item("msg")),
+                                              c.text, "completed")))
     for i, call in enumerate(c.tool_calls):
-        items.append(call_item(ids.setdefault(("call", i), _item("fc")), call.id, call.name,
-                               json.dumps(call.arguments, ensure_ascii=False), "completed"))
+        items.append((("call", i), call_item(
+            ids.setdefault(("call", i), _item("fc")), call.id, call.name,
+            json.dumps(call.arguments, ensure_ascii=False), "completed")))
     return items
 
 
@@ -274,7 +276,7 @@ def response_object(rid: str, req: ResponsesRequest, model: str, created: int,
         else "completed"
     if out["status"] == "incomplete":
         out["incomplete_details"] = {"reason": "max_output_tokens"}
-    out["output"] = items if items is not None else output_items(c)
+    out["output"] = items if items is not None else [item for _, item in output_items(c)]
     out["usage"] = {"input_tokens": u["prompt_tokens"],
                     "input_tokens_details": {"cached_tokens": res.cached_tokens},
                     "output_tokens": u["completion_tokens"],
@@ -359,15 +361,9 @@ class ResponseEvents:
     def finish(self, res: P.Result) -> list[str]:
         """The items' done events and `response.completed` (the response: `response`)."""
         c = res.choices[0]
-        items = output_items(c, self.ids)
         # an item the finished reply has that no delta announced goes out whole (added
         # and done); every item is done in output order
-        keyed = []
-        for item in items:
-            key = "reasoning" if item["type"] == "reasoning" else "message" \
-                if item["type"] == "message" else ("call", next(
-                    i for i, v in enumerate(c.tool_calls) if v.id == item["call_id"]))
-            keyed.append((key, item))
+        keyed = output_items(c, self.ids)
         out: list[str] = []
         for key, item in keyed:
             if key not in self.index:
