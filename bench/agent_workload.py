@@ -47,9 +47,9 @@ import sys
 import time
 
 import torch
+from child_protocol import answer_rounds
 from common import (
     RoundsProcess,
-    answer_rounds,
     in_threads,
     mid_model,
     pyplot,

@@ -131,14 +131,16 @@ def save_figure(fig, name: str) -> None:
 
 class RoundsProcess:
     """The parent's handle on a child process that runs a workload round by round when
-    asked (`script` with `argv`): one JSON line per request on its stdin ({"round": t};
-    {"round": null} ends it), one JSON line back; every answer awaited with a timeout, the
-    child's stderr kept for the error when it exits."""
+    asked (`script` with `argv`, run by `python`: this one, or another such as
+    llama.cpp's; child_protocol.answer_rounds is its side): one JSON line per request on
+    its stdin ({"round": t}; {"round": null} ends it), one JSON line back; every answer
+    awaited with a timeout, the child's stderr kept for the error when it exits."""
 
-    def __init__(self, script: str, argv: list[str], timeout_s: float):
+    def __init__(self, script: str, argv: list[str], timeout_s: float,
+                 python: str = sys.executable):
         self.timeout_s = timeout_s
         self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, script, *argv], text=True,
+        self.proc = subprocess.Popen([python, script, *argv], text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.err)
         self.lines: queue.Queue = queue.Queue()
@@ -155,11 +157,11 @@ class RoundsProcess:
             line = self.lines.get(timeout=self.timeout_s)
         except queue.Empty:
             self.proc.kill()
-            raise TimeoutError(f"no answer from the kvsession child in {self.timeout_s} s")\
+            raise TimeoutError(f"no answer from the child in {self.timeout_s} s")\
                 from None
         if line is None:
             self.err.seek(0)
-            raise RuntimeError("the kvsession child exited:\n" + self.err.read()[-3000:])
+            raise RuntimeError("the child exited:\n" + self.err.read()[-3000:])
         return json.loads(line)
 
     def ask(self, t: int | None) -> dict:
@@ -171,24 +173,6 @@ class RoundsProcess:
         self.proc.stdin.close()
         self.proc.wait(timeout=self.timeout_s)
         self.err.close()
-
-
-def answer_rounds(run_round) -> None:
-    """The child side of RoundsProcess: says it is ready, then answers each {"round": t}
-    read on stdin with run_round(t)'s seconds and the user CPU it took; returns at
-    {"round": null} (the caller then reports and closes)."""
-    import resource
-
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        t = json.loads(line)["round"]
-        if t is None:
-            return
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
-        elapsed = run_round(t)
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
-        print(json.dumps({"elapsed_s": elapsed, "user_cpu_s": r1.ru_utime - r0.ru_utime}),
-              flush=True)
 
 
 def in_threads(fn, n: int) -> float:

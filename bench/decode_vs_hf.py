@@ -352,12 +352,12 @@ def int8(path, bw: Bandwidth, prompt_len: int = 256, decode: int = 64) -> dict:
 
 
 def packed_rows(ws: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `ws` laid out by the model's `pack_rows`: one allocation, in this order."""
-    from kvsession.model.linear import Linear, pack_rows
+    """Copies of `ws` laid out as the model lays them (a RowsBuffer): one allocation, in
+    this order."""
+    from kvsession.model.linear import Linear, RowsBuffer
 
-    lins = [Linear(w, None, "both") for w in ws]
-    pack_rows(lins)
-    return [lin.rows for lin in lins]
+    buffer = RowsBuffer([w.numel() for w in ws], ws[0].dtype)
+    return [Linear(w, None, "both", rows_buffer=buffer).rows for w in ws]
 
 
 def kernels(spec, bw: Bandwidth) -> dict:
@@ -384,7 +384,7 @@ def kernels(spec, bw: Bandwidth) -> dict:
     for rows in (1, 8, 64, 512):
         xs = {n: torch.randn(rows, n) for n in {s[1] for s in shapes} | {h}}
         if rows == 1:  # one token: the inductor-compiled pass over [out, in]; the same
-            # weights as one allocation in step order, as the model lays them out (pack_rows)
+            # weights as one allocation in step order, as the model lays them out (a RowsBuffer)
             one = lambda x, w: rows_compiled(x[0], w, None)  # noqa: E731
             layouts["inductor (w * x).sum(-1), [out, in]"] = (ws, one)
             layouts["inductor, one buffer"] = (packed_rows(ws), one)

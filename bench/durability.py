@@ -60,9 +60,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from child_protocol import answer_rounds
 from common import (
     RoundsProcess,
-    answer_rounds,
     in_threads,
     mid_model,
     pyplot,

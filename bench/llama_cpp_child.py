@@ -7,7 +7,9 @@ kvsession: it runs under the Python that has llama_cpp installed).
 prints one JSON line: load_s, resident_bytes (RssAnon + RssFile growth over loading the
 model and a context of --n-ctx tokens for 8 sequences), decode_b1_tok_s and decode_b8_tok_s
 (medians of rounds: 8 + N tokens minus 8 tokens, each step one token per sequence through
-llama_decode), prefill_512_s (one 512-token prompt in one batch).
+llama_decode), prefill_512_s (one 512-token prompt in one batch). With --answer-rounds it
+says it is ready (load_s, resident_bytes) and then answers decode rounds
+(decode_rates.answer_decode_rounds) for bench/vs_llama_cpp.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import random
 import time
 
 import llama_cpp as L
-from decode_rates import BATCHES, PREFILL_TOKENS, rates
+from decode_rates import BATCHES, PREFILL_TOKENS, answer_decode_rounds, rates
 
 SEQS = max(BATCHES)
 
@@ -81,6 +83,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n-ctx", type=int, default=4096)
+    ap.add_argument("--answer-rounds", action="store_true",
+                    help="answer decode rounds on stdin (bench/vs_llama_cpp.py)")
     args = ap.parse_args()
     before = resident_bytes()
     t = time.perf_counter()
@@ -91,7 +95,10 @@ def main() -> None:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(1000, eng.n_vocab) for _ in range(n)]
 
-    out |= rates(eng.run, prompt, args.decode_tokens, args.rounds)
+    if args.answer_rounds:  # then the facts again, as the parent's report at the end
+        answer_decode_rounds(eng.run, prompt, args.decode_tokens, out)
+    else:
+        out |= rates(eng.run, prompt, args.decode_tokens, args.rounds)
     print(json.dumps(out))
 
 

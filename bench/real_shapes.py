@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 from common import pyplot, save_figure, write_result
-from decode_rates import rates
+from decode_rates import answer_decode_rounds, rates
 
 from kvsession.kernels.cpp_build import cache_dir
 from kvsession.testing import make_tiny_model
@@ -115,7 +115,7 @@ def resident_bytes() -> int:
 
 
 def child(model: Path, engine: str, decode_tokens: int, rounds: int, kv: str,
-          load_only: bool = False) -> dict:
+          load_only: bool = False, answer_rounds: bool = False) -> dict:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     gen = torch.Generator().manual_seed(0)
 
@@ -149,7 +149,9 @@ def child(model: Path, engine: str, decode_tokens: int, rounds: int, kv: str,
 
     out = {"load_s": load_s, "resident_bytes": grew,
            "weight_bytes": llm.runtime.weight_bytes}
-    if not load_only:
+    if answer_rounds:  # bench/vs_llama_cpp.py's decode rounds
+        answer_decode_rounds(run, prompt, decode_tokens, out)
+    elif not load_only:
         out |= rates(run, prompt, decode_tokens, rounds)
     llm.close()
     return out
@@ -198,6 +200,11 @@ class Bandwidth:
             self.buf.sum()
             self.samples.append(self.buf.numel() * 4 / (time.perf_counter() - t))
 
+    def sample_now(self, n: int = 3) -> float:
+        """The best rate (bytes/s) of `n` samples taken now (kept in the run's samples)."""
+        self.sample(n)
+        return max(self.samples[-n:])
+
     @property
     def best(self) -> float:
         return max(self.samples)
@@ -230,24 +237,33 @@ def decode_bytes_per_token(engine: str, engines: dict) -> int:
     return engines[engine]["weight_bytes"] // (2 if "dual" in engine else 1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(rounds: int, llama_cpp_required: bool) -> argparse.ArgumentParser:
+    """The arguments this script and bench/vs_llama_cpp.py share."""
+    ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--kv-cache-memory", default="1GiB")
-    ap.add_argument("--llama-cpp-python", default=None,
-                    help="a Python with llama-cpp-python (adds llama.cpp bf16 and q8_0)")
-    ap.add_argument("--llama-cpp-src", type=Path, default=None,
+    ap.add_argument("--llama-cpp-python", required=llama_cpp_required,
+                    help="a Python with llama-cpp-python (llama.cpp bf16 and q8_0)")
+    ap.add_argument("--llama-cpp-src", type=Path, required=llama_cpp_required,
                     help="llama.cpp's source (its convert_hf_to_gguf.py and conversion/)")
     ap.add_argument("--plot", action="store_true")
+    return ap
+
+
+def main() -> None:
+    ap = arguments(rounds=3, llama_cpp_required=False)
+    ap.description = __doc__.split("\n")[0]
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "ENGINE"), help=argparse.SUPPRESS)
     ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--answer-rounds", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(Path(args.child[0]), args.child[1], args.decode_tokens,
-                               args.rounds, args.kv_cache_memory, args.load_only)))
+                               args.rounds, args.kv_cache_memory, args.load_only,
+                               args.answer_rounds)))
         return
     store = tempfile.TemporaryDirectory(prefix="real_shapes-")  # kvsession's cache, this run
     (Path(store.name) / "kernels").symlink_to(cache_dir(), target_is_directory=True)

@@ -81,18 +81,26 @@ def group_for(in_features: int) -> int:
 QUANTIZE_CHUNK_WEIGHTS = 1 << 18
 
 
-def quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [out, in] int8, scale [out, in / group] float32) with w ~ q * scale per group."""
-    out, inp = w.shape
-    q = torch.empty(out, inp, dtype=torch.int8, device=w.device)
-    scale = torch.empty(out, inp // group, dtype=torch.float32, device=w.device)
+def quantize(w: torch.Tensor | list[torch.Tensor], group: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [out, in] int8, scale [out, in / group] float32) with w ~ q * scale per group.
+    `w` [out, in], or a list of such stacked along out (a fused q/k/v), quantized part by
+    part into the one result: no float copy of the whole is made."""
+    parts = w if isinstance(w, list) else [w]
+    inp = parts[0].shape[1]
+    out = sum(p.shape[0] for p in parts)
+    q = torch.empty(out, inp, dtype=torch.int8, device=parts[0].device)
+    scale = torch.empty(out, inp // group, dtype=torch.float32, device=parts[0].device)
     step = max(1, QUANTIZE_CHUNK_WEIGHTS // inp)
-    for start in range(0, out, step):  # rows [start, start + step): the same per row
-        g = w[start:start + step].float().reshape(-1, inp // group, group)
-        s = (g.abs().amax(dim=-1) / 127).clamp_min(1e-12)
-        scale[start:start + step] = s
-        q[start:start + step] = torch.round(g / s[..., None]).clamp_(-127, 127).reshape(
-            -1, inp)
+    row = 0  # q's and scale's rows written so far
+    for part in parts:
+        for start in range(0, part.shape[0], step):  # rows: the same per row
+            g = part[start:start + step].float().reshape(-1, inp // group, group)
+            s = (g.abs().amax(dim=-1) / 127).clamp_min(1e-12)
+            end = row + g.shape[0]
+            scale[row:end] = s
+            q[row:end] = torch.round(g / s[..., None]).clamp_(-127, 127).reshape(-1, inp)
+            row = end
     return q, scale
 
 

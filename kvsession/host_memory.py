@@ -48,9 +48,12 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         mem.madvise(advice)
     except (OSError, ValueError):  # no memory for the mapping, or the advice refused
         return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(mem, dtype=torch.uint8)  # keeps `mem` alive while viewed
-    skip = -raw.data_ptr() % HUGE_PAGE_BYTES
-    return raw[skip:skip + nbytes].view(dtype).view(shape)
+    skip = -torch.frombuffer(mem, dtype=torch.uint8).data_ptr() % HUGE_PAGE_BYTES
+    # a storage of its own that starts on the boundary (offset 0, wherever the mapping
+    # landed): a compiled region stored on disk is keyed by its arguments' storage offsets
+    # (model/region_store.py), so the weights' views must not move with the address
+    raw = torch.frombuffer(mem, dtype=torch.uint8, offset=skip, count=nbytes)  # keeps `mem`
+    return raw.view(dtype).view(shape)
 
 
 def release_free_memory() -> bool:

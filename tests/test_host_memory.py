@@ -50,6 +50,9 @@ def test_a_large_tensor_starts_on_a_huge_page_in_an_advised_mapping(shape, dtype
     t = huge_page_empty(shape, dtype)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
     assert t.data_ptr() % HUGE_PAGE_BYTES == 0
+    # its storage starts there, wherever the mapping landed: views of it have the same
+    # storage offsets in every process (the compiled-region store's key holds them)
+    assert t.storage_offset() == 0 and t.untyped_storage().data_ptr() == t.data_ptr()
     assert not t.untyped_storage().resizable()  # a view of the mapping, not torch's
     flags = vm_flags(t.data_ptr())
     assert flags is not None and "hg" in flags  # advised MADV_HUGEPAGE

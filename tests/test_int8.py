@@ -33,6 +33,17 @@ def test_quantize_is_q8_0s_rule():
     assert q8_matmul.group_for(100) == 100  # no group divides it: one scale per row
 
 
+def test_quantizing_fused_parts_equals_quantizing_their_concatenation(monkeypatch):
+    """A fused q/k/v quantized part by part (no float copy of the whole), in chunks that
+    end inside a part: the same q and scales as the concatenation's."""
+    gen = torch.Generator().manual_seed(1)
+    parts = [torch.randn(n, 64, generator=gen).bfloat16() for n in (40, 8, 8)]
+    monkeypatch.setattr(q8_matmul, "QUANTIZE_CHUNK_WEIGHTS", 64 * 12)  # 12 rows a chunk
+    q, scale = q8_matmul.quantize(parts, 32)
+    want_q, want_scale = q8_matmul.quantize(torch.cat(parts), 32)
+    assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, out, inp, group", [
     (1, 96, 128, 32), (3, 40, 256, 32), (8, 129, 192, 64), (16, 17, 64, 32)])

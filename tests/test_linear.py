@@ -39,27 +39,35 @@ def test_measured_one_row_kernel_is_set_on_every_both_projection_and_exact_eithe
         assert (both[0](x) - want).abs().max().item() < 1e-5
 
 
-def test_pack_rows_lays_the_one_row_weights_out_in_one_buffer_in_the_given_order():
-    """Each "both" projection's rows move into one allocation, in the order given, each on
-    a page of its own start; the products are unchanged; other formats are left alone."""
+def test_a_rows_buffer_lays_the_one_row_weights_out_in_build_order_fused_in_place():
+    """Each "both" or "rows" projection built with a RowsBuffer writes its rows (fused parts
+    side by side) into the one allocation, in the order built, each on a page of its own
+    start; the products equal those of the same weights kept apart; other formats take no
+    room; a part that does not fit is refused."""
     g = torch.Generator().manual_seed(1)
-    both = [Linear([torch.randn(48, 32, generator=g) for _ in range(2)], None, "both"),
-            Linear(torch.randn(17, 40, generator=g), None, "both"),
-            Linear(torch.randn(64, 32, generator=g), None, "both")]
-    plain = Linear(torch.randn(64, 32, generator=g), None, "float")
-    x = [torch.randn(1, lin.weight.shape[1], generator=g) for lin in both]
-    want = [lin(xi) for lin, xi in zip(both, x, strict=True)]
-    order = [both[2], plain, both[0], both[1]]
-    linear.pack_rows(order)
-    storages = {lin.rows.untyped_storage().data_ptr() for lin in both}
-    assert len(storages) == 1
-    starts = [lin.rows.data_ptr() for lin in (both[2], both[0], both[1])]
-    assert starts == sorted(starts)  # the given order
+    weights = [[torch.randn(48, 32, generator=g) for _ in range(2)],
+               [torch.randn(17, 40, generator=g)], [torch.randn(64, 32, generator=g)]]
+    formats = ["both", "rows", "both"]
+    apart = [Linear(list(w), None, f) for w, f in zip(weights, formats, strict=True)]
+    buffer = linear.RowsBuffer([t.numel() for w in weights for t in w], torch.float32)
+    both = [Linear(list(weights[0]), None, formats[0], rows_buffer=buffer),
+            Linear(list(weights[1]), None, formats[1], rows_buffer=buffer)]
+    plain = Linear(torch.randn(64, 32, generator=g), None, "float", rows_buffer=buffer)
+    both.append(Linear(list(weights[2]), None, formats[2], rows_buffer=buffer))
+    assert len({lin.rows.untyped_storage().data_ptr() for lin in both}) == 1
+    starts = [lin.rows.data_ptr() for lin in both]
+    assert starts == sorted(starts)  # the order built
     assert all(p % linear.ROWS_ALIGN_BYTES == starts[0] % linear.ROWS_ALIGN_BYTES
                for p in starts)
     assert all(lin.rows.is_contiguous() for lin in both) and plain.rows is None
-    for lin, xi, w in zip(both, x, want, strict=True):
-        assert torch.equal(lin(xi), w)
+    assert torch.equal(both[0].rows, torch.cat(weights[0]))
+    for lin, ref in zip(both, apart, strict=True):
+        x = torch.randn(3, ref.rows.shape[1], generator=g)
+        assert torch.equal(lin.rows, ref.rows) and torch.equal(lin(x), ref(x))
+    with pytest.raises(ValueError, match="no room"):
+        buffer.take([torch.randn(64, 32)])
+    with pytest.raises(ValueError, match="one width"):
+        linear.RowsBuffer([64], torch.float32).take([torch.randn(2, 32).double()])
 
 
 def test_a_models_one_row_weights_are_one_buffer_in_decode_order(model_dirs):
@@ -90,10 +98,11 @@ def test_packed_rows_spanning_a_huge_page_start_on_one_in_an_advised_mapping():
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         pytest.skip("MADV_HUGEPAGE is Linux's")
     g = torch.Generator().manual_seed(2)
-    lins = [Linear(torch.randn(1024, 512, generator=g), None, "both") for _ in range(2)]
+    ws = [torch.randn(1024, 512, generator=g) for _ in range(2)]
     x = torch.randn(1, 512, generator=g)
-    want = [lin(x) for lin in lins]
-    linear.pack_rows(lins)
+    want = [Linear(w, None, "both")(x) for w in ws]
+    buffer = linear.RowsBuffer([w.numel() for w in ws], torch.float32)
+    lins = [Linear(w, None, "both", rows_buffer=buffer) for w in ws]
     assert lins[0].rows.data_ptr() % HUGE_PAGE_BYTES == 0
     assert "hg" in vm_flags(lins[1].rows.data_ptr())
     assert all(torch.equal(lin(x), w) for lin, w in zip(lins, want, strict=True))

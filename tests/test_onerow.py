@@ -217,6 +217,40 @@ def test_start_up_times_a_decode_step_both_ways_and_keeps_the_faster(model_dirs,
         assert all(not t[:, :2].any() for t in kv.tensors().values())
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_bf16_or_int8_model_keeps_its_regions_without_timing_them(model_dirs, monkeypatch,
+                                                                     caplog, quantization):
+    """A bfloat16 model (rows) or an int8 one: its Linear kernels are the same C++ products
+    as the regions' ops, so start-up keeps the regions without timing a step both ways (a
+    load's ~0.7 s on a real checkpoint), and says so."""
+    import logging
+
+    from kvsession.kernels import bf16_rows
+    from kvsession.model import llama, onerow
+
+    if quantization is None and not bf16_rows.native():
+        pytest.skip("no AVX512-BF16 here: bfloat16 projections stay oneDNN's")
+    d = model_dirs("qwen3", dtype="bfloat16")
+    monkeypatch.setattr(onerow, "MEASURE_MIN_BYTES", 0)  # built although tiny
+
+    def timed(*args):
+        raise AssertionError("timed a bfloat16 or int8 model's step both ways")
+
+    monkeypatch.setattr(llama.LlamaModel, "_one_token_times", timed)
+    with caplog.at_level(logging.INFO, logger="kvsession"), \
+            LLM(d, max_model_len=128, kv_cache_memory="2MiB", quantization=quantization) as llm:
+        model = Internals(llm).model
+        assert model.weight_format == ("int8" if quantization else "rows")
+        assert model.one_row is not None
+        said = [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("one-token step:")]
+        assert len(said) == 1 and said[0].startswith(
+            f"one-token step: compiled regions around the {model.weight_format} kernels")
+        out = llm.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False,
+                           sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_without_a_working_compiler_the_linear_kernels_serve(model_dirs, monkeypatch,
                                                              tmp_path, caplog):
     """Compiling fails (here: the C++ compiler inductor calls does not exist): the model

@@ -61,10 +61,13 @@ MEASURE_MIN_BYTES = 32 << 20
 class Linear:
     """One projection. `weight` [out, in] as in the checkpoint, or a list of such stacked
     along `out` (q/k/v fused); `bias` [out] or None. On other devices than the CPU every
-    format is "float" (cuBLAS takes either layout)."""
+    format is "float" (cuBLAS takes either layout). "both" and "rows" write their rows into
+    `rows_buffer` when given (a RowsBuffer: the model's one allocation of them), else into
+    memory of their own."""
 
     def __init__(self, weight: torch.Tensor | list[torch.Tensor],
-                 bias: torch.Tensor | None = None, fmt: str = "float"):
+                 bias: torch.Tensor | None = None, fmt: str = "float",
+                 rows_buffer: RowsBuffer | None = None):
         if fmt not in FORMATS:
             raise ValueError(f"unknown weight format {fmt!r}; accepted: {list(FORMATS)}")
         parts = weight if isinstance(weight, list) else [weight]
@@ -78,7 +81,12 @@ class Linear:
             # [in, out] contiguous, built in one copy
             self.weight_t = torch.cat([w.t() for w in parts], dim=1) if cpu or len(parts) > 1 \
                 else parts[0].t()
-        w = torch.cat(parts) if self.fmt != "float" and len(parts) > 1 else parts[0]
+        if self.fmt in ("both", "rows") and rows_buffer is not None:
+            w = self.rows = rows_buffer.take(parts)  # fused in its place (RowsBuffer)
+        elif self.fmt == "int8":  # quantized part by part (q8_matmul.quantize)
+            w = parts[0]
+        else:
+            w = torch.cat(parts) if self.fmt != "float" and len(parts) > 1 else parts[0]
         if self.fmt in ("both", "rows"):
             self.rows = w.contiguous()
         # "rows" in bfloat16 (a tied head): decode rows through kernels/bf16_rows
@@ -90,11 +98,12 @@ class Linear:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACKED_MAX_ROWS)
             except RuntimeError:
                 # oneDNN packs some dtypes only on some CPUs (float16 needs avx512_fp16):
-                # elsewhere the plain layout serves every batch
+                # elsewhere the plain layout serves every batch (rows a RowsBuffer took
+                # stay there unused: the dual layout of float16 on such a CPU only)
                 self.fmt, self.rows = "float", None
                 self.weight_t = w.t().contiguous()
         if self.fmt == "int8":  # symmetric, per group of inputs: w ~ q * scale
-            self.int8 = q8_matmul.quantize(w, q8_matmul.group_for(w.shape[1]))
+            self.int8 = q8_matmul.quantize(parts, q8_matmul.group_for(w.shape[1]))
             self.dtype = w.dtype  # what rows looked up (`lookup`) come back in
             self.q8_kernel = q8_matmul.load()
 
@@ -158,37 +167,56 @@ def measure_one_row(linears: list[Linear], rounds: int = 3) -> bool:
     return choice
 
 
-ROWS_ALIGN_BYTES = 4096  # each weight of pack_rows starts on a page
+ROWS_ALIGN_BYTES = 4096  # each weight a RowsBuffer takes starts on a page
 
 
-def pack_rows(linears: list[Linear]) -> None:
-    """Move the one-row weights ("both" rows) of `linears` into one allocation, in the
-    order given: the order a batch-1 decode step reads them (each layer's q/k/v, o,
-    gate/up, down, then the output head), on the CPU in transparent huge pages
-    (host_memory.huge_page_empty). Why: a one-token step streamed the bench model's weights
-    ~15% faster from one fresh buffer than where loading left them (the head ~5-9%;
-    interleaved A/B in one process on the AMD bench machine), and that buffer in 2 MiB
-    pages ~17% faster again (median step 8.85 -> 7.37 ms, the same compiled code over a
-    copy of the same bytes): fewer TLB misses and page boundaries in the stream. Each
-    original is released as soon as it is copied (an untouched allocation takes no memory
-    until written), so the model's memory stays about the same."""
-    lins = [lin for lin in linears if lin.rows is not None]
-    if not lins:
-        return
-    dtype, device = lins[0].rows.dtype, lins[0].rows.device
-    if any(lin.rows.dtype != dtype or lin.rows.device != device for lin in lins):
-        return  # one buffer takes one dtype and device
-    align = max(ROWS_ALIGN_BYTES // lins[0].rows.element_size(), 1)
-    offsets, total = [], 0
-    for lin in lins:
-        offsets.append(total)
-        total += -(-lin.rows.numel() // align) * align
-    buf = huge_page_empty((total,), dtype) if device.type == "cpu" else \
-        torch.empty(total, dtype=dtype, device=device)
-    for lin, off in zip(lins, offsets, strict=True):
-        view = buf[off:off + lin.rows.numel()].view(lin.rows.shape)
-        view.copy_(lin.rows)
-        lin.rows = view
+class RowsBuffer:
+    """One allocation that the one-row weights ("both" and "rows") are written into, each
+    where the Linear built with it is built: the order a batch-1 decode step reads them
+    when the model builds its Linears in that order (each layer's q/k/v, o, gate/up, down,
+    then the output head), on the CPU in transparent huge pages
+    (host_memory.huge_page_empty), each weight starting on a page.
+
+    Why one buffer: a one-token step streamed the bench model's weights ~15% faster from
+    one fresh buffer than where loading left them (the head ~5-9%; interleaved A/B in one
+    process on the AMD bench machine), and that buffer in 2 MiB pages ~17% faster again
+    (median step 8.85 -> 7.37 ms, the same compiled code over a copy of the same bytes):
+    fewer TLB misses and page boundaries in the stream. Why written at build time: each
+    weight is copied once, from the checkpoint's mapping straight into its place, its fused
+    parts (q/k/v, gate/up) side by side; fusing first and moving after copied a real
+    checkpoint's bytes twice (Qwen3-0.6B bf16: ~0.2 s of torch.cat and a fresh allocation's
+    first touch, then the move).
+
+    Sized up front (`numels`: each weight part it will take, in elements; the rounding of
+    each to a page is room enough for every slot's), dtype fixed; pages never written take
+    no memory."""
+
+    def __init__(self, numels: list[int], dtype: torch.dtype):
+        self.dtype = dtype
+        self.align = max(ROWS_ALIGN_BYTES // dtype.itemsize, 1)
+        self.buf = huge_page_empty((sum(self._rounded(n) for n in numels),), dtype)
+        self.used = 0  # elements handed out, slots rounded to `align`
+
+    def _rounded(self, n: int) -> int:
+        return -(-n // self.align) * self.align
+
+    def take(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """`parts` ([out_i, in] each, this buffer's dtype, on the CPU) stacked along out,
+        copied into the next slot: a contiguous [sum of out_i, in] view of the buffer.
+
+        Raises:
+            ValueError: a part of another dtype or width, or no room left (the buffer was
+                sized for other weights: a bug of its caller's)."""
+        cols = parts[0].shape[1]
+        if any(p.dtype != self.dtype or p.dim() != 2 or p.shape[1] != cols for p in parts):
+            raise ValueError(f"a RowsBuffer of {self.dtype} takes 2-D parts of one width")
+        rows = sum(p.shape[0] for p in parts)
+        if self.used + rows * cols > self.buf.numel():
+            raise ValueError(f"the RowsBuffer has no room for [{rows}, {cols}]")
+        view = self.buf[self.used:self.used + rows * cols].view(rows, cols)
+        torch.cat(parts, out=view)
+        self.used += self._rounded(rows * cols)
+        return view
 
 
 def weight_bytes(linears: list[Linear]) -> int:

@@ -21,7 +21,7 @@ from kvsession.cache.kv_pool import KVPool
 from kvsession.config import AttentionBackend, EngineConfig, Quantization, WeightLayout
 from kvsession.kernels import bf16_rows
 from kvsession.model.config import ModelSpec, RopeSpec
-from kvsession.model.linear import Linear, measure_one_row, pack_rows, round_times
+from kvsession.model.linear import Linear, RowsBuffer, measure_one_row, round_times
 from kvsession.model.onerow import OneRowKernels, TokenTables
 from kvsession.model.region_store import RegionStore
 
@@ -108,14 +108,16 @@ class LlamaModel:
         # for one model (kvsession.numerics) without patching the module for everyone
         self.attention_fn = attention
         self.norm = _own(weights["model.norm.weight"])
-        self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(spec.num_layers)]
         embed = weights["model.embed_tokens.weight"]
         tied = spec.tie_word_embeddings
         # a packed head would leave the embedding a second copy: a tied one keeps the rows
-        self.lm_head = Linear(embed if tied else weights["lm_head.weight"],
-                              fmt="rows" if tied and weight_format == "onednn" else weight_format)
-        # the one-row weights in one buffer, in the order a decode step reads them
-        pack_rows(self.projections()[1:] + [self.lm_head])
+        head_format = "rows" if tied and weight_format == "onednn" else weight_format
+        # the one-row weights in one buffer, in the order a decode step reads them: the
+        # layers', then the head's (built in that order)
+        self.rows_buffer = self._rows_buffer(weights, head_format)
+        self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(spec.num_layers)]
+        self.lm_head = Linear(embed if tied else weights["lm_head.weight"], fmt=head_format,
+                              rows_buffer=self.rows_buffer)
         # where tokens are looked up: int8 in int8 (the head's rows, or an int8 table of its
         # own); a tied head's float rows rather than a second copy; else the embedding as
         # loaded, in memory of its own
@@ -168,6 +170,21 @@ class LlamaModel:
                                for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm)]
         return total + sum(size(t) for t in norms) + (0 if embed_shared else size(self.embed))
 
+    def _rows_buffer(self, weights: dict[str, torch.Tensor], head_format: str
+                     ) -> RowsBuffer | None:
+        """The RowsBuffer the model's Linears write their rows into (linear.RowsBuffer),
+        sized for the projections that keep rows ("rows" and "both": every one; a tied head
+        kept as rows beside oneDNN's layers: the head alone); None where none does, or off
+        the CPU."""
+        head = weights["model.embed_tokens.weight" if self.spec.tie_word_embeddings
+                       else "lm_head.weight"]
+        if head.device.type != "cpu":
+            return None
+        takes = [head] if head_format in ("rows", "both") else []
+        if self.weight_format in ("rows", "both"):
+            takes += [t for name, t in weights.items() if name.endswith("_proj.weight")]
+        return RowsBuffer([t.numel() for t in takes], head.dtype) if takes else None
+
     def projections(self) -> list[Linear]:
         """Every projection of the model: the output head, then each layer's."""
         return [self.lm_head] + [lin for lw in self.layers
@@ -180,7 +197,8 @@ class LlamaModel:
         def linear(names, bias_names):  # popped: each original is freed once copied
             bias = torch.cat([w.pop(n) for n in bias_names]) if all(n in w for n in bias_names) \
                 else None
-            return Linear([w.pop(n) for n in names], bias, fmt=self.weight_format)
+            return Linear([w.pop(n) for n in names], bias, fmt=self.weight_format,
+                          rows_buffer=self.rows_buffer)
 
         return LayerWeights(
             input_norm=_own(w[p + "input_layernorm.weight"]),
@@ -345,9 +363,16 @@ class LlamaModel:
         """Compile what a one-token step on `kv` runs before the first step needs it (the
         one-token regions; their decode layer reads attention with kernels/cpu_decode on
         the CPU backend), through `store` when given (loaded where an earlier process
-        compiled them: model/region_store.py), and keep them only if a decode step through
-        them measured faster than through the Linear kernels (`_one_token_times`). Nothing
-        for models without them. At start-up, while no block holds anything."""
+        compiled them: model/region_store.py). A float32 model (the dual layout's rows)
+        keeps them only if a decode step through them measured faster than through the
+        Linear kernels (`_one_token_times`): there the Linear kernels' products are MKL's or
+        oneDNN's, and either side can win on a given CPU. A bfloat16 or int8 model keeps
+        them without timing: its Linear kernels run the same C++ products
+        (kernels/bf16_rows, kernels/q8_matmul) between ~40 eager ops a layer that the
+        regions fuse (a Qwen3-0.6B-shaped bfloat16 step ~45 ms through the Linear kernels,
+        ~31-34 ms through the regions on the AMD bench VM), and the timing took ~0.7 s of
+        that model's ~3 s load. Nothing for models without them. At start-up, while no
+        block holds anything."""
         kernels = self.one_row
         if kernels is None:
             return
@@ -356,13 +381,18 @@ class LlamaModel:
         if not kernels.warm_up(self.spec, kv, self.softmax_scale, self.token_tables()):
             self.one_row = None  # did not compile (the log says why)
             return
+        loaded = "" if store is None else \
+            f" ({store.loaded} regions loaded from {store.directory}, {store.compiled} " \
+            f"compiled into it)"
+        if self.weight_format != "both":
+            log.info("one-token step: compiled regions around the %s kernels%s",
+                     self.weight_format, loaded)
+            return
         t_regions, t_linear = self._one_token_times(kv, backend)
         faster = t_regions < t_linear
         log.info("one-token step: %.4g ms through the compiled regions, %.4g ms through the "
                  "Linear kernels: %s%s", t_regions * 1e3, t_linear * 1e3,
-                 "compiled" if faster else "Linear kernels", "" if store is None else
-                 f" ({store.loaded} regions loaded from {store.directory}, "
-                 f"{store.compiled} compiled into it)")
+                 "compiled" if faster else "Linear kernels", loaded)
         self.one_row = kernels if faster else None
 
     def _one_token_times(self, kv: KVPool, backend: AttentionBackend) -> tuple[float, float]:

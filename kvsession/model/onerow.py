@@ -30,11 +30,12 @@ the attention read token-major). Other
 one-token steps (an fp8 or bfloat16 cache, which the model's paged attention op reads) run
 two regions per layer: before attention (input norm, fused q/k/v product, per-head q/k
 norms, rotary) and after it (o product, residual, post norm, gate/up product, SiLU-mul, down
-product, residual). One-row logits run the output head as a region. Used only where
-a one-token step through them measured faster than through the model's Linear kernels
-(model/linear.py; LlamaModel.warm_up times both), on CPU models (float32 "both" rows,
-bfloat16 rows, int8) large enough to be measured (linear.MEASURE_MIN_BYTES: smaller
-weights stay in the caches, where every kernel is fast).
+product, residual). One-row logits run the output head as a region. Used on CPU models
+(float32 "both" rows, bfloat16 rows, int8) large enough to be measured
+(linear.MEASURE_MIN_BYTES: smaller weights stay in the caches, where every kernel is fast):
+a float32 model's only where a one-token step through them measured faster than through
+its Linear kernels (MKL's or oneDNN's products; LlamaModel.warm_up times both), a bfloat16
+or int8 model's always (its Linear kernels are the same C++ products, unfused).
 
 Why these details:
 - `cpp.dynamic_threads`: the generated loops ask OpenMP for the thread count at each call,
@@ -402,8 +403,9 @@ class OneRowKernels:
     def build(model) -> OneRowKernels | None:
         """`for_model(model)`, nothing compiled yet, where its weights reach
         linear.MEASURE_MIN_BYTES (smaller weights stay in the caches, where every kernel is
-        fast), else None: a candidate, which the model compiles (`warm_up`) and keeps only
-        if a one-token step measured faster through it (LlamaModel.warm_up)."""
+        fast), else None: a candidate, which the model compiles (`warm_up`; a float32
+        model keeps it only if a one-token step measured faster through it:
+        LlamaModel.warm_up)."""
         kernels = OneRowKernels.for_model(model)
         if kernels is None or weight_bytes(model.projections()) < MEASURE_MIN_BYTES:
             return None
