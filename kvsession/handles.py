@@ -26,18 +26,18 @@ class _Chunks:
     """Turns the engine's progress reports into TextChunks; the last one (always sent, its
     text possibly empty) carries the output, so a caller reading chunks alone gets it.
     A chat's reply is split as it streams by `chat`'s ReplySplitter (reply_stream.py),
-    reading the text as generated (or as `chat.splitter_decode` spells it)."""
+    reading the text as generated (or as `chat.splitter_text` spells it)."""
 
     def __init__(self, rt: Runtime, seq, prompt: str | None, chat: ChatInputs | None):
         self._rt, self._seq, self._prompt, self._chat = rt, seq, prompt, chat
-        self._text = DeltaText(rt.tokenizer.decode, seq.params.stop_strings)
+        self._text = DeltaText(rt.tokenizer.incremental_text(), seq.params.stop_strings)
         self._sent = seq.num_prompt_tokens  # tokens reported so far (an index into the log)
         prompt_ids = seq.token_ids[:seq.num_prompt_tokens]
         self._splitter = chat.splitter(prompt_ids) if chat is not None else None
-        decode = chat.splitter_decode() if chat is not None else None
+        marked = chat.splitter_text() if chat is not None else None
         # the splitter's own view of the text where it differs (markers put back)
-        self._split_text = None if decode is None else \
-            DeltaText(decode, seq.params.stop_strings)
+        self._split_text = None if marked is None else \
+            DeltaText(marked, seq.params.stop_strings)
 
     def _ids(self, end: int) -> list[int]:
         ids = self._seq.token_ids[self._sent:end]
@@ -49,12 +49,12 @@ class _Chunks:
         if not n:
             return None
         seq = self._seq
-        ids = seq.token_ids[seq.num_prompt_tokens:n]
-        delta = self._text.update(ids)
+        start = seq.num_prompt_tokens  # the output's ids: seq.token_ids[start:n]
+        delta = self._text.update(seq.token_ids, start, n)
         if self._splitter is None:
             return TextChunk(delta, self._ids(n), content=delta) if delta else None
         split = self._splitter.feed(delta if self._split_text is None
-                                    else self._split_text.update(ids))
+                                    else self._split_text.update(seq.token_ids, start, n))
         if delta or split:
             return TextChunk(delta, self._ids(n), None, split.content, split.reasoning,
                              split.tool_calls)

@@ -11,12 +11,25 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import os
 import sys
 import weakref
 from concurrent.futures import Future, as_completed
 
 from tqdm.auto import tqdm
 
+from kvsession.choices import (
+    AttentionBackendName,
+    Device,
+    DType,
+    DurabilityName,
+    EvictionPolicyName,
+    GenerationConfigName,
+    KVCacheDType,
+    QuantizationName,
+    RemotePrefill,
+    WeightLayoutName,
+)
 from kvsession.config import EngineConfig
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError
@@ -62,17 +75,24 @@ def _close_all_at_exit() -> None:
 class LLM:
     """One model in this process. See docs/api.md for every argument."""
 
-    def __init__(self, model, *, device="auto", dtype="auto", kv_cache_dtype="auto",
-                 max_model_len=None, block_size=16, kv_cache_memory=None,
-                 gpu_memory_utilization=0.90, host_cache_memory="4GiB", session_dir=None,
-                 max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=True,
-                 max_pinned_fraction=0.5, spill_after_s=None, prefill_worker=None,
-                 remote_prefill="auto", remote_prefill_timeout_s=30.0,
-                 attention_backend="auto", seed=0,
-                 prefill_auth_key_file=None, eviction_policy="cost", durability="turn",
-                 chat_template=None, revision=None, download_dir=None,
-                 generation_config="auto", cpu_weight_layout="single", quantization=None,
-                 **unknown):
+    def __init__(self, model: str | os.PathLike, *, device: Device | str = "auto",
+                 dtype: DType = "auto", kv_cache_dtype: KVCacheDType = "auto",
+                 max_model_len: int | None = None, block_size: int = 16,
+                 kv_cache_memory: int | str | None = None,
+                 gpu_memory_utilization: float = 0.90, host_cache_memory: int | str = "4GiB",
+                 session_dir: str | os.PathLike | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 max_pinned_fraction: float = 0.5, spill_after_s: float | None = None,
+                 prefill_worker: str | None = None, remote_prefill: RemotePrefill = "auto",
+                 remote_prefill_timeout_s: float = 30.0,
+                 attention_backend: AttentionBackendName = "auto", seed: int = 0,
+                 prefill_auth_key_file: str | os.PathLike | None = None,
+                 eviction_policy: EvictionPolicyName = "cost",
+                 durability: DurabilityName = "turn", chat_template: str | None = None,
+                 revision: str | None = None, download_dir: str | os.PathLike | None = None,
+                 generation_config: GenerationConfigName = "auto",
+                 cpu_weight_layout: WeightLayoutName = "single",
+                 quantization: QuantizationName | None = None, **unknown):
         self._rt: Runtime | None = None
         self.config = EngineConfig.from_args(
             model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from kvsession.metrics import RequestMetrics
 
 if TYPE_CHECKING:
+    from kvsession.model.tokenizer import IncrementalText
     from kvsession.reply_stream import ToolCallDelta
     from kvsession.tools import ToolCall
 
@@ -102,18 +103,22 @@ class DeltaText:
     """Streaming detokenizer: turns a growing list of output ids into text deltas whose
     concatenation is the final text. Text that may still become the start of a stop string
     (the last len(longest stop) - 1 characters) is held back, so a stop string never
-    leaks; so is an incomplete UTF-8 character (it decodes as U+FFFD until its last byte
-    arrives)."""
+    leaks; an incomplete UTF-8 character is held back by `text` (IncrementalText, which
+    decodes each new id once: O(1) a token where decoding every id again was O(n))."""
 
-    def __init__(self, decode, stop_strings: tuple[str, ...]):
-        self._decode = decode
+    def __init__(self, text: IncrementalText, stop_strings: tuple[str, ...]):
+        self._text, self._fed = text, 0  # ids given to `text` so far
         self._hold = max((len(s) for s in stop_strings), default=1) - 1
         self.sent = ""
 
-    def update(self, ids: list[int]) -> str:
-        # the incomplete character first, then the hold: held back the other way round, the
-        # U+FFFD used up the hold and the character before it (a stop string's) went out
-        text = self._decode(ids).rstrip("\ufffd")
+    def update(self, token_ids: list[int], start: int = 0, end: int | None = None) -> str:
+        """The output ids so far are token_ids[start:end] (a list that only grows: a
+        sequence's whole log, its output from `start`); only the ids since the last update
+        are read."""
+        end = len(token_ids) if end is None else end
+        self._text.extend(token_ids[start + self._fed:end])
+        self._fed = end - start
+        text = self._text.text
         safe = text[: len(text) - self._hold] if self._hold else text
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""  # nothing new that is certain (never retract what was sent)

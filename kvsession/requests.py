@@ -10,7 +10,7 @@ from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError
 from kvsession.generation_defaults import Budget
 from kvsession.history import check_template_kwargs, split_reasoning, template_marks_reasoning
-from kvsession.model.tokenizer import check_messages
+from kvsession.model.tokenizer import IncrementalText, check_messages
 from kvsession.outputs import RequestOutput
 from kvsession.params import SAMPLING_ARG_NAMES, SamplingParams
 from kvsession.reply_stream import ReplySplitter, prompt_opens_reasoning
@@ -86,10 +86,10 @@ class ChatInputs:
                              self.reasoning and prompt_opens_reasoning(self.tokenizer,
                                                                        prompt_ids))
 
-    def splitter_decode(self):
-        """The decode whose text the splitter reads: Mistral's special markers put back
-        (ToolSpec.decode_marked), else None (the stream's own text)."""
-        return self.tools.decode_marked if self.tools is not None and self.tools.markers \
+    def splitter_text(self) -> IncrementalText | None:
+        """The text the splitter reads, where it is not the stream's own: Mistral's special
+        markers put back (ToolSpec.marked_text), else None."""
+        return self.tools.marked_text() if self.tools is not None and self.tools.markers \
             else None
 
 

@@ -144,7 +144,8 @@ class Runtime:
             runner.graphs = DecodeGraphs(self.model, self.kv_pool, cfg.device, backend,
                                          blocks_for(max_model_len, cfg.block_size),
                                          cfg.max_num_seqs, capture=True)
-        self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.tokenizer.decode,
+        self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed),
+                             self.tokenizer.incremental_text,
                              self.latency, prefill_tps, timers=[self.policy.housekeeping],
                              connector=self.connector, stall_ratio=stall_ratio,
                              remote_required=cfg.remote_prefill is RemotePrefillMode.REQUIRED)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvsession.cache.manager import SessionKV
+from kvsession.choices import ToolChoiceName
 from kvsession.engine.sequence import Sequence
 from kvsession.errors import ConfigError, SessionClosedError, SnapshotError
 from kvsession.generation_defaults import Budget
@@ -42,7 +43,7 @@ from kvsession.history import (
     template_marks_reasoning,
 )
 from kvsession.metrics import RequestMetrics
-from kvsession.model.tokenizer import check_messages, message_content
+from kvsession.model.tokenizer import IncrementalText, check_messages, message_content
 from kvsession.outputs import DeltaText, RequestOutput
 from kvsession.params import SamplingParams
 from kvsession.reply_stream import ReplySplitter, ToolCallDelta, prompt_opens_reasoning
@@ -146,25 +147,26 @@ class _TurnChunks:
     last one (ids whose text is held back, an incomplete UTF-8 character or a possible stop
     string, wait for it); the last chunk carries the Reply and the text not sent yet."""
 
-    def __init__(self, seq: Sequence, decode, splitter: ReplySplitter, split_decode=None):
+    def __init__(self, seq: Sequence, text: IncrementalText, splitter: ReplySplitter,
+                 split_text: IncrementalText | None = None):
         self._seq, self._sent = seq, 0  # token ids sent so far (of the reply)
-        self._text = DeltaText(decode, seq.params.stop_strings)
+        self._text = DeltaText(text, seq.params.stop_strings)
         self.splitter = splitter
         # the splitter's own view of the text where it differs (Mistral's markers put back)
-        self._split_text = None if split_decode is None else \
-            DeltaText(split_decode, seq.params.stop_strings)
+        self._split_text = None if split_text is None else \
+            DeltaText(split_text, seq.params.stop_strings)
 
     def update(self, n: int) -> StreamChunk | None:
         """The turn has `n` tokens: a chunk if there is new text."""
         seq = self._seq
-        ids = seq.token_ids[seq.num_prompt_tokens:n]
-        text = self._text.update(ids)
+        start = seq.num_prompt_tokens  # the reply's ids: seq.token_ids[start:n]
+        text = self._text.update(seq.token_ids, start, n)
         split = self.splitter.feed(text if self._split_text is None
-                                   else self._split_text.update(ids))
+                                   else self._split_text.update(seq.token_ids, start, n))
         if text or split:
-            chunk = StreamChunk(text, ids[self._sent:], None, split.content, split.reasoning,
-                                split.tool_calls)
-            self._sent = len(ids)
+            chunk = StreamChunk(text, seq.token_ids[start + self._sent:n], None, split.content,
+                                split.reasoning, split.tool_calls)
+            self._sent = n - start
             return chunk
         return None
 
@@ -340,8 +342,8 @@ class Session:
         reasoning = template_marks_reasoning(tokenizer.chat_template)
         splitter = ReplySplitter(reasoning, spec, reasoning and prompt_opens_reasoning(
             tokenizer, seq.token_ids[:seq.num_prompt_tokens]))
-        return _TurnChunks(seq, tokenizer.decode, splitter,
-                           spec.decode_marked if spec is not None and spec.markers else None)
+        return _TurnChunks(seq, tokenizer.incremental_text(), splitter,
+                           spec.marked_text() if spec is not None and spec.markers else None)
 
     def _finish(self, seq: Sequence, new_msgs: list[dict], info: TurnInfo,
                 spec: ToolSpec | None, out: RequestOutput | None = None,
@@ -393,7 +395,7 @@ class Session:
              logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
              repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
              logit_bias=UNSET, response_format=UNSET, structured=UNSET, tools=UNSET,
-             tool_choice=UNSET, **unknown) -> Reply:
+             tool_choice: ToolChoiceName | dict = UNSET, **unknown) -> Reply:
         """Add `message` (a string is a user message; or a dict / list of dicts) and
         generate the assistant's reply. Blocks until done. Keyword arguments override the
         session's SamplingParams for this turn (unknown names: ConfigError)."""
@@ -455,7 +457,7 @@ class Session:
              logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
              repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
              logit_bias=UNSET, response_format=UNSET, structured=UNSET, tools=UNSET,
-             tool_choice=UNSET, **unknown) -> Reply:
+             tool_choice: ToolChoiceName | dict = UNSET, **unknown) -> Reply:
         """`send` for asyncio: awaits the engine without blocking the event loop."""
         new_msgs, params, spec = self._prepare(message, _overrides(locals()),
                                               *_tool_args(locals()))

@@ -45,11 +45,15 @@ import re
 import secrets
 import string
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from kvsession.errors import ConfigError
 from kvsession.json_schema import check_patterns
 from kvsession.params import SamplingParams, StructuredOutput
 from kvsession.validation import check_bool
+
+if TYPE_CHECKING:
+    from kvsession.model.tokenizer import IncrementalText
 
 # OpenAI's function names (a-z, A-Z, 0-9, _ and -, at most 64) plus '.', which vLLM allows;
 # names go verbatim into the call grammar's literals, so nothing that needs escaping
@@ -516,6 +520,10 @@ class ToolSpec:
             return self.parse(text)
         content, calls = self.parse(self.decode_marked(token_ids))
         return (content, calls) if calls else (text, [])
+
+    def marked_text(self) -> IncrementalText:
+        """decode_marked's text of a growing list of ids, decoded as it grows."""
+        return self.tokenizer.incremental_text(markers=dict(self.markers))
 
     def decode_marked(self, token_ids) -> str:
         """`token_ids` decoded with the markers that are special tokens put back (decoding

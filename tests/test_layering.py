@@ -31,7 +31,7 @@ API = {"kvsession.llm", "kvsession.session", "kvsession.session_store", "kvsessi
        "kvsession.observability", "kvsession.integrity", "kvsession.turns",
        "kvsession.session_files",
        "kvsession.numerics", "kvsession.requests", "kvsession.handles", "kvsession",
-       "kvsession.serve"}
+       "kvsession.serve", "kvsession.openai_compat", "kvsession.choices"}
 # module prefix -> the kvsession modules (by prefix) it must not import
 FORBIDDEN = {
     "kvsession.kernels": {"kvsession.cache", "kvsession.engine", "kvsession.model",

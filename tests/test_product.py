@@ -33,6 +33,11 @@ def test_demo_runs_and_its_summary_matches_stats(llama_dir, tmp_path):
     assert f"resumed after restart: 4 sessions, {summary['resumed_cached_tokens']}" in text
     assert f"prompt tokens computed {summary['tokens_computed']} vs " \
            f"{summary['tokens_stateless']}" in text
+    # like with like: the stateless engine ran the same turns, at once each turn
+    assert summary["turns_s"] > 0 and summary["stateless_turns_s"] > 0
+    assert f"every turn, end to end: {summary['turns_s']:.2f} s vs " \
+           f"{summary['stateless_turns_s']:.2f} s stateless" in text
+    assert summary["ttft_stateless_p50_s"] > 0 and "TTFT p50 of later turns" in text
     assert list((tmp_path / "sd").glob("*.kvs")) == []  # the demo cleans up after itself
 
 

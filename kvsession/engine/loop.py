@@ -25,6 +25,7 @@ from kvsession.engine.scheduler import ScheduledSeq, Scheduler
 from kvsession.engine.sequence import Sequence, SequenceStatus
 from kvsession.errors import CacheFullError, EngineClosedError
 from kvsession.metrics import LatencyTracker, RequestMetrics
+from kvsession.model.tokenizer import IncrementalText
 
 log = logging.getLogger("kvsession")
 
@@ -62,12 +63,12 @@ class Engine:
     rather than being prefilled here (remote_prefill="required")."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
-                 decode: Callable[[list[int]], str], latency: LatencyTracker,
+                 new_text: Callable[[], IncrementalText], latency: LatencyTracker,
                  prefill_tps: RateEstimator, timers: list[Timer] | None = None,
                  connector: RemotePrefills | None = None,
                  stall_ratio: StallRatio | None = None, remote_required: bool = False):
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
-        self.decode, self.latency = decode, latency
+        self.new_text, self.latency = new_text, latency
         self.prefill_tps = prefill_tps
         self.stall_ratio = stall_ratio or StallRatio()
         self.timers: list[Timer] = list(timers or [])
@@ -224,7 +225,7 @@ class Engine:
         (max_tokens, a stop string)."""
         for token in seq.grammar.forced_tokens():
             seq.append_token(token, None)
-            if seq.check_finished(self.decode):
+            if seq.check_finished(self.new_text):
                 return True
         return False
 
@@ -249,7 +250,7 @@ class Engine:
         by the caller at the end of the step)."""
         seq.append_token(token, logprobs)
         self.generated_tokens += not seq.internal
-        done = seq.check_finished(self.decode)
+        done = seq.check_finished(self.new_text)
         if not done and seq.grammar is not None and seq.params.structured.jump_forward:
             done = self._jump_forward(seq)
         if done:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
@@ -19,6 +20,9 @@ from kvsession.cache.hashing import Salt
 from kvsession.cache.manager import HolderKind
 from kvsession.params import SamplingParams
 from kvsession.validation import SEED_RANGE
+
+if TYPE_CHECKING:
+    from kvsession.model.tokenizer import IncrementalText
 
 _ids = itertools.count()
 
@@ -88,6 +92,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
     _checked_text_len: int = 0  # output text already searched for stop strings
+    # the output's text as it grows, for stop strings (made at the first check)
+    _stop_text: IncrementalText | None = field(default=None, repr=False)
+    _stop_fed: int = 0  # output ids given to _stop_text
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -147,9 +154,10 @@ class Sequence:
         if self.first_token_time is None:
             self.first_token_time = now
 
-    def check_finished(self, decode) -> bool:
-        """Set `finish_reason` if the last appended token ends the request. `decode` maps
-        output token ids to text (needed only for stop strings).
+    def check_finished(self, new_text: Callable[[], IncrementalText]) -> bool:
+        """Set `finish_reason` if the last appended token ends the request. `new_text`
+        makes the IncrementalText the output's text grows in (needed only for stop
+        strings: each token is decoded once, not the whole output at every step).
 
         Before `min_tokens` outputs only a completed structured format ends a request (the
         sampler masks EOS and stop ids then, unless the format allows nothing else). A stop
@@ -163,10 +171,13 @@ class Sequence:
                             or (not p.ignore_eos and last in self.eos_token_ids)):
             self.finish_reason = "stop"
         elif p.stop_strings:
-            text = decode(self.output_token_ids)
+            if self._stop_text is None:
+                self._stop_text = new_text()
+            self._stop_text.extend(self.token_ids[self.num_prompt_tokens + self._stop_fed:])
+            self._stop_fed = self.num_output_tokens
+            text = self._stop_text.text  # (an incomplete UTF-8 character is held back)
             seen = self._checked_text_len
-            # an incomplete UTF-8 tail decodes as U+FFFD and changes: search it again
-            self._checked_text_len = len(text.rstrip("\ufffd"))
+            self._checked_text_len = len(text)
             cut = [i for s in p.stop_strings
                    if (i := text.find(s, max(0, seen - len(s) + 1))) >= 0]
             if cut and not early:

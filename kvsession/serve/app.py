@@ -62,9 +62,12 @@ class Server:
     def __init__(self, llm: LLM, model_name: str, api_key: str | None = None,
                  max_concurrent: int = 256, max_conversations: int = 256,
                  default_max_tokens: int | None = None, aliases: tuple[str, ...] = (),
-                 session_dir: str | None = None):
+                 session_dir: str | None = None, any_model_name: bool = False):
+        """`any_model_name`: requests may name any model (in process, serve/inprocess.py:
+        one LLM is there); else `model_name` or one of `aliases`."""
         self.llm, self.model_name, self.api_key = llm, model_name, api_key
         self.names = {model_name, *aliases}
+        self.any_model_name = any_model_name
         self.max_concurrent = max_concurrent
         self.max_model_len = llm.runtime.max_model_len
         self.default_max_tokens = default_max_tokens or self.max_model_len
@@ -126,7 +129,7 @@ class Server:
         check_key(request, self.api_key)
 
     def _check_model(self, model: str) -> None:
-        if model not in self.names:
+        if model not in self.names and not (self.any_model_name and isinstance(model, str)):
             raise P.APIError(404, f"the model {model!r} does not exist; this server serves "
                                   f"{self.model_name!r}", param="model", code="model_not_found")
 
