@@ -10,6 +10,7 @@ import contextlib
 import queue
 from collections.abc import AsyncIterator, Iterator
 
+from kvsession import display
 from kvsession.outputs import DeltaText, RequestOutput, TextChunk
 from kvsession.requests import ChatInputs
 from kvsession.runtime import PinHandle, Runtime
@@ -185,3 +186,9 @@ class PinnedPrefix:
     def __repr__(self) -> str:
         state = "active" if self.active else "released"
         return f"PinnedPrefix({self.num_tokens} tokens, {self.num_blocks} blocks, {state})"
+
+    def _repr_html_(self) -> str:
+        return display.table("PinnedPrefix", [
+            ("state", "active" if self.active else "released"),
+            ("held", f"{self.num_tokens} tokens in {self.num_blocks} blocks"),
+            ("ttl", "none" if self.ttl_s is None else f"{self.ttl_s:g} s")])

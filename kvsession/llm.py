@@ -15,6 +15,7 @@ import os
 import sys
 import weakref
 from concurrent.futures import Future, as_completed
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -36,6 +37,7 @@ from kvsession.errors import ConfigError
 from kvsession.generation_defaults import Budget
 from kvsession.handles import AsyncTextStream, PinnedPrefix, TextStream
 from kvsession.metrics import Stats
+from kvsession.notebook import release_stale
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
 from kvsession.requests import (
@@ -70,6 +72,10 @@ def _close_all_at_exit() -> None:
             llm.close()
         except Exception:  # best effort at exit; never raise from here
             log.exception("closing an LLM at exit failed")
+
+
+def _model_of(llm: LLM) -> Path:
+    return llm.config.model
 
 
 class LLM:
@@ -109,6 +115,9 @@ class LLM:
             durability=durability, chat_template=chat_template, revision=revision,
             download_dir=download_dir, generation_config=generation_config,
             cpu_weight_layout=cpu_weight_layout, quantization=quantization, **unknown)
+        # in a notebook, an earlier LLM over this model that only the output history holds
+        # is closed before this one takes memory (kvsession/notebook.py)
+        release_stale(self.config.model, _LIVE, _model_of)
         self._rt = Runtime(self.config)
         self._store = SessionStore(self._rt)
         self._requests = RequestBuilder(self._rt)
@@ -117,6 +126,11 @@ class LLM:
         _LIVE.add(self)
 
     # ---- lifecycle -------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran (or building failed)."""
+        return self._rt is None or self._rt.closed
 
     def close(self) -> None:
         """Persist live sessions to session_dir (when set), stop the engine thread (pending

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvsession import costmodel
+from kvsession import costmodel, display
 from kvsession.tiers.recovery import LogRecovery
 from kvsession.validation import check_float
 
@@ -155,6 +155,26 @@ class Stats(msgspec.Struct):
     # the cuts crash recovery made to session logs in session_dir: the start-up scan's and
     # those of sessions this LLM resumed (tiers/recovery.py)
     recovery: list[LogRecovery] = msgspec.field(default_factory=list)
+
+    def _repr_html_(self) -> str:
+        """Every tier's occupancy, then the cache's and tiers' counters and latency."""
+        tiers = "".join(
+            f"<tr><td>{name}</td><td>{t.blocks_used}/{t.blocks_total}</td>"
+            f"<td>{t.blocks_pinned}</td><td>{t.tokens_capacity}</td></tr>"
+            for name, t in self.tiers.items())
+        counters = display.table("", [
+            ("requests", f"{self.num_requests} ({self.num_preemptions} preempted)"),
+            ("prefix cache", f"hit rate {self.prefix.hit_rate:.0%} of "
+                             f"{self.prefix.queried_tokens} tokens, "
+                             f"{self.prefix.num_pins} pins"),
+            ("prompt tokens computed", self.prefill_tokens),
+            ("spills / restores", f"{self.spills} / {self.restores}"),
+            ("recomputed instead of loaded", self.recomputes),
+            ("TTFT p50 / p99", f"{display.ms(self.latency.ttft_p50_s)} / "
+                               f"{display.ms(self.latency.ttft_p99_s)}"),
+            ("time per output token p50", display.ms(self.latency.tpot_p50_s))])
+        return ("<b>kvsession stats</b><table><tr><th>tier</th><th>blocks used</th>"
+                f"<th>pinned</th><th>token capacity</th></tr>{tiers}</table>{counters}")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvsession import display
 from kvsession.metrics import RequestMetrics
 
 if TYPE_CHECKING:
@@ -56,6 +57,21 @@ class RequestOutput:
     @property
     def text(self) -> str:
         return self.outputs[0].text
+
+    def _repr_html_(self) -> str:
+        rows = []
+        for c in self.outputs:
+            tag = f" {c.index}" if len(self.outputs) > 1 else ""
+            rows.append((f"text{tag}", display.text(c.text)))
+            if c.reasoning:
+                rows.append((f"reasoning{tag}", display.text(c.reasoning)))
+            rows += [(f"tool call{tag}", f"{t.name}({t.arguments})") for t in c.tool_calls]
+            rows.append((f"finish{tag}", f"{c.finish_reason} after {len(c.token_ids)} "
+                                         f"tokens"))
+        rows += [("prompt", f"{len(self.prompt_token_ids)} tokens "
+                            f"({self.num_cached_tokens} from the cache)"),
+                 ("TTFT", display.ms(self.metrics.ttft_s))]
+        return display.table(f"RequestOutput {self.request_id}", rows)
 
     @property
     def token_ids(self) -> list[int]:

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvsession import display
 from kvsession.cache.manager import SessionKV
 from kvsession.choices import ToolChoiceName
 from kvsession.engine.sequence import Sequence
@@ -87,6 +88,21 @@ class Reply:
     reasoning: str | None = None
     tool_calls: list = field(default_factory=list)
     prompt_tokens: int = 0
+
+    def _repr_html_(self) -> str:
+        rows = [("text", display.text(self.text))]
+        if self.reasoning:
+            rows.append(("reasoning", display.text(self.reasoning)))
+        rows += [(f"tool call {i}", f"{c.name}({c.arguments})")
+                 for i, c in enumerate(self.tool_calls)]
+        rows += [("finish", self.finish_reason),
+                 ("tokens", f"{len(self.token_ids)} generated; prompt {self.prompt_tokens} "
+                            f"({self.cached_tokens} from the cache, {self.prefill_tokens} "
+                            f"computed)"),
+                 ("TTFT", display.ms(self.metrics.ttft_s))]
+        if self.restored_from:
+            rows.append(("KV restored from", self.restored_from))
+        return display.table("Reply", rows)
 
 
 @dataclass

@@ -250,3 +250,96 @@ def test_pydantic_ai_two_step_tool_task_in_process_reuses_the_session(llm):
     responses = [m for m in result.all_messages() if type(m).__name__ == "ModelResponse"]
     assert len(responses) == 2
     assert responses[1].usage.cache_read_tokens >= responses[0].usage.input_tokens
+
+
+def conversation_hits(http) -> float:
+    text = http.get("http://kvsession/metrics").text
+    line = next(x for x in text.splitlines()
+                if x.startswith("kvsession_server_conversation_hits_total "))
+    return float(line.split()[1])
+
+
+def test_langchain_chat_openai_binds_tools_streams_and_reuses_the_session(llm):
+    """LangChain's ChatOpenAI on the in-process transport: bind_tools with a forced call
+    (streamed: the call arrives in tool_call_chunks), the tool run, then the conversation
+    with its result sent back: it continues the first request's session (cached)."""
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    ran = []
+
+    @tool
+    def read_file(path: str) -> str:
+        """Read a file of the project."""
+        ran.append(path)
+        return f"contents of {path}"
+
+    with httpx.Client(transport=transport(llm)) as http:
+        chat = ChatOpenAI(model="m", base_url="http://kvsession/v1", api_key="-",
+                          http_client=http, temperature=0, max_tokens=64, max_retries=0)
+        bound = chat.bind_tools([read_file], tool_choice="read_file")
+        messages = [HumanMessage("Read the readme.")]
+        chunks = list(bound.stream(messages))
+        assert any(c.tool_call_chunks for c in chunks)
+        call = sum(chunks[1:], chunks[0])
+        assert len(call.tool_calls) == 1 and call.tool_calls[0]["name"] == "read_file"
+        args = call.tool_calls[0]["args"]
+        assert set(args) == {"path"} and 1 <= len(args["path"]) <= 16  # the schema's
+        result = read_file.invoke(call.tool_calls[0])
+        assert isinstance(result, ToolMessage) and ran == [args["path"]]
+        hits = conversation_hits(http)
+        # the same tools (a conversation's tools are part of its session), none forced
+        reply = chat.bind_tools([read_file], tool_choice="none").invoke(
+            messages + [call, result])
+        assert conversation_hits(http) == hits + 1  # step 1's session, continued
+        assert reply.usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+def test_smolagents_tool_calling_agent_in_process(model_dirs):
+    """smolagents' ToolCallingAgent on OpenAIServerModel over the in-process transport:
+    each step's forced call runs the tool; the second step's request reads the first's
+    prompt from the cache. (Its system prompt is ~2,500 tokens of the tiny tokenizer: a
+    model with a longer context.)"""
+    pytest.importorskip("smolagents")
+    from smolagents import OpenAIServerModel, Tool, ToolCallingAgent
+
+    d = model_dirs("llama", chat_template="hermes", max_position_embeddings=8192)
+
+    ran = []
+
+    class ListFiles(Tool):  # a boolean argument: short whatever random weights say
+        name = "list_files"
+        description = "List the files of the project."
+        inputs = {"recursive": {"type": "boolean", "description": "into subdirectories"}}
+        output_type = "string"
+
+        def forward(self, recursive: bool) -> str:
+            ran.append(recursive)
+            return "a.py b.py"
+
+    with LLM(d, device="cpu", kv_cache_memory="128MiB", max_model_len=8192) as llm, \
+            httpx.Client(transport=transport(llm)) as http:
+        model = OpenAIServerModel(
+            "m", api_base="http://kvsession/v1", api_key="-",
+            client_kwargs={"http_client": http, "max_retries": 0}, temperature=0.0,
+            max_tokens=256,  # the call's closing tag is many tiny-tokenizer tokens in
+            # the tiny model has random weights: every step calls the tool (a real model
+            # chooses, final_answer included)
+            tool_choice={"type": "function", "function": {"name": "list_files"}})
+        computed = []  # prompt tokens the engine computed, after each step
+
+        def after_step(step, agent=None):
+            computed.append(llm.stats().prefill_tokens)
+
+        agent = ToolCallingAgent(tools=[ListFiles()], model=model, max_steps=2,
+                                 verbosity_level=0, step_callbacks=[after_step])
+        agent.run("How many files are there?")
+    assert len(ran) == 2 and all(isinstance(r, bool) for r in ran)  # the schema's type
+    # smolagents re-renders its memory each step (its own words for the call and the
+    # observation), so the second request is not the first's conversation continued: its
+    # shared ~2,500-token prefix comes from the prefix cache instead, and little of its
+    # prompt is computed again
+    first, second = computed[0], computed[1] - computed[0]
+    assert second < first / 4, (first, second)

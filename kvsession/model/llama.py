@@ -24,6 +24,7 @@ from kvsession.model.config import ModelSpec, RopeSpec
 from kvsession.model.linear import Linear, RowsBuffer, measure_one_row, round_times
 from kvsession.model.onerow import OneRowKernels, TokenTables
 from kvsession.model.region_store import RegionStore
+from kvsession.notebook import progress
 
 log = logging.getLogger("kvsession")
 
@@ -115,7 +116,14 @@ class LlamaModel:
         # the one-row weights in one buffer, in the order a decode step reads them: the
         # layers', then the head's (built in that order)
         self.rows_buffer = self._rows_buffer(weights, head_format)
-        self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(spec.num_layers)]
+        bar = progress(spec.num_layers, "loading weights", "layer")  # in a notebook only
+        self.layers = []
+        for i in range(spec.num_layers):
+            self.layers.append(self._layer(weights, f"model.layers.{i}."))
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
         self.lm_head = Linear(embed if tied else weights["lm_head.weight"], fmt=head_format,
                               rows_buffer=self.rows_buffer)
         # where tokens are looked up: int8 in int8 (the head's rows, or an int8 table of its
@@ -378,7 +386,15 @@ class LlamaModel:
             return
         kernels.select_attention(backend == AttentionBackend.CPU)
         kernels.attach_store(store)
-        if not kernels.warm_up(self.spec, kv, self.softmax_scale, self.token_tables()):
+        # in a notebook: a first compile of a shape takes ~15-30 s with nothing else shown
+        bar = progress(1, "compiling the one-token step (read back after the first time)")
+        try:
+            compiled = kernels.warm_up(self.spec, kv, self.softmax_scale, self.token_tables())
+        finally:
+            if bar is not None:
+                bar.update(1)
+                bar.close()
+        if not compiled:
             self.one_row = None  # did not compile (the log says why)
             return
         loaded = "" if store is None else \
