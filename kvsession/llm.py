@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import weakref
-from concurrent.futures import Future, as_completed
+from concurrent.futures import Future, as_completed, wait
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -37,7 +37,7 @@ from kvsession.errors import ConfigError
 from kvsession.generation_defaults import Budget
 from kvsession.handles import AsyncTextStream, PinnedPrefix, TextStream
 from kvsession.metrics import Stats
-from kvsession.notebook import release_stale
+from kvsession.notebook import activity, progress, release_stale
 from kvsession.outputs import RequestOutput
 from kvsession.params import SamplingParams
 from kvsession.requests import (
@@ -76,6 +76,21 @@ def _close_all_at_exit() -> None:
 
 def _model_of(llm: LLM) -> Path:
     return llm.config.model
+
+
+def _token_progress(seq: Sequence, future: Future) -> None:
+    """One request's tokens as a progress bar while it runs, in a notebook only (shown
+    after a second: a short request stays silent); returns when it is done."""
+    bar = progress(seq.params.max_tokens, "generate", "tok")
+    if bar is None:
+        return
+    with bar:
+        done = False
+        while not done:
+            done = future.done()  # (one last update after the end)
+            wait([future], timeout=0.25)  # each wait bounded; the request's own end ends it
+            bar.n = seq.num_output_tokens  # (an int the engine thread grows)
+            bar.refresh()
 
 
 class LLM:
@@ -194,6 +209,8 @@ class LLM:
                 with tqdm(total=len(futures), desc="generate", unit="req") as bar:
                     for _ in as_completed(futures):
                         bar.update(1)
+            elif use_tqdm:
+                _token_progress(seqs[0], futures[0])
             done = [f.result() for f in futures]
         except BaseException:
             self._cancel_unfinished(seqs, futures)
@@ -336,7 +353,8 @@ class LLM:
         damaged raises SnapshotError and changes nothing."""
         path = check_path("path", path)
         self._rt.check_open()
-        return self._store.restore(path, session_id)
+        with activity(f"restoring {path.name}"):  # (a bar in a notebook)
+            return self._store.restore(path, session_id)
 
     # ---- pinned prefixes -------------------------------------------------------------
 

@@ -10,8 +10,9 @@ from the history, so the memory goes back; one that anything else holds (a varia
 list) is left open, with a warning that names `llm.close()`, and looked at again when the
 cell has run: a re-run cell has rebound its variable by then, and the old LLM is dropped.
 
-Progress bars (`progress`): shown only in a Jupyter kernel, where a long load or compile
-with nothing on screen looks like a hang; quiet in scripts, servers and tests.
+Progress bars (`progress`, `activity`): shown only in a Jupyter kernel, and only once the
+work has taken a second, where a long load, compile, snapshot or generation with nothing
+on screen looks like a hang; quiet in scripts, servers and tests.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pathlib import Path
 
 log = logging.getLogger("kvsession")
 
+# a bar shows once its work has taken this long: a tiny model's load stays silent
+PROGRESS_DELAY_S = 1.0
 # the names IPython binds to outputs: _, __, ___ (the last three) and _<n> (Out[n])
 HISTORY_NAME = re.compile(r"_{1,3}|_\d+")
 
@@ -144,5 +147,22 @@ def progress(total: float, desc: str, unit: str = "it"):
         return None
     from tqdm.auto import tqdm
 
-    # shown only once it has taken a second: a tiny model's load stays silent
-    return tqdm(total=total, desc=desc, unit=unit, leave=False, delay=1.0)
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, delay=PROGRESS_DELAY_S)
+
+
+class activity:
+    """`with activity("saving session a"):` a one-step progress bar in a Jupyter kernel,
+    shown once the work has taken a second and completed when it ends; nothing
+    elsewhere."""
+
+    def __init__(self, desc: str):
+        self.desc, self.bar = desc, None
+
+    def __enter__(self) -> activity:
+        self.bar = progress(1, self.desc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.close()

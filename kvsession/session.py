@@ -45,6 +45,7 @@ from kvsession.history import (
 )
 from kvsession.metrics import RequestMetrics
 from kvsession.model.tokenizer import IncrementalText, check_messages, message_content
+from kvsession.notebook import activity
 from kvsession.outputs import DeltaText, RequestOutput
 from kvsession.params import SamplingParams
 from kvsession.reply_stream import ReplySplitter, ToolCallDelta, prompt_opens_reasoning
@@ -677,7 +678,8 @@ class Session:
         that fails (disk full, unwritable directory) raises SnapshotError naming the cause;
         the session and any file already at `path` are unchanged."""
         check_path("path", path)
-        self.exclusive(lambda: self._exec.save(self.kv, path))
+        with activity(f"saving session {self.session_id}"):  # (a bar in a notebook)
+            self.exclusive(lambda: self._exec.save(self.kv, path))
 
     def save_sealed(self, path) -> None:
         """`save`, the last thing this session does (the store's, at LLM close): a turn

@@ -69,3 +69,29 @@ def test_rerunning_the_cell_that_builds_an_llm_frees_the_old_one(tmp_path):
     assert "first freed: True" in text[4]
     assert "call llm.close() on it" in text[5]
     assert "second open: True" in text[6]
+
+
+def test_progress_bars_in_a_kernel(tmp_path):
+    """In a kernel, a weight load, a single generation (its tokens), a snapshot's save and
+    restore show tqdm bars (here with no delay: the tiny model is too quick for the
+    one-second one); in this process (no kernel) nothing is shown."""
+    from kvsession import notebook
+
+    assert notebook.progress(1, "x") is None  # not a kernel
+    cells = [
+        "import kvsession.notebook as N\nN.PROGRESS_DELAY_S = 0\n"
+        "from kvsession import LLM, SamplingParams\n"
+        "from kvsession.testing import make_tiny_model\n"
+        f"d = make_tiny_model({str(tmp_path / 'm')!r})\n"
+        "llm = LLM(d, kv_cache_memory='4MiB', max_model_len=256)",
+        "out = llm.generate(['a'], SamplingParams(max_tokens=40, ignore_eos=True))",
+        f"s = llm.session()\ns.send('hi')\ns.save({str(tmp_path / 's.kvs')!r})",
+        f"llm.restore({str(tmp_path / 's.kvs')!r}, session_id='copy')\nllm.close()",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    run(nb, tmp_path)
+    text = [outputs_of(c) for c in nb.cells]
+    assert "loading weights" in text[0]
+    assert "generate" in text[1] and "40/40" in text[1]
+    assert "saving session" in text[2]
+    assert "restoring s.kvs" in text[3]
