@@ -23,6 +23,13 @@ def run(nb, cwd: Path):
     return nb
 
 
+def run_cells(cells: list[str], cwd: Path) -> list[str]:
+    """`cells` run as a notebook in a kernel: each cell's outputs as text."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    run(nb, cwd)
+    return [outputs_of(c) for c in nb.cells]
+
+
 def outputs_of(cell) -> str:
     parts = []
     for out in cell.get("outputs", []):
@@ -59,9 +66,7 @@ def test_rerunning_the_cell_that_builds_an_llm_frees_the_old_one(tmp_path):
         "keep = llm\nthird = LLM(d, **kw)",  # the second is a variable's: only a warning
         "print('second open:', not keep.closed)\nkeep.close(); third.close()",
     ]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    run(nb, tmp_path)
-    text = [outputs_of(c) for c in nb.cells]
+    text = run_cells(cells, tmp_path)
     # while the cell runs again the old LLM is its variable's: a warning; when it has run
     # the variable holds the new one, and the old one is closed and dropped
     assert "call llm.close() on it" in text[3]
@@ -88,9 +93,7 @@ def test_progress_bars_in_a_kernel(tmp_path):
         f"s = llm.session()\ns.send('hi')\ns.save({str(tmp_path / 's.kvs')!r})",
         f"llm.restore({str(tmp_path / 's.kvs')!r}, session_id='copy')\nllm.close()",
     ]
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    run(nb, tmp_path)
-    text = [outputs_of(c) for c in nb.cells]
+    text = run_cells(cells, tmp_path)
     assert "loading weights" in text[0]
     assert "generate" in text[1] and "40/40" in text[1]
     assert "saving session" in text[2]
