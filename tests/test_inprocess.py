@@ -343,3 +343,73 @@ def test_smolagents_tool_calling_agent_in_process(model_dirs):
     # prompt is computed again
     first, second = computed[0], computed[1] - computed[0]
     assert second < first / 4, (first, second)
+
+
+def test_llamaindex_openai_like_tool_call_in_process(llm):
+    """LlamaIndex's OpenAILike on the in-process transport: chat_with_tools with the call
+    required, the tool run with the call's arguments (a boolean: the schema's type), the
+    conversation with its result sent back continuing the first request's session."""
+    pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.tools import FunctionTool
+    from llama_index.llms.openai_like import OpenAILike
+
+    ran = []
+
+    def list_files(recursive: bool) -> str:
+        """List the files of the project."""
+        ran.append(recursive)
+        return "a.py b.py"
+
+    tool = FunctionTool.from_defaults(fn=list_files)
+    with httpx.Client(transport=transport(llm)) as http:
+        model = OpenAILike(model="m", api_base="http://kvsession/v1", api_key="-",
+                           is_chat_model=True, is_function_calling_model=True,
+                           http_client=http, temperature=0.0, max_tokens=128,
+                           max_retries=0)
+        # (LlamaIndex asks parallel_tool_calls=false by default, which a Session cannot
+        # honour: such requests run stateless, their shared prefix from the prefix cache)
+        first = model.chat_with_tools([tool], user_msg="List the files.", tool_required=True,
+                                      allow_parallel_tool_calls=True)
+        (call,) = model.get_tool_calls_from_response(first)
+        assert call.tool_name == "list_files"
+        result = tool(**call.tool_kwargs)
+        assert ran == [call.tool_kwargs["recursive"]] and isinstance(ran[0], bool)
+        hits = conversation_hits(http)
+        messages = [ChatMessage(role="user", content="List the files."), first.message,
+                    ChatMessage(role="tool", content=str(result),
+                                additional_kwargs={"tool_call_id": call.tool_id})]
+        model.chat_with_tools([tool], chat_history=messages, tool_choice="none",
+                              allow_parallel_tool_calls=True)
+        assert conversation_hits(http) == hits + 1
+
+
+def test_a_langgraph_thread_is_a_named_session(llm):
+    """A LangGraph graph (its checkpointer keeps the thread's messages) whose model node
+    names the thread's session (`extra_body={"session_id": thread_id}`): every invocation
+    on the thread continues that session, its history read from the KV."""
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, MessagesState, StateGraph
+
+    with httpx.Client(transport=transport(llm)) as http:
+        chat = ChatOpenAI(model="m", base_url="http://kvsession/v1", api_key="-",
+                          http_client=http, temperature=0, max_tokens=12, max_retries=0)
+
+        def model_node(state: MessagesState, config) -> dict:
+            thread = config["configurable"]["thread_id"]
+            return {"messages": [chat.bind(extra_body={"session_id": thread}).invoke(
+                state["messages"])]}
+
+        graph = StateGraph(MessagesState).add_node("model", model_node) \
+            .add_edge(START, "model").compile(checkpointer=InMemorySaver())
+        config = {"configurable": {"thread_id": "thread-7"}}
+        first = graph.invoke({"messages": [HumanMessage("List the files.")]}, config)
+        second = graph.invoke({"messages": [HumanMessage("Now read one.")]}, config)
+    assert len(second["messages"]) == 4  # the thread's history, kept by the checkpointer
+    used = first["messages"][-1].usage_metadata
+    again = second["messages"][-1].usage_metadata
+    assert again["input_token_details"]["cache_read"] >= used["input_tokens"]
