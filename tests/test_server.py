@@ -577,6 +577,49 @@ def test_agent_framework_streams_its_tool_steps(server, hermes_dir):
     assert kinds.count("ToolCallPart") == 2
 
 
+def test_langchain_and_llamaindex_over_http(server, hermes_dir):
+    """The frameworks tests/test_inprocess.py drives in process, over HTTP: LangChain's
+    ChatOpenAI (a streamed, forced tool call; the conversation with its result continues
+    the session) and LlamaIndex's OpenAILike (a required call, run)."""
+    pytest.importorskip("langchain_openai")
+    pytest.importorskip("llama_index.llms.openai_like")
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from llama_index.core.tools import FunctionTool
+    from llama_index.llms.openai_like import OpenAILike
+
+    @tool
+    def read_file(path: str) -> str:
+        """Read a file of the project."""
+        return f"contents of {path}"
+
+    chat = ChatOpenAI(model=model_name(hermes_dir), base_url=f"{server.url}/v1", api_key=KEY,
+                      temperature=0, max_tokens=64, max_retries=0)
+    messages = [HumanMessage("Read the readme, LangChain.")]
+    chunks = list(chat.bind_tools([read_file], tool_choice="read_file").stream(messages))
+    call = sum(chunks[1:], chunks[0])
+    assert [c["name"] for c in call.tool_calls] == ["read_file"]
+    result = read_file.invoke(call.tool_calls[0])
+    reply = chat.bind_tools([read_file], tool_choice="none").invoke(messages + [call, result])
+    assert reply.usage_metadata["input_token_details"]["cache_read"] > 0
+    ran = []
+
+    def list_files(recursive: bool) -> str:
+        """List the files of the project."""
+        ran.append(recursive)
+        return "a.py"
+
+    fn = FunctionTool.from_defaults(fn=list_files)
+    model = OpenAILike(model=model_name(hermes_dir), api_base=f"{server.url}/v1", api_key=KEY,
+                       is_chat_model=True, is_function_calling_model=True, temperature=0.0,
+                       max_tokens=128, max_retries=0)
+    first = model.chat_with_tools([fn], user_msg="List the files.", tool_required=True)
+    (selected,) = model.get_tool_calls_from_response(first)
+    fn(**selected.tool_kwargs)
+    assert len(ran) == 1 and isinstance(ran[0], bool)
+
+
 # ---- load, disconnects, errors ---------------------------------------------------------
 
 
