@@ -620,6 +620,40 @@ def test_langchain_and_llamaindex_over_http(server, hermes_dir):
     assert len(ran) == 1 and isinstance(ran[0], bool)
 
 
+def test_smolagents_over_http(model_dirs, tmp_path):
+    """smolagents' ToolCallingAgent on OpenAIServerModel against a server (a model with a
+    longer context: its system prompt is ~2,500 tiny-tokenizer tokens): each step's
+    forced call runs the tool with the schema's type."""
+    pytest.importorskip("smolagents")
+    from smolagents import OpenAIServerModel, Tool, ToolCallingAgent
+
+    ran = []
+
+    class ListFiles(Tool):
+        name = "list_files"
+        description = "List the files of the project."
+        inputs = {"recursive": {"type": "boolean", "description": "into subdirectories"}}
+        output_type = "string"
+
+        def forward(self, recursive: bool) -> str:
+            ran.append(recursive)
+            return "a.py b.py"
+
+    d = model_dirs("llama", chat_template="hermes", max_position_embeddings=8192)
+    s = start(d, tmp_path, "--max-model-len", "8192", "--kv-cache-memory", "128MiB")
+    try:
+        model = OpenAIServerModel(
+            model_name(d), api_base=f"{s.url}/v1", api_key="-",
+            client_kwargs={"max_retries": 0, "timeout": 120}, temperature=0.0,
+            max_tokens=256, tool_choice={"type": "function", "function": {
+                "name": "list_files"}})
+        ToolCallingAgent(tools=[ListFiles()], model=model, max_steps=2,
+                         verbosity_level=0).run("How many files are there?")
+    finally:
+        assert s.stop() == 0, s.stderr_tail()
+    assert len(ran) == 2 and all(isinstance(r, bool) for r in ran)
+
+
 # ---- load, disconnects, errors ---------------------------------------------------------
 
 
