@@ -39,6 +39,11 @@ class Pinning:
         """Compute `ids` into the cache if absent and pin its full blocks (CacheFullError,
         nothing already pinned affected, past the pin budget). A salted pin is its tenant's
         own (hashed with the salt after any public pinned prefix it starts with)."""
+        return self.pin_counted(ids, ttl_s, cache_salt)[0]
+
+    def pin_counted(self, ids: list[int], ttl_s: float | None, cache_salt: str | None = None
+                    ) -> tuple[Pin, int]:
+        """`pin`, and how many of `ids` it computed (0: the cache held them all)."""
         # every caller's pin fits the engine, or ConfigError
         ids = self.sequences.validate_prompt(ids)
         num_blocks = len(ids) // self.block_size
@@ -51,7 +56,8 @@ class Pinning:
             max_model_len=self.sequences.max_model_len, retain_blocks=True, salt=salt,
             internal=True)
         self.engine.submit(seq).result()
-        return self.engine.call(lambda: self._hold_pin(seq, num_blocks, ttl_s)).result()
+        pin = self.engine.call(lambda: self._hold_pin(seq, num_blocks, ttl_s)).result()
+        return pin, len(ids) - max(seq.num_cached_tokens, 0)
 
     def unpin(self, pin: Pin) -> None:
         if not self.engine.closed:

@@ -128,6 +128,9 @@ class SessionStats:
     generated_tokens: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
+    # the system prompt's tokens that opening this session computed when it pinned them (0:
+    # another session's pin or the cache held them); its first turn counts them as cached
+    system_computed_tokens: int = 0
     ttfts_s: list[float] = field(default_factory=list)
     # what crash recovery cut from this session's log, oldest first (tiers/recovery.py)
     recovery: list[LogRecovery] = field(default_factory=list)

@@ -156,11 +156,13 @@ class SessionStore:
                       slog: SessionLog | None, cut: list) -> Session:
         if system_key is not None:  # stored by another process of this directory? read it
             self.pins.warm_from_directory(system_key)
-        if system_key is not None and not self.pins.acquire(system_key):
+        computed = None if system_key is None else self.pins.acquire(system_key)
+        if computed is None:
             system_key = None  # (not pinned: the session runs without it)
         sess = Session(self, self.turns, session_id, system, sampling, messages,
                        options.history, options.renderer, options.log, options.pending, slog,
                        system_key, cut)
+        sess.stats.system_computed_tokens = computed or 0
         try:
             self.rt.call(lambda: self.rt.policy.register(sess.kv)).result()
         except BaseException:

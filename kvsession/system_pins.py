@@ -46,19 +46,22 @@ class SystemPins:
         with self._lock:
             return key in self._pins
 
-    def acquire(self, key: SystemKey) -> bool:
-        """One more user of `key`'s pin, pinning it first if needed; False (logged) when
-        the pin budget refuses it."""
+    def acquire(self, key: SystemKey) -> int | None:
+        """One more user of `key`'s pin, pinning it first if needed: the tokens pinning it
+        computed (0 when it was pinned, or the cache held it); None (logged) when the pin
+        budget refuses it."""
+        computed = 0
         with self._lock:
             entry = self._pins.get(key)
             if entry is None:
                 try:
-                    entry = self._pins[key] = [self.rt.pinning.pin(list(key), None), 0]
+                    pin, computed = self.rt.pinning.pin_counted(list(key), None)
                 except CacheFullError as e:
                     log.warning("system prompt not pinned: %s", e)
-                    return False
+                    return None
+                entry = self._pins[key] = [pin, 0]
             entry[1] += 1
-            return True
+            return computed
 
     def release(self, key: SystemKey | None) -> None:
         """One user fewer; the last one unpins (outside the lock: it waits on the engine)."""

@@ -413,3 +413,22 @@ def test_a_langgraph_thread_is_a_named_session(llm):
     used = first["messages"][-1].usage_metadata
     again = second["messages"][-1].usage_metadata
     assert again["input_token_details"]["cache_read"] >= used["input_tokens"]
+
+
+def test_usage_counts_only_what_earlier_requests_computed_as_cached(llm):
+    """A new conversation's system prompt is pinned when its session opens, within that
+    same request: its usage reports none of it cached (OpenAI's meaning: reused from
+    before). A second conversation with the same system prompt reuses the pin: cached."""
+    system = {"role": "system", "content": "You are a careful reviewer. " * 6}
+    with Client(llm) as c:
+        first = c.chat.completions.create(model="m", max_tokens=4, temperature=0, messages=[
+            system, {"role": "user", "content": "Review a.py"}])
+        again = c.chat.completions.create(model="m", max_tokens=4, temperature=0, messages=[
+            system, {"role": "user", "content": "Review b.py"}])
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16  # the pinned blocks
+    s1 = llm.session(system="A fresh system prompt for the session API. " * 4)
+    s2 = llm.session(system="A fresh system prompt for the session API. " * 4)
+    assert s1.stats.system_computed_tokens > 0 and s2.stats.system_computed_tokens == 0
+    s1.close()
+    s2.close()

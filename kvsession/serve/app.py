@@ -328,7 +328,8 @@ class Server:
 
     @staticmethod
     async def _reply(plan: Plan, overrides: dict) -> P.Result:
-        return P.Result.of_reply(await plan.session.asend(plan.new, **overrides))
+        return P.Result.of_reply(await plan.session.asend(plan.new, **overrides),
+                                 plan.session)
 
     def _arrived(self, plan: Plan, hints: H.AgentHints) -> None:
         """A request planned: its hints go with the plan, and a conversation's gap since

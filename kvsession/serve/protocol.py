@@ -374,11 +374,17 @@ class Result:
                    len(out.prompt_token_ids), max(out.num_cached_tokens, 0))
 
     @classmethod
-    def of_reply(cls, r) -> Result:
+    def of_reply(cls, r, session=None) -> Result:
+        """A session turn's Reply as a result. The usage's cached tokens are those reused
+        from before the request: on a session's first turn, the system prompt's tokens that
+        opening it computed (pinning them, within this same request) are not
+        (`session.stats.system_computed_tokens`)."""
+        cached = max(r.cached_tokens, 0)  # (not prefill + cached: a preempted turn
+        # computes its prompt again, counted in prefill_tokens)
+        if session is not None and session.stats.turns == 1:
+            cached = max(cached - session.stats.system_computed_tokens, 0)
         return cls([Choice(0, r.text, r.token_ids, r.finish_reason, r.logprobs,
-                           list(r.tool_calls), r.reasoning)],
-                   r.prompt_tokens, max(r.cached_tokens, 0))  # (not prefill + cached:
-        # a preempted turn computes its prompt again, counted in prefill_tokens)
+                           list(r.tool_calls), r.reasoning)], r.prompt_tokens, cached)
 
     @classmethod
     def of_stored(cls, message: dict, token_ids: list[int], prompt_tokens: int) -> Result:

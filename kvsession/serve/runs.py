@@ -71,7 +71,7 @@ class SessionTurn:
                     reply = chunk.reply
                 if _says_something(chunk):
                     self._queue.put_nowait(("delta", chunk))
-            self._queue.put_nowait(("done", Result.of_reply(reply)))
+            self._queue.put_nowait(("done", Result.of_reply(reply, session)))
         except asyncio.CancelledError:
             pass  # cancel(): the turn was cancelled with it (nobody reads the queue)
         except BaseException as e:  # handed to the reader, raised there
