@@ -75,17 +75,7 @@ class Client:
         self.server = InProcessServer(llm, model_name, **server_kwargs)
         self.http = httpx.Client(transport=self.server.transport(), base_url=BASE_URL,
                                  timeout=None)
-        sdk = None if return_dicts else _openai()
-        if sdk is not None:
-            self.openai = sdk.OpenAI(api_key="kvsession", base_url=BASE_URL + "/v1",
-                                     http_client=self.http, max_retries=0)
-            self.chat, self.responses, self.models = \
-                self.openai.chat, self.openai.responses, self.openai.models
-        else:
-            self.openai = None
-            self.chat = _Chat(_Create(self.http, "/v1/chat/completions"))
-            self.responses = _Create(self.http, "/v1/responses")
-            self.models = _Models(self.http)
+        _surface(self, None if return_dicts else _openai_class("OpenAI"), _Create, _Models)
 
     def close(self) -> None:
         self.http.close()
@@ -108,17 +98,8 @@ class AsyncClient:
         self.server = InProcessServer(llm, model_name, **server_kwargs)
         self.http = httpx.AsyncClient(transport=self.server.async_transport(),
                                       base_url=BASE_URL, timeout=None)
-        sdk = None if return_dicts else _openai()
-        if sdk is not None:
-            self.openai = sdk.AsyncOpenAI(api_key="kvsession", base_url=BASE_URL + "/v1",
-                                          http_client=self.http, max_retries=0)
-            self.chat, self.responses, self.models = \
-                self.openai.chat, self.openai.responses, self.openai.models
-        else:
-            self.openai = None
-            self.chat = _Chat(_AsyncCreate(self.http, "/v1/chat/completions"))
-            self.responses = _AsyncCreate(self.http, "/v1/responses")
-            self.models = _AsyncModels(self.http)
+        _surface(self, None if return_dicts else _openai_class("AsyncOpenAI"), _AsyncCreate,
+                 _AsyncModels)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -131,12 +112,29 @@ class AsyncClient:
         await self.aclose()
 
 
-def _openai():
+def _openai_class(name: str):
+    """The openai package's client class `name`; None where openai is not installed."""
     try:
         import openai
     except ImportError:
         return None
-    return openai
+    return getattr(openai, name)
+
+
+def _surface(client: Client | AsyncClient, sdk_class, create: type, models: type) -> None:
+    """`client`'s chat, responses and models (its `http` set): those of `sdk_class` (an
+    openai client over `http`, its types and errors) when given, else the dict versions
+    (`create` and `models`: the sync or async ones)."""
+    if sdk_class is not None:
+        client.openai = sdk_class(api_key="kvsession", base_url=BASE_URL + "/v1",
+                                  http_client=client.http, max_retries=0)
+        client.chat, client.responses, client.models = \
+            client.openai.chat, client.openai.responses, client.openai.models
+    else:
+        client.openai = None
+        client.chat = _Chat(create(client.http, "/v1/chat/completions"))
+        client.responses = create(client.http, "/v1/responses")
+        client.models = models(client.http)
 
 
 class _Chat:

@@ -125,7 +125,9 @@ class DeltaText:
     def __init__(self, text: IncrementalText, stop_strings: tuple[str, ...]):
         self._text, self._fed = text, 0  # ids given to `text` so far
         self._hold = max((len(s) for s in stop_strings), default=1) - 1
-        self.sent = ""
+        # characters of `text` sent (its text only grows, so what was sent is its prefix:
+        # each update slices only the new characters, not the whole text again)
+        self._sent_len = 0
 
     def update(self, token_ids: list[int], start: int = 0, end: int | None = None) -> str:
         """The output ids so far are token_ids[start:end] (a list that only grows: a
@@ -135,20 +137,20 @@ class DeltaText:
         self._text.extend(token_ids[start + self._fed:end])
         self._fed = end - start
         text = self._text.text
-        safe = text[: len(text) - self._hold] if self._hold else text
-        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
-            return ""  # nothing new that is certain (never retract what was sent)
-        delta, self.sent = safe[len(self.sent):], safe
+        safe_len = len(text) - self._hold
+        if safe_len <= self._sent_len:
+            return ""  # nothing new that is certain
+        delta = text[self._sent_len:safe_len]
+        self._sent_len = safe_len
         return delta
 
     def finish(self, final_text: str) -> str:
         """The rest of `final_text` (the request's output, cut at its stop string)."""
-        if not final_text.startswith(self.sent):
+        sent = self._text.text[:self._sent_len]
+        if not final_text.startswith(sent):
             # a tokenizer whose decode of a prefix is not a prefix of the whole decode
             # (byte-level BPE never is): what was sent cannot be taken back
             log.warning("streamed text diverged from the final text of the request")
-            common = os.path.commonprefix([self.sent, final_text])
-            delta, self.sent = final_text[len(common):], final_text
-            return delta
-        delta, self.sent = final_text[len(self.sent):], final_text
-        return delta
+            sent = os.path.commonprefix([sent, final_text])
+        self._sent_len = len(final_text)  # (no update follows the finish)
+        return final_text[len(sent):]

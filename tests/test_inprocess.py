@@ -217,31 +217,12 @@ def test_pydantic_ai_two_step_tool_task_in_process_reuses_the_session(llm):
     through its output tool; step 2's request is step 1's conversation with the tool's
     result: its prompt comes from the session's KV."""
     pytest.importorskip("pydantic_ai")
-    from pydantic import BaseModel, Field
-    from pydantic_ai import Agent, RunContext, ToolOutput
-    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_agent import coding_agent
     from pydantic_ai.providers.openai import OpenAIProvider
-
-    class Report(BaseModel):
-        count: int = Field(ge=0, le=9)
-
-    def settings(ctx: RunContext):
-        return {"temperature": 0.0, "max_tokens": 200,
-                "tool_choice": ["list_files"] if ctx.run_step <= 1 else ["final_result"]}
 
     async def run():
         async with AsyncClient(llm) as ac:
-            model = OpenAIChatModel("m", provider=OpenAIProvider(openai_client=ac.openai))
-            agent = Agent(model, output_type=ToolOutput(Report, name="final_result"),
-                          model_settings=settings, system_prompt="You are a coding agent.")
-            listed = []
-
-            @agent.tool_plain
-            def list_files(directory: str) -> list[str]:
-                """List the files in a directory."""
-                listed.append(directory)
-                return ["a.py", "b.py"]
-
+            agent, listed = coding_agent("m", OpenAIProvider(openai_client=ac.openai))
             result = await agent.run("How many files are in the project?")
             return result, listed
 

@@ -515,35 +515,13 @@ def test_parallel_tool_calls_false(server, hermes_dir):
 
 
 def coding_agent(server, hermes_dir):
-    """A pydantic-ai agent on the server: step 1 calls `list_files`, step 2 returns the
-    structured answer through the output tool. The random tiny model follows only what the
-    grammar forces, so each step forces its tool (the agent's own per-step tool_choice).
-    (the agent, the directories list_files was called with)."""
-    from pydantic import BaseModel, Field
-    from pydantic_ai import Agent, RunContext, ToolOutput
-    from pydantic_ai.models.openai import OpenAIChatModel
+    """agents.coding_agent on the server: (the agent, the directories list_files was
+    called with)."""
+    from pydantic_agent import coding_agent as build
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    class Report(BaseModel):
-        count: int = Field(ge=0, le=9)
-
-    def settings(ctx: RunContext):
-        return {"temperature": 0.0, "max_tokens": 200,
-                "tool_choice": ["list_files"] if ctx.run_step <= 1 else ["final_result"]}
-
-    model = OpenAIChatModel(model_name(hermes_dir), provider=OpenAIProvider(
-        base_url=f"{server.url}/v1", api_key=KEY))
-    agent = Agent(model, output_type=ToolOutput(Report, name="final_result"),
-                  model_settings=settings, system_prompt="You are a coding agent.")
-    listed = []
-
-    @agent.tool_plain
-    def list_files(directory: str) -> list[str]:
-        """List the files in a directory."""
-        listed.append(directory)
-        return ["a.py", "b.py"]
-
-    return agent, listed
+    return build(model_name(hermes_dir), OpenAIProvider(base_url=f"{server.url}/v1",
+                                                        api_key=KEY))
 
 
 def test_agent_framework_two_step_tool_task(server, hermes_dir):
