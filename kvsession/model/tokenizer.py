@@ -38,8 +38,8 @@ class IncrementalText:
     the whole output again each time costs O(n) per token, O(n^2) over a generation (the
     tiny test tokenizer: ~190 us per token averaged over 4,096 tokens, ~380 us at the
     end). tokenizers' DecodeStream decodes each new id against a few ids before it
-    (~0.6 us a token; ~1.8 us through DeltaText, bench/detokenize.py). Where tokenizers has no DecodeStream, the
-    whole output is decoded again (the old cost)."""
+    (~0.6 us a token; ~1.8 us through DeltaText, bench/detokenize.py). Where tokenizers
+    has no DecodeStream, the whole output is decoded again (the old cost)."""
 
     def __init__(self, tok: _HFTokenizer, skip_special_tokens: bool = True,
                  markers: dict[int, str] | None = None):
