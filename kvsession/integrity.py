@@ -1,5 +1,5 @@
-"""The whole engine's integrity, checked: every device block reference accounted to a
-holder and every host block held once or free (`KVCacheManager.check_integrity`), and,
+"""The whole engine's integrity, checked: every device and host block reference accounted
+to a holder, both pools' indexes and free queues consistent (`KVCacheManager.check_integrity`), and,
 at close with no request in flight, the pool back to its baseline (only sessions, pins
 and blocks a remote worker may still write hold blocks). The test suite turns checking on
 (KVSESSION_CHECK_INTEGRITY): after every step of small pools, at close, and close raises
@@ -12,7 +12,6 @@ import os
 from kvsession.cache.manager import HolderKind, KVCacheManager
 from kvsession.engine.loop import Engine
 from kvsession.engine.scheduler import Scheduler
-from kvsession.tiers.host import HostPool
 
 # set (to anything) by the test suite: check holder-level integrity after every step of
 # small pools and when the LLM closes, and raise from close() if it ever failed
@@ -22,16 +21,15 @@ CHECK_INTEGRITY_ENV = "KVSESSION_CHECK_INTEGRITY"
 class IntegrityCheck:
     """Engine thread only (or after it stopped). `failure`: the first failure seen."""
 
-    def __init__(self, manager: KVCacheManager, host: HostPool | None, scheduler: Scheduler,
-                 engine: Engine):
-        self.manager, self.host, self.scheduler, self.engine = manager, host, scheduler, engine
+    def __init__(self, manager: KVCacheManager, scheduler: Scheduler, engine: Engine):
+        self.manager, self.scheduler, self.engine = manager, scheduler, engine
         self.checking = bool(os.environ.get(CHECK_INTEGRITY_ENV))
         self.failure: AssertionError | None = None
 
     def now(self) -> None:
-        """The pool's invariants, every device reference accounted to a holder, every host
-        block held once or free."""
-        self.manager.check_integrity(self.host)
+        """Both pools' invariants, every device and host reference accounted to a
+        holder."""
+        self.manager.check_integrity()
 
     def after_step(self) -> None:
         """A step observer: `now`, its failure recorded (and raised: the step fails)."""

@@ -40,11 +40,17 @@ class RequestMetrics(msgspec.Struct):
 
 class TierStats(msgspec.Struct):
     blocks_total: int = 0
-    blocks_used: int = 0
+    blocks_used: int = 0  # held (device: referenced; host: held by spilled sessions)
     blocks_free: int = 0
     blocks_pinned: int = 0
     bytes_per_token: int = 0
     tokens_capacity: int = 0
+    # the tiers below the device: cached blocks found there by content (any request),
+    # tokens loaded from there (lookups and session restores), bytes copied each way
+    cached_blocks: int = 0
+    hit_tokens: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
 
 
 class PrefixStats(msgspec.Struct):

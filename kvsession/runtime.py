@@ -111,7 +111,10 @@ class Runtime:
         # ---- the cache and the scheduler
         self.pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                               cfg.eviction_policy)
-        self.manager = KVCacheManager(self.pool, self.kv_pool)
+        host_blocks = cfg.host_cache_memory_bytes // (bpt * cfg.block_size)
+        self.host = HostPool(self.kv_pool, host_blocks) if host_blocks > 0 else None
+        self.manager = KVCacheManager(self.pool, self.kv_pool,
+                                      self.host.index if self.host is not None else None)
         self.prefix = PrefixCache(self.manager, self.identity.hasher(),
                                   int(cfg.max_pinned_fraction * num_blocks))
         self.latency, self.slo = LatencyTracker(), SLO()
@@ -129,14 +132,15 @@ class Runtime:
                                    cfg.max_num_batched_tokens, offload)
 
         # ---- tiers: the mover copies, the policy decides
-        host_blocks = cfg.host_cache_memory_bytes // (bpt * cfg.block_size)
-        self.host = HostPool(self.kv_pool, host_blocks) if host_blocks > 0 else None
         snapshot_locks = SnapshotLocks()  # spills and saves vs write-behind compaction
         self.mover = TierMover(self.manager, self.host, self.disk, self.prefix.hasher,
                                self.identity, prefill_tps, snapshot_locks)
         self.policy = TierPolicy(self.mover, self.prefix, self.scheduler, prefill_tps, bpt,
                                  cfg.spill_after_s)
         self.scheduler.attach_reclaimer(self.policy)
+        if self.host is not None:  # any request's device misses look in the host tier,
+            self.scheduler.attach_lower_tiers(self.policy)  # and what the device evicts
+            self.pool.attach_sink(self.policy)  # is kept there
 
         # ---- the engine and its thread
         runner = ModelRunner(self.model, self.kv_pool, cfg.device, backend)
@@ -164,7 +168,7 @@ class Runtime:
         self.stats_collector = StatsCollector(
             self.pool, self.prefix, self.host, self.disk, self.policy, self.scheduler,
             self.engine, self.latency, self.connector, cfg.block_size, bpt)
-        self.integrity = IntegrityCheck(self.manager, self.host, self.scheduler, self.engine)
+        self.integrity = IntegrityCheck(self.manager, self.scheduler, self.engine)
         if self.integrity.checking and num_blocks <= CHECK_EVERY_STEP_MAX_BLOCKS:
             self.engine.step_observers.append(self.integrity.after_step)
         self._loop = EngineLoop(self.engine)

@@ -156,6 +156,12 @@ class Internals:
         """The sessions the tier policy holds: a refused fork must leave none behind."""
         return self._rt.policy.sessions
 
+    @property
+    def host_index(self):
+        """The host tier's block pool (its content index): to make a host block claim
+        other tokens and see that a lookup misses."""
+        return self._rt.host.index
+
     def disk_plan(self, session):
         """Where a resumed session's KV will be read from (snapshot, segment, shared
         store): to check which files a restart reuses."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvsession.cache.block_pool import BlockPool
+from kvsession.cache.eviction import EvictionPolicy
 from kvsession.cache.hashing import BlockHasher
 from kvsession.errors import CacheFullError
 
@@ -143,3 +144,22 @@ def test_caching_disabled_publishes_nothing(hasher):
     (h,) = publish(pool, hasher, a, [1, 2, 3, 4])
     assert pool.index == {} and pool.lookup(h, [1, 2, 3, 4]) is None
     pool.check_integrity()
+
+
+def test_a_growing_pool_creates_blocks_as_needed_before_evicting_content():
+    """The host tier's pool: sized in bytes, it may count 10^5 small blocks of which a run
+    uses few; a block never used is taken before any cached content."""
+    pool = BlockPool(4, 4, True, EvictionPolicy.COST, grow=True)
+    assert pool.blocks == [] and pool.num_free == 4
+    a = pool.allocate(2)
+    assert [b.block_id for b in a] == [0, 1] and len(pool.blocks) == 2 and pool.num_free == 2
+    pool.cache_full_block(a[0], b"h0", [1, 2, 3, 4])
+    pool.free(a)  # block 1 has no content: reused first; then block 2, never used; then 0
+    assert [b.block_id for b in pool.allocate(1)] == [1]
+    assert [b.block_id for b in pool.allocate(1)] == [2]
+    assert pool.lookup(b"h0", [1, 2, 3, 4]) is a[0]
+    assert [b.block_id for b in pool.allocate(2)] == [3, 0]  # the last new one, then content
+    assert pool.lookup(b"h0", [1, 2, 3, 4]) is None and pool.num_free == 0
+    pool.check_integrity()
+    with pytest.raises(ValueError, match="COST"):
+        BlockPool(4, 4, grow=True)

@@ -26,9 +26,10 @@ SEQ, SESS, PIN, QUAR, TRANS = (c.holder_kind for c in (Sequence, SessionKV, Pin,
                                                         Transient))
 
 
-def manager(num_blocks: int = 8) -> KVCacheManager:
+def manager(num_blocks: int = 8, host_blocks: int = 0) -> KVCacheManager:
     kv = KVPool(2, num_blocks, BS, 1, 4, torch.float32, torch.device("cpu"))
-    return KVCacheManager(BlockPool(num_blocks, BS), kv)
+    host = HostPool(kv, host_blocks).index if host_blocks else None
+    return KVCacheManager(BlockPool(num_blocks, BS), kv, host)
 
 
 def seq(tokens=None) -> Sequence:
@@ -194,7 +195,7 @@ def test_retarget_to_indexed_survives_a_hash_collision():
 @pytest.fixture
 def checked_in():
     """A turn of 9 computed tokens checked into a session from a 4-block sequence."""
-    m, q, s = manager(), seq(), session()
+    m, q, s = manager(host_blocks=4), seq(), session()
     m.allocate_slots(q, 4)
     tokens = list(range(9))
     hashes = publish(m, q, tokens)
@@ -206,7 +207,7 @@ def test_checkin_then_checkout_writes_a_private_partial_tail_in_place(checked_in
     m, s, tokens, hashes = checked_in
     assert ids(s) == [0, 1, 2] and fifo(m) == [4, 5, 6, 7, 3]
     assert s.tokens == tuple(tokens) and s.hashes == tuple(hashes) and len(hashes) == 2
-    assert s.tier is Tier.DEVICE and s.host_ids == () and m.holders() == [(SESS, [0, 1, 2])]
+    assert s.tier is Tier.DEVICE and s.host_blocks == () and m.holders() == [(SESS, [0, 1, 2])]
     m.check_integrity()
     q = seq()
     assert m.checkout(s, q, 9) == 9  # no copy: nothing else can see block 2
@@ -254,55 +255,106 @@ def test_share_then_checkout_copies_or_drops_the_shared_partial_tail(checked_in)
     m.check_integrity()
 
 
+def hids(s):
+    return [h.block_id for h in s.host_blocks]
+
+
+def host_free(m):
+    """The host blocks no one holds, in the order they would be taken: without content,
+    then never used (the host pool creates its blocks as they are first needed), then
+    cached content in eviction order."""
+    q = m.host.free_queue
+    empty = [b.block_id for b in q.uncached]
+    return empty + list(range(len(m.host.blocks), m.host.num_blocks)) + \
+        [b.block_id for b in q][len(empty):]
+
+
+def host_refs(m):
+    return [b.ref_cnt for b in m.host.blocks] + [0] * (m.host.num_blocks - len(m.host.blocks))
+
+
 @pytest.fixture
 def spilled(checked_in):
-    """The session (9 tokens in [0, 1, 2]) with block 0 kept as lead, 1 and 2 on host 0, 1."""
+    """The session (9 tokens in [0, 1, 2]) with block 0 kept as lead, 1 and 2 on host 0, 1
+    (host 0 published under block 1's hash, as the mover does)."""
     m, s, tokens, hashes = checked_in
-    host = HostPool(m.kv_pool, 4)
-    m.spill_to_host(s, 1, host.allocate(2))
-    return m, s, host
+    assert m.stage_host(s, [None, None]) == {m.host.blocks[0], m.host.blocks[1]}
+    m.host.cache_full_block(m.host.blocks[0], hashes[1], tokens[4:8], hashes[0])
+    m.spill_to_host(s, 1)
+    return m, s, tokens, hashes
 
 
 def test_spill_to_host_then_loaded(spilled):
-    m, s, host = spilled
-    assert ids(s) == [0] and s.host_ids == (0, 1) and s.tier is Tier.HOST
-    assert fifo(m) == [4, 5, 6, 7, 3, 2, 1] and host.free_ids() == [3, 2]
+    m, s, tokens, hashes = spilled
+    assert ids(s) == [0] and hids(s) == [0, 1] and s.tier is Tier.HOST
+    assert fifo(m) == [4, 5, 6, 7, 3, 2, 1] and host_free(m) == [2, 3]
     assert m.holders() == [(SESS, [0])]
-    m.check_integrity(host)
+    assert host_refs(m) == [1, 1, 0, 0]
+    m.check_integrity()
     t = Transient()
     fresh = m.stage(t, [m.pool.blocks[1], None])  # 1 still cached; 2 was partial
     assert ids(t) == [1, 4] and fresh == {m.pool.blocks[4]}
-    back = m.loaded(s, t)
-    assert back == (0, 1) and ids(s) == [0, 1, 4] and t.blocks == ()
-    assert s.tier is Tier.DEVICE and s.host_ids == () and fifo(m) == [5, 6, 7, 3, 2]
-    with pytest.raises(AssertionError, match=re.escape(
-            "0 held (free or out of range: [], duplicates: 0) + 2 free != 4")):
-        m.check_integrity(host)  # not given back yet
-    host.free(list(back))
-    m.check_integrity(host)
+    m.loaded(s, t)
+    assert ids(s) == [0, 1, 4] and t.blocks == () and hids(s) == []
+    assert s.tier is Tier.DEVICE and fifo(m) == [5, 6, 7, 3, 2]
+    # the host blocks were let go: the published one keeps its content (found by hash),
+    # the partial one is empty again, reused first
+    assert host_refs(m) == [0, 0, 0, 0]
+    assert host_free(m) == [1, 2, 3, 0]
+    assert m.host.lookup(hashes[1], tokens[4:8]) is m.host.blocks[0]
+    m.check_integrity()
+
+
+def test_a_second_session_references_host_content_the_first_spilled(spilled):
+    m, s, tokens, hashes = spilled
+    other = session("s2")
+    m.stage_host(other, [m.host.lookup(hashes[1], tokens[4:8]), None])
+    assert hids(other) == [0, 2] and host_refs(m) == [2, 1, 1, 0]
+    m.check_integrity()
+    m.forget(s)
+    assert host_refs(m) == [1, 0, 1, 0]
+    m.release_host(other)
+    assert host_refs(m) == [0, 0, 0, 0] and m.holders() == []
+    m.check_integrity()
+
+
+def test_stage_host_is_all_or_nothing(spilled):
+    m, s, tokens, hashes = spilled
+    other = session("s2")
+    with pytest.raises(CacheFullError, match="host tier"):
+        m.stage_host(other, [None, None, None])  # 2 unreferenced host blocks
+    assert other.host_blocks == () and host_free(m) == [2, 3]
+    m.check_integrity()
+
+
+def test_integrity_counts_host_references(spilled):
+    m, s, tokens, hashes = spilled
+    m.host.touch([m.host.blocks[1]])  # a reference no holder accounts for
+    with pytest.raises(AssertionError, match=re.escape("host Block(1, ref=2")):
+        m.check_integrity()
 
 
 def test_spill_to_disk_drop_on_disk_and_forget(spilled, tmp_path):
-    m, s, host = spilled
-    back = m.spill_to_disk(s, 1, tmp_path / "s1.kvs")
-    assert back == (0, 1) and s.host_ids == () and ids(s) == [0]
+    m, s, tokens, hashes = spilled
+    m.spill_to_disk(s, 1, tmp_path / "s1.kvs")
+    assert hids(s) == [] and ids(s) == [0]
     assert s.tier is Tier.DISK and s.disk_path == tmp_path / "s1.kvs"
-    host.free(list(back))
-    assert host.free_ids() == [3, 2, 1, 0]
-    m.check_integrity(host)
-    assert m.drop(s, 1) == () and ids(s) == [0] and s.tier is Tier.DEVICE
+    assert sorted(host_free(m)) == [0, 1, 2, 3]
+    m.check_integrity()
+    m.drop(s, 1)
+    assert ids(s) == [0] and s.tier is Tier.DEVICE
     assert s.tokens == (0, 1, 2, 3) and s.hashes == (HASHER.extend([], range(4), 4, None)[0],)
-    m.spill_to_host(s, 1, host.allocate(1))
+    m.stage_host(s, [None])
+    m.spill_to_host(s, 1)
     other = session("s2")
     m.on_disk(other, [1, 2, 3], [], tmp_path / "s2.kvs")
     assert other.tier is Tier.DISK and other.tokens == (1, 2, 3) and other.blocks == ()
     assert m.holders() == [(SESS, [0])]  # other holds nothing on the device or host
-    m.check_integrity(host)
-    back = m.forget(s)
-    assert back == (0,) and s.blocks == () and s.tokens == () and s.tier is Tier.DEVICE
+    m.check_integrity()
+    m.forget(s)
+    assert s.blocks == () and s.tokens == () and s.tier is Tier.DEVICE and hids(s) == []
     assert s.disk_path is None and m.holders() == [] and fifo(m)[-1] == 0
-    host.free(list(back))
-    m.check_integrity(host)
+    m.check_integrity()
 
 
 def test_pins_take_references_within_their_budget():

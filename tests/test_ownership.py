@@ -1,5 +1,5 @@
 """One owner per concept, checked by reading the sources: block tables (`.blocks`,
-`.host_ids` of sequences, sessions, pins, quarantines) are written only by
+`.host_blocks` of sequences, sessions, pins, quarantines) are written only by
 kvsession/cache/manager.py; reference counts (`.ref_cnt`) only by cache/block_pool.py."""
 
 from __future__ import annotations
@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLES = {"blocks", "host_ids"}
-OWNERS = {"blocks": "kvsession/cache/manager.py", "host_ids": "kvsession/cache/manager.py",
+TABLES = {"blocks", "host_blocks"}
+OWNERS = {"blocks": "kvsession/cache/manager.py", "host_blocks": "kvsession/cache/manager.py",
           "ref_cnt": "kvsession/cache/block_pool.py"}
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "__setitem__"}
+# a pool's own list of its blocks (a growing pool, the host tier's, appends to it as it
+# creates them) shares the name of holders' tables but is not one
+OWN_LIST = {("kvsession/cache/block_pool.py", "blocks")}
 
 
 def sources():
@@ -63,7 +66,7 @@ def writes(tree: ast.AST) -> list[tuple[str, int, bool]]:
 def test_only_the_owner_writes(path):
     rel = str(path.relative_to(ROOT))
     bad = [(attr, line) for attr, line, own_init in writes(ast.parse(path.read_text()))
-           if OWNERS[attr] != rel and not own_init]
+           if OWNERS[attr] != rel and not own_init and (rel, attr) not in OWN_LIST]
     assert not bad, f"{rel} writes {bad}; only {sorted(set(OWNERS.values()))} may"
 
 
@@ -75,12 +78,12 @@ class X:
     def f(self, seq, s):
         seq.blocks = ()
         seq.blocks += (1,)
-        s.host_ids, s.tier = [], 0
+        s.host_blocks, s.tier = [], 0
         seq.blocks.append(3)
         seq.blocks[0] = 1
         b.ref_cnt -= 1
 """
     found = writes(ast.parse(code))
     assert [(a, own) for a, _, own in found] == [
-        ("blocks", True), ("blocks", False), ("blocks", False), ("host_ids", False),
+        ("blocks", True), ("blocks", False), ("blocks", False), ("host_blocks", False),
         ("blocks", False), ("blocks", False), ("ref_cnt", False)]

@@ -40,9 +40,9 @@ class Probe:
 
 def build(tmp_path, num_blocks=8, host_blocks=4, disk=True, spill_after_s=None):
     kv = KVPool(2, num_blocks, BS, 1, 4, torch.float32, torch.device("cpu"))
-    m = KVCacheManager(BlockPool(num_blocks, BS), kv)
-    prefix = PrefixCache(m, HASHER, max_pinned_blocks=4)
     host = HostPool(kv, host_blocks) if host_blocks else None
+    m = KVCacheManager(BlockPool(num_blocks, BS), kv, host.index if host else None)
+    prefix = PrefixCache(m, HASHER, max_pinned_blocks=4)
     mover = TierMover(m, host, DiskTier(tmp_path) if disk else None, HASHER, HEADER)
     probe = Probe()
     policy = TierPolicy(mover, prefix, load=probe,
@@ -88,10 +88,19 @@ def holds(tensors, i, orig):
 
 
 def check(e):
-    if e.host is None:
-        e.m.check_integrity()
-    else:
-        e.m.check_integrity(e.host)
+    e.m.check_integrity()
+
+
+def hids(s):
+    """The host block ids a session holds, in order."""
+    return tuple(h.block_id for h in s.host_blocks)
+
+
+def host_free(e):
+    """The host blocks no session holds (some with cached content), by id."""
+    index = e.host.index  # it creates its blocks as they are first needed
+    return sorted([b.block_id for b in index.free_queue]
+                  + list(range(len(index.blocks), index.num_blocks)))
 
 
 def evict_all_and_zero(e):
@@ -114,7 +123,7 @@ def test_reclaim_spills_least_recently_used_idle_sessions(tmp_path):
     s3.busy = True
     assert (ids(s1), ids(s2), ids(s3), fifo(e)) == ([0, 1], [2, 3], [4], [5, 6, 7])
     assert e.policy.reclaim(2) == 2
-    assert s1.tier is Tier.HOST and s1.host_ids == (0, 1) and s1.blocks == ()
+    assert s1.tier is Tier.HOST and hids(s1) == (0, 1) and s1.blocks == ()
     assert holds(e.host.tensors, 0, 0) and holds(e.host.tensors, 1, 1)
     assert fifo(e) == [5, 6, 7, 1, 0]  # released, still cached:
     assert e.m.pool.lookup(s1.hashes[1], range(4, 8)) is e.m.pool.blocks[1]
@@ -123,7 +132,7 @@ def test_reclaim_spills_least_recently_used_idle_sessions(tmp_path):
     assert e.policy.decisions == [("s1", "spill to host", "device pool short of 2 blocks")]
     check(e)
     assert e.policy.reclaim(3) == 2  # s2 moves; busy s3 never does
-    assert s2.host_ids == (2, 3) and ids(s3) == [4] and e.host.free_ids() == []
+    assert hids(s2) == (2, 3) and ids(s3) == [4] and host_free(e) == []
     assert fifo(e) == [5, 6, 7, 1, 0, 3, 2]
     assert e.policy.decisions[-1] == ("s2", "spill to host", "device pool short of 3 blocks")
     check(e)
@@ -135,7 +144,7 @@ def test_spill_to_disk_when_the_host_is_full_then_restore_exact_bytes(tmp_path):
     assert e.policy.spill(s, reason="r") is Tier.DISK
     path = tmp_path / "s1.kvs"
     assert s.tier is Tier.DISK and s.disk_path == path and path.exists()
-    assert s.blocks == () and s.host_ids == () and fifo(e) == [3, 4, 5, 6, 7, 2, 1, 0]
+    assert s.blocks == () and hids(s) == () and fifo(e) == [3, 4, 5, 6, 7, 2, 1, 0]
     h = read_header(path)
     assert (h.session_id, h.token_ids, h.num_blocks) == ("s1", list(range(10)), 3)
     assert h.block_hashes == [x.hex() for x in s.hashes]
@@ -155,11 +164,13 @@ def test_a_full_host_moves_its_oldest_session_to_disk(tmp_path):
     e = build(tmp_path, host_blocks=2)
     s1 = add_session(e, "s1", 8, last_used=1.0)
     s2 = add_session(e, "s2", 8, last_used=2.0, start=100)
-    assert e.policy.spill(s1, reason="r") is Tier.HOST and s1.host_ids == (0, 1)
+    assert e.policy.spill(s1, reason="r") is Tier.HOST and hids(s1) == (0, 1)
     assert e.policy.spill(s2, reason="r") is Tier.HOST
-    assert s1.tier is Tier.DISK and s1.host_ids == () and (tmp_path / "s1.kvs").exists()
-    assert s2.host_ids == (0, 1) and e.host.free_ids() == []
-    assert holds(e.host.tensors, 0, 2) and holds(e.host.tensors, 1, 3)
+    assert s1.tier is Tier.DISK and hids(s1) == () and (tmp_path / "s1.kvs").exists()
+    # s1's host copies stay cached until s2 needs the room: leaf first (block 1 is the
+    # child of block 0 in s1's chain)
+    assert hids(s2) == (1, 0) and host_free(e) == []
+    assert holds(e.host.tensors, 1, 2) and holds(e.host.tensors, 0, 3)
     assert e.policy.decisions == [("s1", "spill to host", "r"),
                                   ("s1", "spill to disk", "host tier full"),
                                   ("s2", "spill to host", "r")]
@@ -187,12 +198,12 @@ def test_drop_without_any_tier_keeps_the_pinned_lead(tmp_path):
 def test_restore_from_host_copies_exact_bytes(tmp_path):
     e = build(tmp_path)
     s = add_session(e, "s1", 10, last_used=1.0)
-    assert e.policy.spill(s) is Tier.HOST and s.host_ids == (0, 1, 2)
+    assert e.policy.spill(s) is Tier.HOST and hids(s) == (0, 1, 2)
     other = evict_all_and_zero(e)
     assert e.policy.restore(s) == "host"
-    assert ids(s) == [1, 2, 7] and s.host_ids == () and s.tier is Tier.DEVICE
+    assert ids(s) == [1, 2, 7] and hids(s) == () and s.tier is Tier.DEVICE
     assert all(holds(e.kv.tensors(), b, orig) for b, orig in [(1, 0), (2, 1), (7, 2)])
-    assert e.host.free_ids() == [3, 2, 1, 0] and fifo(e) == [6, 5, 4, 3]
+    assert host_free(e) == [0, 1, 2, 3] and fifo(e) == [6, 5, 4, 3]
     assert e.policy.restores == {"host": 1, "disk": 0}
     assert e.policy.decisions[-1][:2] == ("s1", "load from host")
     e.m.release(other)
@@ -237,7 +248,7 @@ def test_restore_loads_or_recomputes_by_measured_rates(tmp_path, host_bw, tps, d
         decision, reason = e.policy.decisions[-1][1:]
         assert decision == "drop (recompute later)"
         assert reason.startswith("recompute is cheaper: 10 tokens")
-    assert s.host_ids == () and e.host.free_ids() == [3, 2, 1, 0]
+    assert hids(s) == () and host_free(e) == [0, 1, 2, 3]
     check(e)
 
 
@@ -249,7 +260,7 @@ def test_restore_recomputes_without_device_room(tmp_path):
     e.m.allocate_slots(filler, 3)
     assert e.policy.restore(s) is None and e.policy.recomputes == 1
     assert e.policy.decisions[-1][1:] == ("drop (recompute later)", "no device room to load into")
-    assert s.tokens == () and e.host.free_ids() == [3, 2, 1, 0] and fifo(e) == [0]
+    assert s.tokens == () and host_free(e) == [0, 1, 2, 3] and fifo(e) == [0]
     check(e)
 
 
@@ -276,7 +287,7 @@ def test_suspend_decisions(tmp_path, idle_s, fill, host_bw, disk_bw, tps, want):
                       "drop": (Tier.DEVICE, "drop (recompute later)")}[want]
     assert s.tier is tier and [d[1] for d in e.policy.decisions] == [decision]
     assert ids(s) == ([0, 1, 2] if want == "keep" else [])
-    assert s.host_ids == ((0, 1, 2) if want == "host" else ())
+    assert hids(s) == ((0, 1, 2) if want == "host" else ())
     assert (tmp_path / "s1.kvs").exists() is (want == "disk")
     assert e.policy.recomputes == (want == "drop") and len(s.tokens) == (want != "drop") * 10
     s.busy = True
@@ -307,11 +318,11 @@ def test_housekeeping_spills_sessions_idle_past_the_deadline(tmp_path):
     e.m.attach(t, s4.blocks)
     e.prefix.pins.add(list(range(300, 304)), t, None, now=0.0)  # s4 is all pinned lead
     assert e.policy.housekeeping(now=112.0) == 3.0
-    assert s1.tier is Tier.HOST and s1.host_ids == (0,)
+    assert s1.tier is Tier.HOST and hids(s1) == (0,)
     assert [x.tier for x in (s2, s3, s4)] == [Tier.DEVICE] * 3 and ids(s4) == [3]
     assert e.policy.decisions == [("s1", "spill to host", "idle > spill_after_s=10.0")]
     assert e.policy.housekeeping(now=115.0) is None
-    assert s2.host_ids == (1,) and ids(s3) == [2] and e.policy.spills == {"host": 2, "disk": 0}
+    assert hids(s2) == (1,) and ids(s3) == [2] and e.policy.spills == {"host": 2, "disk": 0}
     e.policy.spill_after_s = None
     assert e.policy.housekeeping(now=1e9) is None and ids(s3) == [2]
     check(e)

@@ -3,6 +3,8 @@ exact block ids, preemption order, failures, in-flight blocks and the reclaimer 
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -24,9 +26,15 @@ HEADER = StorageIdentity("m", "float32", BS, tokenizer_digest="t", template_dige
                          num_layers=2, num_kv_heads=1, head_dim=4, tensor_names=("k", "v"))
 
 
+# each manager's host tier (4 blocks; the manager owns its tables, the policy's mover copies)
+HOSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def build(num_blocks=8, max_num_seqs=4, budget=64):
     kv = KVPool(2, num_blocks, BS, 1, 4, torch.float32, torch.device("cpu"))
-    m = KVCacheManager(BlockPool(num_blocks, BS), kv)
+    host = HostPool(kv, 4)
+    m = KVCacheManager(BlockPool(num_blocks, BS), kv, host.index)
+    HOSTS[m] = host
     prefix = PrefixCache(m, StorageIdentity("m", "float32", BS).hasher())
     return m, Scheduler(m, prefix, max_num_seqs, budget)
 
@@ -212,7 +220,7 @@ def idle_session(m, sched, tokens, sid="s1"):
 
 
 def with_policy(m, sched):
-    host = HostPool(m.kv_pool, 4)
+    host = HOSTS[m]
     mover = TierMover(m, host, None, sched.prefix.hasher, HEADER)
     policy = TierPolicy(mover, sched.prefix, load=sched,
                         prefill_tps=costmodel.RateEstimator(prior=2000.0), bytes_per_token=64)
@@ -239,10 +247,11 @@ def test_reclaimer_is_tried_before_preempting(reclaimer):
     if reclaimer:
         assert work(scheduled) == [(a, 1), (b, 1)] and sched.num_preemptions == 0
         assert ids(b) == [3, 0] and m.pool.num_evictions == 1
-        assert s.tier is Tier.HOST and s.blocks == () and s.host_ids == (0,)
+        assert s.tier is Tier.HOST and s.blocks == ()
+        assert [h.block_id for h in s.host_blocks] == [0]
         assert policy.spills == {"host": 1, "disk": 0}
         assert policy.decisions == [("s1", "spill to host", "device pool short of 1 blocks")]
-        m.check_integrity(host)
+        m.check_integrity()
     else:
         assert work(scheduled) == [(a, 1)] and sched.num_preemptions == 1
         assert list(sched.waiting) == [b] and fifo(m) == [3] and ids(s) == [0]
@@ -259,10 +268,10 @@ def test_reclaimer_makes_room_for_admission():
     sched.add(c)
     scheduled, failed = sched.schedule()
     assert work(scheduled) == [(c, 9)] and failed == [] and ids(c) == [2, 3, 1]
-    assert s.host_ids == (0, 1) and s.blocks == () and fifo(m) == [0]
+    assert [h.block_id for h in s.host_blocks] == [0, 1] and s.blocks == () and fifo(m) == [0]
     assert sched.prefix.queried_tokens - queried == 8 and sched.num_preemptions == 0
     assert m.num_held(HolderKind.SEQUENCE) == 3 and m.num_held(HolderKind.SESSION) == 0
-    m.check_integrity(host)
+    m.check_integrity()
 
 
 def test_admission_leaves_headroom_for_running_sequences_to_grow():

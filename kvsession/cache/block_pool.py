@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from kvsession.cache.eviction import BOTH_ORDERS, DUEL_DECAY, CostAwareQueue, EvictionPolicy, Order
 from kvsession.errors import CacheFullError
@@ -31,6 +33,26 @@ from kvsession.errors import CacheFullError
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """How many blocks hold `num_tokens` tokens (the last one possibly partial)."""
     return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """Cached content that an allocation is about to overwrite (its KV is still intact in
+    block `block_id` until the caller of `allocate` writes there)."""
+
+    block_id: int
+    block_hash: bytes
+    token_ids: tuple[int, ...]
+    parent_hash: bytes | None  # the cached block its chain links to, if still cached
+
+
+class EvictionSink(Protocol):
+    """Keeps evicted content below the pool (the tier policy: copies it to the host tier
+    when that is worth it). Called on the engine thread, inside `allocate`."""
+
+    def evicting(self, victims: list[Evicted]) -> set[int]:
+        """Returns the ids of the victims whose content now lives in a lower tier. Must
+        not raise (a failed copy is simply not kept) nor allocate from this pool."""
 
 
 class EvictionState:
@@ -122,13 +144,20 @@ class FreeQueue:
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  eviction: EvictionPolicy = EvictionPolicy.LRU,
-                 orders: tuple[Order, ...] = BOTH_ORDERS, shadow: bool = False):
+                 orders: tuple[Order, ...] = BOTH_ORDERS, shadow: bool = False,
+                 grow: bool = False):
         """`orders`: the COST policy's victim orders; with more than one, the pool runs a
         metadata-only shadow pool per order and follows the better one (`observe`).
-        `shadow`: this pool is such a shadow (hashes only, no tokens, no KV)."""
+        `shadow`: this pool is such a shadow (hashes only, no tokens, no KV).
+        `grow`: blocks are created as they are first needed (ids in order), not all at
+        once: the host tier's pool, sized in bytes, may hold hundreds of thousands of
+        small blocks of which a run uses few (COST eviction only: a block never used is
+        taken before any cached content, as its queue takes uncached blocks first)."""
+        if grow and eviction is not EvictionPolicy.COST:
+            raise ValueError("a growing BlockPool needs COST eviction")
         self.num_blocks, self.block_size, self.is_shadow = num_blocks, block_size, shadow
         self.enable_caching, self.eviction = enable_caching, eviction
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = [Block(i) for i in range(0 if grow else num_blocks)]
         self.free_queue: FreeQueue | CostAwareQueue = (
             FreeQueue(self.blocks) if eviction is EvictionPolicy.LRU
             else CostAwareQueue(self.blocks, block_size, FreeQueue, num_blocks, orders))
@@ -151,11 +180,25 @@ class BlockPool:
         # re-use, not a one-off: it keeps its frequency and its shared mark (the ghost queue
         # of S3-FIFO / ARC), and it is not a new continuation of its parent
         self.ghosts: OrderedDict[bytes, tuple[int, bool]] = OrderedDict()
+        self.sink: EvictionSink | None = None
+
+    def attach_sink(self, sink: EvictionSink) -> None:
+        """Install what keeps evicted content (the tier policy, built after the pool)."""
+        self.sink = sink
 
     @property
     def num_free(self) -> int:
-        """Blocks with ref count 0 (some may still hold reusable cached content)."""
-        return self.free_queue.num_blocks
+        """Blocks with ref count 0 (some may still hold reusable cached content), and those
+        a growing pool has not created yet."""
+        return self.free_queue.num_blocks + self.num_blocks - len(self.blocks)
+
+    def _grow(self) -> None:
+        """A growing pool about to take a victim: a block never used comes before any
+        cached content (a new one joins the queue's uncached blocks)."""
+        if len(self.blocks) < self.num_blocks and not self.free_queue.uncached.num_blocks:
+            b = Block(len(self.blocks))
+            self.blocks.append(b)
+            self.free_queue.append(b)
 
     def allocate(self, num_blocks: int) -> list[Block]:
         """Take `num_blocks` blocks from the head of the free queue (least recently freed),
@@ -163,14 +206,27 @@ class BlockPool:
         nothing, when fewer are free."""
         if num_blocks > self.num_free:
             raise CacheFullError(f"asked for {num_blocks} KV blocks, {self.num_free} free")
-        out = []
+        out, victims, copies = [], [], []
         for _ in range(num_blocks):
+            # one at a time: evicting a leaf can make its parent the next victim
+            if len(self.blocks) < self.num_blocks:
+                self._grow()
             b = self.free_queue.popleft()
             if b.block_hash is not None:
                 self.evictions_by_reason[self.free_queue.last_reason] += 1
+                copies.append(b.evict.copy_tier)
+                if self.sink is not None:
+                    parent = _live_parent(b)
+                    victims.append(Evicted(b.block_id, b.block_hash, b.token_ids,
+                                           parent.block_hash if parent is not None else None))
             self._evict(b)
             b.ref_cnt = 1
             out.append(b)
+        # the victims' KV is intact until the caller writes these blocks: the sink copies it
+        kept = self.sink.evicting(victims) if victims else set()
+        for copy, v in zip(copies, victims or [None] * len(copies), strict=True):
+            kept_below = v is not None and v.block_id in kept and copy is None
+            self.evictions_by_copy["host" if kept_below else copy or "none"] += 1
         return out
 
     def _evict(self, b: Block) -> None:
@@ -182,7 +238,6 @@ class BlockPool:
                     self.ghosts.popitem(last=False)
             b.block_hash = b.token_ids = None
             self.num_evictions += 1
-            self.evictions_by_copy[b.evict.copy_tier or "none"] += 1
             if b.evict.parent is not None:
                 parent, generation = b.evict.parent
                 if parent.evict.generation == generation:

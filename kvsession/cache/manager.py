@@ -3,11 +3,13 @@
 `BlockPool` owns reference counts; this module owns *who holds them*. Every holder of
 device blocks — a running `Sequence`, an idle session's `SessionKV`, a `Pin`, the
 `Quarantine` of a failed remote prefill — carries a tuple of blocks (`holder.blocks`) that
-only this module assigns: holders read their table, they never change it. Host-tier block
-ids of a spilled session (`SessionKV.host_ids`) are written here too.
+only this module assigns: holders read their table, they never change it. The host tier is
+a second `BlockPool` (`tiers/host.py`: content-indexed like the device pool): the host
+blocks a spilled session holds (`SessionKV.host_blocks`), and those a `HostTransient` holds
+while one engine-thread call fills them, are written here too.
 
-Invariant (`check_integrity`): for every block, the number of times it appears in the
-tables of all live holders equals its `ref_cnt`. A leaked reference (a holder dropped
+Invariant (`check_integrity`): for every block of either pool, the number of times it
+appears in the tables of all live holders equals its `ref_cnt`. A leaked reference (a holder dropped
 without `release`) or a double reference shows up as a mismatch naming the block and its
 holders.
 
@@ -43,17 +45,6 @@ class Holder(Protocol):
     blocks: tuple[Block, ...]
 
 
-class HostBlocks(Protocol):
-    """The host tier's block ids, as the integrity check sees them (tiers.host.HostPool)."""
-
-    num_blocks: int
-
-    @property
-    def num_free(self) -> int: ...
-
-    def is_free(self, block_id: int) -> bool: ...
-
-
 class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"
@@ -65,7 +56,8 @@ class SessionKV:
     """A session's KV wherever it lives (`tier`):
     - DEVICE: `blocks` hold a reference on every block of `tokens`;
     - HOST:   `blocks` hold the leading pinned blocks (a pinned system prompt stays on the
-              device), `host_ids` the rest, in order;
+              device), `host_blocks` (host-pool blocks, one reference each) the rest, in
+              order;
     - DISK:   `blocks` as for HOST, the whole KV in `disk_path`.
     `busy` (a turn owns its blocks), `last_used` and `loaded_from` (the tier its KV was
     loaded from ahead of its next turn: a snapshot restore, a prefetch) are the tier
@@ -77,7 +69,7 @@ class SessionKV:
     tokens: tuple[int, ...] = ()
     hashes: tuple[bytes, ...] = ()
     blocks: tuple[Block, ...] = ()
-    host_ids: tuple[int, ...] = ()
+    host_blocks: tuple[Block, ...] = ()
     disk_path: Path | None = None
     tier: Tier = Tier.DEVICE
     busy: bool = False
@@ -105,9 +97,21 @@ class Transient:
         self.blocks: tuple[Block, ...] = ()
 
 
+class HostTransient:
+    """Host blocks being filled inside one engine-thread call (device blocks copied down
+    as the device pool evicts them) before they are published and let go."""
+
+    holder_kind: ClassVar[HolderKind] = HolderKind.TRANSIENT
+
+    def __init__(self):
+        self.blocks: tuple[Block, ...] = ()
+        self.host_blocks: tuple[Block, ...] = ()
+
+
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, kv: KVPool):
-        self.pool, self.kv_pool = pool, kv
+    def __init__(self, pool: BlockPool, kv: KVPool, host: BlockPool | None = None):
+        """host: the host tier's block pool (tiers.host.HostPool.index), if there is one."""
+        self.pool, self.kv_pool, self.host = pool, kv, host
         self.block_size = pool.block_size
         # every holder with a non-empty table, weakly: a holder dropped without `release`
         # vanishes from here, and its references then show up as unaccounted
@@ -120,14 +124,16 @@ class KVCacheManager:
         holder.blocks = tuple(blocks)
         self._track(holder)
 
-    def _set_host(self, s: SessionKV, host_ids: Sequence[int]) -> tuple[int, ...]:
-        old, s.host_ids = s.host_ids, tuple(host_ids)
+    def _set_host(self, s: SessionKV | HostTransient, host_blocks: Sequence[Block]) -> None:
+        """Replace the host table; the references of the old one are dropped."""
+        old, s.host_blocks = s.host_blocks, tuple(host_blocks)
+        if old:
+            self.host.free(old)
         self._track(s)
-        return old
 
     def _track(self, holder: Holder) -> None:
         """Registered while it holds anything (device blocks, or host blocks)."""
-        if holder.blocks or getattr(holder, "host_ids", ()):
+        if holder.blocks or getattr(holder, "host_blocks", ()):
             self._holders[id(holder)] = holder
         else:
             self._holders.pop(id(holder), None)
@@ -149,17 +155,9 @@ class KVCacheManager:
         """Fill an empty holder's table in the order of `targets`: a block is re-referenced
         where one is given (touched first, so the allocation cannot evict it), a fresh block
         is allocated where None. All or nothing. Returns the fresh blocks."""
-        hits = [b for b in targets if b is not None]
-        num_fresh = len(targets) - len(hits)
-        revived = sum(1 for b in hits if b.ref_cnt == 0)  # they leave the free queue
-        if num_fresh + revived > self.pool.num_free:
-            raise CacheFullError(f"asked for {num_fresh} KV blocks (+{revived} cached ones "
-                                 f"revived), {self.pool.num_free} free")
-        self.pool.touch(hits)
-        fresh = iter(self.pool.allocate(num_fresh))
-        table = [b if b is not None else next(fresh) for b in targets]
+        table, fresh = _fill(self.pool, targets, "KV blocks")
         self._set(holder, table)
-        return {b for b, t in zip(table, targets, strict=True) if t is None}
+        return fresh
 
     def release(self, holder: Holder) -> None:
         """Drop every reference the holder has (tail first)."""
@@ -256,49 +254,67 @@ class KVCacheManager:
         child.tokens, child.hashes = parent.tokens, parent.hashes
         child.tier = Tier.DEVICE
 
-    def spill_to_host(self, s: SessionKV, num_lead: int, host_ids: Sequence[int],
-                      copy_cost: float = 1.0) -> None:
-        """The private blocks (after the pinned lead) were copied to `host_ids`; reloading
-        them costs `copy_cost` of a recompute (the eviction order uses it)."""
+    # ---- the host tier ---------------------------------------------------------------------
+
+    def stage_host(self, holder: SessionKV | HostTransient,
+                   targets: Sequence[Block | None]) -> set[Block]:
+        """Fill an empty host table in the order of `targets`: a host block is referenced
+        where one is given (content already on the host: a prefix another session spilled,
+        a block the device evicted), a fresh one allocated where None (its cached content,
+        if any, evicted). All or nothing (CacheFullError when the host tier is short).
+        Returns the fresh blocks (the caller copies into them, then publishes them)."""
+        if holder.host_blocks:
+            raise RuntimeError("stage_host: the holder already holds host blocks")
+        table, fresh = _fill(self.host, targets, "host tier blocks")
+        self._set_host(holder, table)
+        return fresh
+
+    def release_host(self, holder: SessionKV | HostTransient) -> None:
+        """Drop every host reference the holder has (their content stays cached)."""
+        self._set_host(holder, ())
+
+    def spill_to_host(self, s: SessionKV, num_lead: int, copy_cost: float = 1.0) -> None:
+        """The private blocks (after the pinned lead) were copied to the host blocks the
+        session staged (`stage_host`); reloading them costs `copy_cost` of a recompute
+        (the eviction order uses it)."""
         self.pool.note_copy(s.blocks[num_lead:], Tier.HOST.value, copy_cost)
         self.truncate(s, num_lead)
-        self._set_host(s, host_ids)
         s.tier = Tier.HOST
 
     def spill_to_disk(self, s: SessionKV, num_lead: int, path: Path,
-                      copy_cost: float = 1.0) -> tuple[int, ...]:
-        """The whole KV is in `path`; returns the host ids the session no longer holds
-        (the caller returns them to the host pool)."""
+                      copy_cost: float = 1.0) -> None:
+        """The whole KV is in `path`: the session lets go of its device blocks after the
+        pinned lead and of its host blocks (their content stays cached there)."""
         self.pool.note_copy(s.blocks[num_lead:], Tier.DISK.value, copy_cost)
         self.truncate(s, num_lead)
         s.disk_path, s.tier = path, Tier.DISK
-        return self._set_host(s, ())
+        self._set_host(s, ())
 
-    def drop(self, s: SessionKV, num_lead: int) -> tuple[int, ...]:
+    def drop(self, s: SessionKV, num_lead: int) -> None:
         """Forget everything after the first `num_lead` device blocks (the next turn
-        recomputes it); returns the host ids to give back."""
+        recomputes it)."""
         self.truncate(s, num_lead)
         s.tier = Tier.DEVICE
         s.tokens, s.hashes = s.tokens[: num_lead * self.block_size], s.hashes[:num_lead]
-        return self._set_host(s, ())
+        self._set_host(s, ())
 
-    def loaded(self, s: SessionKV, staged: Transient) -> tuple[int, ...]:
-        """The blocks in `staged` now hold the spilled part of the session: append them;
-        returns the host ids to give back."""
+    def loaded(self, s: SessionKV, staged: Transient) -> None:
+        """The blocks in `staged` now hold the spilled part of the session: append them
+        (its host blocks are let go: their content stays cached there)."""
         self.transfer(staged, s)
         s.tier = Tier.DEVICE
-        return self._set_host(s, ())
+        self._set_host(s, ())
 
     def on_disk(self, s: SessionKV, tokens: Sequence[int], hashes: Sequence[bytes],
                 path: Path) -> None:
         """A session restored from a snapshot whose KV is (still) only in `path`."""
         s.tokens, s.hashes, s.disk_path, s.tier = tuple(tokens), tuple(hashes), path, Tier.DISK
 
-    def forget(self, s: SessionKV) -> tuple[int, ...]:
-        """Release everything; returns the host ids to give back."""
+    def forget(self, s: SessionKV) -> None:
+        """Release everything (device and host references)."""
         self.release(s)
         s.tokens, s.hashes, s.tier, s.disk_path = (), (), Tier.DEVICE, None
-        return self._set_host(s, ())
+        self._set_host(s, ())
 
     # ---- integrity -----------------------------------------------------------------------
 
@@ -311,27 +327,43 @@ class KVCacheManager:
         """References held by holders of `kind`."""
         return sum(len(h.blocks) for h in self._holders.values() if h.holder_kind is kind)
 
-    def check_integrity(self, host: HostBlocks | None = None) -> None:
-        """Raise AssertionError unless the pool is consistent and every reference is
-        accounted to a holder; with the host tier, also that every host block is held by
-        exactly one session or free. O(device blocks + host blocks held)."""
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless both pools are consistent and every reference, on
+        the device and on the host, is accounted to a holder. O(blocks)."""
         self.pool.check_integrity()
-        counts: Counter[int] = Counter()
-        for h in self._holders.values():
-            counts.update(b.block_id for b in h.blocks)
-        for b in self.pool.blocks:
-            if counts[b.block_id] != b.ref_cnt:
-                held_by = [h.holder_kind.value for h in self._holders.values() if b in h.blocks]
-                raise AssertionError(
-                    f"{b}: ref_cnt {b.ref_cnt} but holders hold {counts[b.block_id]} "
-                    f"reference(s) ({held_by})")
-        if host is not None:
-            held = [i for h in self._holders.values() if isinstance(h, SessionKV)
-                    for i in h.host_ids]
-            bad = [i for i in held if not 0 <= i < host.num_blocks or host.is_free(i)]
-            if bad or len(set(held)) != len(held) or \
-                    len(held) + host.num_free != host.num_blocks:
-                raise AssertionError(
-                    f"host blocks: {len(held)} held (free or out of range: {bad[:8]}, "
-                    f"duplicates: {len(held) - len(set(held))}) + {host.num_free} free != "
-                    f"{host.num_blocks}")
+        holders = list(self._holders.values())
+        _check_refs(self.pool, [(h, h.blocks) for h in holders], "")
+        if self.host is not None:
+            self.host.check_integrity()
+            _check_refs(self.host, [(h, getattr(h, "host_blocks", ())) for h in holders],
+                        "host ")
+
+
+def _fill(pool: BlockPool, targets: Sequence[Block | None],
+          what: str) -> tuple[list[Block], set[Block]]:
+    """A table in the order of `targets`: each given block referenced (touched first, so
+    the allocation cannot evict it), a fresh one allocated for each None. All or nothing
+    (CacheFullError naming `what`). Returns (the table, its fresh blocks)."""
+    hits = [b for b in targets if b is not None]
+    num_fresh = len(targets) - len(hits)
+    revived = sum(1 for b in hits if b.ref_cnt == 0)  # they leave the free queue
+    if num_fresh + revived > pool.num_free:
+        raise CacheFullError(f"asked for {num_fresh} {what} (+{revived} cached ones "
+                             f"revived), {pool.num_free} free")
+    pool.touch(hits)
+    fresh = iter(pool.allocate(num_fresh))
+    table = [b if b is not None else next(fresh) for b in targets]
+    return table, {b for b, t in zip(table, targets, strict=True) if t is None}
+
+
+def _check_refs(pool: BlockPool, tables: list[tuple[Holder, tuple[Block, ...]]],
+                tier: str) -> None:
+    """Every block's ref_cnt equals the references in all holders' tables."""
+    counts: Counter[int] = Counter()
+    for _, t in tables:
+        counts.update(b.block_id for b in t)
+    for b in pool.blocks:
+        if counts[b.block_id] != b.ref_cnt:
+            held_by = [h.holder_kind.value for h, t in tables if b in t]
+            raise AssertionError(f"{tier}{b}: ref_cnt {b.ref_cnt} but holders hold "
+                                 f"{counts[b.block_id]} reference(s) ({held_by})")

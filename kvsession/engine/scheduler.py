@@ -53,6 +53,22 @@ class Reclaimer(Protocol):
         """Free about `num_blocks` device blocks; returns how many were freed."""
 
 
+class LowerTiers(Protocol):
+    """Blocks that missed on the device but a lower tier holds by content (the tier policy
+    over the host tier): found, then loaded, for any prompt."""
+
+    def lower_hits(self, token_ids: list[int], hashes: list[bytes], start: int,
+                   num_blocks: int) -> list:
+        """What holds blocks start.. (up to num_blocks) of a prompt, verified, up to the
+        first miss; empty when loading them is not worth it. Takes nothing."""
+
+    def load_lower(self, holder: Sequence, found: list, token_ids: list[int],
+                   hashes: list[bytes], start: int) -> None:
+        """Copy `found` (from `lower_hits`, this engine call: blocks start.. of the prompt
+        `token_ids` / `hashes`) into fresh device blocks, published, appended to the
+        holder's table."""
+
+
 class OffloadDecider(Protocol):
     """Decides whether a sequence's prefill goes to a remote worker."""
 
@@ -67,6 +83,7 @@ class Scheduler:
         """`offload` decides remote prefills (None: never)."""
         self.manager, self.pool, self.prefix = manager, manager.pool, prefix
         self.reclaimer: Reclaimer | None = None
+        self.lower: LowerTiers | None = None
         self._last_need = 0
         # remote prefill: sequences whose prompt KV a worker is writing wait in `remote`
         # holding their blocks; `new_remote` lists the ones admitted this step (the engine
@@ -86,6 +103,11 @@ class Scheduler:
         """Install the tier policy, tried before preempting or failing (it is built after
         the scheduler because it reads the scheduler's queue depth)."""
         self.reclaimer = reclaimer
+
+    def attach_lower_tiers(self, lower: LowerTiers) -> None:
+        """Install the lower tiers a prompt's device misses are looked up in (the tier
+        policy, built after the scheduler)."""
+        self.lower = lower
 
     def reclaim(self, num_blocks: int) -> int:
         return self.reclaimer.reclaim(num_blocks) if self.reclaimer is not None else 0
@@ -167,24 +189,28 @@ class Scheduler:
         references on the KV of its first `num_computed_tokens` tokens); then there is
         nothing to look up and only the rest is allocated."""
         attached = bool(seq.blocks)
-        hits = []
+        bs = self.pool.block_size
+        hits, lower = [], []  # device hits; what a lower tier holds after them
         if not attached and seq.params.prompt_logprobs is not None:
             num_cached = 0  # every prompt position must be computed for its logprobs
         elif not attached:
             # leave at least one token to compute, so the sequence gets logits to sample
             hits = self.prefix.match(seq.token_ids, seq.block_hashes, seq.num_tokens - 1,
                                      seq.salt)
-            num_cached = len(hits) * self.pool.block_size
-            nxt = len(hits)
+            if self.lower is not None and self.pool.enable_caching:
+                lower = self.lower.lower_hits(seq.token_ids, seq.block_hashes, len(hits),
+                                              (seq.num_tokens - 1) // bs)
+            num_cached = (len(hits) + len(lower)) * bs
+            nxt = len(hits) + len(lower)
             if nxt < len(seq.block_hashes) and self.prefix.pending.get(
                     seq.block_hashes[nxt], seq.seq_id) != seq.seq_id:
-                self._unquery(seq, num_cached)
+                self._unquery(seq, len(hits) * bs)
                 return DEFERRED
         else:
             num_cached = seq.num_computed_tokens
         held = seq.blocks if attached else hits
         if self._wants_remote(seq, num_cached):
-            return self._admit_remote(seq, hits, num_cached)
+            return self._admit_remote(seq, hits, lower, num_cached)
         n = min(seq.num_tokens - num_cached, budget)
         num_new_blocks = blocks_for(num_cached + n, self.pool.block_size) - len(held)
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # they leave the free queue
@@ -192,14 +218,16 @@ class Scheduler:
         if num_new_blocks + num_revived + headroom > self.pool.num_free:
             self._last_need = num_new_blocks + num_revived + headroom
             if not attached and seq.params.prompt_logprobs is None:  # (those never query)
-                self._unquery(seq, num_cached)
+                self._unquery(seq, len(hits) * bs)
             return None
         num_full = num_cached // self.pool.block_size
         self.prefix.mark_pending(seq.seq_id, seq.block_hashes[num_full:])
         if not attached:  # the eviction policy's shadows replay each admitted prompt
             self.pool.observe(seq.block_hashes[:(seq.num_tokens - 1) // self.pool.block_size])
         self.manager.attach(seq, hits)
-        self.manager.allocate_slots(seq, num_new_blocks)
+        if lower:  # fresh device blocks (counted in num_new_blocks) filled from below
+            self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes, len(hits))
+        self.manager.allocate_slots(seq, num_new_blocks - len(lower))
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached
@@ -241,19 +269,22 @@ class Scheduler:
                                       seq.salt)
         return self.offload.should_offload(seq, num_cached)
 
-    def _admit_remote(self, seq: Sequence, hits: list, num_cached: int):
+    def _admit_remote(self, seq: Sequence, hits: list, lower: list, num_cached: int):
         """Blocks for every prompt token but the last (computed locally, for the logits);
         the worker writes the KV of the tokens after `num_cached` into them (after the
-        prefix hits, or from inside a session's partial last block)."""
+        prefix hits and what a lower tier held, or from inside a session's partial last
+        block)."""
         held = len(seq.blocks) + len(hits)  # attached blocks or prefix hits, never both
         need = blocks_for(seq.num_tokens - 1, self.pool.block_size) - held
         revived = sum(1 for b in hits if b.ref_cnt == 0)
         if need + revived > self.pool.num_free:
             self._last_need = need + revived
-            self._unquery(seq, num_cached)
+            self._unquery(seq, len(hits) * self.pool.block_size)
             return None
         self.manager.attach(seq, hits)
-        self.manager.allocate_slots(seq, need)
+        if lower:
+            self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes, len(hits))
+        self.manager.allocate_slots(seq, need - len(lower))
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached

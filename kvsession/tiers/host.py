@@ -1,4 +1,14 @@
-"""The host (DRAM) tier: a block pool in CPU memory with the device pool's geometry.
+"""The host (DRAM) tier: a block pool in CPU memory with the device pool's geometry,
+indexed by content.
+
+Its blocks are owned the way the device pool's are: `index` is a `BlockPool` (ref counts,
+the chained-hash index verified token by token, a free queue that keeps content and evicts
+leaves first by the cost rule). A host block is referenced by the sessions that spilled it
+(the KVCacheManager writes their host tables); a block with no reference keeps its content,
+found by hash by any request, until the host tier needs the room. Content reaches it two
+ways: a session's spill (shared blocks stored once), and cached device blocks copied here as
+the device pool evicts them (`TierPolicy.evicting`), so a prefix pushed off the device by
+other work is loaded back instead of recomputed.
 
 Blocks move as whole blocks, all layers at once, one gather/scatter per tensor (K, V and
 fp8 scales): `store(ids)` copies device blocks `ids` into host blocks in a single call per
@@ -16,8 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from kvsession.cache.block_pool import BlockPool
+from kvsession.cache.eviction import EvictionPolicy, Order
 from kvsession.cache.kv_pool import KVPool, block_runs
-from kvsession.errors import CacheFullError
 from kvsession.kernels.reference import Workspace, is_fp8
 
 
@@ -34,49 +45,42 @@ class HostPool:
             name: torch.empty((t.shape[0], num_blocks, *t.shape[2:]), dtype=t.dtype,
                               pin_memory=pin)
             for name, t in device_pool.tensors().items()}
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: lowest ids first
-        self._is_free = bytearray(b"\x01") * num_blocks  # O(1) membership for checks
+        # the recency order alone: no shadow pools to duel (the host sees evictions and
+        # spills, not the prompts the duel replays)
+        self.index = BlockPool(num_blocks, device_pool.block_size, True, EvictionPolicy.COST,
+                               (Order.RECENCY,), grow=True)
         self.staged = device_pool.use_kernels
         # grown, reused staging buffers: device side, and (pinned on CUDA) host side
         self._device_staging, self._host_staging = Workspace(), Workspace(pin_memory=pin)
+        self.block_bytes = sum(t[:, :1].numel() * t.element_size()
+                               for t in device_pool.tensors().values())
+        # counters (llm.stats().tiers["host"]): tokens found here by lookups, bytes copied
+        self.hit_tokens = 0
+        self.bytes_read = 0  # host -> device
+        self.bytes_written = 0  # device -> host
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise CacheFullError(f"host tier: asked for {n} blocks, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
-        for i in out:
-            self._is_free[i] = 0
-        return out
-
-    def free_ids(self) -> list[int]:
-        """Free ids, the next to be allocated last."""
-        return list(self._free)
-
-    def is_free(self, block_id: int) -> bool:
-        return bool(self._is_free[block_id])
-
-    def free(self, ids: list[int]) -> None:
-        for i in ids:
-            if self._is_free[i]:
-                raise RuntimeError(f"host block {i} freed twice")
-            self._is_free[i] = 1
-        self._free.extend(reversed(ids))
+        """Blocks no session holds (some keep cached content until reused)."""
+        return self.index.num_free
 
     def store(self, pool: KVPool, device_ids: list[int], host_ids: list[int]) -> int:
         """Copy device blocks into host blocks; returns bytes moved (done on return)."""
         if self.staged:
-            return self._staged(pool, device_ids, host_ids, to_host=True)
-        return self._copy(pool.tensors(), self.tensors, device_ids, host_ids)
+            moved = self._staged(pool, device_ids, host_ids, to_host=True)
+        else:
+            moved = self._copy(pool.tensors(), self.tensors, device_ids, host_ids)
+        self.bytes_written += moved
+        return moved
 
     def load(self, pool: KVPool, host_ids: list[int], device_ids: list[int]) -> int:
         """Copy host blocks into device blocks; returns bytes moved."""
         if self.staged:
-            return self._staged(pool, device_ids, host_ids, to_host=False)
-        return self._copy(self.tensors, pool.tensors(), host_ids, device_ids)
+            moved = self._staged(pool, device_ids, host_ids, to_host=False)
+        else:
+            moved = self._copy(self.tensors, pool.tensors(), host_ids, device_ids)
+        self.bytes_read += moved
+        return moved
 
     def _staged(self, pool: KVPool, device_ids: list[int], host_ids: list[int],
                 to_host: bool) -> int:

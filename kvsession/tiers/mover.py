@@ -17,10 +17,17 @@ from pathlib import Path
 import torch
 
 from kvsession import costmodel
-from kvsession.cache.block_pool import Block, blocks_for
+from kvsession.cache.block_pool import Block, Evicted, blocks_for
 from kvsession.cache.hashing import BlockHasher, SaltArg
 from kvsession.cache.identity import StorageIdentity
-from kvsession.cache.manager import KVCacheManager, SessionKV, Tier, Transient
+from kvsession.cache.manager import (
+    Holder,
+    HostTransient,
+    KVCacheManager,
+    SessionKV,
+    Tier,
+    Transient,
+)
 from kvsession.errors import SnapshotError
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
@@ -46,6 +53,9 @@ class TierMover:
         compaction writes them too)."""
         self.snapshot_locks = snapshot_locks or SnapshotLocks()
         self.prefill_tps = prefill_tps
+        if host is not None and manager.host is not host.index:
+            raise ValueError("the host tier's blocks are the manager's to hold: build the "
+                             "KVCacheManager with HostPool.index")
         self.manager, self.kv_pool, self.host, self.disk = manager, manager.kv_pool, host, disk
         self.pool, self.hasher, self.identity = manager.pool, hasher, identity
         self.header_fields = identity.header_fields()  # what every header it writes holds
@@ -72,22 +82,94 @@ class TierMover:
         load = costmodel.load_ms(1, block_bytes, self.bandwidth(tier))
         return min(1.0, load / costmodel.recompute_ms(self.bs, self.prefill_tps.value))
 
-    def _give_back(self, host_ids: tuple[int, ...]) -> None:
-        if host_ids:
-            self.host.free(list(host_ids))
-
     # ---- out of the device ---------------------------------------------------------------
 
     def to_host(self, s: SessionKV, lead: int) -> None:
-        """Copy the private blocks (after `lead`) into host blocks (the caller checked that
-        the host tier has room) and release them on the device, where their content stays
-        cached until evicted."""
-        private = s.blocks[lead:]
-        ids = self.host.allocate(len(private))
+        """Move the private blocks (after `lead`) down to the host tier (the caller checked
+        that it has room): a full block whose content the host already holds (a prefix
+        another session spilled, a block the device evicted earlier) is referenced, the
+        others are copied and published there. The device blocks are released, their
+        content cached until evicted."""
+        bs, private = self.bs, s.blocks[lead:]
+        targets = [self.host.index.lookup(s.hashes[i], s.tokens[i * bs:(i + 1) * bs])
+                   if i < len(s.hashes) else None
+                   for i in range(lead, lead + len(private))]
+        fresh = self.manager.stage_host(s, targets)
+        copy = [(lead + j, d, h) for j, (d, h) in enumerate(zip(private, s.host_blocks,
+                                                                strict=True)) if h in fresh]
         t0 = time.perf_counter()
-        moved = self.host.store(self.kv_pool, [b.block_id for b in private], ids)
-        self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
-        self.manager.spill_to_host(s, lead, ids, self.copy_cost(Tier.HOST))
+        try:
+            moved = self.host.store(self.kv_pool, [d.block_id for _, d, _ in copy],
+                                    [h.block_id for _, _, h in copy])
+        except BaseException:
+            self.manager.release_host(s)
+            raise
+        if copy:
+            self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
+        for i, _, h in copy:
+            if i < len(s.hashes):
+                self.host.index.cache_full_block(h, s.hashes[i], s.tokens[i * bs:(i + 1) * bs],
+                                                 s.hashes[i - 1] if i else None)
+        self.manager.spill_to_host(s, lead, self.copy_cost(Tier.HOST))
+
+    def keep_evicted(self, victims: list[Evicted]) -> set[int]:
+        """Copy evicted device content the host tier does not hold yet into host blocks
+        (as many as it has unreferenced, its own coldest cached content making room),
+        published there for any later request. Returns the victims now held on the host."""
+        index = self.host.index
+        new = [v for v in victims if index.lookup(v.block_hash, v.token_ids) is None]
+        new = new[:index.num_free]
+        if new:
+            held = HostTransient()
+            self.manager.stage_host(held, [None] * len(new))
+            try:
+                t0 = time.perf_counter()
+                moved = self.host.store(self.kv_pool, [v.block_id for v in new],
+                                        [h.block_id for h in held.host_blocks])
+                self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
+                for v, h in zip(new, held.host_blocks, strict=True):
+                    index.cache_full_block(h, v.block_hash, v.token_ids, v.parent_hash)
+            finally:
+                self.manager.release_host(held)
+        return {v.block_id for v in victims if index.lookup(v.block_hash, v.token_ids)}
+
+    def host_hits(self, token_ids, hashes: list[bytes], start: int,
+                  num_blocks: int) -> list[Block]:
+        """The host blocks holding blocks start..num_blocks-1 of a prompt, verified token by
+        token, up to the first miss (no references taken)."""
+        bs, found = self.bs, []
+        for i in range(start, num_blocks):
+            h = self.host.index.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs])
+            if h is None:
+                break
+            found.append(h)
+        return found
+
+    def load_host_hits(self, holder: Holder, found: list[Block], token_ids,
+                       hashes: list[bytes], start: int) -> None:
+        """Copy host blocks `found` (blocks start.. of a prompt, from `host_hits`) into
+        fresh device blocks, published there under their hashes and appended to the
+        holder's table. The host blocks are referenced meanwhile, so the device
+        allocation's own evictions cannot take them. On any error nothing changes."""
+        bs, sources, staged = self.bs, HostTransient(), Transient()
+        self.manager.stage_host(sources, found)
+        try:
+            self.manager.stage(staged, [None] * len(found))
+            t0 = time.perf_counter()
+            moved = self.host.load(self.kv_pool, [h.block_id for h in found],
+                                   [b.block_id for b in staged.blocks])
+            self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
+        except BaseException:
+            self.manager.release(staged)
+            raise
+        finally:
+            self.manager.release_host(sources)
+        for j, b in enumerate(staged.blocks):
+            i = start + j
+            self.pool.cache_full_block(b, hashes[i], token_ids[i * bs:(i + 1) * bs],
+                                       hashes[i - 1] if i else None)
+        self.host.hit_tokens += len(found) * bs
+        self.manager.transfer(staged, holder)
 
     def to_disk(self, s: SessionKV, lead: int) -> bool:
         """Write the whole KV to the session's file; then release all but the pinned lead
@@ -102,19 +184,19 @@ class TierMover:
             log.warning("could not spill session %s to %s: %s; it stays in %s",
                         s.session_id, path, e, s.tier.value)
             return False
-        self._give_back(self.manager.spill_to_disk(s, lead, path, self.copy_cost(Tier.DISK)))
+        self.manager.spill_to_disk(s, lead, path, self.copy_cost(Tier.DISK))
         return True
 
     def drop(self, s: SessionKV, lead: int) -> None:
         """Forget all but the first `lead` device blocks (the next turn recomputes)."""
         self.plans.pop(s, None)
-        self._give_back(self.manager.drop(s, lead))
+        self.manager.drop(s, lead)
 
     def release(self, s: SessionKV, delete_file: bool) -> None:
         """Free the session's KV; delete_file: also its own file in session_dir (never the
         file it was restored from elsewhere, nor another session's)."""
         self.plans.pop(s, None)
-        self._give_back(self.manager.forget(s))
+        self.manager.forget(s)
         if delete_file and self.disk is not None:
             self.disk.path_for(s.session_id).unlink(missing_ok=True)
 
@@ -143,8 +225,8 @@ class TierMover:
         """Every block's tensors, contiguous, from wherever they are (device, host); blocks
         are gathered `group` at a time (one pass over the bytes, bounded extra memory)."""
         sources = [(self.kv_pool.tensors(), [b.block_id for b in s.blocks])]
-        if s.host_ids:
-            sources.append((self.host.tensors, list(s.host_ids)))
+        if s.host_blocks:
+            sources.append((self.host.tensors, [h.block_id for h in s.host_blocks]))
         for tensors, ids in sources:
             for g in range(0, len(ids), group):
                 part = ids[g:g + group]
@@ -171,9 +253,11 @@ class TierMover:
         t0 = time.perf_counter()
         try:
             if tier is Tier.HOST:
-                moved = self.host.load(self.kv_pool, [s.host_ids[j] for j, _ in copy],
+                moved = self.host.load(self.kv_pool,
+                                       [s.host_blocks[j].block_id for j, _ in copy],
                                        [b.block_id for _, b in copy])
                 self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
+                self.host.hit_tokens += len(copy) * self.bs
             elif s in self.plans:
                 moved = self._load_plan(self.plans[s], [(lead + j, b) for j, b in copy])
                 self.disk_read_bytes_per_s.observe(moved, time.perf_counter() - t0)
@@ -190,7 +274,7 @@ class TierMover:
             self.manager.release(staged)
             raise
         self.plans.pop(s, None)
-        self._give_back(self.manager.loaded(s, staged))
+        self.manager.loaded(s, staged)
 
     # ---- resumed sessions (durability="turn") ---------------------------------------------
 

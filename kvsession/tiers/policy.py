@@ -17,10 +17,10 @@ import time
 from typing import Protocol
 
 from kvsession import costmodel
-from kvsession.cache.block_pool import blocks_for
-from kvsession.cache.manager import SessionKV, Tier
+from kvsession.cache.block_pool import Block, Evicted, blocks_for
+from kvsession.cache.manager import Holder, SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
-from kvsession.errors import SnapshotError
+from kvsession.errors import CacheFullError, SnapshotError
 from kvsession.tiers.mover import TierMover
 from kvsession.tiers.snapshot_format import SnapshotHeader
 
@@ -112,7 +112,7 @@ class TierPolicy:
             return s.tier
         lead = self._num_lead(s)
         private = s.blocks[lead:]
-        if not private and not s.host_ids:
+        if not private and not s.host_blocks:
             return s.tier
         want_host = to in (None, Tier.HOST) and self.host is not None
         if want_host and s.tier is Tier.DEVICE:
@@ -136,7 +136,7 @@ class TierPolicy:
         cost them their place)."""
         idle = [o for o in sorted(self.sessions, key=lambda x: x.last_used)
                 if o.tier is Tier.HOST and not o.busy]
-        if self.host.num_free + sum(len(o.host_ids) for o in idle) < num_blocks:
+        if self.host.num_free + sum(len(o.host_blocks) for o in idle) < num_blocks:
             return
         for other in idle:
             if self.host.num_free >= num_blocks:
@@ -247,6 +247,41 @@ class TierPolicy:
         self.restores["disk"] += 1
         s.loaded_from = "disk"
         self._note(s, "load from disk", "restored from a snapshot")
+
+    # ---- any request: the host tier by content ---------------------------------------------
+
+    def evicting(self, victims: list[Evicted]) -> set[int]:
+        """The device pool is about to overwrite cached content (`EvictionSink`): keep it on
+        the host, where any later request finds it by hash. Everything evicted is kept
+        while the host has unreferenced blocks (its own coldest cached content goes first):
+        a DRAM copy costs a memory copy, a miss costs a prefill. Returns the victims kept."""
+        if self.host is None or not victims:
+            return set()
+        try:
+            return self.mover.keep_evicted(victims)
+        except (CacheFullError, RuntimeError) as e:  # nothing kept: a later miss recomputes
+            log.warning("could not keep %d evicted blocks on the host: %s", len(victims), e)
+            return set()
+
+    def lower_hits(self, token_ids: list[int], hashes: list[bytes], start: int,
+                   num_blocks: int) -> list[Block]:
+        """`LowerTiers`: the host blocks holding a prompt's blocks start.. up to the first
+        miss, when loading them beats recomputing them (`costmodel.should_load` at the
+        measured rates; the device pool takes them by the scheduler's own admission
+        check)."""
+        if self.host is None or start >= num_blocks:
+            return []
+        found = self.mover.host_hits(token_ids, hashes, start, num_blocks)
+        if found and not costmodel.should_load(
+                len(found) * self.bs, self.bytes_per_token, self.mover.bandwidth(Tier.HOST),
+                self.prefill_tps.value, self.load.queue_depth()):
+            return []
+        return found
+
+    def load_lower(self, holder: Holder, found: list[Block], token_ids: list[int],
+                   hashes: list[bytes], start: int) -> None:
+        """`LowerTiers`: copy what `lower_hits` found into the holder's next blocks."""
+        self.mover.load_host_hits(holder, found, token_ids, hashes, start)
 
     # ---- hints -----------------------------------------------------------------------------
 
