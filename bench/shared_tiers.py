@@ -22,6 +22,14 @@ Reports prompt tokens computed, tokens hit per tier, TTFT p50 / p99 (all request
 agent turns) and the makespan, median over `--rounds` rounds (the order of the three
 rotating each round) with their range. Targets: shared computes >= 2x fewer prompt tokens
 than device, and its TTFT p99 is better than both. JSON + `--plot`.
+
+`--workload agents`: which idle session moves when the device is short. 16 agents, 8 turns,
+no RAG; the same heavy-tailed tool waits (sigma 1.5, capped at 8 s), announced; a host tier
+of 4,096 tokens (what does not fit there is dropped and recomputed). Configurations:
+- last_use: the revision before sessions kept their expected return (`--baseline-order`):
+  reclaim spills the least recently used session;
+- expected: this tree: the one expected back last per reload cost, keeps with a TTL.
+Reports the makespan and TTFT p99 of agent turns, prompt tokens computed.
 """
 
 from __future__ import annotations
@@ -43,29 +51,38 @@ from pathlib import Path
 from common import MID_SIZE, mid_model, pyplot, save_figure, text_of, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-# the last revision whose host tier was session-private (before the content index landed)
-BASELINE = "db28ed4"
-CONFIGS = ("device", "private", "shared")
+# the last revision whose host tier was session-private (before the content index landed),
+# and the last whose reclaim ordered sessions by last use
+BASELINE, BASELINE_ORDER = "db28ed4", "a26d440"
+SYSTEM_TOKENS, MESSAGE_TOKENS, REPLY_TOKENS = 512, 128, 16
+NUM_DOCS, DOC_TOKENS, QUESTION_TOKENS, RAG_GAP_S, RAG_IN_FLIGHT = 10, 2048, 64, 0.8, 4
+TOOL_MEDIAN_S = 0.4
+# per workload: agents, turns, RAG requests, device and host tokens, tool-wait tail, and
+# each configuration's (engine: "this" tree or "baseline" / "baseline_order", host tier)
+WORKLOADS = {
+    "mixed": {"agents": 8, "turns": 6, "rag": 32, "device": 8192, "host": 65536,
+              "sigma": 1.2, "cap_s": 6.0,
+              "configs": {"device": ("this", False), "private": ("baseline", True),
+                          "shared": ("this", True)}},
+    "agents": {"agents": 16, "turns": 8, "rag": 0, "device": 8192, "host": 4096,
+               "sigma": 1.5, "cap_s": 8.0,
+               "configs": {"last_use": ("baseline_order", True),
+                           "expected": ("this", True)}},
+}
 
-NUM_AGENTS, TURNS, SYSTEM_TOKENS, MESSAGE_TOKENS, REPLY_TOKENS = 8, 6, 512, 128, 16
-NUM_DOCS, DOC_TOKENS, QUESTION_TOKENS, NUM_RAG, RAG_GAP_S, RAG_IN_FLIGHT = 10, 2048, 64, 32, \
-    0.8, 4
-DEVICE_TOKENS, HOST_TOKENS = 8192, 65536
-TOOL_MEDIAN_S, TOOL_SIGMA, TOOL_CAP_S = 0.4, 1.2, 6.0
 
-
-def trace(tokenizer, seed: int = 0) -> dict:
+def trace(tokenizer, w: dict, seed: int = 0) -> dict:
     """The workload, drawn once: agents' texts and tool waits, RAG prompts and arrivals."""
     rng = random.Random(seed)
     system = text_of(tokenizer, rng, SYSTEM_TOKENS)
-    agents = [{"messages": [text_of(tokenizer, rng, MESSAGE_TOKENS) for _ in range(TURNS)],
-               "waits": [min(TOOL_CAP_S, rng.lognormvariate(math.log(TOOL_MEDIAN_S),
-                                                             TOOL_SIGMA))
-                         for _ in range(TURNS)]} for _ in range(NUM_AGENTS)]
+    agents = [{"messages": [text_of(tokenizer, rng, MESSAGE_TOKENS) for _ in range(w["turns"])],
+               "waits": [min(w["cap_s"], rng.lognormvariate(math.log(TOOL_MEDIAN_S),
+                                                             w["sigma"]))
+                         for _ in range(w["turns"])]} for _ in range(w["agents"])]
     docs = [[rng.randrange(4, 500) for _ in range(DOC_TOKENS)] for _ in range(NUM_DOCS)]
     weights = [1 / (i + 1) for i in range(NUM_DOCS)]
     rag, t = [], 0.0
-    for _ in range(NUM_RAG):
+    for _ in range(w["rag"]):
         t += rng.expovariate(1 / RAG_GAP_S)
         doc = rng.choices(range(NUM_DOCS), weights)[0]
         rag.append({"at_s": t, "doc": doc,
@@ -73,7 +90,7 @@ def trace(tokenizer, seed: int = 0) -> dict:
     return {"system": system, "agents": agents, "docs": docs, "rag": rag}
 
 
-def run_one(config: str, model: Path) -> dict:
+def run_one(workload: str, config: str, model: Path) -> dict:
     """One configuration in this process (the caller chose which kvsession it imports)."""
     import kvsession
     from kvsession import LLM, SamplingParams
@@ -82,10 +99,11 @@ def run_one(config: str, model: Path) -> dict:
 
     bpt = 2 * MID_SIZE["num_hidden_layers"] * MID_SIZE["num_key_value_heads"] \
         * MID_SIZE["head_dim"] * 4  # the mid model's float32 KV bytes per token
-    host = 0 if config == "device" else HOST_TOKENS * bpt
-    llm = LLM(model, kv_cache_memory=DEVICE_TOKENS * bpt, host_cache_memory=host,
+    spec = WORKLOADS[workload]
+    host = spec["host"] * bpt if spec["configs"][config][1] else 0
+    llm = LLM(model, kv_cache_memory=spec["device"] * bpt, host_cache_memory=host,
               max_model_len=4096)
-    w = trace(llm.tokenizer)
+    w = trace(llm.tokenizer, spec)
     params = SamplingParams(max_tokens=REPLY_TOKENS, temperature=0.0, ignore_eos=True)
     ttfts: list[tuple[str, float]] = []
     lock = threading.Lock()
@@ -135,16 +153,18 @@ def run_one(config: str, model: Path) -> dict:
             "restores": dict(st.restores), "spills": dict(st.spills),
             "evictions_by_copy": dict(st.prefix.evictions_by_copy),
             "ttft_p50_s": pct(all_s, 50), "ttft_p99_s": pct(all_s, 99),
-            "rag_ttft_p99_s": pct(sorted(t for k, t in ttfts if k == "rag"), 99),
+            "rag_ttft_p99_s": pct(sorted(t for k, t in ttfts if k == "rag"), 99)
+            if spec["rag"] else None,
             "agent_ttft_p99_s": pct(sorted(t for k, t in ttfts if k == "agent"), 99)}
 
 
-def child(config: str, tree: Path, model: Path) -> dict:
+def child(workload: str, config: str, tree: Path, model: Path) -> dict:
     """`run_one` in a fresh process importing kvsession from `tree`."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT / "bench")])}
-        subprocess.run([sys.executable, __file__, "--one", config, "--model", str(model),
-                        "--out", out.name], env=env, check=True, cwd=tree)
+        subprocess.run([sys.executable, __file__, "--workload", workload, "--one", config,
+                        "--model", str(model), "--out", out.name], env=env, check=True,
+                       cwd=tree)
         return json.loads(Path(out.name).read_text())
 
 
@@ -160,22 +180,29 @@ def baseline_tree(rev: str) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--workload", choices=WORKLOADS, default="mixed")
     ap.add_argument("--baseline", default=BASELINE, help="git revision of 'private'")
+    ap.add_argument("--baseline-order", default=BASELINE_ORDER,
+                    help="git revision of 'last_use'")
     ap.add_argument("--plot", action="store_true")
-    ap.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        args.out.write_text(json.dumps(run_one(args.one, args.model)))
+        args.out.write_text(json.dumps(run_one(args.workload, args.one, args.model)))
         return
     model = mid_model()
-    trees = {"device": ROOT, "private": baseline_tree(args.baseline), "shared": ROOT}
-    runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    spec = WORKLOADS[args.workload]
+    configs = tuple(spec["configs"])
+    engines = {"this": ROOT, "baseline": args.baseline, "baseline_order": args.baseline_order}
+    trees = {c: engines[e] if e == "this" else baseline_tree(engines[e])
+             for c, (e, _) in spec["configs"].items()}
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
     for r in range(args.rounds):
-        order = CONFIGS[r % 3:] + CONFIGS[:r % 3]
-        for c in order:
-            res = child(c, trees[c], model)
+        k = r % len(configs)
+        for c in configs[k:] + configs[:k]:
+            res = child(args.workload, c, trees[c], model)
             runs[c].append(res)
             print(f"round {r + 1} {c:8s} makespan {res['makespan_s']:.1f} s, prefill "
                   f"{res['prefill_tokens']} tokens, hits device {res['device_hit_tokens']} "
@@ -188,24 +215,43 @@ def main() -> None:
     summary = {c: {k: med(c, k) for k in ("makespan_s", "prefill_tokens",
                                           "device_hit_tokens", "host_hit_tokens",
                                           "ttft_p50_s", "ttft_p99_s", "rag_ttft_p99_s",
-                                          "agent_ttft_p99_s")} for c in CONFIGS}
+                                          "agent_ttft_p99_s")} for c in configs}
+    if args.workload == "agents":
+        lu, ex = summary["last_use"], summary["expected"]
+        print(f"expected return vs last use: makespan {ex['makespan_s'][0]:.1f} / "
+              f"{lu['makespan_s'][0]:.1f} s, agent TTFT p99 "
+              f"{ex['agent_ttft_p99_s'][0] * 1e3:.0f} / {lu['agent_ttft_p99_s'][0] * 1e3:.0f} ms")
+        write_result("expected_return", {"baseline_order": args.baseline_order,
+                                         "rounds": runs, "summary": summary,
+                                         "workload": {k: v for k, v in spec.items()
+                                                      if k != "configs"}})
+        if args.plot:
+            plt = pyplot()
+            fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 4))
+            a1.bar(configs, [summary[c]["makespan_s"][0] for c in configs])
+            a1.set_title("makespan s")
+            a2.bar(configs, [summary[c]["agent_ttft_p99_s"][0] * 1e3 for c in configs])
+            a2.set_title("agent turn TTFT p99 ms")
+            save_figure(fig, "expected_return")
+        return
     fewer = summary["device"]["prefill_tokens"][0] / summary["shared"]["prefill_tokens"][0]
-    p99 = {c: summary[c]["ttft_p99_s"][0] for c in CONFIGS}
+    p99 = {c: summary[c]["ttft_p99_s"][0] for c in configs}
     print(f"prompt tokens computed: device / shared = {fewer:.2f}x (target >= 2x)")
     print(f"TTFT p99: device {p99['device'] * 1e3:.0f} ms, private {p99['private'] * 1e3:.0f} "
           f"ms, shared {p99['shared'] * 1e3:.0f} ms (target: shared best)")
     write_result("shared_tiers", {"baseline": args.baseline, "rounds": runs,
                                   "summary": summary, "fewer_prefill_vs_device": fewer,
-                                  "device_tokens": DEVICE_TOKENS, "host_tokens": HOST_TOKENS})
+                                  "device_tokens": spec["device"],
+                                  "host_tokens": spec["host"]})
     if args.plot:
         plt = pyplot()
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-        a1.bar(CONFIGS, [summary[c]["prefill_tokens"][0] for c in CONFIGS])
+        a1.bar(configs, [summary[c]["prefill_tokens"][0] for c in configs])
         a1.set_title("prompt tokens computed")
         for i, key in enumerate(("ttft_p50_s", "ttft_p99_s")):
-            a2.bar([j + 0.4 * i for j in range(3)], [summary[c][key][0] * 1e3 for c in CONFIGS],
+            a2.bar([j + 0.4 * i for j in range(3)], [summary[c][key][0] * 1e3 for c in configs],
                    0.4, label=key[5:8])
-        a2.set_xticks([j + 0.2 for j in range(3)], CONFIGS)
+        a2.set_xticks([j + 0.2 for j in range(3)], configs)
         a2.set_title("TTFT ms")
         a2.legend()
         save_figure(fig, "shared_tiers")

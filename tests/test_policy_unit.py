@@ -353,3 +353,64 @@ def test_suspend_drops_only_when_recompute_is_clearly_cheaper(tmp_path, reload_v
     assert (tmp_path / "s1.kvs").exists() is (want == "disk")
     assert e.policy.recomputes == (want == "drop")
     check(e)
+
+
+def on_clock(e, start: float):
+    """The policy's clock, set by the test: a list whose one item is now."""
+    now = [start]
+    e.policy.clock = lambda: now[0]
+    return now
+
+
+def test_a_session_learns_its_gaps_between_turns(tmp_path):
+    e = build(tmp_path)
+    now = on_clock(e, 0.0)
+    s = add_session(e, "s", 8, last_used=0.0)
+    for t in (0.0, 10.0, 20.0, 60.0):  # turns ending at these times, each instant
+        now[0] = t
+        e.policy.checkout(s)
+        e.policy.checkin(s)
+    # gaps 10, 10, 40: the newest weighs GAP_WEIGHT (0.3)
+    assert s.turns == 4 and s.gap_s == pytest.approx(0.3 * 40 + 0.7 * 10)
+    assert e.policy.expected_return_s(s, 65.0) == pytest.approx(14.0)
+    # overdue: expected to stay away as long again as it has been
+    assert e.policy.expected_return_s(s, 90.0) == pytest.approx(30.0)
+    # an announced wait wins over the learned gaps until the next turn
+    e.policy.suspend(s, expected_idle_s=100.0)
+    assert s.expected_idle_s == 100.0
+    assert e.policy.expected_return_s(s, 65.0) == pytest.approx(95.0)
+    e.policy.checkout(s)
+    assert s.expected_idle_s is None
+    check(e)
+
+
+def test_reclaim_spills_the_session_expected_back_last_first(tmp_path):
+    e = build(tmp_path)
+    on_clock(e, 100.0)
+    a = add_session(e, "a", 8, last_used=90.0)  # least recently used: LRU's victim
+    b = add_session(e, "b", 8, last_used=99.0, start=100)
+    # their forecasts (what suspend() and their gaps set): a is back in 2 s, b in ~10 min
+    a.expected_idle_s, b.expected_idle_s = 12.0, 600.0
+    assert e.policy.reclaim(2) == 2
+    assert b.tier is Tier.HOST and a.tier is Tier.DEVICE
+    # with nothing known, the one idle longest is expected back last (LRU)
+    c = add_session(e, "c", 8, last_used=95.0, start=200)
+    d = add_session(e, "d", 8, last_used=98.0, start=300)
+    a.expected_idle_s = None
+    a.last_used = 99.5
+    assert e.policy.reclaim(2) == 2
+    assert c.tier is Tier.HOST and d.tier is Tier.DEVICE and a.tier is Tier.DEVICE
+    check(e)
+
+
+def test_a_keep_lapses_after_its_ttl(tmp_path):
+    e = build(tmp_path, num_blocks=32)  # plenty of room: a short wait is kept
+    on_clock(e, 0.0)
+    s = add_session(e, "s", 8, last_used=0.0)
+    assert e.policy.suspend(s, expected_idle_s=5.0) == "keep"
+    assert s.keep_until == 10.0  # KEEP_TTL_FACTOR (2) expected idle times
+    assert e.policy.housekeeping(9.0) == pytest.approx(1.0) and s.tier is Tier.DEVICE
+    assert e.policy.housekeeping(10.0) is None
+    assert s.tier is Tier.HOST and s.keep_until is None
+    assert e.policy.decisions[-1] == ("s", "spill to host", "kept past its expected return")
+    check(e)

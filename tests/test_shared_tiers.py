@@ -152,3 +152,30 @@ def test_random_traces_through_the_host_match_an_engine_without_caching(llama_di
             want += [o.token_ids for o in gen(plain, prompts[::-1], G)]
             llm.check_integrity()
         assert got == want, seed
+
+
+def test_a_dropped_session_turn_loads_its_blocks_back_from_the_host(llama_dir):
+    """A session's turn continues after its attached blocks (its pinned system prompt):
+    what its earlier spill left on the host is loaded, not recomputed, and the reply is
+    the one of a session that never left the device."""
+    system = "You are a careful reviewer of long design documents and their risks."
+    first, second = "Here is the document: " + "the cache is state; " * 5, "Risks?"
+    with fixed_rates(LLM(llama_dir, host_cache_memory=64 * 8 * BPT, **DEVICE)) as llm:
+        with llm.session(system=system, sampling=G) as s:
+            want = [s.send(first).token_ids, s.send(second).token_ids]
+    with fixed_rates(LLM(llama_dir, host_cache_memory=64 * 8 * BPT, **DEVICE)) as llm:
+        ins = Internals(llm)
+        with llm.session(system=system, sampling=G) as s:
+            got = [s.send(first).token_ids]
+            lead, num_full = ins.num_lead(s), len(s.kv.tokens) // 8
+            assert lead > 0  # the pinned system prompt stays attached
+            assert ins.spill(s, Tier.HOST) is Tier.HOST
+            ins.drop(s)  # its host blocks let go: their content stays cached there
+            flood(llm, 103)  # and the device's copies are evicted
+            before = llm.stats().tiers["host"].hit_tokens
+            r = s.send(second)
+            got.append(r.token_ids)
+            assert llm.stats().tiers["host"].hit_tokens - before >= (num_full - lead - 2) * 8
+            assert r.cached_tokens >= num_full * 8 - 16
+        llm.check_integrity()
+    assert got == want

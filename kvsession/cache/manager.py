@@ -59,8 +59,10 @@ class SessionKV:
               device), `host_blocks` (host-pool blocks, one reference each) the rest, in
               order;
     - DISK:   `blocks` as for HOST, the whole KV in `disk_path`.
-    `busy` (a turn owns its blocks), `last_used` and `loaded_from` (the tier its KV was
-    loaded from ahead of its next turn: a snapshot restore, a prefetch) are the tier
+    `busy` (a turn owns its blocks), `last_used`, `loaded_from` (the tier its KV was
+    loaded from ahead of its next turn: a snapshot restore, a prefetch) and the return
+    forecast (`turns`, `gap_s`: the learned gap between turns, `expected_idle_s`: the wait
+    the session announced, `keep_until`: when a "keep" decision lapses) are the tier
     policy's; the rest is written by KVCacheManager only."""
 
     holder_kind: ClassVar[HolderKind] = HolderKind.SESSION
@@ -75,6 +77,10 @@ class SessionKV:
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
     loaded_from: str | None = None
+    turns: int = 0
+    gap_s: float | None = None
+    expected_idle_s: float | None = None
+    keep_until: float | None = None
 
 
 class Quarantine:

@@ -59,11 +59,11 @@ class PrefixCache:
         return hits
 
     def lookup_blocks(self, token_ids: Sequence[int], hashes: list[bytes],
-                      num_blocks: int) -> list[Block]:
-        """The verified cached blocks of the first `num_blocks` blocks, up to the first miss
+                      num_blocks: int, start: int = 0) -> list[Block]:
+        """The verified cached blocks of blocks start..num_blocks-1, up to the first miss
         (no statistics, no references)."""
         bs, hits = self.pool.block_size, []
-        for i in range(num_blocks):
+        for i in range(start, num_blocks):
             b = self.pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs])
             if b is None:
                 break

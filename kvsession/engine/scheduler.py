@@ -186,8 +186,9 @@ class Scheduler:
         nothing changed) when the blocks are not there.
 
         A sequence may arrive with blocks already attached (a session's next turn: its
-        references on the KV of its first `num_computed_tokens` tokens); then there is
-        nothing to look up and only the rest is allocated."""
+        references on the KV of its first `num_computed_tokens` tokens); then the lookup
+        continues after them (a session whose KV was dropped but whose blocks the device
+        cache or a lower tier still holds), when they end on a block boundary."""
         attached = bool(seq.blocks)
         bs = self.pool.block_size
         hits, lower = [], []  # device hits; what a lower tier holds after them
@@ -207,8 +208,9 @@ class Scheduler:
                 self._unquery(seq, len(hits) * bs)
                 return DEFERRED
         else:
-            num_cached = seq.num_computed_tokens
-        held = seq.blocks if attached else hits
+            hits, lower = self._after_attached(seq)
+            num_cached = seq.num_computed_tokens + (len(hits) + len(lower)) * bs
+        held = (*seq.blocks, *hits)
         if self._wants_remote(seq, num_cached):
             return self._admit_remote(seq, hits, lower, num_cached)
         n = min(seq.num_tokens - num_cached, budget)
@@ -224,9 +226,10 @@ class Scheduler:
         self.prefix.mark_pending(seq.seq_id, seq.block_hashes[num_full:])
         if not attached:  # the eviction policy's shadows replay each admitted prompt
             self.pool.observe(seq.block_hashes[:(seq.num_tokens - 1) // self.pool.block_size])
+        start = len(seq.blocks) + len(hits)
         self.manager.attach(seq, hits)
         if lower:  # fresh device blocks (counted in num_new_blocks) filled from below
-            self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes, len(hits))
+            self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes, start)
         self.manager.allocate_slots(seq, num_new_blocks - len(lower))
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
@@ -253,6 +256,22 @@ class Scheduler:
                 child.status = SequenceStatus.WAITING
                 self.waiting.appendleft(child)
 
+    def _after_attached(self, seq: Sequence) -> tuple[list, list]:
+        """A session turn's attached blocks end on a block boundary before the prompt's
+        last full block: the device blocks and then the lower-tier blocks holding the
+        next ones (what a dropped session's spill or other requests left cached)."""
+        bs, start = self.pool.block_size, len(seq.blocks)
+        end = (seq.num_tokens - 1) // bs
+        if (not self.pool.enable_caching or seq.params.prompt_logprobs is not None
+                or seq.num_computed_tokens != start * bs or start >= end):
+            return [], []
+        # hashed as `match` hashes (the request's Salt): the same hashes `update` publishes
+        self.prefix.hasher.extend(seq.block_hashes, seq.token_ids, end * bs, seq.salt)
+        hits = self.prefix.lookup_blocks(seq.token_ids, seq.block_hashes, end, start)
+        lower = self.lower.lower_hits(seq.token_ids, seq.block_hashes, start + len(hits),
+                                      end) if self.lower is not None else []
+        return hits, lower
+
     def _wants_remote(self, seq: Sequence, num_cached: int) -> bool:
         """A follow-up turn (attached blocks) qualifies like a fresh prompt: only its tokens
         after `num_cached` would move."""
@@ -274,16 +293,17 @@ class Scheduler:
         the worker writes the KV of the tokens after `num_cached` into them (after the
         prefix hits and what a lower tier held, or from inside a session's partial last
         block)."""
-        held = len(seq.blocks) + len(hits)  # attached blocks or prefix hits, never both
+        held = len(seq.blocks) + len(hits)  # attached blocks, then prefix hits
         need = blocks_for(seq.num_tokens - 1, self.pool.block_size) - held
         revived = sum(1 for b in hits if b.ref_cnt == 0)
         if need + revived > self.pool.num_free:
             self._last_need = need + revived
             self._unquery(seq, len(hits) * self.pool.block_size)
             return None
+        start = len(seq.blocks) + len(hits)
         self.manager.attach(seq, hits)
         if lower:
-            self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes, len(hits))
+            self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes, start)
         self.manager.allocate_slots(seq, need - len(lower))
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:

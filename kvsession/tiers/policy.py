@@ -33,6 +33,14 @@ log = logging.getLogger("kvsession")
 # (one small load moved the disk rate from 1 to 0.02 GB/s), and the choice flipped between
 # identical runs of the demo.
 DROP_BELOW_FRACTION = 0.5
+# a session's learned gap between turns is a moving average of the gaps it showed, the
+# newest weighted this much: tool latencies are heavy-tailed, so one long wait moves the
+# forecast without setting it
+GAP_WEIGHT = 0.3
+# a "keep" lasts this many expected idle times: a session that said it would be back soon
+# and is not by then is decided again (housekeeping spills it), instead of holding device
+# blocks for a return that the wait's tail has pushed out
+KEEP_TTL_FACTOR = 2.0
 
 
 class LoadProbe(Protocol):
@@ -49,6 +57,7 @@ class TierPolicy:
         self.pool, self.host, self.disk = mover.pool, mover.host, mover.disk
         self.prefill_tps, self.bytes_per_token = prefill_tps, bytes_per_token
         self.spill_after_s = spill_after_s
+        self.clock = time.monotonic  # last use, gaps and keep TTLs (replaceable in tests)
         self.bs = self.pool.block_size
         self.sessions: list[SessionKV] = []
         self.spills = {"host": 0, "disk": 0}
@@ -60,7 +69,7 @@ class TierPolicy:
     # ---- registry ----------------------------------------------------------------------
 
     def register(self, s: SessionKV) -> None:
-        s.last_used = time.monotonic()
+        s.last_used = self.clock()
         self.sessions.append(s)
 
     def release(self, s: SessionKV, delete_file: bool = False) -> None:
@@ -90,11 +99,39 @@ class TierPolicy:
 
     # ---- spilling ------------------------------------------------------------------------
 
+    # ---- when a session comes back ---------------------------------------------------------
+
+    def expected_return_s(self, s: SessionKV, now: float) -> float:
+        """Seconds until the session's next turn is expected: the wait it announced
+        (`suspend`), else the gaps it showed, less the time it has been idle. Once overdue,
+        or with nothing known, as long as it has been idle already: a heavy-tailed wait
+        that has lasted t is expected to last about t more."""
+        idle = max(now - s.last_used, 0.0)
+        expected = s.expected_idle_s if s.expected_idle_s is not None else s.gap_s
+        if expected is None or idle >= expected:
+            return idle
+        return expected - idle
+
+    def _spill_order(self, sessions: list[SessionKV], tier: Tier) -> list[SessionKV]:
+        """Idle sessions, the one to move first first: the furthest expected return per
+        millisecond its KV would take to come back from `tier` (or be recomputed, if that
+        is cheaper), per block it holds there. Keeping a session costs its blocks for the
+        time until it returns; moving it costs the reload when it does."""
+        now = self.clock()
+
+        def key(s: SessionKV) -> float:
+            n = max(len(s.tokens), 1)
+            reload = min(costmodel.load_ms(n, self.bytes_per_token, self.mover.bandwidth(tier)),
+                         costmodel.recompute_ms(n, self.prefill_tps.value))
+            return self.expected_return_s(s, now) * blocks_for(n, self.bs) / max(reload, 1e-6)
+        return sorted(sessions, key=key, reverse=True)
+
     def reclaim(self, num_blocks: int, exclude: SessionKV | None = None) -> int:
-        """Free at least `num_blocks` device blocks by spilling idle sessions, least
-        recently used first. Returns how many were freed (may be fewer)."""
+        """Free at least `num_blocks` device blocks by spilling idle sessions, the one
+        expected back last (per reload cost) first. Returns how many were freed (may be
+        fewer)."""
         freed = 0
-        for s in sorted(self.sessions, key=lambda x: x.last_used):
+        for s in self._spill_order(self.sessions, Tier.HOST if self.host else Tier.DISK):
             if freed >= num_blocks:
                 break
             if s is exclude or s.busy or s.tier is not Tier.DEVICE:
@@ -134,8 +171,8 @@ class TierPolicy:
         host blocks are free; none when all of them together would not free enough (the
         session being spilled goes to disk or is dropped anyway: evicting them would only
         cost them their place)."""
-        idle = [o for o in sorted(self.sessions, key=lambda x: x.last_used)
-                if o.tier is Tier.HOST and not o.busy]
+        idle = self._spill_order([o for o in self.sessions if o.tier is Tier.HOST
+                                  and not o.busy], Tier.DISK)
         if self.host.num_free + sum(len(o.host_blocks) for o in idle) < num_blocks:
             return
         for other in idle:
@@ -169,6 +206,11 @@ class TierPolicy:
         is loaded from now, else the one it was loaded from ahead of this turn (a restored
         snapshot, a prefetch), else "device"."""
         s.busy = True
+        now = self.clock()
+        if s.turns:  # the gap since its last turn ended: what its forecast learns from
+            gap = max(now - s.last_used, 0.0)
+            s.gap_s = gap if s.gap_s is None else GAP_WEIGHT * gap + (1 - GAP_WEIGHT) * s.gap_s
+        s.expected_idle_s = s.keep_until = None
         source = self.restore(s) or s.loaded_from
         s.loaded_from = None
         if source is None and s.tokens:
@@ -188,7 +230,8 @@ class TierPolicy:
     def checkin(self, s: SessionKV) -> None:
         """After a turn (the KV went back to the session through the manager)."""
         s.busy = False
-        s.last_used = time.monotonic()
+        s.turns += 1
+        s.last_used = self.clock()
 
     def restore(self, s: SessionKV) -> str | None:
         """Load a spilled session back (or drop it if recompute is cheaper). Returns the tier
@@ -288,7 +331,12 @@ class TierPolicy:
     def suspend(self, s: SessionKV, expected_idle_s: float | None) -> str:
         """The session waits (tool call, human). Keep / host / disk / drop by expected waste:
         keep when the wait is short next to a reload, or memory is plentiful; else the
-        cheapest tier to come back from that has room."""
+        cheapest tier to come back from that has room. `expected_idle_s` (None: the gap the
+        session has shown between turns, if any) is kept for reclaim's order; a keep lapses
+        after KEEP_TTL_FACTOR times it (`housekeeping`)."""
+        if expected_idle_s is None:
+            expected_idle_s = s.gap_s
+        s.expected_idle_s = expected_idle_s
         if s.busy or s.tier is not Tier.DEVICE or not s.tokens:
             # nothing to decide: where it is ("keep" on the device, as documented)
             return "keep" if s.tier is Tier.DEVICE else s.tier.value
@@ -304,6 +352,8 @@ class TierPolicy:
                f"{reload_host:.1f} / disk {reload_disk:.1f} / recompute {recompute:.1f} ms")
         if idle_ms <= 10 * min(reload_host, recompute) or (
                 free_fraction > 0.5 and idle_ms <= 60_000):
+            if expected_idle_s is not None:
+                s.keep_until = self.clock() + KEEP_TTL_FACTOR * expected_idle_s
             self._note(s, "keep", why)
             return "keep"
         if self.host is not None and idle_ms <= 300_000:
@@ -318,16 +368,21 @@ class TierPolicy:
         return "drop"
 
     def housekeeping(self, now: float) -> float | None:
-        """Spill sessions idle longer than spill_after_s; seconds to the next deadline."""
-        if self.spill_after_s is None:
-            return None
+        """Spill sessions idle longer than spill_after_s, and those kept past their keep's
+        TTL; seconds to the next deadline."""
         nxt = None
         for s in list(self.sessions):
             if s.busy or s.tier is not Tier.DEVICE or len(s.blocks) == self._num_lead(s):
                 continue
-            due = s.last_used + self.spill_after_s
-            if now >= due:
-                self.spill(s, reason=f"idle > spill_after_s={self.spill_after_s}")
-            else:
+            deadlines = [(s.keep_until, "kept past its expected return")] \
+                if s.keep_until is not None else []
+            if self.spill_after_s is not None:
+                deadlines.append((s.last_used + self.spill_after_s,
+                                  f"idle > spill_after_s={self.spill_after_s}"))
+            for due, reason in sorted(deadlines, key=lambda d: d[0]):
+                if now >= due:
+                    s.keep_until = None
+                    self.spill(s, reason=reason)
+                    break
                 nxt = due - now if nxt is None else min(nxt, due - now)
         return nxt
