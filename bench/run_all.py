@@ -27,6 +27,7 @@ BENCHES = {
     "fp8_capacity": ("fp8_capacity.py", []),
     "spill_restore": ("spill_restore.py", ["--plot"]),
     "shared_tiers": ("shared_tiers.py", ["--plot"]),
+    "expected_return": ("shared_tiers.py", ["--plot", "--workload", "agents"]),
     "remote_prefill": ("remote_prefill.py", []),
     "eviction": ("eviction.py", ["--plot"]),
     "structured": ("structured.py", []),
@@ -266,6 +267,27 @@ def section_shared_tiers(r) -> list[str]:
             f"(target >= 2x); TTFT p99 shared / device **{fmt(p99['shared'] / p99['device'])}**"
             f", shared / private **{fmt(p99['shared'] / p99['private'])}** (target: under 1 "
             "for both)."]
+    return out
+
+
+def section_expected_return(r) -> list[str]:
+    s = r["summary"]
+
+    def cell(c, key, scale=1.0, digits=0):
+        m, lo, hi = s[c][key]
+        return f"{fmt(m * scale, digits)} ({fmt(lo * scale, digits)}-{fmt(hi * scale, digits)})"
+    names = {"last_use": f"last use ({r['baseline_order']})", "expected": "expected return"}
+    out = ["| reclaim order | makespan s | agent TTFT p50 ms | agent TTFT p99 ms | prompt "
+           "tokens computed |", "|---|---|---|---|---|"]
+    for c in ("last_use", "expected"):
+        out.append(f"| {names[c]} | {cell(c, 'makespan_s', 1.0, 1)} | "
+                   f"{cell(c, 'ttft_p50_s', 1e3)} | {cell(c, 'agent_ttft_p99_s', 1e3)} | "
+                   f"{cell(c, 'prefill_tokens')} |")
+    ex, lu = s["expected"], s["last_use"]
+    out += ["", f"Medians of {len(r['rounds']['expected'])} rounds (range in brackets): "
+            f"makespan expected / last use **{fmt(ex['makespan_s'][0] / lu['makespan_s'][0])}**"
+            f", agent TTFT p99 **{fmt(ex['agent_ttft_p99_s'][0] / lu['agent_ttft_p99_s'][0])}**"
+            " (under 1: the expected-return order is better)."]
     return out
 
 
@@ -604,6 +626,14 @@ SECTIONS = [
      "Each configuration in a fresh process, their order rotating each round; 'session-"
      "private' is the engine of the revision before the host tier was indexed by content "
      "(a git worktree).", section_shared_tiers, "shared_tiers.png"),
+    ("expected_return", "Which idle session moves: expected return vs last use",
+     "`bench/shared_tiers.py --workload agents`: 16 agents x 8 turns over a shared "
+     "512-token system prompt (mid model, float32 KV), tool waits lognormal (median 0.4 s, "
+     "sigma 1.5, capped at 8 s) announced with suspend(); device pool 8,192 tokens, host tier "
+     "4,096 (what does not fit is dropped and recomputed). Each configuration in a fresh "
+     "process, alternating; 'last use' is the engine of the revision before sessions kept "
+     "their expected return (a git worktree).", section_expected_return,
+     "expected_return.png"),
     ("remote_prefill", "Remote prefill over NIXL",
      "Worker and caller on this 2-core machine (they share the cores: the worker's prefill "
      "threads and its writes compete with the caller's decode steps, so both the bandwidth "

@@ -150,6 +150,10 @@ def run_one(workload: str, config: str, model: Path) -> dict:
             "device_hit_tokens": st.prefix.hit_tokens,
             "host_hit_tokens": getattr(host_stats, "hit_tokens", None),
             "host_bytes_written": getattr(host_stats, "bytes_written", None),
+            # bytes written to the host / KV bytes the run produced (its prompt tokens
+            # computed and tokens generated): the host tier's write amplification
+            "host_write_amplification": getattr(host_stats, "bytes_written", 0)
+            / ((st.prefill_tokens + st.generated_tokens) * bpt),
             "restores": dict(st.restores), "spills": dict(st.spills),
             "evictions_by_copy": dict(st.prefix.evictions_by_copy),
             "ttft_p50_s": pct(all_s, 50), "ttft_p99_s": pct(all_s, 99),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from internals import Internals
 from test_prefix_cache import gen
 
@@ -21,9 +23,9 @@ DEVICE = dict(kv_cache_memory=32 * 8 * BPT, max_model_len=256, block_size=8)
 G = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def flood(llm, seed):
-    """Two 200-token prompts one after the other: nothing else stays on the device."""
-    for p in random_prompts(seed, [200, 200], 500):
+def flood(llm, seed, length=200):
+    """Two prompts one after the other: nothing else stays on the device."""
+    for p in random_prompts(seed, [length, length], 500):
         gen(llm, [p], G)
 
 
@@ -179,3 +181,54 @@ def test_a_dropped_session_turn_loads_its_blocks_back_from_the_host(llama_dir):
             assert r.cached_tokens >= num_full * 8 - 16
         llm.check_integrity()
     assert got == want
+
+
+WORDS = "the cache is state agents call tools and wait then read write test fix".split()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_random_traces_of_requests_and_sessions_match_an_engine_without_caching(llama_dir,
+                                                                                data):
+    """Stateless prompts over shared stems and session turns, interleaved with suspends,
+    prefetches, spills to the host, drops and floods that evict the device, on a device
+    pool far smaller than the working set and a host tier that holds about two floods: every output
+    equals the one of an engine that caches nothing and never moves a session."""
+    seed = data.draw(st.integers(0, 10_000))
+    rng = random.Random(seed)
+    stems = random_prompts(seed, [64, 96], 500)
+    small = dict(DEVICE, kv_cache_memory=24 * 8 * BPT, max_model_len=192)
+    with fixed_rates(LLM(llama_dir, host_cache_memory=48 * 8 * BPT, **small)) as llm, \
+            LLM(llama_dir, enable_prefix_caching=False, host_cache_memory=0,
+                **small) as plain:
+        ins = Internals(llm)
+        system = " ".join(rng.choice(WORDS) for _ in range(12))
+        sessions = [(llm.session(system=system, sampling=G),
+                     plain.session(system=system, sampling=G)) for _ in range(2)]
+        sent = [0, 0]
+        for op in data.draw(st.lists(st.sampled_from(
+                ["gen", "gen", "gen", "send", "send", "suspend", "prefetch", "spill",
+                 "drop", "flood", "flood"]), min_size=6, max_size=16)):
+            i = rng.randrange(2)
+            s, ref = sessions[i]
+            if op == "gen":
+                p = rng.choice(stems)[:rng.randint(20, 64)] + [rng.randrange(500)
+                                                              for _ in range(4)]
+                assert gen(llm, [p], G)[0].token_ids == gen(plain, [p], G)[0].token_ids
+            elif op == "send" and sent[i] < 2:
+                msg = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))
+                assert s.send(msg).token_ids == ref.send(msg).token_ids, (seed, op)
+                sent[i] += 1
+            elif op == "suspend":
+                s.suspend(expected_idle_s=rng.choice([0.01, 5.0, 600.0]))
+            elif op == "prefetch":
+                s.prefetch().result(timeout=60)
+            elif op == "spill":
+                ins.spill(s, Tier.HOST)
+            elif op == "drop":
+                ins.drop(s)
+            elif op == "flood":
+                flood(llm, rng.randrange(1000), 150)
+        for s, ref in sessions:  # every session continues exactly after all of it
+            assert s.send("and now?").token_ids == ref.send("and now?").token_ids, seed
+        llm.check_integrity()
