@@ -333,13 +333,15 @@ class KVCacheManager:
         """References held by holders of `kind`."""
         return sum(len(h.blocks) for h in self._holders.values() if h.holder_kind is kind)
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, host_max_blocks: int | None = None) -> None:
         """Raise AssertionError unless both pools are consistent and every reference, on
-        the device and on the host, is accounted to a holder. O(blocks)."""
+        the device and on the host, is accounted to a holder. O(blocks). `host_max_blocks`:
+        the host pool only while it has created at most that many blocks."""
         self.pool.check_integrity()
         holders = list(self._holders.values())
         _check_refs(self.pool, [(h, h.blocks) for h in holders], "")
-        if self.host is not None:
+        if self.host is not None and (host_max_blocks is None
+                                      or len(self.host.blocks) <= host_max_blocks):
             self.host.check_integrity()
             _check_refs(self.host, [(h, getattr(h, "host_blocks", ())) for h in holders],
                         "host ")

@@ -97,8 +97,6 @@ class TierPolicy:
             n += 1
         return n
 
-    # ---- spilling ------------------------------------------------------------------------
-
     # ---- when a session comes back ---------------------------------------------------------
 
     def expected_return_s(self, s: SessionKV, now: float) -> float:
@@ -125,6 +123,8 @@ class TierPolicy:
                          costmodel.recompute_ms(n, self.prefill_tps.value))
             return self.expected_return_s(s, now) * blocks_for(n, self.bs) / max(reload, 1e-6)
         return sorted(sessions, key=key, reverse=True)
+
+    # ---- spilling ------------------------------------------------------------------------
 
     def reclaim(self, num_blocks: int, exclude: SessionKV | None = None) -> int:
         """Free at least `num_blocks` device blocks by spilling idle sessions, the one
