@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from internals import Internals
@@ -231,4 +232,32 @@ def test_random_traces_of_requests_and_sessions_match_an_engine_without_caching(
                 flood(llm, rng.randrange(1000), 120)
         for s, ref in sessions:  # every session continues exactly after all of it
             assert s.send("and now?").token_ids == ref.send("and now?").token_ids, seed
+        llm.check_integrity()
+
+
+def test_a_server_conversation_finds_an_evicted_document_on_the_host(llama_dir):
+    """Through the OpenAI routes (in process, the `openai` package): a new conversation
+    over a document an earlier one read loads the document's blocks from the host after
+    other conversations evicted them from the device."""
+    pytest.importorskip("starlette")  # the `inprocess` extra
+    pytest.importorskip("openai")
+    from kvsession.openai_compat import Client
+
+    rng = random.Random(5)
+    doc = "Design notes: " + " ".join(rng.choice(WORDS) for _ in range(60))
+    with fixed_rates(LLM(llama_dir, host_cache_memory=128 * 8 * BPT, **DEVICE)) as llm, \
+            Client(llm) as client:
+        def ask(text):
+            return client.chat.completions.create(
+                model="m", max_tokens=4, temperature=0.0,
+                messages=[{"role": "system", "content": "Answer briefly."},
+                          {"role": "user", "content": text}])
+        ask(doc + " What is the cache?")
+        for i in range(3):  # other conversations push the document off the device
+            ask(f"Other {i}: " + " ".join(rng.choice(WORDS) for _ in range(60)))
+        before = llm.stats().tiers["host"].hit_tokens
+        r = ask(doc + " Who calls tools?")
+        host_hits = llm.stats().tiers["host"].hit_tokens - before
+        assert host_hits >= 32
+        assert r.usage.prompt_tokens_details.cached_tokens >= host_hits
         llm.check_integrity()
