@@ -413,4 +413,7 @@ def test_a_keep_lapses_after_its_ttl(tmp_path):
     assert e.policy.housekeeping(10.0) is None
     assert s.tier is Tier.HOST and s.keep_until is None
     assert e.policy.decisions[-1] == ("s", "spill to host", "kept past its expected return")
+    # a wait announced as nothing keeps for KEEP_TTL_MIN_S (5 s), not for 0
+    t = add_session(e, "t", 8, last_used=20.0, start=100)
+    assert e.policy.suspend(t, expected_idle_s=0.0) == "keep" and t.keep_until == 5.0
     check(e)

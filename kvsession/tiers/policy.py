@@ -41,6 +41,10 @@ GAP_WEIGHT = 0.3
 # and is not by then is decided again (housekeeping spills it), instead of holding device
 # blocks for a return that the wait's tail has pushed out
 KEEP_TTL_FACTOR = 2.0
+# and never less than this: a wait announced as ~0 is a session about to send again, and
+# spilling it the moment the keep is decided (the engine's timer fires at once) would cost a
+# reload for nothing (tests/test_tiers.py's suspend(expected_idle_s=0.0) saw it spilled)
+KEEP_TTL_MIN_S = 5.0
 
 
 class LoadProbe(Protocol):
@@ -353,7 +357,8 @@ class TierPolicy:
         if idle_ms <= 10 * min(reload_host, recompute) or (
                 free_fraction > 0.5 and idle_ms <= 60_000):
             if expected_idle_s is not None:
-                s.keep_until = self.clock() + KEEP_TTL_FACTOR * expected_idle_s
+                s.keep_until = self.clock() + max(KEEP_TTL_FACTOR * expected_idle_s,
+                                                  KEEP_TTL_MIN_S)
             self._note(s, "keep", why)
             return "keep"
         if self.host is not None and idle_ms <= 300_000:
