@@ -94,6 +94,7 @@ def run_one(workload: str, config: str, model: Path) -> dict:
     """One configuration in this process (the caller chose which kvsession it imports)."""
     import kvsession
     from kvsession import LLM, SamplingParams
+    from kvsession.metrics import percentile
 
     print(f"{config}: kvsession from {Path(kvsession.__file__).parent}", flush=True)
 
@@ -142,10 +143,7 @@ def run_one(workload: str, config: str, model: Path) -> dict:
     st = llm.stats()
     host_stats = st.tiers["host"]
     llm.close()
-    all_s = sorted(t for _, t in ttfts)
-
-    def pct(xs, p):
-        return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+    all_s = [t for _, t in ttfts]
     return {"config": config, "makespan_s": makespan, "prefill_tokens": st.prefill_tokens,
             "device_hit_tokens": st.prefix.hit_tokens,
             "host_hit_tokens": getattr(host_stats, "hit_tokens", None),
@@ -156,10 +154,10 @@ def run_one(workload: str, config: str, model: Path) -> dict:
             / ((st.prefill_tokens + st.generated_tokens) * bpt),
             "restores": dict(st.restores), "spills": dict(st.spills),
             "evictions_by_copy": dict(st.prefix.evictions_by_copy),
-            "ttft_p50_s": pct(all_s, 50), "ttft_p99_s": pct(all_s, 99),
-            "rag_ttft_p99_s": pct(sorted(t for k, t in ttfts if k == "rag"), 99)
+            "ttft_p50_s": percentile(all_s, 50), "ttft_p99_s": percentile(all_s, 99),
+            "rag_ttft_p99_s": percentile([t for k, t in ttfts if k == "rag"], 99)
             if spec["rag"] else None,
-            "agent_ttft_p99_s": pct(sorted(t for k, t in ttfts if k == "agent"), 99)}
+            "agent_ttft_p99_s": percentile([t for k, t in ttfts if k == "agent"], 99)}
 
 
 def child(workload: str, config: str, tree: Path, model: Path) -> dict:

@@ -193,9 +193,10 @@ class BlockPool:
         return self.free_queue.num_blocks + self.num_blocks - len(self.blocks)
 
     def _grow(self) -> None:
-        """A growing pool about to take a victim: a block never used comes before any
-        cached content (a new one joins the queue's uncached blocks)."""
-        if len(self.blocks) < self.num_blocks and not self.free_queue.uncached.num_blocks:
+        """A growing pool with blocks still to create, about to take a victim: a block
+        never used comes before any cached content (a new one joins the queue's uncached
+        blocks)."""
+        if not self.free_queue.uncached.num_blocks:
             b = Block(len(self.blocks))
             self.blocks.append(b)
             self.free_queue.append(b)
@@ -206,7 +207,7 @@ class BlockPool:
         nothing, when fewer are free."""
         if num_blocks > self.num_free:
             raise CacheFullError(f"asked for {num_blocks} KV blocks, {self.num_free} free")
-        out, victims, copies = [], [], []
+        out, evicted, victims = [], [], []  # evicted: (block id, where a copy lives)
         for _ in range(num_blocks):
             # one at a time: evicting a leaf can make its parent the next victim
             if len(self.blocks) < self.num_blocks:
@@ -214,7 +215,7 @@ class BlockPool:
             b = self.free_queue.popleft()
             if b.block_hash is not None:
                 self.evictions_by_reason[self.free_queue.last_reason] += 1
-                copies.append(b.evict.copy_tier)
+                evicted.append((b.block_id, b.evict.copy_tier))
                 if self.sink is not None:
                     parent = _live_parent(b)
                     victims.append(Evicted(b.block_id, b.block_hash, b.token_ids,
@@ -224,9 +225,8 @@ class BlockPool:
             out.append(b)
         # the victims' KV is intact until the caller writes these blocks: the sink copies it
         kept = self.sink.evicting(victims) if victims else set()
-        for copy, v in zip(copies, victims or [None] * len(copies), strict=True):
-            kept_below = v is not None and v.block_id in kept and copy is None
-            self.evictions_by_copy["host" if kept_below else copy or "none"] += 1
+        for block_id, copy in evicted:
+            self.evictions_by_copy[copy or ("host" if block_id in kept else "none")] += 1
         return out
 
     def _evict(self, b: Block) -> None:
@@ -360,6 +360,19 @@ class BlockPool:
         if b is None or b.token_ids != tuple(token_ids):
             return None  # a hash collision is a miss, never a wrong hit
         return b
+
+    def lookup_run(self, token_ids: Sequence[int], hashes: Sequence[bytes], start: int,
+                   end: int) -> list[Block]:
+        """The cached blocks holding blocks start..end-1 of `token_ids` (whose chained
+        hashes are `hashes`), each verified as `lookup` does, up to the first miss: a
+        chained hash after a missing block can never match. Takes no references."""
+        bs, hits = self.block_size, []
+        for i in range(start, end):
+            b = self.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs])
+            if b is None:
+                break
+            hits.append(b)
+        return hits
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant in the module docstring is broken."""

@@ -62,13 +62,7 @@ class PrefixCache:
                       num_blocks: int, start: int = 0) -> list[Block]:
         """The verified cached blocks of blocks start..num_blocks-1, up to the first miss
         (no statistics, no references)."""
-        bs, hits = self.pool.block_size, []
-        for i in range(start, num_blocks):
-            b = self.pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs])
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        return self.pool.lookup_run(token_ids, hashes, start, num_blocks)
 
     def mark_pending(self, seq_id: int, hashes: list[bytes]) -> None:
         for h in hashes:

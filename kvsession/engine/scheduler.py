@@ -226,11 +226,7 @@ class Scheduler:
         self.prefix.mark_pending(seq.seq_id, seq.block_hashes[num_full:])
         if not attached:  # the eviction policy's shadows replay each admitted prompt
             self.pool.observe(seq.block_hashes[:(seq.num_tokens - 1) // self.pool.block_size])
-        start = len(seq.blocks) + len(hits)
-        self.manager.attach(seq, hits)
-        if lower:  # fresh device blocks (counted in num_new_blocks) filled from below
-            self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes, start)
-        self.manager.allocate_slots(seq, num_new_blocks - len(lower))
+        self._take(seq, hits, lower, num_new_blocks)
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached
@@ -255,6 +251,16 @@ class Scheduler:
             else:
                 child.status = SequenceStatus.WAITING
                 self.waiting.appendleft(child)
+
+    def _take(self, seq: Sequence, hits: list, lower: list, num_new_blocks: int) -> None:
+        """Append to the sequence's table: the device hits (referenced), what a lower tier
+        held after them (`num_new_blocks` counts them: fresh blocks filled from below),
+        then the rest of the fresh blocks."""
+        start = len(seq.blocks) + len(hits)
+        self.manager.attach(seq, hits)
+        if lower:
+            self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes, start)
+        self.manager.allocate_slots(seq, num_new_blocks - len(lower))
 
     def _after_attached(self, seq: Sequence) -> tuple[list, list]:
         """A session turn's attached blocks end on a block boundary before the prompt's
@@ -300,11 +306,7 @@ class Scheduler:
             self._last_need = need + revived
             self._unquery(seq, len(hits) * self.pool.block_size)
             return None
-        start = len(seq.blocks) + len(hits)
-        self.manager.attach(seq, hits)
-        if lower:
-            self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes, start)
-        self.manager.allocate_slots(seq, need - len(lower))
+        self._take(seq, hits, lower, need)
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached

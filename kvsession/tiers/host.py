@@ -52,8 +52,6 @@ class HostPool:
         self.staged = device_pool.use_kernels
         # grown, reused staging buffers: device side, and (pinned on CUDA) host side
         self._device_staging, self._host_staging = Workspace(), Workspace(pin_memory=pin)
-        self.block_bytes = sum(t[:, :1].numel() * t.element_size()
-                               for t in device_pool.tensors().values())
         # counters (llm.stats().tiers["host"]): tokens found here by lookups, bytes copied
         self.hit_tokens = 0
         self.bytes_read = 0  # host -> device

@@ -133,21 +133,10 @@ class TierMover:
                 self.manager.release_host(held)
         return {v.block_id for v in victims if index.lookup(v.block_hash, v.token_ids)}
 
-    def host_hits(self, token_ids, hashes: list[bytes], start: int,
-                  num_blocks: int) -> list[Block]:
-        """The host blocks holding blocks start..num_blocks-1 of a prompt, verified token by
-        token, up to the first miss (no references taken)."""
-        bs, found = self.bs, []
-        for i in range(start, num_blocks):
-            h = self.host.index.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs])
-            if h is None:
-                break
-            found.append(h)
-        return found
-
     def load_host_hits(self, holder: Holder, found: list[Block], token_ids,
                        hashes: list[bytes], start: int) -> None:
-        """Copy host blocks `found` (blocks start.. of a prompt, from `host_hits`) into
+        """Copy host blocks `found` (blocks start.. of a prompt, found by the host index's
+        `lookup_run`) into
         fresh device blocks, published there under their hashes and appended to the
         holder's table. The host blocks are referenced meanwhile, so the device
         allocation's own evictions cannot take them. On any error nothing changes."""

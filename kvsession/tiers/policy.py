@@ -318,7 +318,7 @@ class TierPolicy:
         check)."""
         if self.host is None or start >= num_blocks:
             return []
-        found = self.mover.host_hits(token_ids, hashes, start, num_blocks)
+        found = self.host.index.lookup_run(token_ids, hashes, start, num_blocks)
         if found and not costmodel.should_load(
                 len(found) * self.bs, self.bytes_per_token, self.mover.bandwidth(Tier.HOST),
                 self.prefill_tps.value, self.load.queue_depth()):
@@ -384,10 +384,12 @@ class TierPolicy:
             if self.spill_after_s is not None:
                 deadlines.append((s.last_used + self.spill_after_s,
                                   f"idle > spill_after_s={self.spill_after_s}"))
-            for due, reason in sorted(deadlines, key=lambda d: d[0]):
-                if now >= due:
-                    s.keep_until = None
-                    self.spill(s, reason=reason)
-                    break
+            if not deadlines:
+                continue
+            due, reason = min(deadlines, key=lambda d: d[0])
+            if now >= due:
+                s.keep_until = None
+                self.spill(s, reason=reason)
+            else:
                 nxt = due - now if nxt is None else min(nxt, due - now)
         return nxt
