@@ -185,6 +185,8 @@ class EngineConfig:
     generation_config: GenerationConfigMode = GenerationConfigMode.AUTO
     cpu_weight_layout: WeightLayout = WeightLayout.SINGLE
     quantization: Quantization = Quantization.NONE
+    # the disk tier's cache blocks (tiers/disk_cache.py) under session_dir; None: none
+    disk_cache_memory_bytes: int | None = None
 
     @staticmethod
     def from_args(
@@ -197,7 +199,7 @@ class EngineConfig:
         prefill_auth_key_file=None,
         eviction_policy="cost", durability="turn", chat_template=None, revision=None,
         download_dir=None, generation_config="auto", cpu_weight_layout="single",
-        quantization=None, **unknown,
+        quantization=None, disk_cache_memory=None, **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -292,12 +294,24 @@ class EngineConfig:
             generation_config=GenerationConfigMode(generation_config),
             cpu_weight_layout=WeightLayout(cpu_weight_layout),
             quantization=Quantization(quantization),
+            disk_cache_memory_bytes=_disk_cache_bytes(disk_cache_memory, session_dir),
         )
 
     @property
     def kv_cache_dtype_name(self) -> str:
         return "fp8_e4m3" if is_fp8(self.kv_cache_dtype) else str(
             self.kv_cache_dtype).removeprefix("torch.")
+
+
+def _disk_cache_bytes(value, session_dir) -> int | None:
+    """LLM(disk_cache_memory=...): the disk cache lives in session_dir, so it needs one."""
+    if value is None:
+        return None
+    n = parse_num_bytes(value, "disk_cache_memory")
+    if n and session_dir is None:
+        raise ConfigError("disk_cache_memory needs a session_dir (the disk cache is a file "
+                          "there)")
+    return n
 
 
 def _chat_template(value) -> str | None:

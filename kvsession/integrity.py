@@ -1,5 +1,6 @@
 """The whole engine's integrity, checked: every device and host block reference accounted
-to a holder, both pools' indexes and free queues consistent (`KVCacheManager.check_integrity`), and,
+to a holder, both pools' indexes and free queues consistent (`KVCacheManager.check_integrity`), the
+disk cache's index consistent and unreferenced between calls (`DiskCache.check_integrity`), and,
 at close with no request in flight, the pool back to its baseline (only sessions, pins
 and blocks a remote worker may still write hold blocks). The test suite turns checking on
 (KVSESSION_CHECK_INTEGRITY): after every step of small pools, at close, and close raises
@@ -12,34 +13,41 @@ import os
 from kvsession.cache.manager import HolderKind, KVCacheManager
 from kvsession.engine.loop import Engine
 from kvsession.engine.scheduler import Scheduler
+from kvsession.tiers.disk_cache import DiskCache
 
 # set (to anything) by the test suite: check holder-level integrity after every step of
 # small pools and when the LLM closes, and raise from close() if it ever failed
 CHECK_INTEGRITY_ENV = "KVSESSION_CHECK_INTEGRITY"
 # the host tier's pool grows with what the device evicts (4 GiB of a tiny test model is
 # ~500k blocks, iterating its free queue costs O(n log n)): after a step it is checked while
-# it has at most this many blocks; always at close
+# it has at most this many blocks (the disk cache's pool too); always at close
 STEP_CHECK_MAX_HOST_BLOCKS = 1024
 
 
 class IntegrityCheck:
     """Engine thread only (or after it stopped). `failure`: the first failure seen."""
 
-    def __init__(self, manager: KVCacheManager, scheduler: Scheduler, engine: Engine):
+    def __init__(self, manager: KVCacheManager, scheduler: Scheduler, engine: Engine,
+                 disk_cache: DiskCache | None = None):
         self.manager, self.scheduler, self.engine = manager, scheduler, engine
+        self.disk_cache = disk_cache
         self.checking = bool(os.environ.get(CHECK_INTEGRITY_ENV))
         self.failure: AssertionError | None = None
 
     def now(self) -> None:
         """Both pools' invariants, every device and host reference accounted to a
-        holder."""
+        holder; the disk cache's index."""
         self.manager.check_integrity()
+        if self.disk_cache is not None:
+            self.disk_cache.check_integrity()
 
     def after_step(self) -> None:
         """A step observer: `now` (the host tier while it is small), its failure recorded
         (and raised: the step fails)."""
         try:
             self.manager.check_integrity(host_max_blocks=STEP_CHECK_MAX_HOST_BLOCKS)
+            if self.disk_cache is not None:
+                self.disk_cache.check_integrity(max_blocks=STEP_CHECK_MAX_HOST_BLOCKS)
         except AssertionError as e:
             self.failure = self.failure or e
             raise

@@ -113,7 +113,8 @@ class LLM:
                  revision: str | None = None, download_dir: str | os.PathLike | None = None,
                  generation_config: GenerationConfigName = "auto",
                  cpu_weight_layout: WeightLayoutName = "single",
-                 quantization: QuantizationName | None = None, **unknown):
+                 quantization: QuantizationName | None = None,
+                 disk_cache_memory: int | str | None = None, **unknown):
         self._rt: Runtime | None = None
         self.config = EngineConfig.from_args(
             model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -129,7 +130,8 @@ class LLM:
             prefill_auth_key_file=prefill_auth_key_file, eviction_policy=eviction_policy,
             durability=durability, chat_template=chat_template, revision=revision,
             download_dir=download_dir, generation_config=generation_config,
-            cpu_weight_layout=cpu_weight_layout, quantization=quantization, **unknown)
+            cpu_weight_layout=cpu_weight_layout, quantization=quantization,
+            disk_cache_memory=disk_cache_memory, **unknown)
         # in a notebook, an earlier LLM over this model that only the output history holds
         # is closed before this one takes memory (kvsession/notebook.py)
         release_stale(self.config.model, _LIVE, _model_of)

@@ -13,19 +13,23 @@ from kvsession.engine.scheduler import Scheduler
 from kvsession.metrics import SLO, LatencyTracker, PrefixStats, Stats, TierStats
 from kvsession.remote_offload import remote_stats
 from kvsession.tiers.disk import DiskTier
+from kvsession.tiers.disk_cache import DiskCache
 from kvsession.tiers.host import HostPool
 from kvsession.tiers.policy import TierPolicy
+from kvsession.tiers.writeback import WriteBehind
 
 
 class StatsCollector:
     def __init__(self, pool: BlockPool, prefix: PrefixCache, host: HostPool | None,
                  disk: DiskTier | None, policy: TierPolicy, scheduler: Scheduler,
                  engine: Engine, latency: LatencyTracker, connector, block_size: int,
-                 kv_bytes_per_token: int):
+                 kv_bytes_per_token: int, disk_cache: DiskCache | None = None,
+                 writeback: WriteBehind | None = None):
         self.pool, self.prefix, self.host, self.disk = pool, prefix, host, disk
         self.policy, self.scheduler, self.engine, self.latency = policy, scheduler, engine, latency
         self.connector = connector  # the prefill connector, or None
         self.block_size, self.kv_bytes_per_token = block_size, kv_bytes_per_token
+        self.disk_cache, self.writeback = disk_cache, writeback
 
     def now(self, slo: SLO) -> Stats:
         """Engine thread: every counter as it is between two steps."""
@@ -47,6 +51,17 @@ class StatsCollector:
         if self.disk is not None:  # sessions whose KV lives only there (free: see add_disk_room)
             disk.blocks_used = sum(blocks_for(len(s.tokens), bs) for s in self.policy.sessions
                                    if s.tier is Tier.DISK)
+            # written: KV blocks of the cache, spilled sessions' snapshots, segments written
+            # behind turns (the logs hold tokens, not KV); read: loads from any of them
+            disk.bytes_written = self.policy.mover.disk_bytes_written + (
+                self.writeback.bytes_written if self.writeback is not None else 0)
+            disk.bytes_read = self.policy.mover.disk_bytes_read
+        if self.disk_cache is not None:
+            dc = self.disk_cache
+            disk.cached_blocks = len(dc.index.index)
+            disk.hit_tokens = dc.hit_tokens
+            disk.bytes_written += dc.bytes_written
+            disk.bytes_read += dc.bytes_read
         q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
         lat, goodput, attainment = self.latency.summary(slo)
         return Stats(

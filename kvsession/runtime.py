@@ -57,9 +57,10 @@ from kvsession.sequence_factory import SequenceFactory
 from kvsession.sizing import RuntimeInfo, size_kv
 from kvsession.tiers.commit import GroupCommit
 from kvsession.tiers.disk import DiskTier
+from kvsession.tiers.disk_cache import DiskCache, DiskCacheBusy
 from kvsession.tiers.host import HostPool
 from kvsession.tiers.mover import TierMover
-from kvsession.tiers.policy import TierPolicy
+from kvsession.tiers.policy import HostEvictions, TierPolicy
 from kvsession.tiers.writeback import SnapshotLocks, WriteBehind
 
 log = logging.getLogger("kvsession")
@@ -113,6 +114,7 @@ class Runtime:
                               cfg.eviction_policy)
         host_blocks = cfg.host_cache_memory_bytes // (bpt * cfg.block_size)
         self.host = HostPool(self.kv_pool, host_blocks) if host_blocks > 0 else None
+        self.disk_cache = open_disk_cache(cfg, self.kv_pool, self.identity)
         self.manager = KVCacheManager(self.pool, self.kv_pool,
                                       self.host.index if self.host is not None else None)
         self.prefix = PrefixCache(self.manager, self.identity.hasher(),
@@ -134,13 +136,17 @@ class Runtime:
         # ---- tiers: the mover copies, the policy decides
         snapshot_locks = SnapshotLocks()  # spills and saves vs write-behind compaction
         self.mover = TierMover(self.manager, self.host, self.disk, self.prefix.hasher,
-                               self.identity, prefill_tps, snapshot_locks)
+                               self.identity, prefill_tps, snapshot_locks, self.disk_cache)
         self.policy = TierPolicy(self.mover, self.prefix, self.scheduler, prefill_tps, bpt,
                                  cfg.spill_after_s)
         self.scheduler.attach_reclaimer(self.policy)
-        if self.host is not None:  # any request's device misses look in the host tier,
-            self.scheduler.attach_lower_tiers(self.policy)  # and what the device evicts
-            self.pool.attach_sink(self.policy)  # is kept there
+        if self.host is not None or self.disk_cache is not None:
+            # any request's device misses look in the host tier and the disk cache, and what
+            # the device evicts is kept there (what the host evicts, in the disk cache)
+            self.scheduler.attach_lower_tiers(self.policy)
+            self.pool.attach_sink(self.policy)
+            if self.host is not None and self.disk_cache is not None:
+                self.host.index.attach_sink(HostEvictions(self.policy))
 
         # ---- the engine and its thread
         runner = ModelRunner(self.model, self.kv_pool, cfg.device, backend)
@@ -167,8 +173,10 @@ class Runtime:
                                cfg.block_size)
         self.stats_collector = StatsCollector(
             self.pool, self.prefix, self.host, self.disk, self.policy, self.scheduler,
-            self.engine, self.latency, self.connector, cfg.block_size, bpt)
-        self.integrity = IntegrityCheck(self.manager, self.scheduler, self.engine)
+            self.engine, self.latency, self.connector, cfg.block_size, bpt, self.disk_cache,
+            self.writeback)
+        self.integrity = IntegrityCheck(self.manager, self.scheduler, self.engine,
+                                        self.disk_cache)
         if self.integrity.checking and num_blocks <= CHECK_EVERY_STEP_MAX_BLOCKS:
             self.engine.step_observers.append(self.integrity.after_step)
         self._loop = EngineLoop(self.engine)
@@ -238,6 +246,8 @@ class Runtime:
             self.writeback.close()
         if self.journal is not None:
             self.journal.close()
+        if self.disk_cache is not None:
+            self.disk_cache.close()
         self.kv_pool = None
         if self.integrity.failure is not None:
             raise self.integrity.failure
@@ -246,3 +256,21 @@ class Runtime:
         """llm.stats(): the counters on the engine thread, the disk's room on this one."""
         st = self.call(lambda: self.stats_collector.now(self.slo)).result()
         return self.stats_collector.add_disk_room(st)
+
+
+def open_disk_cache(cfg: EngineConfig, kv_pool: KVPool,
+                    identity: StorageIdentity) -> DiskCache | None:
+    """The disk tier's cache in session_dir when `disk_cache_memory` asks for one; None
+    (logged) when another process owns the directory's cache: this one runs without."""
+    if not cfg.disk_cache_memory_bytes or cfg.session_dir is None:
+        return None
+    try:
+        cache = DiskCache(cfg.session_dir, kv_pool.tensors(), cfg.block_size,
+                          identity.header_fields(), cfg.disk_cache_memory_bytes)
+    except DiskCacheBusy as e:
+        log.warning("%s: running without a disk cache", e)
+        return None
+    if cache.num_blocks == 0:
+        cache.close()
+        return None
+    return cache

@@ -162,6 +162,12 @@ class Internals:
         other tokens and see that a lookup misses."""
         return self._rt.host.index
 
+    @property
+    def disk_cache(self):
+        """The disk tier's cache (None without one): its index and file, to damage a slot
+        and see that a load stops there."""
+        return self._rt.disk_cache
+
     def disk_plan(self, session):
         """Where a resumed session's KV will be read from (snapshot, segment, shared
         store): to check which files a restart reuses."""

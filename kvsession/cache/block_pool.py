@@ -44,15 +44,18 @@ class Evicted:
     block_hash: bytes
     token_ids: tuple[int, ...]
     parent_hash: bytes | None  # the cached block its chain links to, if still cached
+    hits: int = 1  # references its content took while cached here (1: used once)
 
 
 class EvictionSink(Protocol):
-    """Keeps evicted content below the pool (the tier policy: copies it to the host tier
-    when that is worth it). Called on the engine thread, inside `allocate`."""
+    """Keeps evicted content below the pool (the tier policy: copies it to the host tier,
+    or from the host to the disk cache, when that is worth it). Called on the engine
+    thread, inside `allocate`."""
 
-    def evicting(self, victims: list[Evicted]) -> set[int]:
-        """Returns the ids of the victims whose content now lives in a lower tier. Must
-        not raise (a failed copy is simply not kept) nor allocate from this pool."""
+    def evicting(self, victims: list[Evicted]) -> dict[int, str]:
+        """Returns the ids of the victims whose content now lives in a lower tier, each
+        with that tier's name ("host", "disk"). Must not raise (a failed copy is simply not
+        kept) nor allocate from this pool."""
 
 
 class EvictionState:
@@ -219,14 +222,15 @@ class BlockPool:
                 if self.sink is not None:
                     parent = _live_parent(b)
                     victims.append(Evicted(b.block_id, b.block_hash, b.token_ids,
-                                           parent.block_hash if parent is not None else None))
+                                           parent.block_hash if parent is not None else None,
+                                           b.evict.hits))
             self._evict(b)
             b.ref_cnt = 1
             out.append(b)
         # the victims' KV is intact until the caller writes these blocks: the sink copies it
-        kept = self.sink.evicting(victims) if victims else set()
+        kept = self.sink.evicting(victims) if victims else {}
         for block_id, copy in evicted:
-            self.evictions_by_copy[copy or ("host" if block_id in kept else "none")] += 1
+            self.evictions_by_copy[copy or kept.get(block_id, "none")] += 1
         return out
 
     def _evict(self, b: Block) -> None:
@@ -274,11 +278,13 @@ class BlockPool:
                 self.free_queue.append(b)
 
     def cache_full_block(self, b: Block, block_hash: bytes, token_ids: Sequence[int],
-                         parent_hash: bytes | None = None) -> None:
+                         parent_hash: bytes | None = None, earned_hits: int = 0) -> None:
         """Publish a full, computed block under its chained hash (`parent_hash`: the hash of
         the block before it in its sequence, None for the first block). If another block
         already holds that content, this one stays unpublished (it is freed like any
-        other)."""
+        other). `earned_hits`: the uses the content had in the tier it comes from (a lower
+        tier's copy of an evicted block keeps its frequency, which its own admission
+        below reads)."""
         if not self.enable_caching or b.block_hash is not None:
             return
         if block_hash in self.index:
@@ -287,6 +293,7 @@ class BlockPool:
         self.index[block_hash] = b
         ghost = self.ghosts.pop(block_hash, None)
         b.evict.hits, b.evict.shared = (ghost[0] + 1, ghost[1]) if ghost is not None else (1, False)
+        b.evict.hits = max(b.evict.hits, earned_hits)
         parent = self.index.get(parent_hash) if parent_hash is not None else None
         if parent is not None:
             ev, up = b.evict, parent.evict
@@ -311,6 +318,15 @@ class BlockPool:
             parent = b.evict.parent
             b = parent[0] if parent is not None and parent[0].evict.generation == parent[1] \
                 else None
+
+    def discard(self, b: Block) -> None:
+        """Forget the content of a free block (its stored copy was found damaged): it is
+        no longer found by hash and is reused before any cached block."""
+        if b.ref_cnt != 0:
+            raise RuntimeError(f"discard of {b}, which is referenced")
+        self.free_queue.remove(b)
+        self._evict(b)
+        self.free_queue.append(b)
 
     def note_copy(self, blocks: Iterable[Block], tier: str, copy_cost: float) -> None:
         """The content of `blocks` (about to be freed) now also lives in `tier`, from where

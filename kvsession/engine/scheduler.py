@@ -55,7 +55,7 @@ class Reclaimer(Protocol):
 
 class LowerTiers(Protocol):
     """Blocks that missed on the device but a lower tier holds by content (the tier policy
-    over the host tier): found, then loaded, for any prompt."""
+    over the host tier and the disk cache): found, then loaded, for any prompt."""
 
     def lower_hits(self, token_ids: list[int], hashes: list[bytes], start: int,
                    num_blocks: int) -> list:
@@ -63,10 +63,11 @@ class LowerTiers(Protocol):
         first miss; empty when loading them is not worth it. Takes nothing."""
 
     def load_lower(self, holder: Sequence, found: list, token_ids: list[int],
-                   hashes: list[bytes], start: int) -> None:
+                   hashes: list[bytes], start: int) -> int:
         """Copy `found` (from `lower_hits`, this engine call: blocks start.. of the prompt
         `token_ids` / `hashes`) into fresh device blocks, published, appended to the
-        holder's table."""
+        holder's table. Returns how many leading ones were loaded (a damaged copy on disk
+        ends the run: the rest is computed)."""
 
 
 class OffloadDecider(Protocol):
@@ -226,7 +227,7 @@ class Scheduler:
         self.prefix.mark_pending(seq.seq_id, seq.block_hashes[num_full:])
         if not attached:  # the eviction policy's shadows replay each admitted prompt
             self.pool.observe(seq.block_hashes[:(seq.num_tokens - 1) // self.pool.block_size])
-        self._take(seq, hits, lower, num_new_blocks)
+        num_cached -= self._take(seq, hits, lower, num_new_blocks) * bs
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached
@@ -252,15 +253,17 @@ class Scheduler:
                 child.status = SequenceStatus.WAITING
                 self.waiting.appendleft(child)
 
-    def _take(self, seq: Sequence, hits: list, lower: list, num_new_blocks: int) -> None:
+    def _take(self, seq: Sequence, hits: list, lower: list, num_new_blocks: int) -> int:
         """Append to the sequence's table: the device hits (referenced), what a lower tier
         held after them (`num_new_blocks` counts them: fresh blocks filled from below),
-        then the rest of the fresh blocks."""
+        then the rest of the fresh blocks. Returns how many of `lower` were not loaded
+        (their fresh blocks are there, to be computed)."""
         start = len(seq.blocks) + len(hits)
         self.manager.attach(seq, hits)
-        if lower:
-            self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes, start)
-        self.manager.allocate_slots(seq, num_new_blocks - len(lower))
+        loaded = self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes,
+                                       start) if lower else 0
+        self.manager.allocate_slots(seq, num_new_blocks - loaded)
+        return len(lower) - loaded
 
     def _after_attached(self, seq: Sequence) -> tuple[list, list]:
         """A session turn's attached blocks end on a block boundary before the prompt's
@@ -306,7 +309,7 @@ class Scheduler:
             self._last_need = need + revived
             self._unquery(seq, len(hits) * self.pool.block_size)
             return None
-        self._take(seq, hits, lower, need)
+        num_cached -= self._take(seq, hits, lower, need) * self.pool.block_size
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached

@@ -5,6 +5,10 @@ The tier policy decides *whether* and *where* a session moves; the mover does th
 the bandwidth estimators the policy's cost model reads, and records the new placement
 through the KVCacheManager (the one writer of block tables). Everything runs on the engine
 thread.
+
+Content any request can find lives on the host (`HostPool`, by hash) and in the disk cache
+(`DiskCache`, by hash, in one file under session_dir); a session's own files hold its KV
+as data.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kvsession.cache.manager import (
 )
 from kvsession.errors import SnapshotError
 from kvsession.tiers.disk import DiskTier
+from kvsession.tiers.disk_cache import DiskCache
 from kvsession.tiers.host import HostPool
 from kvsession.tiers.resume import DiskPlan
 from kvsession.tiers.segments import compact
@@ -45,7 +50,8 @@ class TierMover:
     def __init__(self, manager: KVCacheManager, host: HostPool | None, disk: DiskTier | None,
                  hasher: BlockHasher, identity: StorageIdentity,
                  prefill_tps: costmodel.RateEstimator | None = None,
-                 snapshot_locks: SnapshotLocks | None = None):
+                 snapshot_locks: SnapshotLocks | None = None,
+                 disk_cache: DiskCache | None = None):
         """identity: this engine's storage identity (headers record it: model,
         tokenizer, template, kv dtype, block size, geometry, tensor names). prefill_tps
         (measured by the engine) prices a spilled block's reload for eviction.
@@ -58,6 +64,9 @@ class TierMover:
                              "KVCacheManager with HostPool.index")
         self.manager, self.kv_pool, self.host, self.disk = manager, manager.kv_pool, host, disk
         self.pool, self.hasher, self.identity = manager.pool, hasher, identity
+        self.disk_cache = disk_cache
+        # session files' KV bytes: spilled snapshots written, snapshot / segment KV loaded
+        self.disk_bytes_written = self.disk_bytes_read = self.disk_hit_tokens = 0
         self.header_fields = identity.header_fields()  # what every header it writes holds
         self.bs = manager.block_size
         # measured bandwidths (bytes/s); priors only until the first copy is timed
@@ -128,37 +137,72 @@ class TierMover:
                                         [h.block_id for h in held.host_blocks])
                 self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
                 for v, h in zip(new, held.host_blocks, strict=True):
-                    index.cache_full_block(h, v.block_hash, v.token_ids, v.parent_hash)
+                    index.cache_full_block(h, v.block_hash, v.token_ids, v.parent_hash,
+                                           v.hits)
             finally:
                 self.manager.release_host(held)
         return {v.block_id for v in victims if index.lookup(v.block_hash, v.token_ids)}
 
-    def load_host_hits(self, holder: Holder, found: list[Block], token_ids,
-                       hashes: list[bytes], start: int) -> None:
-        """Copy host blocks `found` (blocks start.. of a prompt, found by the host index's
-        `lookup_run`) into
-        fresh device blocks, published there under their hashes and appended to the
-        holder's table. The host blocks are referenced meanwhile, so the device
-        allocation's own evictions cannot take them. On any error nothing changes."""
+    def keep_on_disk(self, victims: list[Evicted], tier: Tier) -> set[int]:
+        """Write evicted content of `tier`'s pool (the host's, or the device's when there
+        is no host tier) that the disk cache lacks into it, published there for any later
+        request (the policy chose the victims: its admission). Returns the victims now
+        held there."""
+        src = self.host.tensors if tier is Tier.HOST else self.kv_pool.tensors()
+        self.disk_cache.store(src, [(v.block_id, v.block_hash, v.token_ids, v.parent_hash,
+                                     v.hits) for v in victims])
+        index = self.disk_cache.index
+        return {v.block_id for v in victims if index.lookup(v.block_hash, v.token_ids)}
+
+    def load_lower_hits(self, holder: Holder, found: list[tuple[Tier, Block]], token_ids,
+                        hashes: list[bytes], start: int) -> int:
+        """Copy lower-tier blocks `found` (blocks start.. of a prompt, as the policy's lookup
+        found them: host blocks, then disk cache blocks) into fresh device blocks, published
+        there under their hashes and appended to the holder's table. The lower blocks are
+        referenced meanwhile, so the device allocation's own evictions (which push content
+        down a tier) cannot take them. Returns how many leading blocks were loaded: fewer
+        than found when a disk cache slot turns out damaged (it is discarded; the caller
+        computes the rest). On any other error nothing changes."""
+        on_host = [b for tier, b in found if tier is Tier.HOST]
+        on_disk = [b for tier, b in found if tier is Tier.DISK]
         bs, sources, staged = self.bs, HostTransient(), Transient()
-        self.manager.stage_host(sources, found)
+        disk_index = self.disk_cache.index if on_disk else None
+        if on_host:
+            self.manager.stage_host(sources, on_host)
+        if disk_index is not None:
+            disk_index.touch(on_disk)
+        loaded = len(found)
         try:
             self.manager.stage(staged, [None] * len(found))
-            t0 = time.perf_counter()
-            moved = self.host.load(self.kv_pool, [h.block_id for h in found],
-                                   [b.block_id for b in staged.blocks])
-            self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
+            ids = [b.block_id for b in staged.blocks]
+            if on_host:
+                t0 = time.perf_counter()
+                moved = self.host.load(self.kv_pool, [h.block_id for h in on_host],
+                                       ids[:len(on_host)])
+                self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
+                self.host.hit_tokens += len(on_host) * bs
+            if on_disk:
+                t0, before = time.perf_counter(), self.disk_cache.bytes_read
+                loaded = len(on_host) + self.disk_cache.load(on_disk, self.kv_pool.tensors(),
+                                                             ids[len(on_host):])
+                self.disk_read_bytes_per_s.observe(self.disk_cache.bytes_read - before,
+                                                   time.perf_counter() - t0)
         except BaseException:
             self.manager.release(staged)
             raise
         finally:
-            self.manager.release_host(sources)
-        for j, b in enumerate(staged.blocks):
+            if on_host:
+                self.manager.release_host(sources)
+            if disk_index is not None:
+                disk_index.free(on_disk)
+                if loaded < len(found):
+                    disk_index.discard(on_disk[loaded - len(on_host)])
+        for j, b in enumerate(staged.blocks[:loaded]):
             i = start + j
             self.pool.cache_full_block(b, hashes[i], token_ids[i * bs:(i + 1) * bs],
                                        hashes[i - 1] if i else None)
-        self.host.hit_tokens += len(found) * bs
-        self.manager.transfer(staged, holder)
+        self.manager.transfer(staged, holder, loaded)
+        return loaded
 
     def to_disk(self, s: SessionKV, lead: int) -> bool:
         """Write the whole KV to the session's file; then release all but the pinned lead
@@ -169,6 +213,7 @@ class TierMover:
             with self.snapshot_locks.get(s.session_id):
                 size = write_snapshot(path, self.snapshot_fields(s), self.block_tensors(s))
             self.disk_write_bytes_per_s.observe(size, time.perf_counter() - t0)
+            self.disk_bytes_written += size
         except (OSError, SnapshotError) as e:  # disk full, unwritable: it stays where it is
             log.warning("could not spill session %s to %s: %s; it stays in %s",
                         s.session_id, path, e, s.tier.value)
@@ -250,6 +295,7 @@ class TierMover:
             elif s in self.plans:
                 moved = self._load_plan(self.plans[s], [(lead + j, b) for j, b in copy])
                 self.disk_read_bytes_per_s.observe(moved, time.perf_counter() - t0)
+                self._count_disk_load(moved, len(copy))
             else:
                 if header is None:  # the file may have changed since it was written
                     header = read_header(s.disk_path, expect=self.identity)
@@ -259,11 +305,16 @@ class TierMover:
                 moved = self.load_file_blocks(s.disk_path, [(lead + j, b) for j, b in copy],
                                               header)
                 self.disk_read_bytes_per_s.observe(moved, time.perf_counter() - t0)
+                self._count_disk_load(moved, len(copy))
         except BaseException:
             self.manager.release(staged)
             raise
         self.plans.pop(s, None)
         self.manager.loaded(s, staged)
+
+    def _count_disk_load(self, moved: int, num_blocks: int) -> None:
+        self.disk_bytes_read += moved
+        self.disk_hit_tokens += num_blocks * self.bs
 
     # ---- resumed sessions (durability="turn") ---------------------------------------------
 

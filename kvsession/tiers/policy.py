@@ -45,6 +45,12 @@ KEEP_TTL_FACTOR = 2.0
 # spilling it the moment the keep is decided (the engine's timer fires at once) would cost a
 # reload for nothing (tests/test_tiers.py's suspend(expected_idle_s=0.0) saw it spilled)
 KEEP_TTL_MIN_S = 5.0
+# the disk cache admits evicted content used at least this often (computed once and found by
+# hash once more; `EvictionState.hits`): a block of a one-off request is not worth a disk
+# write. Dynamo's KVBM writes to SSD only blocks used twice; without such a filter a single
+# agent session wrote 40+ GB to an SSD (mlx-engine#341). Sessions' own files are not cache
+# and are written regardless.
+DISK_ADMIT_HITS = 2
 
 
 class LoadProbe(Protocol):
@@ -53,12 +59,24 @@ class LoadProbe(Protocol):
     def queue_depth(self) -> int: ...
 
 
+class HostEvictions:
+    """The host pool's `EvictionSink`: what the host tier overwrites goes down to the disk
+    cache when the policy admits it."""
+
+    def __init__(self, policy: TierPolicy):
+        self.policy = policy
+
+    def evicting(self, victims: list[Evicted]) -> dict[int, str]:
+        return self.policy.evicting_host(victims)
+
+
 class TierPolicy:
     def __init__(self, mover: TierMover, prefix: PrefixCache, load: LoadProbe,
                  prefill_tps: costmodel.RateEstimator, bytes_per_token: int,
                  spill_after_s: float | None = None):
         self.mover, self.prefix, self.load = mover, prefix, load
         self.pool, self.host, self.disk = mover.pool, mover.host, mover.disk
+        self.disk_cache = mover.disk_cache
         self.prefill_tps, self.bytes_per_token = prefill_tps, bytes_per_token
         self.spill_after_s = spill_after_s
         self.clock = time.monotonic  # last use, gaps and keep TTLs (replaceable in tests)
@@ -295,40 +313,69 @@ class TierPolicy:
         s.loaded_from = "disk"
         self._note(s, "load from disk", "restored from a snapshot")
 
-    # ---- any request: the host tier by content ---------------------------------------------
+    # ---- any request: the host tier and the disk cache by content -----------------------
 
-    def evicting(self, victims: list[Evicted]) -> set[int]:
+    def evicting(self, victims: list[Evicted]) -> dict[int, str]:
         """The device pool is about to overwrite cached content (`EvictionSink`): keep it on
         the host, where any later request finds it by hash. Everything evicted is kept
         while the host has unreferenced blocks (its own coldest cached content goes first):
-        a DRAM copy costs a memory copy, a miss costs a prefill. Returns the victims kept."""
-        if self.host is None or not victims:
-            return set()
+        a DRAM copy costs a memory copy, a miss costs a prefill. What the host has no room
+        for (or all of it, without a host tier) goes to the disk cache if it admits it.
+        Returns the victims kept, each with where."""
+        kept: dict[int, str] = {}
+        if self.host is not None and victims:
+            try:
+                kept = dict.fromkeys(self.mover.keep_evicted(victims), Tier.HOST.value)
+            except (CacheFullError, RuntimeError) as e:  # not kept: a later miss recomputes
+                log.warning("could not keep %d evicted blocks on the host: %s",
+                            len(victims), e)
+        rest = [v for v in victims if v.block_id not in kept]
+        return kept | self._keep_on_disk(rest, Tier.DEVICE)
+
+    def evicting_host(self, victims: list[Evicted]) -> dict[int, str]:
+        """The host tier is about to overwrite cached content (`HostEvictions`): what was
+        used at least DISK_ADMIT_HITS times goes to the disk cache."""
+        return self._keep_on_disk(victims, Tier.HOST)
+
+    def _keep_on_disk(self, victims: list[Evicted], tier: Tier) -> dict[int, str]:
+        """The victims (of `tier`'s pool) the disk cache admits, written there."""
+        admitted = [v for v in victims if v.hits >= DISK_ADMIT_HITS]
+        if self.disk_cache is None or not admitted:
+            return {}
         try:
-            return self.mover.keep_evicted(victims)
-        except (CacheFullError, RuntimeError) as e:  # nothing kept: a later miss recomputes
-            log.warning("could not keep %d evicted blocks on the host: %s", len(victims), e)
-            return set()
+            return dict.fromkeys(self.mover.keep_on_disk(admitted, tier), Tier.DISK.value)
+        except (CacheFullError, RuntimeError) as e:
+            log.warning("could not keep %d evicted blocks on disk: %s", len(admitted), e)
+            return {}
 
     def lower_hits(self, token_ids: list[int], hashes: list[bytes], start: int,
-                   num_blocks: int) -> list[Block]:
-        """`LowerTiers`: the host blocks holding a prompt's blocks start.. up to the first
-        miss, when loading them beats recomputing them (`costmodel.should_load` at the
-        measured rates; the device pool takes them by the scheduler's own admission
+                   num_blocks: int) -> list[tuple[Tier, Block]]:
+        """`LowerTiers`: the blocks holding a prompt's blocks start.. up to the first miss,
+        walking down: the host tier, then the disk cache after the host's run. Each tier's
+        run is taken when loading it beats recomputing it (`costmodel.should_load` at that
+        tier's measured rate; the device pool takes them by the scheduler's own admission
         check)."""
-        if self.host is None or start >= num_blocks:
-            return []
-        found = self.host.index.lookup_run(token_ids, hashes, start, num_blocks)
-        if found and not costmodel.should_load(
-                len(found) * self.bs, self.bytes_per_token, self.mover.bandwidth(Tier.HOST),
-                self.prefill_tps.value, self.load.queue_depth()):
-            return []
+        found: list[tuple[Tier, Block]] = []
+        for tier, index in ((Tier.HOST, self.host.index if self.host else None),
+                            (Tier.DISK, self.disk_cache.index if self.disk_cache else None)):
+            at = start + len(found)
+            if index is None or at >= num_blocks:
+                continue
+            run = index.lookup_run(token_ids, hashes, at, num_blocks)
+            if not run:
+                continue  # the next tier down may hold it
+            if not costmodel.should_load(
+                    len(run) * self.bs, self.bytes_per_token, self.mover.bandwidth(tier),
+                    self.prefill_tps.value, self.load.queue_depth()):
+                break
+            found += [(tier, b) for b in run]
         return found
 
-    def load_lower(self, holder: Holder, found: list[Block], token_ids: list[int],
-                   hashes: list[bytes], start: int) -> None:
-        """`LowerTiers`: copy what `lower_hits` found into the holder's next blocks."""
-        self.mover.load_host_hits(holder, found, token_ids, hashes, start)
+    def load_lower(self, holder: Holder, found: list[tuple[Tier, Block]],
+                   token_ids: list[int], hashes: list[bytes], start: int) -> int:
+        """`LowerTiers`: copy what `lower_hits` found into the holder's next blocks; returns
+        how many were loaded (fewer when a disk cache slot is damaged)."""
+        return self.mover.load_lower_hits(holder, found, token_ids, hashes, start)
 
     # ---- hints -----------------------------------------------------------------------------
 

@@ -1,0 +1,245 @@
+"""The disk tier's cache: KV blocks of any request in one file under session_dir, found by
+their chained hash and verified token by token, as on the device and the host.
+
+What it holds: content the host tier overwrites (or the device pool, without a host tier)
+that had been used more than once (`TierPolicy` admits it: a block computed for one
+request and never reused is not worth a disk write). Sessions' own files (their log,
+segments, snapshots) are data, not cache: they are never in here and never evicted to
+meet the budget, `disk_cache_memory`.
+
+The file, `.blocks.kvc`, is a row of fixed-size slots; slot i holds block i of `index`, a
+growing `BlockPool` (ref counts, the hash index, a free queue that evicts the coldest
+leaves first by the cost rule), so the cache's bookkeeping is the device pool's. A slot:
+
+    [ header: magic | identity digest | block hash | parent hash | depth | hits |
+      payload crc32 | token ids (block_size x uint32) | header crc32 ][ payload ][ pad ]
+    |<----------------------------- slot_bytes (a multiple of 4 KiB) --------------------->|
+
+and its payload is every KV tensor's block, all layers, tensors in name order (the bytes of
+`tensor[:, block]`). The file is self-describing, so the cache outlives the process: at
+start-up the headers are read back and every intact one is published again (a torn write
+leaves a header whose checksum fails, or a payload whose checksum fails when it is read:
+either is a miss, never wrong KV). A crash loses cache blocks at most.
+
+Everything runs on the engine thread. One process owns the file at a time (an flock on
+`.blocks.lock`); another process on the same directory runs without a disk cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import torch
+
+from kvsession.cache.block_pool import Block, BlockPool
+from kvsession.cache.eviction import EvictionPolicy, Order
+from kvsession.kernels.reference import is_fp8
+from kvsession.tiers.locks import FileLock
+
+log = logging.getLogger("kvsession")
+CACHE_NAME = ".blocks.kvc"
+CACHE_LOCK_NAME = ".blocks.lock"
+MAGIC = b"KVSBLK01"
+SLOT_ALIGN_BYTES = 4096
+MAX_HASH_BYTES = 64
+# magic, identity digest, hash length + hash, parent flag + length + hash, depth, hits,
+# payload crc; then the token ids and the header's own crc
+_FIXED = struct.Struct(f"<8s16sB{MAX_HASH_BYTES}sBB{MAX_HASH_BYTES}sIII")
+
+
+class DiskCacheBusy(Exception):
+    """Another process owns the directory's disk cache."""
+
+
+class DiskCache:
+    def __init__(self, root: Path, tensors: dict[str, torch.Tensor], block_size: int,
+                 identity_fields: dict, budget_bytes: int):
+        """tensors: the device pool's KV tensors ([num_layers, num_blocks, *block] each),
+        whose geometry every slot's payload has. identity_fields: what stored KV is valid
+        under (StorageIdentity.header_fields); a slot written under another identity is
+        never published. budget_bytes: the file's largest size (`disk_cache_memory`),
+        headers and padding included. Raises DiskCacheBusy when another process holds the
+        cache."""
+        self.root, self.block_size = Path(root), block_size
+        self.lock = FileLock(self.root / CACHE_LOCK_NAME)
+        if not self.lock.try_acquire():
+            raise DiskCacheBusy(f"{self.root / CACHE_NAME} is in use by another process")
+        self.path = self.root / CACHE_NAME
+        # (name, bytes of one block, all layers, shape of tensor[:, block], dtype)
+        self.parts = [(n, t[:, 0].numel() * t.element_size(), (t.shape[0], *t.shape[2:]),
+                       t.dtype) for n, t in sorted(tensors.items())]
+        self.payload_bytes = sum(p[1] for p in self.parts)
+        self.tokens = struct.Struct(f"<{block_size}I")
+        self.header_bytes = _FIXED.size + self.tokens.size + 4
+        used = self.header_bytes + self.payload_bytes
+        self.slot_bytes = -(-used // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+        self.num_blocks = num_blocks = budget_bytes // self.slot_bytes
+        self.identity = hashlib.blake2b(json.dumps(identity_fields, sort_keys=True).encode(),
+                                        digest_size=16).digest()
+        self.index = BlockPool(num_blocks, block_size, True, EvictionPolicy.COST,
+                               (Order.RECENCY,), grow=True)
+        # counters (llm.stats().tiers["disk"]): tokens found here, bytes moved
+        self.hit_tokens = self.bytes_read = self.bytes_written = 0
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
+                              0o644)
+        except OSError:
+            self.lock.release()
+            raise
+        self.recovered_blocks = self._recover()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+            self.lock.release()
+
+    # ---- start-up ------------------------------------------------------------------------
+
+    def _recover(self) -> int:
+        """Publish every intact slot of the file left by an earlier process (up to this
+        budget: the file is cut there); returns how many. Parents are published before
+        their children, so the chains (and leaf-first eviction) are rebuilt."""
+        size = os.fstat(self.fd).st_size
+        # (the last slot may end at its payload: the padding after it is never written)
+        n = min(-(-size // self.slot_bytes), self.num_blocks)
+        if size > n * self.slot_bytes:
+            os.ftruncate(self.fd, n * self.slot_bytes)
+        if n == 0:
+            return 0
+        found = []
+        for i in range(n):
+            meta = self._read_header(os.pread(self.fd, self.header_bytes, i * self.slot_bytes))
+            if meta is not None:
+                found.append((meta[3], i, meta))
+        slots = self.index.allocate(n)  # a fresh growing pool hands out ids 0..n-1 in order
+        for _, i, (block_hash, parent, tokens, _, hits, _) in sorted(found):
+            self.index.cache_full_block(slots[i], block_hash, tokens, parent, hits)
+        self.index.free(slots)
+        if found:
+            log.info("disk cache %s: %d blocks from an earlier run", self.path, len(found))
+        return len(found)
+
+    # ---- slots ---------------------------------------------------------------------------
+
+    def _header(self, block_hash: bytes, parent: bytes | None, tokens, depth: int,
+                hits: int, payload_crc: int) -> bytes:
+        fixed = _FIXED.pack(MAGIC, self.identity, len(block_hash), block_hash,
+                            parent is not None, len(parent or b""), parent or b"", depth,
+                            hits, payload_crc)
+        head = fixed + self.tokens.pack(*tokens)
+        return head + struct.pack("<I", zlib.crc32(head))
+
+    def _read_header(self, raw: bytes):
+        """(hash, parent hash, tokens, depth, hits, payload crc) of an intact header written
+        under this identity, else None."""
+        if len(raw) != self.header_bytes:
+            return None
+        head, (crc,) = raw[:-4], struct.unpack("<I", raw[-4:])
+        if zlib.crc32(head) != crc:
+            return None
+        magic, ident, hlen, h, has_parent, plen, p, depth, hits, payload_crc = \
+            _FIXED.unpack(head[:_FIXED.size])
+        if magic != MAGIC or ident != self.identity or not 0 < hlen <= MAX_HASH_BYTES \
+                or plen > MAX_HASH_BYTES:
+            return None
+        tokens = self.tokens.unpack(head[_FIXED.size:])
+        return h[:hlen], (p[:plen] if has_parent else None), tokens, depth, hits, payload_crc
+
+    def store(self, src: dict[str, torch.Tensor], entries: list[tuple[int, bytes, tuple,
+                                                                       bytes | None, int]]) -> int:
+        """Write blocks into cache slots and publish them: entries are (block id in `src`,
+        hash, token ids, parent hash, hits), `src` tensors laid out as the pool's. Content
+        already here is skipped; the cache's own coldest blocks make room, and at most its
+        unreferenced blocks are used. Returns the number of blocks written. A failed write
+        (disk full) leaves that slot, and the ones after it, unpublished."""
+        new = [e for e in entries if self.index.lookup(e[1], e[2]) is None]
+        new = new[:self.index.num_free]
+        if not new:
+            return 0
+        slots = self.index.allocate(len(new))
+        written = 0
+        try:
+            for slot, (src_id, block_hash, tokens, parent, hits) in zip(slots, new, strict=True):
+                payload = [src[name][:, src_id].contiguous().cpu().view(torch.uint8)
+                           .numpy().tobytes() for name, *_ in self.parts]
+                crc = 0
+                for part in payload:
+                    crc = zlib.crc32(part, crc)
+                depth = 0 if parent is None else self._depth_after(parent)
+                header = self._header(block_hash, parent, tokens, depth, hits, crc)
+                n = os.pwritev(self.fd, [header, *payload], slot.block_id * self.slot_bytes)
+                if n != self.header_bytes + self.payload_bytes:
+                    raise OSError(f"short write to {self.path}: {n} bytes")
+                self.bytes_written += n
+                self.index.cache_full_block(slot, block_hash, tokens, parent, hits)
+                written += 1
+        except OSError as e:
+            log.warning("disk cache %s: %s; %d of %d blocks kept", self.path, e, written,
+                        len(new))
+        finally:
+            self.index.free(slots)  # published ones stay cached, the rest are reused first
+        return written
+
+    def _depth_after(self, parent: bytes) -> int:
+        b = self.index.index.get(parent)
+        return b.evict.depth + 1 if b is not None else 0
+
+    def load(self, slots: list[Block], dst: dict[str, torch.Tensor],
+             dst_ids: list[int]) -> int:
+        """Read cache blocks `slots` (referenced by the caller) into blocks `dst_ids` of
+        `dst`, each checked (header, hash, tokens, payload checksum) before its bytes are
+        used. Returns how many leading blocks were loaded: a damaged slot (a torn write, a
+        changed file) stops the load there; the caller discards it (`index.discard`) once
+        it has dropped its reference."""
+        used = self.header_bytes + self.payload_bytes
+        buf = bytearray(used)
+        for j, (slot, dst_id) in enumerate(zip(slots, dst_ids, strict=True)):
+            try:
+                n = os.preadv(self.fd, [buf], slot.block_id * self.slot_bytes)
+            except OSError as e:
+                log.warning("disk cache %s: %s", self.path, e)
+                return j
+            meta = self._read_header(bytes(buf[:self.header_bytes])) if n == used else None
+            payload = memoryview(buf)[self.header_bytes:]
+            if meta is None or meta[0] != slot.block_hash or meta[2] != slot.token_ids \
+                    or zlib.crc32(payload) != meta[5]:
+                log.warning("disk cache %s: slot %d is damaged; recomputing from there",
+                            self.path, slot.block_id)
+                return j
+            off = 0
+            for name, nbytes, shape, dtype in self.parts:
+                t = dst[name]
+                data = torch.frombuffer(payload[off:off + nbytes], dtype=torch.uint8)
+                # (the buffer is reused by the next block: copied synchronously)
+                _raw(t[:, dst_id]).copy_(data.view(_raw_dtype(dtype)).view(shape))
+                off += nbytes
+            self.bytes_read += used
+            self.hit_tokens += self.block_size
+        return len(slots)
+
+    def check_integrity(self, max_blocks: int | None = None) -> None:
+        """The index's invariants, and no reference held between calls (references are
+        taken only inside one load). `max_blocks`: only while it has created at most
+        that many blocks."""
+        if max_blocks is not None and len(self.index.blocks) > max_blocks:
+            return
+        self.index.check_integrity()
+        held = [b for b in self.index.blocks if b.ref_cnt]
+        if held:
+            raise AssertionError(f"disk cache blocks referenced between calls: {held}")
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A byte view of fp8 tensors (numpy has no fp8); bits unchanged."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
+def _raw_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if is_fp8(dtype) else dtype
