@@ -30,6 +30,17 @@ of 4,096 tokens (what does not fit there is dropped and recomputed). Configurati
   reclaim spills the least recently used session;
 - expected: this tree: the one expected back last per reload cost, keeps with a TTL.
 Reports the makespan and TTFT p99 of agent turns, prompt tokens computed.
+
+`--workload disk`: the mixed trace (48 RAG requests) over a host tier too small for the
+documents (8,192 tokens) and a `session_dir` (the agents' logs and segments written behind
+their turns, as a durable deployment writes them). Configurations:
+- host: the host tier alone below the device;
+- host_disk: plus the disk cache (`disk_cache_memory`, 65,536 tokens): what the host evicts
+  after it was used twice goes there, any request's miss is looked up there.
+Reports prompt tokens computed, hits per tier, TTFT p50 / p99, and the disk's write
+amplification: bytes written to session_dir (cache slots, segments, snapshots) / KV bytes
+the run produced (prompt tokens computed + tokens generated, times bytes per token), with
+the cache's share.
 """
 
 from __future__ import annotations
@@ -57,17 +68,21 @@ BASELINE, BASELINE_ORDER = "db28ed4", "a26d440"
 SYSTEM_TOKENS, MESSAGE_TOKENS, REPLY_TOKENS = 512, 128, 16
 NUM_DOCS, DOC_TOKENS, QUESTION_TOKENS, RAG_GAP_S, RAG_IN_FLIGHT = 10, 2048, 64, 0.8, 4
 TOOL_MEDIAN_S = 0.4
-# per workload: agents, turns, RAG requests, device and host tokens, tool-wait tail, and
-# each configuration's (engine: "this" tree or "baseline" / "baseline_order", host tier)
+# per workload: agents, turns, RAG requests, device, host and disk cache tokens, tool-wait
+# tail, and each configuration's (engine: "this" tree or "baseline" / "baseline_order",
+# host tier, disk: None, "dir" (a session_dir) or "cache" (and the disk cache))
 WORKLOADS = {
     "mixed": {"agents": 8, "turns": 6, "rag": 32, "device": 8192, "host": 65536,
               "sigma": 1.2, "cap_s": 6.0,
-              "configs": {"device": ("this", False), "private": ("baseline", True),
-                          "shared": ("this", True)}},
+              "configs": {"device": ("this", False, None), "private": ("baseline", True, None),
+                          "shared": ("this", True, None)}},
     "agents": {"agents": 16, "turns": 8, "rag": 0, "device": 8192, "host": 4096,
                "sigma": 1.5, "cap_s": 8.0,
-               "configs": {"last_use": ("baseline_order", True),
-                           "expected": ("this", True)}},
+               "configs": {"last_use": ("baseline_order", True, None),
+                           "expected": ("this", True, None)}},
+    "disk": {"agents": 8, "turns": 6, "rag": 48, "device": 8192, "host": 8192,
+             "disk_cache": 65536, "sigma": 1.2, "cap_s": 6.0,
+             "configs": {"host": ("this", True, "dir"), "host_disk": ("this", True, "cache")}},
 }
 
 
@@ -101,9 +116,16 @@ def run_one(workload: str, config: str, model: Path) -> dict:
     bpt = 2 * MID_SIZE["num_hidden_layers"] * MID_SIZE["num_key_value_heads"] \
         * MID_SIZE["head_dim"] * 4  # the mid model's float32 KV bytes per token
     spec = WORKLOADS[workload]
-    host = spec["host"] * bpt if spec["configs"][config][1] else 0
+    _, with_host, disk = spec["configs"][config]
+    host = spec["host"] * bpt if with_host else 0
+    disk_kw = {}
+    if disk is not None:
+        disk_kw["session_dir"] = tempfile.mkdtemp(prefix="kvsession-bench-")
+    if disk == "cache":
+        # slots carry a header and 4 KiB padding: the budget counts them
+        disk_kw["disk_cache_memory"] = spec["disk_cache"] * bpt * 5 // 4
     llm = LLM(model, kv_cache_memory=spec["device"] * bpt, host_cache_memory=host,
-              max_model_len=4096)
+              max_model_len=4096, **disk_kw)
     w = trace(llm.tokenizer, spec)
     params = SamplingParams(max_tokens=REPLY_TOKENS, temperature=0.0, ignore_eos=True)
     ttfts: list[tuple[str, float]] = []
@@ -141,8 +163,10 @@ def run_one(workload: str, config: str, model: Path) -> dict:
         th.join()
     makespan = time.perf_counter() - t0
     st = llm.stats()
-    host_stats = st.tiers["host"]
+    host_stats, disk_stats = st.tiers["host"], st.tiers["disk"]
+    cache_written = getattr(disk_stats, "cache_bytes_written", 0)
     llm.close()
+    produced = (st.prefill_tokens + st.generated_tokens) * bpt  # KV bytes the run made
     all_s = [t for _, t in ttfts]
     return {"config": config, "makespan_s": makespan, "prefill_tokens": st.prefill_tokens,
             "device_hit_tokens": st.prefix.hit_tokens,
@@ -150,8 +174,10 @@ def run_one(workload: str, config: str, model: Path) -> dict:
             "host_bytes_written": getattr(host_stats, "bytes_written", None),
             # bytes written to the host / KV bytes the run produced (its prompt tokens
             # computed and tokens generated): the host tier's write amplification
-            "host_write_amplification": getattr(host_stats, "bytes_written", 0)
-            / ((st.prefill_tokens + st.generated_tokens) * bpt),
+            "host_write_amplification": getattr(host_stats, "bytes_written", 0) / produced,
+            "disk_hit_tokens": getattr(disk_stats, "hit_tokens", None),
+            "disk_write_amplification": getattr(disk_stats, "bytes_written", 0) / produced,
+            "disk_cache_write_amplification": cache_written / produced,
             "restores": dict(st.restores), "spills": dict(st.spills),
             "evictions_by_copy": dict(st.prefix.evictions_by_copy),
             "ttft_p50_s": percentile(all_s, 50), "ttft_p99_s": percentile(all_s, 99),
@@ -179,6 +205,17 @@ def baseline_tree(rev: str) -> Path:
     return path
 
 
+def two_bars(summary: dict, left: tuple[str, str, float], right: tuple[str, str, float],
+             name: str) -> None:
+    """Two bar panels over the configurations: (summary key, title, scale) each."""
+    configs = list(summary)
+    fig, axes = pyplot().subplots(1, 2, figsize=(8, 4))
+    for ax, (key, title, scale) in zip(axes, (left, right), strict=True):
+        ax.bar(configs, [summary[c][key][0] * scale for c in configs])
+        ax.set_title(title)
+    save_figure(fig, name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -199,7 +236,7 @@ def main() -> None:
     configs = tuple(spec["configs"])
     engines = {"this": ROOT, "baseline": args.baseline, "baseline_order": args.baseline_order}
     trees = {c: engines[e] if e == "this" else baseline_tree(engines[e])
-             for c, (e, _) in spec["configs"].items()}
+             for c, (e, *_) in spec["configs"].items()}
     runs: dict[str, list[dict]] = {c: [] for c in configs}
     for r in range(args.rounds):
         k = r % len(configs)
@@ -208,7 +245,8 @@ def main() -> None:
             runs[c].append(res)
             print(f"round {r + 1} {c:8s} makespan {res['makespan_s']:.1f} s, prefill "
                   f"{res['prefill_tokens']} tokens, hits device {res['device_hit_tokens']} "
-                  f"host {res['host_hit_tokens']}, TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} "
+                  f"host {res['host_hit_tokens']} disk {res.get('disk_hit_tokens')}, TTFT p50 "
+                  f"{res['ttft_p50_s'] * 1e3:.0f} "
                   f"p99 {res['ttft_p99_s'] * 1e3:.0f} ms", flush=True)
 
     def med(c, key):
@@ -217,7 +255,27 @@ def main() -> None:
     summary = {c: {k: med(c, k) for k in ("makespan_s", "prefill_tokens",
                                           "device_hit_tokens", "host_hit_tokens",
                                           "ttft_p50_s", "ttft_p99_s", "rag_ttft_p99_s",
-                                          "agent_ttft_p99_s")} for c in configs}
+                                          "agent_ttft_p99_s", "disk_hit_tokens",
+                                          "disk_write_amplification",
+                                          "disk_cache_write_amplification")}
+               for c in configs}
+    if args.workload == "disk":
+        h, hd = summary["host"], summary["host_disk"]
+        fewer = h["prefill_tokens"][0] / hd["prefill_tokens"][0]
+        print(f"disk cache: prompt tokens computed {hd['prefill_tokens'][0]} vs "
+              f"{h['prefill_tokens'][0]} without ({fewer:.2f}x fewer), disk hits "
+              f"{hd['disk_hit_tokens'][0]} tokens, TTFT p99 "
+              f"{hd['ttft_p99_s'][0] * 1e3:.0f} vs {h['ttft_p99_s'][0] * 1e3:.0f} ms; write "
+              f"amplification {hd['disk_write_amplification'][0]:.2f} (cache "
+              f"{hd['disk_cache_write_amplification'][0]:.2f}) vs "
+              f"{h['disk_write_amplification'][0]:.2f}")
+        write_result("disk_cache", {"rounds": runs, "summary": summary,
+                                    "workload": {k: v for k, v in spec.items()
+                                                 if k != "configs"}})
+        if args.plot:
+            two_bars(summary, ("prefill_tokens", "prompt tokens computed", 1),
+                     ("ttft_p99_s", "TTFT p99 ms", 1e3), "disk_cache")
+        return
     if args.workload == "agents":
         lu, ex = summary["last_use"], summary["expected"]
         print(f"expected return vs last use: makespan {ex['makespan_s'][0]:.1f} / "
@@ -228,13 +286,8 @@ def main() -> None:
                                          "workload": {k: v for k, v in spec.items()
                                                       if k != "configs"}})
         if args.plot:
-            plt = pyplot()
-            fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 4))
-            a1.bar(configs, [summary[c]["makespan_s"][0] for c in configs])
-            a1.set_title("makespan s")
-            a2.bar(configs, [summary[c]["agent_ttft_p99_s"][0] * 1e3 for c in configs])
-            a2.set_title("agent turn TTFT p99 ms")
-            save_figure(fig, "expected_return")
+            two_bars(summary, ("makespan_s", "makespan s", 1),
+                     ("agent_ttft_p99_s", "agent turn TTFT p99 ms", 1e3), "expected_return")
         return
     fewer = summary["device"]["prefill_tokens"][0] / summary["shared"]["prefill_tokens"][0]
     p99 = {c: summary[c]["ttft_p99_s"][0] for c in configs}

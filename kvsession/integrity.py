@@ -14,6 +14,7 @@ from kvsession.cache.manager import HolderKind, KVCacheManager
 from kvsession.engine.loop import Engine
 from kvsession.engine.scheduler import Scheduler
 from kvsession.tiers.disk_cache import DiskCache
+from kvsession.tiers.policy import TierPolicy
 
 # set (to anything) by the test suite: check holder-level integrity after every step of
 # small pools and when the LLM closes, and raise from close() if it ever failed
@@ -28,9 +29,9 @@ class IntegrityCheck:
     """Engine thread only (or after it stopped). `failure`: the first failure seen."""
 
     def __init__(self, manager: KVCacheManager, scheduler: Scheduler, engine: Engine,
-                 disk_cache: DiskCache | None = None):
+                 disk_cache: DiskCache | None = None, policy: TierPolicy | None = None):
         self.manager, self.scheduler, self.engine = manager, scheduler, engine
-        self.disk_cache = disk_cache
+        self.disk_cache, self.policy = disk_cache, policy
         self.checking = bool(os.environ.get(CHECK_INTEGRITY_ENV))
         self.failure: AssertionError | None = None
 
@@ -58,7 +59,8 @@ class IntegrityCheck:
         still write). A failure is recorded and raised."""
         try:
             self.now()
-            if self.scheduler.has_work():
+            if self.scheduler.has_work() or (
+                    self.policy is not None and self.policy.loads_in_flight()):
                 return
             held_for_proof = self.engine.quarantine_at_rest()
             for kind in (HolderKind.SEQUENCE, HolderKind.TRANSIENT,

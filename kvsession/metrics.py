@@ -51,6 +51,7 @@ class TierStats(msgspec.Struct):
     hit_tokens: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    cache_bytes_written: int = 0  # of bytes_written, the disk cache's (not sessions' files)
 
 
 class PrefixStats(msgspec.Struct):

@@ -61,6 +61,7 @@ class StatsCollector:
             disk.cached_blocks = len(dc.index.index)
             disk.hit_tokens = dc.hit_tokens
             disk.bytes_written += dc.bytes_written
+            disk.cache_bytes_written = dc.bytes_written
             disk.bytes_read += dc.bytes_read
         q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
         lat, goodput, attainment = self.latency.summary(slo)

@@ -21,7 +21,7 @@ import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 
 from kvsession import costmodel
@@ -176,7 +176,7 @@ class Runtime:
             self.engine, self.latency, self.connector, cfg.block_size, bpt, self.disk_cache,
             self.writeback)
         self.integrity = IntegrityCheck(self.manager, self.scheduler, self.engine,
-                                        self.disk_cache)
+                                        self.disk_cache, self.policy)
         if self.integrity.checking and num_blocks <= CHECK_EVERY_STEP_MAX_BLOCKS:
             self.engine.step_observers.append(self.integrity.after_step)
         self._loop = EngineLoop(self.engine)
@@ -207,8 +207,14 @@ class Runtime:
         return self.check_open().call(fn)
 
     def submit(self, seq: Sequence, on_update: OnUpdate | None = None,
-               prepare: Callable[[], None] | None = None) -> Future:
+               prepare: Callable[[], Generator[Future, None, None] | None] | None = None
+               ) -> Future:
         return self.check_open().submit(seq, on_update=on_update, prepare=prepare)
+
+    def call_steps(self, fn: Callable[[], Generator[Future, None, object]]) -> Future:
+        """Run the generator `fn()` on the engine thread, which keeps stepping while it
+        waits on the Futures it yields (EngineLoop.call_steps)."""
+        return self.check_open().call_steps(fn)
 
     def submit_all(self, seqs: list[Sequence]) -> list[Future]:
         """A batch, added to the engine between the same two steps."""
@@ -246,6 +252,7 @@ class Runtime:
             self.writeback.close()
         if self.journal is not None:
             self.journal.close()
+        self.mover.copier.close()
         if self.disk_cache is not None:
             self.disk_cache.close()
         self.kv_pool = None

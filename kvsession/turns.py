@@ -127,10 +127,11 @@ class TurnExecutor:
             if ok and slog is not None:  # its record follows: batched with its step's
                 rt.journal.expect(slog)
 
-        def prepare() -> None:  # engine thread: bring the KV back, hand it to the sequence
+        def prepare():  # engine thread: bring the KV back, hand it to the sequence
             history = common_prefix_len(kv.tokens, ids)
             info.diverged_at = history if history < len(kv.tokens) else None
-            source = rt.policy.checkout(kv)
+            # (a generator: while the copier brings the KV back, the batch keeps decoding)
+            source = yield from rt.policy.checkout_steps(kv)
             common = min(common_prefix_len(kv.tokens, ids), len(ids) - 1)
             hashes = kv.hashes
             seq.num_computed_tokens = rt.manager.checkout(kv, seq, common)
@@ -194,4 +195,6 @@ class TurnExecutor:
         return self.rt.policy.suspend(kv, expected_idle_s)
 
     def prefetch(self, kv: SessionKV) -> Future:
-        return self.rt.call(lambda: self.rt.policy.prefetch(kv))
+        """The session's KV loaded back ahead of its next turn, on the copier: the Future
+        resolves when it is on the device (the engine keeps stepping meanwhile)."""
+        return self.rt.call_steps(lambda: self.rt.policy.prefetch_steps(kv))

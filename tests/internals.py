@@ -25,6 +25,7 @@ Child processes started by a test (a script run with `python -c`) import it afte
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -130,6 +131,12 @@ class Internals:
         """Forget a session's private KV (what a loaded-ahead session loses under
         pressure): its next turn recomputes."""
         self.on_engine(lambda: self._rt.policy.drop(session.kv, reason=reason))
+
+    def hold_copier(self) -> HeldCopier:
+        """Occupy the copier thread until released: a session's load queued behind it
+        stays in flight, so a test sees what runs meanwhile (the engine keeps stepping)
+        without timing anything."""
+        return HeldCopier(self)
 
     def spill_idle(self, now: float) -> None:
         """The tier policy's idle check as if the clock read `now` (monotonic): sessions
@@ -271,3 +278,19 @@ class Internals:
         conn, sched = self._rt.connector, self._rt.scheduler
         return {"pending": conn.pending, "connector quarantine": conn.quarantine,
                 "quarantine": sched.quarantine, "at a worker": sched.remote}
+
+
+class HeldCopier:
+    """The copier thread held by a test (`Internals.hold_copier`) until `set()`."""
+
+    def __init__(self, ins: Internals):
+        self._ins = ins
+        self._release = threading.Event()
+        ins._rt.mover.copier.submit(self._release.wait, 60)
+
+    def set(self) -> None:
+        self._release.set()
+
+    def loads_in_flight(self) -> int:
+        """Sessions whose KV is on its way back on the copier (not settled yet)."""
+        return self._ins.on_engine(self._ins._rt.policy.loads_in_flight)

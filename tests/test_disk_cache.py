@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from internals import Internals
 from test_prefix_cache import gen
 from test_shared_tiers import BPT, DEVICE, G, fixed_rates, flood
@@ -156,3 +158,45 @@ def test_one_process_owns_the_cache(llama_dir, tmp_path):
 def test_a_disk_cache_needs_a_session_dir(llama_dir):
     with pytest.raises(ConfigError, match="session_dir"):
         LLM(llama_dir, disk_cache_memory="1GiB", **DEVICE)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(llama_dir, tmp_path_factory):
+    """A directory whose disk cache holds a document's 15 blocks, the reference output of a
+    question about it, and the document."""
+    root = tmp_path_factory.mktemp("disk_cache")
+    (doc,) = random_prompts(9, [120], 500)
+    kw = dict(session_dir=root, disk_cache_memory=64 * SLOT, **HOST, **DEVICE)
+    with fixed_rates(LLM(llama_dir, **kw)) as llm:
+        used_twice_then_evicted(llm, doc, 260)
+    with LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+        expected = gen(plain, [doc + [2, 7]], G)[0].token_ids
+    return root, doc, expected
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.one_of(st.none(), st.floats(0.0, 1.0)),
+       flips=st.lists(st.floats(0.0, 1.0), max_size=4))
+def test_a_crash_loses_cache_blocks_never_output(llama_dir, cache_dir, tmp_path_factory, cut,
+                                                 flips):
+    """What a crash can leave of the file (a torn tail: cut anywhere; bytes a torn write
+    left behind: flipped anywhere, headers or KV) costs cache hits, never a wrong token: the
+    next process publishes only intact headers, and a load checks each slot's bytes."""
+    root, doc, expected = cache_dir
+    d = tmp_path_factory.mktemp("crashed")
+    data = bytearray((root / ".blocks.kvc").read_bytes())
+    if cut is not None:
+        del data[int(cut * len(data)):]
+    for f in flips:
+        if data:
+            data[min(int(f * len(data)), len(data) - 1)] ^= 0x5A
+    (d / ".blocks.kvc").write_bytes(bytes(data))
+    kw = dict(session_dir=d, disk_cache_memory=64 * SLOT, **HOST, **DEVICE)
+    with fixed_rates(LLM(llama_dir, **kw)) as llm:
+        out = gen(llm, [doc + [2, 7]], G)[0]
+        assert out.token_ids == expected
+        assert out.num_cached_tokens == llm.stats().tiers["disk"].hit_tokens
+        if cut is None and not flips:
+            assert out.num_cached_tokens == 120
+        llm.check_integrity()

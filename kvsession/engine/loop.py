@@ -9,10 +9,11 @@ An exception inside a step fails only the requests of that step; the loop surviv
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from concurrent.futures import CancelledError, Future, InvalidStateError
 
 import torch
@@ -361,23 +362,65 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(self, seq: Sequence, on_update: OnUpdate | None = None,
-               prepare: Callable[[], None] | None = None) -> Future:
+               prepare: Callable[[], Generator[Future, None, None] | None] | None = None
+               ) -> Future:
         """Queue `seq`; the Future resolves to it when finished. `prepare` runs first on the
         engine thread (e.g. attaching a session's blocks); if it raises, the Future fails
-        and the sequence never runs."""
+        and the sequence never runs. A `prepare` that is a generator may wait on other
+        threads (a session's KV coming back from a lower tier) by yielding Futures: the
+        engine keeps stepping the batch meanwhile (`call_steps`), and the sequence joins
+        the scheduler when the generator ends."""
         fut: Future = Future()
 
         def add():
+            steps = None
             if prepare is not None:
                 try:
-                    prepare()
+                    steps = prepare()
                 except Exception as e:
                     settle(fut, exc=e)
                     return
-            self.engine.add(seq, fut, on_update)
+            if inspect.isgenerator(steps):
+                self._advance(steps, fut, lambda _: self.engine.add(seq, fut, on_update))
+            else:
+                self.engine.add(seq, fut, on_update)
 
         self._post(add, fut)
         return fut
+
+    def call_steps(self, fn: Callable[[], Generator[Future, None, object]]) -> Future:
+        """`call` for work that waits on other threads (a tier copy): `fn()` is a generator
+        run on the engine thread; each Future it yields is waited on without holding the
+        thread (the generator resumes on the engine thread once that Future is done), and
+        what it returns lands in the Future returned here."""
+        fut: Future = Future()
+
+        def start():
+            try:
+                steps = fn()
+            except Exception as e:
+                settle(fut, exc=e)
+                return
+            self._advance(steps, fut, lambda result: settle(fut, result=result))
+
+        self._post(start, fut)
+        return fut
+
+    def _advance(self, steps: Generator[Future, None, object], fut: Future,
+                 then: Callable[[object], None]) -> None:
+        """Engine thread: run `steps` to its next yield (a Future: resumed when it is done,
+        by an item posted to this thread) or its end (`then(result)`). Its exception fails
+        `fut`; so does the loop closing while it waits."""
+        try:
+            waiting = next(steps)
+        except StopIteration as stop:
+            then(stop.value)
+            return
+        except Exception as e:
+            settle(fut, exc=e)
+            return
+        waiting.add_done_callback(
+            lambda _: self._post(lambda: self._advance(steps, fut, then), fut))
 
     def submit_all(self, seqs: list[Sequence]) -> list[Future]:
         """`submit` for a batch, queued in one go: the engine adds all of it before its

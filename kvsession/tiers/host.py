@@ -24,6 +24,8 @@ kernels, each run of consecutive ids is one slice copy.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kvsession.cache.block_pool import BlockPool
@@ -53,6 +55,8 @@ class HostPool:
         # grown, reused staging buffers: device side, and (pinned on CUDA) host side
         self._device_staging, self._host_staging = Workspace(), Workspace(pin_memory=pin)
         # counters (llm.stats().tiers["host"]): tokens found here by lookups, bytes copied
+        # (loads run on the engine thread and on the copier: tiers/copier.py)
+        self._count = threading.Lock()
         self.hit_tokens = 0
         self.bytes_read = 0  # host -> device
         self.bytes_written = 0  # device -> host
@@ -68,7 +72,8 @@ class HostPool:
             moved = self._staged(pool, device_ids, host_ids, to_host=True)
         else:
             moved = self._copy(pool.tensors(), self.tensors, device_ids, host_ids)
-        self.bytes_written += moved
+        with self._count:
+            self.bytes_written += moved
         return moved
 
     def load(self, pool: KVPool, host_ids: list[int], device_ids: list[int]) -> int:
@@ -77,8 +82,10 @@ class HostPool:
             moved = self._staged(pool, device_ids, host_ids, to_host=False)
         else:
             moved = self._copy(self.tensors, pool.tensors(), host_ids, device_ids)
-        self.bytes_read += moved
+        with self._count:
+            self.bytes_read += moved
         return moved
+
 
     def _staged(self, pool: KVPool, device_ids: list[int], host_ids: list[int],
                 to_host: bool) -> int:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +35,7 @@ from kvsession.cache.manager import (
     Transient,
 )
 from kvsession.errors import SnapshotError
+from kvsession.tiers.copier import Copier
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.disk_cache import DiskCache
 from kvsession.tiers.host import HostPool
@@ -44,6 +47,25 @@ from kvsession.tiers.snapshot_read import read_blocks, read_header
 from kvsession.tiers.writeback import SnapshotLocks
 
 log = logging.getLogger("kvsession")
+
+
+@dataclass(eq=False)
+class PendingLoad:
+    """A spilled session's blocks on their way back to the device: staged on the engine
+    thread (`TierMover.stage_load`), copied (`copy_load`, on the copier unless `inline`),
+    settled on the engine thread (`settle_load`) by whoever first needs the session."""
+
+    session: SessionKV
+    tier: Tier
+    lead: int  # the session's blocks before these stay where they are (its pinned lead)
+    staged: Transient  # every block of the session after its lead, fresh or re-referenced
+    copy: list[tuple[int, Block]]  # (block index in the session, fresh device block)
+    header: SnapshotHeader | None
+    inline: bool  # copied on the engine thread (the host's staged path)
+    plan: DiskPlan | None = None  # a resumed session's files (tiers/resume.py)
+    future: Future | None = None  # the copy on the copier, once submitted
+    settled: bool = False
+    why: str = ""  # the policy's reason to load (its decision log)
 
 
 class TierMover:
@@ -65,6 +87,7 @@ class TierMover:
         self.manager, self.kv_pool, self.host, self.disk = manager, manager.kv_pool, host, disk
         self.pool, self.hasher, self.identity = manager.pool, hasher, identity
         self.disk_cache = disk_cache
+        self.copier = Copier(manager.kv_pool.k.device)  # session loads, off the engine thread
         # session files' KV bytes: spilled snapshots written, snapshot / segment KV loaded
         self.disk_bytes_written = self.disk_bytes_read = self.disk_hit_tokens = 0
         self.header_fields = identity.header_fields()  # what every header it writes holds
@@ -272,9 +295,23 @@ class TierMover:
 
     def load(self, s: SessionKV, lead: int, header: SnapshotHeader | None = None) -> None:
         """Copy blocks lead.. of a spilled session back to the device (the caller checked
-        there is room). Full blocks still cached on the device (freed at spill time, not
-        yet evicted) are re-referenced instead of copied. On any error nothing changes."""
-        tier = s.tier
+        there is room), on this thread: `stage_load`, `copy_load`, `settle_load`. On any
+        error nothing changes."""
+        job = self.stage_load(s, lead, header)
+        t0 = time.perf_counter()
+        try:
+            moved = self.copy_load(job)
+        except BaseException as e:
+            self.settle_load(job, error=e)
+            raise
+        self.settle_load(job, moved, time.perf_counter() - t0)
+
+    def stage_load(self, s: SessionKV, lead: int,
+                   header: SnapshotHeader | None = None) -> PendingLoad:
+        """Engine thread: the device blocks a spilled session's blocks lead.. come back
+        into (the caller checked there is room). Full blocks still cached on the device
+        (freed at spill time, not yet evicted) are re-referenced instead of copied; fresh
+        ones are held by the job's `Transient` until it is settled."""
         targets: list[Block | None] = []
         for i in range(lead, blocks_for(len(s.tokens), self.bs)):
             hit = None
@@ -283,34 +320,57 @@ class TierMover:
             targets.append(hit)
         staged = Transient()
         fresh = self.manager.stage(staged, targets)
-        copy = [(j, b) for j, b in enumerate(staged.blocks) if b in fresh]
+        copy = [(lead + j, b) for j, b in enumerate(staged.blocks) if b in fresh]
+        # (the host's staged path shares its buffers with the engine thread's moves)
+        inline = s.tier is Tier.HOST and self.host.staged
+        return PendingLoad(s, s.tier, lead, staged, copy, header, inline, self.plans.get(s))
+
+    def copy_load(self, job: PendingLoad) -> int:
+        """Any thread (the copier's, unless `job.inline`): the bytes into the job's fresh
+        blocks, each validated when read from a file. Returns bytes moved; raises
+        SnapshotError on a file that no longer holds the session's KV."""
+        s, copy = job.session, job.copy
+        if job.tier is Tier.HOST:
+            return self.host.load(self.kv_pool, [s.host_blocks[i - job.lead].block_id
+                                                 for i, _ in copy],
+                                  [b.block_id for _, b in copy])
+        if job.plan is not None:
+            return self._load_plan(job.plan, copy)
+        header = job.header
+        if header is None:  # the file may have changed since it was written
+            header = read_header(s.disk_path, expect=self.identity)
+        if tuple(header.token_ids) != s.tokens:
+            raise SnapshotError(f"{s.disk_path}: no longer holds this session's "
+                                f"tokens (replaced since it was written)")
+        return self.load_file_blocks(s.disk_path, copy, header)
+
+    def timed_copy(self, job: PendingLoad) -> tuple[int, float]:
+        """`copy_load`, with the seconds it took (the tier's rate is observed when the job
+        is settled, on the engine thread)."""
         t0 = time.perf_counter()
-        try:
-            if tier is Tier.HOST:
-                moved = self.host.load(self.kv_pool,
-                                       [s.host_blocks[j].block_id for j, _ in copy],
-                                       [b.block_id for _, b in copy])
-                self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
-                self.host.hit_tokens += len(copy) * self.bs
-            elif s in self.plans:
-                moved = self._load_plan(self.plans[s], [(lead + j, b) for j, b in copy])
-                self.disk_read_bytes_per_s.observe(moved, time.perf_counter() - t0)
-                self._count_disk_load(moved, len(copy))
-            else:
-                if header is None:  # the file may have changed since it was written
-                    header = read_header(s.disk_path, expect=self.identity)
-                if tuple(header.token_ids) != s.tokens:
-                    raise SnapshotError(f"{s.disk_path}: no longer holds this session's "
-                                        f"tokens (replaced since it was written)")
-                moved = self.load_file_blocks(s.disk_path, [(lead + j, b) for j, b in copy],
-                                              header)
-                self.disk_read_bytes_per_s.observe(moved, time.perf_counter() - t0)
-                self._count_disk_load(moved, len(copy))
-        except BaseException:
-            self.manager.release(staged)
-            raise
+        moved = self.copy_load(job)
+        return moved, time.perf_counter() - t0
+
+    def settle_load(self, job: PendingLoad, moved: int = 0, seconds: float = 0.0,
+                    error: BaseException | None = None) -> None:
+        """Engine thread, once per job (later calls do nothing): on success the session's
+        blocks are the loaded ones (tier DEVICE), the copy timed into the tier's rate; on
+        error the fresh blocks are released and the session is as it was."""
+        if job.settled:
+            return
+        job.settled = True
+        s = job.session
+        if error is not None:
+            self.manager.release(job.staged)
+            return
+        if job.tier is Tier.HOST:
+            self.host_bytes_per_s.observe(moved, seconds)
+            self.host.hit_tokens += len(job.copy) * self.bs
+        else:
+            self.disk_read_bytes_per_s.observe(moved, seconds)
+            self._count_disk_load(moved, len(job.copy))
         self.plans.pop(s, None)
-        self.manager.loaded(s, staged)
+        self.manager.loaded(s, job.staged)
 
     def _count_disk_load(self, moved: int, num_blocks: int) -> None:
         self.disk_bytes_read += moved

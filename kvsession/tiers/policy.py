@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Generator
+from concurrent.futures import Future, wait
 from typing import Protocol
 
 from kvsession import costmodel
@@ -21,7 +23,7 @@ from kvsession.cache.block_pool import Block, Evicted, blocks_for
 from kvsession.cache.manager import Holder, SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
 from kvsession.errors import CacheFullError, SnapshotError
-from kvsession.tiers.mover import TierMover
+from kvsession.tiers.mover import PendingLoad, TierMover
 from kvsession.tiers.snapshot_format import SnapshotHeader
 
 log = logging.getLogger("kvsession")
@@ -51,6 +53,10 @@ KEEP_TTL_MIN_S = 5.0
 # agent session wrote 40+ GB to an SSD (mlx-engine#341). Sessions' own files are not cache
 # and are written regardless.
 DISK_ADMIT_HITS = 2
+# the longest a caller on the engine thread waits for a tier copy (a fork of a session being
+# prefetched, a release): a disk read that takes longer is a stuck file system, reported as
+# a SnapshotError instead of a hang
+COPY_WAIT_S = 120.0
 
 
 class LoadProbe(Protocol):
@@ -95,7 +101,12 @@ class TierPolicy:
         self.sessions.append(s)
 
     def release(self, s: SessionKV, delete_file: bool = False) -> None:
-        """Free everything the session holds (device refs, host blocks; the file if asked)."""
+        """Free everything the session holds (device refs, host blocks; the file if asked),
+        after any copy in flight for it."""
+        try:
+            self.settle_pending(s)
+        except SnapshotError as e:  # released anyway: what it held is freed below
+            log.warning("session %s: %s", s.session_id, e)
         self.mover.release(s, delete_file)
         if s in self.sessions:
             self.sessions.remove(s)
@@ -222,27 +233,47 @@ class TierPolicy:
     # ---- restoring -----------------------------------------------------------------------
 
     def checkout(self, s: SessionKV) -> str | None:
+        """`checkout_steps` on this thread (the copies waited for, bounded)."""
+        return self._run(self.checkout_steps(s))
+
+    def checkout_steps(self, s: SessionKV) -> Generator[Future, None, str | None]:
         """Before a turn: bring the session's KV to the device, or drop it when recomputing
-        is cheaper (or there is no room). Marks the session busy. Returns where the reused
-        KV came from ("device", "host", "disk") or None when nothing is reused: the tier it
-        is loaded from now, else the one it was loaded from ahead of this turn (a restored
-        snapshot, a prefetch), else "device"."""
+        is cheaper (or there is no room). Marks the session busy. A generator: it yields
+        the Future of the copy it waits for (the copier moves the bytes while the engine
+        keeps stepping; `EngineLoop.call_steps`). Returns where the reused KV came from
+        ("device", "host", "disk") or None when nothing is reused: the tier it is loaded
+        from now, else the one it was loaded from ahead of this turn (a restored snapshot,
+        a prefetch), else "device"."""
         s.busy = True
         now = self.clock()
         if s.turns:  # the gap since its last turn ended: what its forecast learns from
             gap = max(now - s.last_used, 0.0)
             s.gap_s = gap if s.gap_s is None else GAP_WEIGHT * gap + (1 - GAP_WEIGHT) * s.gap_s
         s.expected_idle_s = s.keep_until = None
-        source = self.restore(s) or s.loaded_from
+        source = (yield from self.restore_steps(s)) or s.loaded_from
+        s.busy = True  # (a prefetch that was in flight ended meanwhile)
         s.loaded_from = None
         if source is None and s.tokens:
             source = "device"
         return source if s.tokens else None
 
     def prefetch(self, s: SessionKV) -> None:
-        """Load a spilled session back ahead of its next turn (which reports the tier)."""
-        if s.tier is not Tier.DEVICE:
-            s.loaded_from = self.restore(s)
+        """`prefetch_steps` on this thread."""
+        self._run(self.prefetch_steps(s))
+
+    def prefetch_steps(self, s: SessionKV) -> Generator[Future, None, None]:
+        """Load a spilled session back ahead of its next turn (which reports the tier), on
+        the copier: the session is busy (nothing moves it) until the copy is settled, and
+        a turn that arrives meanwhile waits for it."""
+        if s.tier is Tier.DEVICE and s.loading is None:
+            return
+        busy, s.busy = s.busy, True
+        try:
+            source = yield from self.restore_steps(s)
+        finally:
+            s.busy = busy
+        if source is not None:
+            s.loaded_from = source
 
     def forked(self, parent: SessionKV, child: SessionKV) -> None:
         """`child` now shares `parent`'s blocks: its first turn reports where they came
@@ -256,8 +287,21 @@ class TierPolicy:
         s.last_used = self.clock()
 
     def restore(self, s: SessionKV) -> str | None:
-        """Load a spilled session back (or drop it if recompute is cheaper). Returns the tier
-        it was loaded from, or None if it was not spilled or was dropped."""
+        """`restore_steps` on this thread."""
+        return self._run(self.restore_steps(s))
+
+    def restore_steps(self, s: SessionKV) -> Generator[Future, None, str | None]:
+        """Load a spilled session back (or drop it if recompute is cheaper), the bytes moved
+        by the copier (yielding its Future). A load already in flight (a prefetch) is
+        waited for and settled first. Returns the tier it was loaded from, or None if it
+        was not spilled or was dropped."""
+        while s.loading is not None:
+            job = s.loading
+            yield job.future
+            if s.loading is job:
+                loaded = self._settle(job)
+                if loaded is not None:
+                    s.loaded_from = loaded
         if s.tier is Tier.DEVICE:
             return None
         tier = s.tier
@@ -281,16 +325,69 @@ class TierPolicy:
             self.recomputes += 1
             self.drop(s, reason="no device room to load into")
             return None
+        job = self.mover.stage_load(s, lead)
+        job.why = why
+        job.future = Future() if job.inline else self.mover.copier.submit(
+            self.mover.timed_copy, job)
+        if job.inline:
+            _run_into(job.future, self.mover.timed_copy, job)
+        s.loading = job
+        yield job.future
+        if s.loading is not job:  # settled meanwhile (by a release, a fork)
+            return s.loaded_from
+        return self._settle(job)
+
+    def _settle(self, job: PendingLoad) -> str | None:
+        """Engine thread: a copy that is done becomes the session's placement (`mover`),
+        counted; a file that no longer holds the session's KV makes it recompute. Returns
+        the tier loaded from, or None."""
+        s = job.session
+        s.loading = None
+        error = job.future.exception()
+        if error is None:
+            moved, seconds = job.future.result()
+            self.mover.settle_load(job, moved, seconds)
+            self.restores[job.tier.value] += 1
+            self._note(s, f"load from {job.tier.value}", job.why)
+            return job.tier.value
+        self.mover.settle_load(job, error=error)
+        if not isinstance(error, SnapshotError):
+            raise error
+        log.warning("%s; recomputing session %s", error, s.session_id)
+        self.recomputes += 1
+        self.drop(s, reason=f"unreadable snapshot: {error}")
+        return None
+
+    def _run(self, steps: Generator[Future, None, object]) -> object:
+        """Drive a steps generator on this thread: each Future it yields is waited for
+        (a copy on the copier; bounded by COPY_WAIT_S)."""
         try:
-            self.mover.load(s, lead)
-        except SnapshotError as e:
-            log.warning("%s; recomputing session %s", e, s.session_id)
-            self.recomputes += 1
-            self.drop(s, reason=f"unreadable snapshot: {e}")
-            return None
-        self.restores[tier.value] += 1
-        self._note(s, f"load from {tier.value}", why)
-        return tier.value
+            fut = next(steps)
+            while True:
+                done, _ = wait([fut], timeout=COPY_WAIT_S)
+                if not done:
+                    raise SnapshotError(f"a tier copy did not finish within {COPY_WAIT_S:.0f} s")
+                fut = next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+    def loads_in_flight(self) -> int:
+        """Sessions whose blocks are on their way back (their fresh device blocks are held
+        by the copy's Transient until it is settled)."""
+        return sum(1 for s in self.sessions if s.loading is not None)
+
+    def settle_pending(self, s: SessionKV) -> None:
+        """Engine thread: a copy in flight for the session (a prefetch) is waited for
+        (bounded by COPY_WAIT_S) and settled now: before the session is released."""
+        job = s.loading
+        if job is None:
+            return
+        done, _ = wait([job.future], timeout=COPY_WAIT_S)
+        if not done:
+            raise SnapshotError(f"a tier copy did not finish within {COPY_WAIT_S:.0f} s")
+        loaded = self._settle(job)
+        if loaded is not None:
+            s.loaded_from = loaded
 
     def restore_snapshot(self, s: SessionKV, header: SnapshotHeader) -> None:
         """A session just restored from a snapshot (its KV only in the file): load it now
@@ -440,3 +537,11 @@ class TierPolicy:
             else:
                 nxt = due - now if nxt is None else min(nxt, due - now)
         return nxt
+
+
+def _run_into(fut: Future, fn: Callable, *args) -> None:
+    """Run fn here, its result or exception into `fut` (a copy done inline)."""
+    try:
+        fut.set_result(fn(*args))
+    except Exception as e:  # noqa: BLE001 - settled by whoever reads the Future
+        fut.set_exception(e)

@@ -1,0 +1,92 @@
+"""A spilled session's KV comes back on the copier thread: while its bytes move, the engine
+keeps stepping the batch (other requests finish), the turn waits for its own blocks, and
+the output is the one a session that never left the device gives. `prefetch()` runs ahead
+the same way; a turn sent meanwhile waits for it, and a session closed meanwhile frees
+everything."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from internals import Internals
+from test_server import wait_until
+from test_tiers import SYSTEM, TURNS, G, make_llm, reference
+
+from kvsession import SamplingParams
+from kvsession.cache.manager import Tier
+
+OTHER = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def spilled(llm, tier: Tier, want_first=None):
+    """A session after one turn, its KV spilled to `tier`, and the copier held."""
+    ins = Internals(llm)
+    s = llm.session(system=SYSTEM, sampling=G)
+    first = s.send(TURNS[0]).token_ids
+    assert want_first is None or first == want_first
+    if tier is Tier.DISK:
+        ins.spill(s, Tier.HOST)
+    assert ins.spill(s, tier) is tier
+    return s, ins.hold_copier()
+
+
+def send_in_thread(s, text):
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", s.send(text)))
+    t.start()
+    return t, box
+
+
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.DISK])
+def test_the_batch_runs_while_a_session_loads(llama_dir, tmp_path, tier):
+    want = reference(llama_dir, "float32", n=2)
+    with make_llm(llama_dir, session_dir=tmp_path) as llm:
+        s, release = spilled(llm, tier, want[0])
+        t, box = send_in_thread(s, TURNS[1])
+        wait_until(release.loads_in_flight, what="the turn's load to start")
+        # the session's load is queued behind the held copier; other work completes
+        out = llm.generate(["an unrelated request"], OTHER, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
+        assert release.loads_in_flight() == 1 and "r" not in box  # still waiting for its blocks
+        release.set()
+        t.join(60)
+        r = box["r"]
+        assert r.token_ids == want[1] and r.restored_from == tier.value
+        assert llm.stats().restores[tier.value] == 1
+        llm.check_integrity()
+
+
+def test_prefetch_runs_ahead_and_a_turn_waits_for_it(llama_dir, tmp_path):
+    want = reference(llama_dir, "float32", n=2)
+    """(The turn either waits for the prefetch's copy or, sent after it settled, finds its
+    KV on the device: both report the prefetch's tier and load once.)"""
+    with make_llm(llama_dir, session_dir=tmp_path) as llm:
+        s, release = spilled(llm, Tier.HOST)
+        pre = s.prefetch()
+        out = llm.generate(["while it loads"], OTHER, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
+        assert not pre.done() and release.loads_in_flight() == 1
+        t, box = send_in_thread(s, TURNS[1])
+        release.set()
+        pre.result(60)
+        t.join(60)
+        r = box["r"]
+        assert r.token_ids == want[1] and r.restored_from == "host"
+        st = llm.stats()
+        assert st.restores["host"] == 1  # loaded once, by the prefetch
+        llm.check_integrity()
+
+
+def test_a_session_closed_while_it_loads_frees_everything(llama_dir, tmp_path):
+    with make_llm(llama_dir, session_dir=tmp_path) as llm:
+        s, release = spilled(llm, Tier.HOST)
+        pre = s.prefetch()
+        closer = threading.Thread(target=s.close)
+        closer.start()  # waits (bounded) on the engine thread for the copy in flight
+        release.set()
+        closer.join(60)
+        pre.result(60)
+        st = llm.stats()
+        assert st.tiers["device"].blocks_used == 0 and st.tiers["host"].blocks_used == 0
+        llm.check_integrity()
