@@ -136,7 +136,8 @@ class Runtime:
         # ---- tiers: the mover copies, the policy decides
         snapshot_locks = SnapshotLocks()  # spills and saves vs write-behind compaction
         self.mover = TierMover(self.manager, self.host, self.disk, self.prefix.hasher,
-                               self.identity, prefill_tps, snapshot_locks, self.disk_cache)
+                               self.identity, prefill_tps, snapshot_locks, self.disk_cache,
+                               self.scheduler)
         self.policy = TierPolicy(self.mover, self.prefix, self.scheduler, prefill_tps, bpt,
                                  cfg.spill_after_s)
         self.scheduler.attach_reclaimer(self.policy)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +35,7 @@ from kvsession.cache.manager import (
     Transient,
 )
 from kvsession.errors import SnapshotError
-from kvsession.tiers.copier import Copier
+from kvsession.tiers.copier import Contention, Copier
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.disk_cache import DiskCache
 from kvsession.tiers.host import HostPool
@@ -73,7 +73,7 @@ class TierMover:
                  hasher: BlockHasher, identity: StorageIdentity,
                  prefill_tps: costmodel.RateEstimator | None = None,
                  snapshot_locks: SnapshotLocks | None = None,
-                 disk_cache: DiskCache | None = None):
+                 disk_cache: DiskCache | None = None, contention: Contention | None = None):
         """identity: this engine's storage identity (headers record it: model,
         tokenizer, template, kv dtype, block size, geometry, tensor names). prefill_tps
         (measured by the engine) prices a spilled block's reload for eviction.
@@ -87,7 +87,8 @@ class TierMover:
         self.manager, self.kv_pool, self.host, self.disk = manager, manager.kv_pool, host, disk
         self.pool, self.hasher, self.identity = manager.pool, hasher, identity
         self.disk_cache = disk_cache
-        self.copier = Copier(manager.kv_pool.k.device)  # session loads, off the engine thread
+        # session loads, off the engine thread (paced while the engine has work: `pace`)
+        self.copier = Copier(manager.kv_pool.k.device, contention)
         # session files' KV bytes: spilled snapshots written, snapshot / segment KV loaded
         self.disk_bytes_written = self.disk_bytes_read = self.disk_hit_tokens = 0
         self.header_fields = identity.header_fields()  # what every header it writes holds
@@ -325,30 +326,32 @@ class TierMover:
         inline = s.tier is Tier.HOST and self.host.staged
         return PendingLoad(s, s.tier, lead, staged, copy, header, inline, self.plans.get(s))
 
-    def copy_load(self, job: PendingLoad) -> int:
+    def copy_load(self, job: PendingLoad, pace: Callable[[], None] | None = None) -> int:
         """Any thread (the copier's, unless `job.inline`): the bytes into the job's fresh
         blocks, each validated when read from a file. Returns bytes moved; raises
-        SnapshotError on a file that no longer holds the session's KV."""
+        SnapshotError on a file that no longer holds the session's KV. `pace`: called
+        between blocks read from files (the copier's `pace`)."""
         s, copy = job.session, job.copy
         if job.tier is Tier.HOST:
             return self.host.load(self.kv_pool, [s.host_blocks[i - job.lead].block_id
                                                  for i, _ in copy],
                                   [b.block_id for _, b in copy])
         if job.plan is not None:
-            return self._load_plan(job.plan, copy)
+            return self._load_plan(job.plan, copy, pace)
         header = job.header
         if header is None:  # the file may have changed since it was written
             header = read_header(s.disk_path, expect=self.identity)
         if tuple(header.token_ids) != s.tokens:
             raise SnapshotError(f"{s.disk_path}: no longer holds this session's "
                                 f"tokens (replaced since it was written)")
-        return self.load_file_blocks(s.disk_path, copy, header)
+        return self.load_file_blocks(s.disk_path, copy, header, pace)
 
     def timed_copy(self, job: PendingLoad) -> tuple[int, float]:
         """`copy_load`, with the seconds it took (the tier's rate is observed when the job
         is settled, on the engine thread)."""
         t0 = time.perf_counter()
-        moved = self.copy_load(job)
+        self.copier.start_pacing()
+        moved = self.copy_load(job, None if job.inline else self.copier.pace)
         return moved, time.perf_counter() - t0
 
     def settle_load(self, job: PendingLoad, moved: int = 0, seconds: float = 0.0,
@@ -408,7 +411,8 @@ class TierMover:
         with self.snapshot_locks.get(s.session_id):
             return compact(path, plan.sources, self.snapshot_fields(s))
 
-    def _load_plan(self, plan: DiskPlan, wanted: list[tuple[int, Block]]) -> int:
+    def _load_plan(self, plan: DiskPlan, wanted: list[tuple[int, Block]],
+                   pace: Callable[[], None] | None = None) -> int:
         """Read blocks (block index, device block) from wherever the plan has them, file
         by file, each validated as load_file_blocks validates snapshot blocks."""
         by_file: dict[Path, tuple[SnapshotHeader, list[tuple[int, Block]]]] = {}
@@ -418,11 +422,12 @@ class TierMover:
         moved = 0
         for path, (header, blocks) in by_file.items():
             blocks.sort(key=lambda x: x[0])
-            moved += self.load_file_blocks(path, blocks, header)
+            moved += self.load_file_blocks(path, blocks, header, pace)
         return moved
 
     def load_file_blocks(self, path: Path, wanted: list[tuple[int, Block]],
-                         header: SnapshotHeader | None = None) -> int:
+                         header: SnapshotHeader | None = None,
+                         pace: Callable[[], None] | None = None) -> int:
         """Read blocks (index in file, device block) from a snapshot into the pool; each is
         validated (checksum, codec, names, shapes, dtypes) before it is copied, or, when it
         was read straight into its (fresh) CPU block, before this returns."""
@@ -436,6 +441,8 @@ class TierMover:
         dest = self._file_destinations(pool, target) if self.kv_pool.k.device.type == "cpu" \
             else None
         for i, tensors in read_blocks(path, h, [i for i, _ in wanted], dest=dest):
+            if pace is not None:
+                pace()
             if tensors is not None:
                 for name, t in pool.items():
                     t[:, target[i].block_id] = tensors[name].to(t.device)
