@@ -56,10 +56,11 @@ class StatsCollector:
             disk.bytes_written = self.policy.mover.disk_bytes_written + (
                 self.writeback.bytes_written if self.writeback is not None else 0)
             disk.bytes_read = self.policy.mover.disk_bytes_read
+            disk.hit_tokens = self.policy.mover.disk_hit_tokens
         if self.disk_cache is not None:
             dc = self.disk_cache
             disk.cached_blocks = len(dc.index.index)
-            disk.hit_tokens = dc.hit_tokens
+            disk.hit_tokens += dc.hit_tokens
             disk.bytes_written += dc.bytes_written
             disk.cache_bytes_written = dc.bytes_written
             disk.bytes_read += dc.bytes_read
