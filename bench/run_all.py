@@ -28,6 +28,8 @@ BENCHES = {
     "spill_restore": ("spill_restore.py", ["--plot"]),
     "shared_tiers": ("shared_tiers.py", ["--plot"]),
     "expected_return": ("shared_tiers.py", ["--plot", "--workload", "agents"]),
+    "disk_cache": ("shared_tiers.py", ["--plot", "--workload", "disk"]),
+    "restore_overlap": ("restore_overlap.py", ["--plot"]),
     "remote_prefill": ("remote_prefill.py", []),
     "eviction": ("eviction.py", ["--plot"]),
     "structured": ("structured.py", []),

@@ -90,3 +90,23 @@ def test_a_session_closed_while_it_loads_frees_everything(llama_dir, tmp_path):
         st = llm.stats()
         assert st.tiers["device"].blocks_used == 0 and st.tiers["host"].blocks_used == 0
         llm.check_integrity()
+
+
+def test_a_session_being_loaded_is_never_moved(llama_dir, tmp_path):
+    """While its host blocks are read on the copier, a prefetched session is neither spilled
+    to disk nor dropped by the pressure other requests put on the pools (its host blocks
+    freed under the copy would be read after another owner wrote them)."""
+    want = reference(llama_dir, "float32", n=2)
+    with make_llm(llama_dir, session_dir=tmp_path) as llm:
+        ins = Internals(llm)
+        s, release = spilled(llm, Tier.HOST, want[0])
+        pre = s.prefetch()
+        for text in ("a long unrelated request " * 12, "another one " * 20):
+            llm.generate([text], OTHER, use_tqdm=False)
+        assert ins.spill(s, Tier.DISK) is Tier.HOST  # refused: it is loading
+        assert s.suspend(expected_idle_s=3600.0) == "host"
+        release.set()
+        pre.result(60)
+        r = s.send(TURNS[1])
+        assert r.token_ids == want[1] and r.restored_from == "host"
+        llm.check_integrity()

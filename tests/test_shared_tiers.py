@@ -191,17 +191,24 @@ WORDS = "the cache is state agents call tools and wait then read write test fix"
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
-def test_random_traces_of_requests_and_sessions_match_an_engine_without_caching(llama_dir,
-                                                                                data):
+def test_random_traces_of_requests_and_sessions_match_an_engine_without_caching(
+        llama_dir, tmp_path_factory, data):
     """Stateless prompts over shared stems and session turns, interleaved with suspends,
     prefetches, spills to the host, drops and floods that evict the device, on a device
-    pool far smaller than the working set and a host tier that holds about two floods: every output
-    equals the one of an engine that caches nothing and never moves a session."""
+    pool far smaller than the working set and a host tier that holds about two floods (or a
+    third of that, with the disk cache below it): every output equals the one of an engine
+    that caches nothing and never moves a session."""
     seed = data.draw(st.integers(0, 10_000))
+    # half the traces run over a smaller host tier with the disk cache below it
+    disk = data.draw(st.booleans())
     rng = random.Random(seed)
     stems = random_prompts(seed, [64, 96], 500)
     small = dict(DEVICE, kv_cache_memory=24 * 8 * BPT, max_model_len=192)
-    with fixed_rates(LLM(llama_dir, host_cache_memory=48 * 8 * BPT, **small)) as llm, \
+    tiers = dict(host_cache_memory=48 * 8 * BPT)
+    if disk:
+        tiers = dict(host_cache_memory=16 * 8 * BPT, disk_cache_memory=64 * 8192,
+                     session_dir=tmp_path_factory.mktemp("trace"))
+    with fixed_rates(LLM(llama_dir, **tiers, **small)) as llm, \
             LLM(llama_dir, enable_prefix_caching=False, host_cache_memory=0,
                 **small) as plain:
         ins = Internals(llm)

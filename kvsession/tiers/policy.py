@@ -3,7 +3,8 @@
 A session's KV is a `SessionKV` (kvsession.cache.manager: where it lives, its block tables).
 The policy decides; the `TierMover` copies and records the new placement through the
 KVCacheManager. Everything here runs on the engine thread. A session is `busy` while a turn
-owns its blocks; busy sessions are never moved.
+owns its blocks, and `loading` while its blocks come back on the copier: such sessions are
+never moved (`_idle`).
 
 Decisions use kvsession.costmodel with inputs measured at run time (EWMA of every copy's
 bandwidth, of prefill throughput, the scheduler's queue depth), never constants: on restore,
@@ -167,7 +168,7 @@ class TierPolicy:
         for s in self._spill_order(self.sessions, Tier.HOST if self.host else Tier.DISK):
             if freed >= num_blocks:
                 break
-            if s is exclude or s.busy or s.tier is not Tier.DEVICE:
+            if s is exclude or not _idle(s) or s.tier is not Tier.DEVICE:
                 continue
             before = self.pool.num_free
             self.spill(s, reason=f"device pool short of {num_blocks} blocks")
@@ -178,7 +179,7 @@ class TierPolicy:
         """Move an idle session's private blocks off the device: to host when it has room
         (making room by moving older host sessions to disk), else to disk, else drop them
         (the next turn recomputes). Returns where the KV went."""
-        if s.busy or not s.tokens:
+        if not _idle(s) or not s.tokens:
             return s.tier
         lead = self._num_lead(s)
         private = s.blocks[lead:]
@@ -205,7 +206,7 @@ class TierPolicy:
         session being spilled goes to disk or is dropped anyway: evicting them would only
         cost them their place)."""
         idle = self._spill_order([o for o in self.sessions if o.tier is Tier.HOST
-                                  and not o.busy], Tier.DISK)
+                                  and _idle(o)], Tier.DISK)
         if self.host.num_free + sum(len(o.host_blocks) for o in idle) < num_blocks:
             return
         for other in idle:
@@ -251,7 +252,6 @@ class TierPolicy:
             s.gap_s = gap if s.gap_s is None else GAP_WEIGHT * gap + (1 - GAP_WEIGHT) * s.gap_s
         s.expected_idle_s = s.keep_until = None
         source = (yield from self.restore_steps(s)) or s.loaded_from
-        s.busy = True  # (a prefetch that was in flight ended meanwhile)
         s.loaded_from = None
         if source is None and s.tokens:
             source = "device"
@@ -263,15 +263,11 @@ class TierPolicy:
 
     def prefetch_steps(self, s: SessionKV) -> Generator[Future, None, None]:
         """Load a spilled session back ahead of its next turn (which reports the tier), on
-        the copier: the session is busy (nothing moves it) until the copy is settled, and
-        a turn that arrives meanwhile waits for it."""
+        the copier: nothing moves the session until the copy is settled (`loading`), and a
+        turn that arrives meanwhile waits for it."""
         if s.tier is Tier.DEVICE and s.loading is None:
             return
-        busy, s.busy = s.busy, True
-        try:
-            source = yield from self.restore_steps(s)
-        finally:
-            s.busy = busy
+        source = yield from self.restore_steps(s)
         if source is not None:
             s.loaded_from = source
 
@@ -295,15 +291,28 @@ class TierPolicy:
         by the copier (yielding its Future). A load already in flight (a prefetch) is
         waited for and settled first. Returns the tier it was loaded from, or None if it
         was not spilled or was dropped."""
-        while s.loading is not None:
-            job = s.loading
-            yield job.future
+        while True:
+            while s.loading is not None:  # a copy already in flight (a prefetch)
+                job = s.loading
+                yield job.future
+                if s.loading is job:
+                    loaded = self._settle(job)
+                    if loaded is not None:
+                        s.loaded_from = loaded
+            if s.tier is Tier.DEVICE:
+                return None
+            job = yield from self._start_load(s)
+            if job is None:
+                return None
             if s.loading is job:
-                loaded = self._settle(job)
-                if loaded is not None:
-                    s.loaded_from = loaded
-        if s.tier is Tier.DEVICE:
-            return None
+                return self._settle(job)
+            # settled meanwhile by a release or a fork (nothing moved it since: it is
+            # loading or busy): decided again
+
+    def _start_load(self, s: SessionKV) -> Generator[Future, None, PendingLoad | None]:
+        """The load-or-recompute decision for a spilled session; when it loads, the copy is
+        started and waited for (its Future yielded). Returns the job (not yet settled), or
+        None when the session was dropped instead."""
         tier = s.tier
         lead = len(s.blocks)
         num_tokens = len(s.tokens) - lead * self.bs
@@ -333,9 +342,7 @@ class TierPolicy:
             _run_into(job.future, self.mover.timed_copy, job)
         s.loading = job
         yield job.future
-        if s.loading is not job:  # settled meanwhile (by a release, a fork)
-            return s.loaded_from
-        return self._settle(job)
+        return job
 
     def _settle(self, job: PendingLoad) -> str | None:
         """Engine thread: a copy that is done becomes the session's placement (`mover`),
@@ -485,7 +492,7 @@ class TierPolicy:
         if expected_idle_s is None:
             expected_idle_s = s.gap_s
         s.expected_idle_s = expected_idle_s
-        if s.busy or s.tier is not Tier.DEVICE or not s.tokens:
+        if not _idle(s) or s.tier is not Tier.DEVICE or not s.tokens:
             # nothing to decide: where it is ("keep" on the device, as documented)
             return "keep" if s.tier is Tier.DEVICE else s.tier.value
         n = len(s.tokens)
@@ -521,7 +528,7 @@ class TierPolicy:
         TTL; seconds to the next deadline."""
         nxt = None
         for s in list(self.sessions):
-            if s.busy or s.tier is not Tier.DEVICE or len(s.blocks) == self._num_lead(s):
+            if not _idle(s) or s.tier is not Tier.DEVICE or len(s.blocks) == self._num_lead(s):
                 continue
             deadlines = [(s.keep_until, "kept past its expected return")] \
                 if s.keep_until is not None else []
@@ -537,6 +544,12 @@ class TierPolicy:
             else:
                 nxt = due - now if nxt is None else min(nxt, due - now)
         return nxt
+
+
+def _idle(s: SessionKV) -> bool:
+    """Whether the policy may move the session: no turn owns its blocks and none are on
+    their way back."""
+    return not s.busy and s.loading is None
 
 
 def _run_into(fut: Future, fn: Callable, *args) -> None:
