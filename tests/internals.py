@@ -292,5 +292,8 @@ class HeldCopier:
         self._release.set()
 
     def loads_in_flight(self) -> int:
-        """Sessions whose KV is on its way back on the copier (not settled yet)."""
-        return self._ins.on_engine(self._ins._rt.policy.loads_in_flight)
+        """Sessions whose KV, and requests whose prompt blocks, are on their way from a
+        lower tier on the copier (not settled yet)."""
+        rt = self._ins._rt
+        return self._ins.on_engine(
+            lambda: rt.policy.loads_in_flight() + len(rt.scheduler.loading))

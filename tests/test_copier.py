@@ -13,8 +13,9 @@ from internals import Internals
 from test_server import wait_until
 from test_tiers import SYSTEM, TURNS, G, make_llm, reference
 
-from kvsession import SamplingParams
+from kvsession import LLM, SamplingParams
 from kvsession.cache.manager import Tier
+from oracle import random_prompts
 
 OTHER = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -109,4 +110,61 @@ def test_a_session_being_loaded_is_never_moved(llama_dir, tmp_path):
         pre.result(60)
         r = s.send(TURNS[1])
         assert r.token_ids == want[1] and r.restored_from == "host"
+        llm.check_integrity()
+
+
+def lower_llm(llama_dir):
+    """A small device pool over a host tier: a document pushed off the device is found on
+    the host by the next prompt that starts with it."""
+    from test_shared_tiers import BPT, DEVICE, fixed_rates
+
+    return fixed_rates(LLM(llama_dir, host_cache_memory=64 * 8 * BPT, **DEVICE))
+
+
+def test_a_prompt_found_on_the_host_loads_while_the_batch_runs(llama_dir):
+    from test_shared_tiers import DEVICE, flood
+
+    (doc,) = random_prompts(11, [120], 500)
+    q = doc + [3, 4, 5]
+    with lower_llm(llama_dir) as llm, \
+            LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+        llm.generate(prompt_token_ids=[doc + [1]], sampling_params=OTHER, use_tqdm=False)
+        flood(llm, 300)  # the document's blocks go to the host
+        release = Internals(llm).hold_copier()
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("out", llm.generate(
+            prompt_token_ids=[q], sampling_params=OTHER, use_tqdm=False)[0]))
+        t.start()
+        wait_until(release.loads_in_flight, what="the prompt's load to start")
+        other = llm.generate(["meanwhile"], OTHER, use_tqdm=False)[0]
+        assert len(other.outputs[0].token_ids) == 4
+        assert release.loads_in_flight() == 1 and "out" not in box
+        release.set()
+        t.join(60)
+        out = box["out"]
+        assert out.num_cached_tokens == 120
+        assert out.token_ids == plain.generate(prompt_token_ids=[q], sampling_params=OTHER,
+                                               use_tqdm=False)[0].token_ids
+        llm.check_integrity()
+
+
+def test_a_request_cancelled_while_its_blocks_load_frees_them_after(llama_dir):
+    from test_shared_tiers import flood
+
+    (doc,) = random_prompts(12, [120], 500)
+    with lower_llm(llama_dir) as llm:
+        llm.generate(prompt_token_ids=[doc + [1]], sampling_params=OTHER, use_tqdm=False)
+        flood(llm, 301)
+        before = llm.stats()
+        release = Internals(llm).hold_copier()
+        stream = llm.stream(prompt_token_ids=doc + [2], sampling_params=OTHER)  # submitted
+        wait_until(release.loads_in_flight, what="the stream's load to start")
+        stream.close()  # the caller goes away while the copier fills its blocks
+        release.set()
+        wait_until(lambda: release.loads_in_flight() == 0, what="the load to settle")
+        wait_until(lambda: llm.stats().tiers["device"].blocks_used == 0,
+                   what="its blocks to be freed")
+        after = llm.stats()  # the cancelled one never ran
+        assert (after.num_requests, after.generated_tokens) == (before.num_requests,
+                                                                before.generated_tokens)
         llm.check_integrity()

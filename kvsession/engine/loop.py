@@ -35,6 +35,9 @@ OnUpdate = Callable[[Sequence], None]
 CLOSE_TIMEOUT_S = 120.0
 # the longest the idle loop sleeps before it looks at its deadlines again
 MAX_IDLE_WAIT_S = 3600.0
+# with only lower-tier copies in flight, the longest a step waits on them before it looks
+# at its inbox again (new requests, calls)
+LOAD_POLL_S = 0.002
 # prompt_logprobs: prompt positions turned into vocabulary-wide logits at a time (bounds the
 # float32 [rows, vocab] temporary: 256 x 128k is 128 MiB)
 PROMPT_LOGPROBS_ROWS = 256
@@ -79,6 +82,9 @@ class Engine:
         if self.remote is not None:
             self.timers.append(self.remote_idle_poll)
         self.futures: dict[int, tuple[Future, OnUpdate | None]] = {}
+        # requests cancelled while a lower tier's copy fills their blocks: failed once it
+        # is done (freeing blocks the copier still writes could hand them to another)
+        self.cancel_after_load: set[int] = set()
         self.num_steps = 0
         self.prefill_tokens = 0  # prompt tokens computed here (stats().prefill_tokens)
         self.generated_tokens = 0  # tokens sampled (stats().generated_tokens)
@@ -131,7 +137,13 @@ class Engine:
     def step(self) -> None:
         if self.remote is not None:
             self.poll_remote()
+        for seq in self.scheduler.poll_loads():
+            if seq.seq_id in self.cancel_after_load:
+                self.cancel_after_load.discard(seq.seq_id)
+                self._fail(seq, CancelledError(f"request {seq.seq_id} was cancelled"))
         batch, failed = self.scheduler.schedule()
+        if not batch and self.scheduler.loading:
+            self.scheduler.wait_loads(LOAD_POLL_S)  # nothing else to run: not a hot loop
         if self.remote is not None and (self.scheduler.new_remote or not batch):
             # nothing to run locally while workers prefill: wait on them briefly
             self.poll_remote(0.0 if self.scheduler.new_remote or batch else 0.002)
@@ -304,7 +316,9 @@ class Engine:
         blocks. A request at a remote prefill worker is left to finish there (its blocks
         may still be written); its result is simply not read."""
         owner = seq.group[0] if seq.group else seq
-        if owner.seq_id in self.futures and seq.seq_id not in self.scheduler.remote:
+        if seq.seq_id in self.scheduler.loading:
+            self.cancel_after_load.add(seq.seq_id)
+        elif owner.seq_id in self.futures and seq.seq_id not in self.scheduler.remote:
             self._fail(seq, CancelledError(f"request {owner.seq_id} was cancelled"))
 
     def fail_all(self, exc: BaseException | Callable[[], BaseException]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +45,7 @@ class ScheduledSeq:
 
 DEFERRED = object()  # _admit's answer when the sequence should wait for an in-flight block
 REMOTE = object()  # _admit's answer when the sequence's prefill went to a remote worker
+LOADING = object()  # _admit's answer when its blocks are coming from a lower tier
 
 
 class Reclaimer(Protocol):
@@ -68,6 +70,21 @@ class LowerTiers(Protocol):
         `token_ids` / `hashes`) into fresh device blocks, published, appended to the
         holder's table. Returns how many leading ones were loaded (a damaged copy on disk
         ends the run: the rest is computed)."""
+
+    def start_lower(self, holder: Sequence, found: list, token_ids: list[int],
+                    hashes: list[bytes], start: int) -> LowerLoadTicket:
+        """`load_lower` off the engine thread: the holder's next blocks are in its table at
+        once, filled when the ticket's `future` is done."""
+
+    def finish_lower(self, ticket: LowerLoadTicket) -> int:
+        """Engine thread, the ticket's future done: publish what was loaded; returns how
+        many leading blocks that is."""
+
+
+class LowerLoadTicket(Protocol):
+    """A load started by `LowerTiers.start_lower`."""
+
+    future: Future
 
 
 class OffloadDecider(Protocol):
@@ -94,6 +111,9 @@ class Scheduler:
         self.remote: dict[int, Sequence] = {}
         self.new_remote: list[Sequence] = []
         self.quarantine: dict[int, Quarantine] = {}
+        # sequences admitted with blocks that a lower tier's copy is filling (the copier):
+        # they hold their blocks and join `running` when it is done (`poll_loads`)
+        self.loading: dict[int, tuple[Sequence, LowerLoadTicket, int]] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -122,7 +142,31 @@ class Scheduler:
             1 for s in self.running if s.num_computed_tokens < s.num_prompt_tokens)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.remote)
+        return bool(self.waiting or self.running or self.remote or self.loading)
+
+    def poll_loads(self) -> list[Sequence]:
+        """Engine thread: sequences whose lower-tier blocks have arrived join `running`
+        (one whose copy stopped short computes the rest: its blocks are in its table).
+        Returns them."""
+        ready = []
+        for seq_id, (seq, ticket, num_found) in list(self.loading.items()):
+            if not ticket.future.done():
+                continue
+            del self.loading[seq_id]
+            short = (num_found - self.lower.finish_lower(ticket)) * self.pool.block_size
+            seq.num_computed_tokens -= short
+            seq.num_cached_tokens -= short
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            ready.append(seq)
+        return ready
+
+    def wait_loads(self, timeout_s: float) -> None:
+        """Engine thread with nothing else to run: wait (at most `timeout_s`) for a
+        lower-tier copy to finish."""
+        if self.loading:
+            wait([t.future for _, t, _ in self.loading.values()], timeout=timeout_s,
+                 return_when=FIRST_COMPLETED)
 
     def schedule(self) -> tuple[list[ScheduledSeq], list[Sequence]]:
         """Pick this step's work. Returns (scheduled, failed): `failed` holds sequences that
@@ -144,7 +188,7 @@ class Scheduler:
                 preempted = True
             if need > self.pool.num_free:
                 self.running.pop(i)  # seq is the newest left
-                if i > 0:  # older sequences hold the blocks: wait for them
+                if i > 0 or self.loading:  # older sequences hold the blocks: wait for them
                     self._preempt(seq)
                     preempted = True
                     break
@@ -157,7 +201,7 @@ class Scheduler:
             i += 1
         i = 0
         while (i < len(self.waiting) and budget > 0 and not preempted
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) + len(self.loading) < self.max_num_seqs):
             seq = self.waiting[i]
             item = self._admit(seq, budget)
             if item is None and self.reclaim(self._last_need - self.pool.num_free) > 0:
@@ -170,8 +214,12 @@ class Scheduler:
                 self.remote[seq.seq_id] = seq
                 self.new_remote.append(seq)
                 continue
+            if item is LOADING:  # (recorded in `loading` by _admit)
+                del self.waiting[i]
+                continue
             if item is None:
-                if not (self.running or scheduled or self.remote or self.quarantine):
+                if not (self.running or scheduled or self.remote or self.quarantine
+                        or self.loading):
                     del self.waiting[i]  # nothing will ever free a block
                     failed.append(seq)
                     continue
@@ -227,13 +275,18 @@ class Scheduler:
         self.prefix.mark_pending(seq.seq_id, seq.block_hashes[num_full:])
         if not attached:  # the eviction policy's shadows replay each admitted prompt
             self.pool.observe(seq.block_hashes[:(seq.num_tokens - 1) // self.pool.block_size])
-        num_cached -= self._take(seq, hits, lower, num_new_blocks) * bs
+        if lower:  # its blocks are filled on the copier; it runs once they are
+            self._take_later(seq, hits, lower, num_new_blocks)
+        else:
+            self._take(seq, hits, lower, num_new_blocks)
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached
-        seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.perf_counter()
+        if lower:
+            return LOADING
+        seq.status = SequenceStatus.RUNNING
         return ScheduledSeq(seq, n)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
@@ -264,6 +317,16 @@ class Scheduler:
                                        start) if lower else 0
         self.manager.allocate_slots(seq, num_new_blocks - loaded)
         return len(lower) - loaded
+
+    def _take_later(self, seq: Sequence, hits: list, lower: list,
+                    num_new_blocks: int) -> None:
+        """`_take` with the lower tiers' blocks filled off the engine thread: the sequence
+        holds its whole table now and waits in `loading` until the copy is done."""
+        start = len(seq.blocks) + len(hits)
+        self.manager.attach(seq, hits)
+        ticket = self.lower.start_lower(seq, lower, seq.token_ids, seq.block_hashes, start)
+        self.manager.allocate_slots(seq, num_new_blocks - len(lower))
+        self.loading[seq.seq_id] = (seq, ticket, len(lower))
 
     def _after_attached(self, seq: Sequence) -> tuple[list, list]:
         """A session turn's attached blocks end on a block boundary before the prompt's

@@ -21,7 +21,8 @@ start-up the headers are read back and every intact one is published again (a to
 leaves a header whose checksum fails, or a payload whose checksum fails when it is read:
 either is a miss, never wrong KV). A crash loses cache blocks at most.
 
-Everything runs on the engine thread. One process owns the file at a time (an flock on
+Bookkeeping runs on the engine thread; a load's reads (`load`) may run on the copier, into
+slots the engine thread holds for it (`hold`). One process owns the file at a time (an flock on
 `.blocks.lock`); another process on the same directory runs without a disk cache.
 """
 
@@ -32,7 +33,9 @@ import json
 import logging
 import os
 import struct
+import threading
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -84,8 +87,13 @@ class DiskCache:
                                         digest_size=16).digest()
         self.index = BlockPool(num_blocks, block_size, True, EvictionPolicy.COST,
                                (Order.RECENCY,), grow=True)
-        # counters (llm.stats().tiers["disk"]): tokens found here, bytes moved
+        # counters (llm.stats().tiers["disk"]): tokens found here, bytes moved (loads run on
+        # the copier and on the engine thread)
+        self._count = threading.Lock()
         self.hit_tokens = self.bytes_read = self.bytes_written = 0
+        # references taken by loads in flight (`hold` / `release`): check_integrity's
+        # accounting; nothing else references a slot
+        self._held: Counter[int] = Counter()
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
                               0o644)
@@ -220,20 +228,36 @@ class DiskCache:
                 # (the buffer is reused by the next block: copied synchronously)
                 _raw(t[:, dst_id]).copy_(data.view(_raw_dtype(dtype)).view(shape))
                 off += nbytes
-            self.bytes_read += used
-            self.hit_tokens += self.block_size
+            with self._count:
+                self.bytes_read += used
+                self.hit_tokens += self.block_size
         return len(slots)
 
+    def hold(self, slots: list[Block]) -> None:
+        """Engine thread: reference `slots` while a load reads them (the cache's own
+        evictions cannot take them)."""
+        self.index.touch(slots)
+        self._held.update(b.block_id for b in slots)
+
+    def release(self, slots: list[Block], damaged: Block | None = None) -> None:
+        """Engine thread: the load is done with `slots`; `damaged` (one of them) is
+        discarded: found by nobody again."""
+        self.index.free(slots)
+        self._held.subtract(b.block_id for b in slots)
+        self._held += Counter()  # drop the zero counts
+        if damaged is not None:
+            self.index.discard(damaged)
+
     def check_integrity(self, max_blocks: int | None = None) -> None:
-        """The index's invariants, and no reference held between calls (references are
-        taken only inside one load). `max_blocks`: only while it has created at most
-        that many blocks."""
+        """The index's invariants, and every reference is a load's (`hold`). `max_blocks`:
+        only while it has created at most that many blocks."""
         if max_blocks is not None and len(self.index.blocks) > max_blocks:
             return
         self.index.check_integrity()
-        held = [b for b in self.index.blocks if b.ref_cnt]
-        if held:
-            raise AssertionError(f"disk cache blocks referenced between calls: {held}")
+        for b in self.index.blocks:
+            if b.ref_cnt != self._held[b.block_id]:
+                raise AssertionError(f"disk cache {b}: ref_cnt {b.ref_cnt}, held by loads "
+                                     f"{self._held[b.block_id]}")
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,37 @@ class PendingLoad:
     why: str = ""  # the policy's reason to load (its decision log)
 
 
+@dataclass(eq=False)
+class LowerLoad:
+    """A prompt's blocks found on the host and in the disk cache, on their way into device
+    blocks already in the holder's table: staged on the engine thread
+    (`TierMover.stage_lower`), copied (`copy_lower`, on the copier unless `inline`),
+    settled on the engine thread (`settle_lower`)."""
+
+    holder: Holder
+    on_host: list[Block]  # host blocks (referenced by `sources` until settled)
+    on_disk: list[Block]  # disk cache slots after them (held until settled)
+    sources: HostTransient
+    blocks: list[Block]  # the device blocks they go to, in the holder's table
+    token_ids: list[int]
+    hashes: list[bytes]
+    start: int  # the index of the first one in the prompt
+    inline: bool
+    future: Future | None = None  # the copy on the copier, once submitted
+
+
+@dataclass
+class LowerCopy:
+    """What a `copy_lower` did: leading blocks loaded, bytes and seconds per tier."""
+
+    loaded: int = 0
+    damaged: bool = False  # the disk cache slot after the loaded ones failed its checks
+    host_bytes: int = 0
+    host_s: float = 0.0
+    disk_bytes: int = 0
+    disk_s: float = 0.0
+
+
 class TierMover:
     def __init__(self, manager: KVCacheManager, host: HostPool | None, disk: DiskTier | None,
                  hasher: BlockHasher, identity: StorageIdentity,
@@ -180,53 +211,90 @@ class TierMover:
 
     def load_lower_hits(self, holder: Holder, found: list[tuple[Tier, Block]], token_ids,
                         hashes: list[bytes], start: int) -> int:
-        """Copy lower-tier blocks `found` (blocks start.. of a prompt, as the policy's lookup
-        found them: host blocks, then disk cache blocks) into fresh device blocks, published
-        there under their hashes and appended to the holder's table. The lower blocks are
-        referenced meanwhile, so the device allocation's own evictions (which push content
-        down a tier) cannot take them. Returns how many leading blocks were loaded: fewer
-        than found when a disk cache slot turns out damaged (it is discarded; the caller
-        computes the rest). On any other error nothing changes."""
+        """`stage_lower`, `copy_lower` and `settle_lower` on this thread. Returns how many
+        leading blocks were loaded."""
+        job = self.stage_lower(holder, found, token_ids, hashes, start)
+        return self.settle_lower(job, self.copy_lower(job))
+
+    def stage_lower(self, holder: Holder, found: list[tuple[Tier, Block]], token_ids,
+                    hashes: list[bytes], start: int) -> LowerLoad:
+        """Engine thread: fresh device blocks for lower-tier blocks `found` (blocks start..
+        of a prompt, as the policy's lookup found them: host blocks, then disk cache
+        blocks), appended to the holder's table now, unpublished until the copy is settled.
+        The lower blocks are referenced until then, so neither the device allocation's own
+        evictions (which push content down a tier) nor later ones can take them. All or
+        nothing (CacheFullError)."""
         on_host = [b for tier, b in found if tier is Tier.HOST]
         on_disk = [b for tier, b in found if tier is Tier.DISK]
-        bs, sources, staged = self.bs, HostTransient(), Transient()
-        disk_index = self.disk_cache.index if on_disk else None
+        sources, staged = HostTransient(), Transient()
         if on_host:
             self.manager.stage_host(sources, on_host)
-        if disk_index is not None:
-            disk_index.touch(on_disk)
-        loaded = len(found)
+        if on_disk:
+            self.disk_cache.hold(on_disk)
         try:
             self.manager.stage(staged, [None] * len(found))
-            ids = [b.block_id for b in staged.blocks]
-            if on_host:
-                t0 = time.perf_counter()
-                moved = self.host.load(self.kv_pool, [h.block_id for h in on_host],
-                                       ids[:len(on_host)])
-                self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
-                self.host.hit_tokens += len(on_host) * bs
-            if on_disk:
-                t0, before = time.perf_counter(), self.disk_cache.bytes_read
-                loaded = len(on_host) + self.disk_cache.load(on_disk, self.kv_pool.tensors(),
-                                                             ids[len(on_host):])
-                self.disk_read_bytes_per_s.observe(self.disk_cache.bytes_read - before,
-                                                   time.perf_counter() - t0)
         except BaseException:
-            self.manager.release(staged)
+            self._release_sources(sources, on_disk, None)
             raise
-        finally:
-            if on_host:
-                self.manager.release_host(sources)
-            if disk_index is not None:
-                disk_index.free(on_disk)
-                if loaded < len(found):
-                    disk_index.discard(on_disk[loaded - len(on_host)])
-        for j, b in enumerate(staged.blocks[:loaded]):
-            i = start + j
-            self.pool.cache_full_block(b, hashes[i], token_ids[i * bs:(i + 1) * bs],
-                                       hashes[i - 1] if i else None)
-        self.manager.transfer(staged, holder, loaded)
+        blocks = list(staged.blocks)
+        self.manager.transfer(staged, holder)
+        inline = bool(on_host) and self.host.staged  # its buffers are the engine thread's
+        return LowerLoad(holder, on_host, on_disk, sources, blocks, list(token_ids),
+                         list(hashes), start, inline)
+
+    def copy_lower(self, job: LowerLoad) -> LowerCopy:
+        """Any thread (the copier's, unless `job.inline`): the bytes into the job's device
+        blocks. A disk cache slot that fails its checks ends the run there; any other error
+        is logged and loads nothing (the blocks are computed instead)."""
+        ids = [b.block_id for b in job.blocks]
+        out = LowerCopy()
+        try:
+            if job.on_host:
+                t0 = time.perf_counter()
+                out.host_bytes = self.host.load(self.kv_pool, [h.block_id for h in job.on_host],
+                                                ids[:len(job.on_host)])
+                out.host_s = time.perf_counter() - t0
+                out.loaded = len(job.on_host)
+            if job.on_disk:
+                t0 = time.perf_counter()
+                got = self.disk_cache.load(job.on_disk, self.kv_pool.tensors(),
+                                           ids[len(job.on_host):])
+                out.loaded += got
+                out.damaged = got < len(job.on_disk)
+                out.disk_bytes = got * (self.disk_cache.header_bytes
+                                        + self.disk_cache.payload_bytes)
+                out.disk_s = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - what was not loaded is computed
+            log.warning("loading %d blocks from below the device failed: %s; computing "
+                        "them", len(job.blocks), e)
+            out.loaded = 0
+        return out
+
+    def settle_lower(self, job: LowerLoad, copy: LowerCopy) -> int:
+        """Engine thread: the loaded blocks are published under their hashes, the lower
+        blocks let go (a damaged disk slot discarded), the copy timed into each tier's
+        rate. Returns how many leading blocks were loaded (the holder computes the rest:
+        their blocks are in its table)."""
+        bs, loaded = self.bs, copy.loaded
+        damaged = job.on_disk[loaded - len(job.on_host)] if copy.damaged else None
+        self._release_sources(job.sources, job.on_disk, damaged)
+        if copy.host_bytes:
+            self.host_bytes_per_s.observe(copy.host_bytes, copy.host_s)
+            self.host.hit_tokens += len(job.on_host) * bs
+        if copy.disk_bytes:
+            self.disk_read_bytes_per_s.observe(copy.disk_bytes, copy.disk_s)
+        for j, b in enumerate(job.blocks[:loaded]):
+            i = job.start + j
+            self.pool.cache_full_block(b, job.hashes[i], job.token_ids[i * bs:(i + 1) * bs],
+                                       job.hashes[i - 1] if i else None)
         return loaded
+
+    def _release_sources(self, sources: HostTransient, on_disk: list[Block],
+                         damaged: Block | None) -> None:
+        if sources.host_blocks:
+            self.manager.release_host(sources)
+        if on_disk:
+            self.disk_cache.release(on_disk, damaged)
 
     def to_disk(self, s: SessionKV, lead: int) -> bool:
         """Write the whole KV to the session's file; then release all but the pinned lead

@@ -24,7 +24,7 @@ from kvsession.cache.block_pool import Block, Evicted, blocks_for
 from kvsession.cache.manager import Holder, SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
 from kvsession.errors import CacheFullError, SnapshotError
-from kvsession.tiers.mover import PendingLoad, TierMover
+from kvsession.tiers.mover import LowerLoad, PendingLoad, TierMover
 from kvsession.tiers.snapshot_format import SnapshotHeader
 
 log = logging.getLogger("kvsession")
@@ -480,6 +480,23 @@ class TierPolicy:
         """`LowerTiers`: copy what `lower_hits` found into the holder's next blocks; returns
         how many were loaded (fewer when a disk cache slot is damaged)."""
         return self.mover.load_lower_hits(holder, found, token_ids, hashes, start)
+
+    def start_lower(self, holder: Holder, found: list[tuple[Tier, Block]],
+                    token_ids: list[int], hashes: list[bytes], start: int) -> LowerLoad:
+        """`LowerTiers`: `load_lower` with the copy on the copier: the holder's next blocks
+        are in its table at once, filled when `job.future` is done (`finish_lower`)."""
+        job = self.mover.stage_lower(holder, found, token_ids, hashes, start)
+        if job.inline:
+            job.future = Future()
+            _run_into(job.future, self.mover.copy_lower, job)
+        else:
+            job.future = self.mover.copier.submit(self.mover.copy_lower, job)
+        return job
+
+    def finish_lower(self, job: LowerLoad) -> int:
+        """`LowerTiers`, engine thread, once `job.future` is done: the copy settled; returns
+        how many blocks were loaded (the holder computes the rest)."""
+        return self.mover.settle_lower(job, job.future.result())
 
     # ---- hints -----------------------------------------------------------------------------
 
