@@ -155,7 +155,7 @@ class Scheduler:
             del self.loading[seq_id]
             short = (num_found - self.lower.finish_lower(ticket)) * self.pool.block_size
             seq.num_computed_tokens -= short
-            seq.num_cached_tokens -= short
+            seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_computed_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             ready.append(seq)
