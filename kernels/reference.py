@@ -24,6 +24,14 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 def is_fp8(dtype: torch.dtype) -> bool:
     """The one answer to "is this an fp8 KV cache?" (a cache with per-token-head scales)."""
     return dtype == FP8_DTYPE
+
+
+def raw_view(t: torch.Tensor) -> torch.Tensor:
+    """A byte view of an fp8 tensor, bits unchanged (some copy kernels, and numpy, have no
+    fp8); any other tensor as it is."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
 MIN_SCALE = 1e-12  # guards an all-zero token/head against a zero scale
 
 

@@ -275,10 +275,7 @@ class Scheduler:
         self.prefix.mark_pending(seq.seq_id, seq.block_hashes[num_full:])
         if not attached:  # the eviction policy's shadows replay each admitted prompt
             self.pool.observe(seq.block_hashes[:(seq.num_tokens - 1) // self.pool.block_size])
-        if lower:  # its blocks are filled on the copier; it runs once they are
-            self._take_later(seq, hits, lower, num_new_blocks)
-        else:
-            self._take(seq, hits, lower, num_new_blocks)
+        self._take(seq, hits, lower, num_new_blocks, in_place=False)
         seq.num_computed_tokens = num_cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = num_cached
@@ -306,27 +303,26 @@ class Scheduler:
                 child.status = SequenceStatus.WAITING
                 self.waiting.appendleft(child)
 
-    def _take(self, seq: Sequence, hits: list, lower: list, num_new_blocks: int) -> int:
+    def _take(self, seq: Sequence, hits: list, lower: list, num_new_blocks: int,
+              in_place: bool = True) -> int:
         """Append to the sequence's table: the device hits (referenced), what a lower tier
         held after them (`num_new_blocks` counts them: fresh blocks filled from below),
-        then the rest of the fresh blocks. Returns how many of `lower` were not loaded
+        then the rest of the fresh blocks. `in_place`: the lower tiers' blocks are copied
+        now; else on the copier, and the sequence waits in `loading` until they are (its
+        whole table is there already). Returns how many of `lower` were not loaded in place
         (their fresh blocks are there, to be computed)."""
         start = len(seq.blocks) + len(hits)
         self.manager.attach(seq, hits)
+        if lower and not in_place:
+            ticket = self.lower.start_lower(seq, lower, seq.token_ids, seq.block_hashes,
+                                            start)
+            self.loading[seq.seq_id] = (seq, ticket, len(lower))
+            self.manager.allocate_slots(seq, num_new_blocks - len(lower))
+            return 0
         loaded = self.lower.load_lower(seq, lower, seq.token_ids, seq.block_hashes,
                                        start) if lower else 0
         self.manager.allocate_slots(seq, num_new_blocks - loaded)
         return len(lower) - loaded
-
-    def _take_later(self, seq: Sequence, hits: list, lower: list,
-                    num_new_blocks: int) -> None:
-        """`_take` with the lower tiers' blocks filled off the engine thread: the sequence
-        holds its whole table now and waits in `loading` until the copy is done."""
-        start = len(seq.blocks) + len(hits)
-        self.manager.attach(seq, hits)
-        ticket = self.lower.start_lower(seq, lower, seq.token_ids, seq.block_hashes, start)
-        self.manager.allocate_slots(seq, num_new_blocks - len(lower))
-        self.loading[seq.seq_id] = (seq, ticket, len(lower))
 
     def _after_attached(self, seq: Sequence) -> tuple[list, list]:
         """A session turn's attached blocks end on a block boundary before the prompt's

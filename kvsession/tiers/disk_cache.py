@@ -42,7 +42,7 @@ import torch
 
 from kvsession.cache.block_pool import Block, BlockPool
 from kvsession.cache.eviction import EvictionPolicy, Order
-from kvsession.kernels.reference import is_fp8
+from kvsession.kernels.reference import raw_view
 from kvsession.tiers.locks import FileLock
 
 log = logging.getLogger("kvsession")
@@ -74,9 +74,8 @@ class DiskCache:
         if not self.lock.try_acquire():
             raise DiskCacheBusy(f"{self.root / CACHE_NAME} is in use by another process")
         self.path = self.root / CACHE_NAME
-        # (name, bytes of one block, all layers, shape of tensor[:, block], dtype)
-        self.parts = [(n, t[:, 0].numel() * t.element_size(), (t.shape[0], *t.shape[2:]),
-                       t.dtype) for n, t in sorted(tensors.items())]
+        # (name, bytes of one block, all layers) in payload order
+        self.parts = [(n, t[:, 0].numel() * t.element_size()) for n, t in sorted(tensors.items())]
         self.payload_bytes = sum(p[1] for p in self.parts)
         self.tokens = struct.Struct(f"<{block_size}I")
         self.header_bytes = _FIXED.size + self.tokens.size + 4
@@ -176,7 +175,7 @@ class DiskCache:
         try:
             for slot, (src_id, block_hash, tokens, parent, hits) in zip(slots, new, strict=True):
                 payload = [src[name][:, src_id].contiguous().cpu().view(torch.uint8)
-                           .numpy().tobytes() for name, *_ in self.parts]
+                           .numpy().tobytes() for name, _ in self.parts]
                 crc = 0
                 for part in payload:
                     crc = zlib.crc32(part, crc)
@@ -222,11 +221,11 @@ class DiskCache:
                             self.path, slot.block_id)
                 return j
             off = 0
-            for name, nbytes, shape, dtype in self.parts:
-                t = dst[name]
+            for name, nbytes in self.parts:
+                block = raw_view(dst[name][:, dst_id])
                 data = torch.frombuffer(payload[off:off + nbytes], dtype=torch.uint8)
                 # (the buffer is reused by the next block: copied synchronously)
-                _raw(t[:, dst_id]).copy_(data.view(_raw_dtype(dtype)).view(shape))
+                block.copy_(data.view(block.dtype).view(block.shape))
                 off += nbytes
             with self._count:
                 self.bytes_read += used
@@ -259,11 +258,3 @@ class DiskCache:
                 raise AssertionError(f"disk cache {b}: ref_cnt {b.ref_cnt}, held by loads "
                                      f"{self._held[b.block_id]}")
 
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """A byte view of fp8 tensors (numpy has no fp8); bits unchanged."""
-    return t.view(torch.uint8) if is_fp8(t.dtype) else t
-
-
-def _raw_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.uint8 if is_fp8(dtype) else dtype

@@ -31,12 +31,7 @@ import torch
 from kvsession.cache.block_pool import BlockPool
 from kvsession.cache.eviction import EvictionPolicy, Order
 from kvsession.cache.kv_pool import KVPool, block_runs
-from kvsession.kernels.reference import Workspace, is_fp8
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """A byte view of fp8 tensors (some copy kernels have no fp8 version); bits unchanged."""
-    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+from kvsession.kernels.reference import Workspace, raw_view
 
 
 class HostPool:
@@ -99,13 +94,13 @@ class HostPool:
             shape = (t.shape[0], n, *t.shape[2:])  # [num_layers, n, *block]
             dev_buf = self._device_staging.get(name, shape, t)
             host_buf = self._host_staging.get(name, shape, self.tensors[name])
-            host = _raw(self.tensors[name])
+            host = raw_view(self.tensors[name])
             if to_host:
                 gather_blocks(t, dev_buf, ids)
                 host_buf.copy_(dev_buf)  # blocking: the CPU reads host_buf next
-                host.index_copy_(1, host_idx, _raw(host_buf))
+                host.index_copy_(1, host_idx, raw_view(host_buf))
             else:
-                torch.index_select(host, 1, host_idx, out=_raw(host_buf))
+                torch.index_select(host, 1, host_idx, out=raw_view(host_buf))
                 dev_buf.copy_(host_buf)  # blocking: host_buf is reused by the next call
                 scatter_blocks(dev_buf, t, ids)
             moved += t[:, :1].numel() * t.element_size() * n
@@ -122,7 +117,7 @@ class HostPool:
         for name, s in src.items():
             d = dst[name]
             for s0, d0, n in runs:
-                _raw(d)[:, d0:d0 + n].copy_(_raw(s)[:, s0:s0 + n], non_blocking=True)
+                raw_view(d)[:, d0:d0 + n].copy_(raw_view(s)[:, s0:s0 + n], non_blocking=True)
             moved += s[:, :1].numel() * s.element_size() * len(src_ids)
         return moved
 

@@ -53,7 +53,8 @@ log = logging.getLogger("kvsession")
 class PendingLoad:
     """A spilled session's blocks on their way back to the device: staged on the engine
     thread (`TierMover.stage_load`), copied (`copy_load`, on the copier unless `inline`),
-    settled on the engine thread (`settle_load`) by whoever first needs the session."""
+    settled on the engine thread (`settle_load`) by whoever first needs the session (the
+    one that finds it in `SessionKV.loading`)."""
 
     session: SessionKV
     tier: Tier
@@ -64,7 +65,6 @@ class PendingLoad:
     inline: bool  # copied on the engine thread (the host's staged path)
     plan: DiskPlan | None = None  # a resumed session's files (tiers/resume.py)
     future: Future | None = None  # the copy on the copier, once submitted
-    settled: bool = False
     why: str = ""  # the policy's reason to load (its decision log)
 
 
@@ -75,7 +75,6 @@ class LowerLoad:
     (`TierMover.stage_lower`), copied (`copy_lower`, on the copier unless `inline`),
     settled on the engine thread (`settle_lower`)."""
 
-    holder: Holder
     on_host: list[Block]  # host blocks (referenced by `sources` until settled)
     on_disk: list[Block]  # disk cache slots after them (held until settled)
     sources: HostTransient
@@ -239,8 +238,8 @@ class TierMover:
         blocks = list(staged.blocks)
         self.manager.transfer(staged, holder)
         inline = bool(on_host) and self.host.staged  # its buffers are the engine thread's
-        return LowerLoad(holder, on_host, on_disk, sources, blocks, list(token_ids),
-                         list(hashes), start, inline)
+        return LowerLoad(on_host, on_disk, sources, blocks, list(token_ids), list(hashes),
+                         start, inline)
 
     def copy_lower(self, job: LowerLoad) -> LowerCopy:
         """Any thread (the copier's, unless `job.inline`): the bytes into the job's device
@@ -367,13 +366,12 @@ class TierMover:
         there is room), on this thread: `stage_load`, `copy_load`, `settle_load`. On any
         error nothing changes."""
         job = self.stage_load(s, lead, header)
-        t0 = time.perf_counter()
         try:
-            moved = self.copy_load(job)
+            moved, seconds = self.timed_copy(job, None)
         except BaseException as e:
             self.settle_load(job, error=e)
             raise
-        self.settle_load(job, moved, time.perf_counter() - t0)
+        self.settle_load(job, moved, seconds)
 
     def stage_load(self, s: SessionKV, lead: int,
                    header: SnapshotHeader | None = None) -> PendingLoad:
@@ -414,22 +412,21 @@ class TierMover:
                                 f"tokens (replaced since it was written)")
         return self.load_file_blocks(s.disk_path, copy, header, pace)
 
-    def timed_copy(self, job: PendingLoad) -> tuple[int, float]:
+    def timed_copy(self, job: PendingLoad,
+                   pace: Callable[[], None] | None) -> tuple[int, float]:
         """`copy_load`, with the seconds it took (the tier's rate is observed when the job
-        is settled, on the engine thread)."""
+        is settled, on the engine thread). `pace`: the copier's, on the copier."""
         t0 = time.perf_counter()
-        self.copier.start_pacing()
-        moved = self.copy_load(job, None if job.inline else self.copier.pace)
+        if pace is not None:
+            self.copier.start_pacing()
+        moved = self.copy_load(job, pace)
         return moved, time.perf_counter() - t0
 
     def settle_load(self, job: PendingLoad, moved: int = 0, seconds: float = 0.0,
                     error: BaseException | None = None) -> None:
-        """Engine thread, once per job (later calls do nothing): on success the session's
-        blocks are the loaded ones (tier DEVICE), the copy timed into the tier's rate; on
-        error the fresh blocks are released and the session is as it was."""
-        if job.settled:
-            return
-        job.settled = True
+        """Engine thread, once per job: on success the session's blocks are the loaded ones
+        (tier DEVICE), the copy timed into the tier's rate; on error the fresh blocks are
+        released and the session is as it was."""
         s = job.session
         if error is not None:
             self.manager.release(job.staged)
@@ -439,13 +436,10 @@ class TierMover:
             self.host.hit_tokens += len(job.copy) * self.bs
         else:
             self.disk_read_bytes_per_s.observe(moved, seconds)
-            self._count_disk_load(moved, len(job.copy))
+            self.disk_bytes_read += moved
+            self.disk_hit_tokens += len(job.copy) * self.bs
         self.plans.pop(s, None)
         self.manager.loaded(s, job.staged)
-
-    def _count_disk_load(self, moved: int, num_blocks: int) -> None:
-        self.disk_bytes_read += moved
-        self.disk_hit_tokens += num_blocks * self.bs
 
     # ---- resumed sessions (durability="turn") ---------------------------------------------
 

@@ -234,10 +234,11 @@ class TierPolicy:
     # ---- restoring -----------------------------------------------------------------------
 
     def checkout(self, s: SessionKV) -> str | None:
-        """`checkout_steps` on this thread (the copies waited for, bounded)."""
-        return self._run(self.checkout_steps(s))
+        """`checkout_steps` on this thread (its copy too)."""
+        return self._run(self.checkout_steps(s, in_place=True))
 
-    def checkout_steps(self, s: SessionKV) -> Generator[Future, None, str | None]:
+    def checkout_steps(self, s: SessionKV,
+                       in_place: bool = False) -> Generator[Future, None, str | None]:
         """Before a turn: bring the session's KV to the device, or drop it when recomputing
         is cheaper (or there is no room). Marks the session busy. A generator: it yields
         the Future of the copy it waits for (the copier moves the bytes while the engine
@@ -251,23 +252,24 @@ class TierPolicy:
             gap = max(now - s.last_used, 0.0)
             s.gap_s = gap if s.gap_s is None else GAP_WEIGHT * gap + (1 - GAP_WEIGHT) * s.gap_s
         s.expected_idle_s = s.keep_until = None
-        source = (yield from self.restore_steps(s)) or s.loaded_from
+        source = (yield from self.restore_steps(s, in_place)) or s.loaded_from
         s.loaded_from = None
         if source is None and s.tokens:
             source = "device"
         return source if s.tokens else None
 
     def prefetch(self, s: SessionKV) -> None:
-        """`prefetch_steps` on this thread."""
-        self._run(self.prefetch_steps(s))
+        """`prefetch_steps` on this thread (its copy too)."""
+        self._run(self.prefetch_steps(s, in_place=True))
 
-    def prefetch_steps(self, s: SessionKV) -> Generator[Future, None, None]:
+    def prefetch_steps(self, s: SessionKV,
+                       in_place: bool = False) -> Generator[Future, None, None]:
         """Load a spilled session back ahead of its next turn (which reports the tier), on
         the copier: nothing moves the session until the copy is settled (`loading`), and a
         turn that arrives meanwhile waits for it."""
         if s.tier is Tier.DEVICE and s.loading is None:
             return
-        source = yield from self.restore_steps(s)
+        source = yield from self.restore_steps(s, in_place)
         if source is not None:
             s.loaded_from = source
 
@@ -283,25 +285,22 @@ class TierPolicy:
         s.last_used = self.clock()
 
     def restore(self, s: SessionKV) -> str | None:
-        """`restore_steps` on this thread."""
-        return self._run(self.restore_steps(s))
+        """`restore_steps` on this thread (its copy too)."""
+        return self._run(self.restore_steps(s, in_place=True))
 
-    def restore_steps(self, s: SessionKV) -> Generator[Future, None, str | None]:
+    def restore_steps(self, s: SessionKV,
+                      in_place: bool = False) -> Generator[Future, None, str | None]:
         """Load a spilled session back (or drop it if recompute is cheaper), the bytes moved
-        by the copier (yielding its Future). A load already in flight (a prefetch) is
-        waited for and settled first. Returns the tier it was loaded from, or None if it
-        was not spilled or was dropped."""
+        by the copier (yielding its Future), or on this thread when `in_place` (a caller
+        that waits for it: the engine thread runs nothing meanwhile, so the copy is not
+        paced). A load already in flight (a prefetch) is waited for and settled first.
+        Returns the tier it was loaded from, or None if it was not spilled or was
+        dropped."""
         while True:
-            while s.loading is not None:  # a copy already in flight (a prefetch)
-                job = s.loading
-                yield job.future
-                if s.loading is job:
-                    loaded = self._settle(job)
-                    if loaded is not None:
-                        s.loaded_from = loaded
+            yield from self._await_loading(s)
             if s.tier is Tier.DEVICE:
                 return None
-            job = yield from self._start_load(s)
+            job = yield from self._start_load(s, in_place)
             if job is None:
                 return None
             if s.loading is job:
@@ -309,10 +308,21 @@ class TierPolicy:
             # settled meanwhile by a release or a fork (nothing moved it since: it is
             # loading or busy): decided again
 
-    def _start_load(self, s: SessionKV) -> Generator[Future, None, PendingLoad | None]:
+    def _await_loading(self, s: SessionKV) -> Generator[Future, None, None]:
+        """A copy already in flight for the session (a prefetch) waited for and settled."""
+        while s.loading is not None:
+            job = s.loading
+            yield job.future
+            if s.loading is job:
+                loaded = self._settle(job)
+                if loaded is not None:
+                    s.loaded_from = loaded
+
+    def _start_load(self, s: SessionKV,
+                    in_place: bool) -> Generator[Future, None, PendingLoad | None]:
         """The load-or-recompute decision for a spilled session; when it loads, the copy is
-        started and waited for (its Future yielded). Returns the job (not yet settled), or
-        None when the session was dropped instead."""
+        started (on this thread when `in_place`) and waited for (its Future yielded).
+        Returns the job (not yet settled), or None when the session was dropped instead."""
         tier = s.tier
         lead = len(s.blocks)
         num_tokens = len(s.tokens) - lead * self.bs
@@ -336,10 +346,12 @@ class TierPolicy:
             return None
         job = self.mover.stage_load(s, lead)
         job.why = why
-        job.future = Future() if job.inline else self.mover.copier.submit(
-            self.mover.timed_copy, job)
-        if job.inline:
-            _run_into(job.future, self.mover.timed_copy, job)
+        if job.inline or in_place:  # unpaced: nothing else runs while this thread waits
+            job.future = Future()
+            _run_into(job.future, self.mover.timed_copy, job, None)
+        else:
+            job.future = self.mover.copier.submit(self.mover.timed_copy, job,
+                                                  self.mover.copier.pace)
         s.loading = job
         yield job.future
         return job
@@ -386,15 +398,7 @@ class TierPolicy:
     def settle_pending(self, s: SessionKV) -> None:
         """Engine thread: a copy in flight for the session (a prefetch) is waited for
         (bounded by COPY_WAIT_S) and settled now: before the session is released."""
-        job = s.loading
-        if job is None:
-            return
-        done, _ = wait([job.future], timeout=COPY_WAIT_S)
-        if not done:
-            raise SnapshotError(f"a tier copy did not finish within {COPY_WAIT_S:.0f} s")
-        loaded = self._settle(job)
-        if loaded is not None:
-            s.loaded_from = loaded
+        self._run(self._await_loading(s))
 
     def restore_snapshot(self, s: SessionKV, header: SnapshotHeader) -> None:
         """A session just restored from a snapshot (its KV only in the file): load it now
