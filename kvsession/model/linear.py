@@ -97,11 +97,17 @@ class Linear:
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACKED_MAX_ROWS)
             except RuntimeError:
-                # oneDNN packs some dtypes only on some CPUs (float16 needs avx512_fp16):
-                # elsewhere the plain layout serves every batch (rows a RowsBuffer took
-                # stay there unused: the dual layout of float16 on such a CPU only)
-                self.fmt, self.rows = "float", None
-                self.weight_t = w.t().contiguous()
+                # oneDNN packs some dtypes only on some CPUs (bfloat16 needs AVX512BW/VL
+                # or AVX-NE-CONVERT, float16 avx512_fp16): elsewhere one copy serves every
+                # batch, the rows "both" already wrote (no second layout to pair them
+                # with), else the plain layout
+                if self.rows is not None:
+                    self.fmt = "rows"
+                    self.rows_kernel = bf16_rows.load() if bf16_rows.applies(self.rows) \
+                        else None
+                else:
+                    self.fmt = "float"
+                    self.weight_t = w.t().contiguous()
         if self.fmt == "int8":  # symmetric, per group of inputs: w ~ q * scale
             self.int8 = q8_matmul.quantize(parts, q8_matmul.group_for(w.shape[1]))
             self.dtype = w.dtype  # what rows looked up (`lookup`) come back in
