@@ -1,4 +1,5 @@
-"""Restore overlap: a session's KV read back from disk while four requests decode.
+"""Restore and spill overlap: a session's KV read back from disk, and later written to
+disk again, while four requests decode.
 
 A session with a 6,144-token history is persisted (`session_dir`, durability "turn"), the
 LLM closed and opened again, and the session resumed: its KV is only on disk (its log's
@@ -8,13 +9,16 @@ from disk while they decode. Reported per round, over the four's median gap befo
 step time): the worst inter-token gap while the session loads (from the turn's submission
 to its first step: its queue time; target <= 2x), the worst up to its first token (its own
 prefill step included), and, for reference, the worst while the same session's next turn
-runs from the device (that step alone). The copier runs at nice 10 and, while the engine
-has work, paces itself (kvsession/tiers/copier.py: COPIER_NICE, PACE_RATIO): on this 2-core
-machine the decode's two threads and its memory bandwidth are shared with it.
+runs from the device (that step alone). Then the session is suspended for a long wait
+(`suspend(expected_idle_s=1e6)`: no host tier, so its KV is written to its snapshot file):
+the worst gap while that spill runs (the call's duration). The copier runs at nice 10 and,
+while the engine has work, paces itself (kvsession/tiers/copier.py: COPIER_NICE,
+PACE_RATIO): on this 2-core machine the decode's two threads and its memory bandwidth are
+shared with it.
 
 Configurations, each in a fresh process:
 - sync: the revision before session loads moved to the copier (`--baseline`, run from a
-  worktree): the whole restore runs on the engine thread, one stall;
+  worktree): the whole restore, and the spill, run on the engine thread, one stall each;
 - copier: this tree: the bytes move on the copier thread, the batch keeps decoding.
 
 Median over `--rounds` rounds (the order alternating) with the range. JSON + `--plot`.
@@ -39,7 +43,7 @@ from shared_tiers import baseline_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "5d2a8b2"  # session loads on the engine thread
-HISTORY_TOKENS, NUM_DECODERS, DECODE_TOKENS, WARM_TOKENS = 6144, 4, 400, 16
+HISTORY_TOKENS, NUM_DECODERS, DECODE_TOKENS, WARM_TOKENS = 6144, 4, 600, 16
 
 
 def long_model() -> Path:
@@ -95,6 +99,9 @@ def run_one(model: Path) -> dict:
         t_again = time.perf_counter()
         r2 = s.send("And after that?")  # for reference: the same turn, its KV on the device
         t_again_first = t_again + r2.metrics.ttft_s
+        t_spill = time.perf_counter()
+        decision = s.suspend(expected_idle_s=1e6)  # its KV goes to its snapshot file
+        t_spilled = time.perf_counter()
         for t in threads:
             t.join()
         s.close()
@@ -108,7 +115,12 @@ def run_one(model: Path) -> dict:
                     for a, b in gaps if a < end and b > start), default=0.0)
     load_gap = worst(t_send, t_loaded, clip=True)
     turn_gap, device_gap = worst(t_send, t_first), worst(t_again, t_again_first)
+    if max(ts[-1] for ts in times) < t_spilled:
+        raise RuntimeError("the decoders ended before the spill did: raise DECODE_TOKENS")
+    spill_gap = worst(t_spill, t_spilled)
     return {"restored_from": r.restored_from, "ttft_s": r.metrics.ttft_s,
+            "spilled_to": decision, "spill_s": t_spilled - t_spill,
+            "spill_gap_over_step": spill_gap / step,
             "load_s": r.metrics.queue_s, "median_step_s": step,
             "load_gap_over_step": load_gap / step, "turn_gap_over_step": turn_gap / step,
             "device_turn_gap_over_step": device_gap / step}
@@ -148,14 +160,17 @@ def main() -> None:
                   f"{res['median_step_s'] * 1e3:.1f} ms; worst gap / step: while loading "
                   f"{res['load_gap_over_step']:.2f}x, to the turn's first token "
                   f"{res['turn_gap_over_step']:.2f}x (the same turn from the device "
-                  f"{res['device_turn_gap_over_step']:.2f}x)", flush=True)
+                  f"{res['device_turn_gap_over_step']:.2f}x); spill to "
+                  f"{res['spilled_to']} in {res['spill_s'] * 1e3:.0f} ms, worst gap "
+                  f"{res['spill_gap_over_step']:.2f}x", flush=True)
 
     def med(c, key):
         xs = [x[key] for x in runs[c]]
         return statistics.median(xs), min(xs), max(xs)
     summary = {c: {k: med(c, k) for k in ("ttft_s", "load_s", "median_step_s",
                                           "load_gap_over_step", "turn_gap_over_step",
-                                          "device_turn_gap_over_step")} for c in configs}
+                                          "device_turn_gap_over_step", "spill_s",
+                                          "spill_gap_over_step")} for c in configs}
     for c in configs:
         m, lo, hi = summary[c]["load_gap_over_step"]
         t, tlo, thi = summary[c]["turn_gap_over_step"]
@@ -163,19 +178,24 @@ def main() -> None:
               f"{lo:.2f}-{hi:.2f}; target <= 2x); up to its first token {t:.2f}x "
               f"({tlo:.2f}-{thi:.2f}; a turn from the device "
               f"{summary[c]['device_turn_gap_over_step'][0]:.2f}x), TTFT "
-              f"{summary[c]['ttft_s'][0] * 1e3:.0f} ms")
+              f"{summary[c]['ttft_s'][0] * 1e3:.0f} ms; worst gap while it spills to disk "
+              f"{summary[c]['spill_gap_over_step'][0]:.2f}x "
+              f"({summary[c]['spill_gap_over_step'][1]:.2f}-"
+              f"{summary[c]['spill_gap_over_step'][2]:.2f}), the spill "
+              f"{summary[c]['spill_s'][0] * 1e3:.0f} ms")
     write_result("restore_overlap", {"baseline": args.baseline, "rounds": runs,
                                      "summary": summary, "history_tokens": HISTORY_TOKENS,
                                      "decoders": NUM_DECODERS})
     if args.plot:
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(5, 4))
-        for i, key in enumerate(("load_gap_over_step", "turn_gap_over_step")):
-            ax.bar([j + 0.4 * i for j in range(len(configs))],
-                   [summary[c][key][0] for c in configs], 0.4, label=key.split("_")[0])
-        ax.set_xticks([j + 0.2 for j in range(len(configs))], configs)
+        keys = ("load_gap_over_step", "turn_gap_over_step", "spill_gap_over_step")
+        for i, key in enumerate(keys):
+            ax.bar([j + 0.28 * i for j in range(len(configs))],
+                   [summary[c][key][0] for c in configs], 0.28, label=key.split("_")[0])
+        ax.set_xticks([j + 0.28 for j in range(len(configs))], configs)
         ax.axhline(2.0, color="gray", linestyle="--", label="target")
-        ax.set_title("worst decode gap / step, 6k-token disk restore")
+        ax.set_title("worst decode gap / step, 6k-token disk restore and spill")
         ax.legend()
         save_figure(fig, "restore_overlap")
 

@@ -60,7 +60,7 @@ class IntegrityCheck:
         try:
             self.now()
             if self.scheduler.has_work() or (
-                    self.policy is not None and self.policy.loads_in_flight()):
+                    self.policy is not None and self.policy.moves_in_flight()):
                 return
             held_for_proof = self.engine.quarantine_at_rest()
             for kind in (HolderKind.SEQUENCE, HolderKind.TRANSIENT,

@@ -641,19 +641,20 @@ class Session:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def exclusive(self, fn, seal: bool = False):
+    def exclusive(self, fn, seal: bool = False, steps: bool = False):
         """Run fn() on the engine thread once this session's queued turns are done (the
         store's way to act on this session between turns). `seal`: no turn may be queued
         after this one (the LLM persisting the session at close: a turn run after the
         snapshot would be acknowledged and lost); unsealed if fn fails, the session then
-        staying live."""
+        staying live. `steps`: fn returns a steps generator (it waits on the copier without
+        holding the engine thread: `EngineLoop.call_steps`)."""
         mine, prev = self._turns.enter(seal)
         if seal:
             self._cancel_open_streams()
         try:
             if prev is not None:
                 prev.result()
-            return self._exec.call(fn).result()
+            return (self._exec.call_steps if steps else self._exec.call)(fn).result()
         except BaseException:
             if seal:
                 self._turns.unseal()
@@ -695,7 +696,8 @@ class Session:
         Returns the decision: "keep" | "host" | "disk" | "drop"."""
         expected_idle_s = check_float("expected_idle_s", expected_idle_s, min_value=0.0,
                                       allow_none=True)
-        return self.exclusive(lambda: self._exec.suspend(self.kv, expected_idle_s))
+        return self.exclusive(lambda: self._exec.suspend(self.kv, expected_idle_s),
+                              steps=True)
 
     def prefetch(self) -> Future:
         """Start bringing a spilled session back to the device ahead of its next send;

@@ -26,6 +26,7 @@ the `prepare` / `finished` callbacks, which run on the engine thread.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,6 +165,10 @@ class TurnExecutor:
         """Run fn on the engine thread between steps (a session's exclusive work)."""
         return self.rt.call(fn)
 
+    def call_steps(self, fn) -> Future:
+        """`call` for a steps generator (work that waits on the copier: `Runtime.call_steps`)."""
+        return self.rt.call_steps(fn)
+
     # ---- a session's KV between turns (engine thread: through `call`) ----------------------
 
     def save(self, kv: SessionKV, path) -> None:
@@ -190,9 +195,11 @@ class TurnExecutor:
         rt.manager.share(parent, child)
         rt.policy.forked(parent, child)
 
-    def suspend(self, kv: SessionKV, expected_idle_s: float | None) -> str:
-        """Engine thread: the tier policy's decision for an idle session."""
-        return self.rt.policy.suspend(kv, expected_idle_s)
+    def suspend(self, kv: SessionKV,
+                expected_idle_s: float | None) -> Generator[Future, None, str]:
+        """Engine thread, a steps generator (`call_steps`): the tier policy's decision for an
+        idle session, a spill's bytes moved on the copier while the engine keeps stepping."""
+        return self.rt.policy.suspend_steps(kv, expected_idle_s)
 
     def prefetch(self, kv: SessionKV) -> Future:
         """The session's KV loaded back ahead of its next turn, on the copier: the Future

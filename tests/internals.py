@@ -138,10 +138,18 @@ class Internals:
         without timing anything."""
         return HeldCopier(self)
 
-    def spill_idle(self, now: float) -> None:
+    def spill_idle(self, now: float, settle: bool = True) -> None:
         """The tier policy's idle check as if the clock read `now` (monotonic): sessions
-        idle past spill_after_s spill without the test waiting for it."""
-        self.on_engine(lambda: self._rt.policy.housekeeping(now))
+        idle past spill_after_s spill without the test waiting for it. Their copies run on
+        the copier: with `settle` they are waited for and settled before this returns,
+        else they are left in flight (the engine loop settles them)."""
+        policy = self._rt.policy
+
+        def spill():
+            policy.housekeeping(now)
+            if settle:
+                policy.settle_moves()
+        self.on_engine(spill)
 
     def num_lead(self, session) -> int:
         """How many of a session's leading blocks are pinned (shared, never spilled): what
@@ -296,4 +304,4 @@ class HeldCopier:
         lower tier on the copier (not settled yet)."""
         rt = self._ins._rt
         return self._ins.on_engine(
-            lambda: rt.policy.loads_in_flight() + len(rt.scheduler.loading))
+            lambda: rt.policy.moves_in_flight() + len(rt.scheduler.loading))

@@ -168,3 +168,70 @@ def test_a_request_cancelled_while_its_blocks_load_frees_them_after(llama_dir):
         assert (after.num_requests, after.generated_tokens) == (before.num_requests,
                                                                 before.generated_tokens)
         llm.check_integrity()
+
+
+@pytest.mark.parametrize(("idle_s", "tier"), [(120.0, Tier.HOST), (1e6, Tier.DISK)])
+def test_the_batch_runs_while_a_session_spills(llama_dir, tmp_path, idle_s, tier):
+    """suspend's copy down (host blocks, or the session's snapshot file) runs on the copier:
+    while the copier is held other requests complete and the session keeps its device
+    blocks; it then settles on the tier the policy chose, and its next turn is exact."""
+    want = reference(llama_dir, "float32", n=2)
+    with make_llm(llama_dir, session_dir=tmp_path) as llm:
+        s = llm.session(system=SYSTEM, sampling=G)
+        assert s.send(TURNS[0]).token_ids == want[0]
+        release = Internals(llm).hold_copier()
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("d", s.suspend(idle_s)))
+        t.start()
+        wait_until(release.loads_in_flight, what="the spill to start")
+        out = llm.generate(["an unrelated request"], OTHER, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
+        assert "d" not in box and s.state == "active"  # its blocks are still being copied
+        assert s.kv.tier is Tier.DEVICE
+        assert not (tmp_path / f"{s.session_id}.kvs").exists()
+        release.set()
+        t.join(60)
+        assert box["d"] == tier.value and s.state == tier.value
+        assert llm.stats().spills[tier.value] == 1
+        r = s.send(TURNS[1])
+        assert r.token_ids == want[1] and r.restored_from == tier.value
+        llm.check_integrity()
+
+
+def test_a_turn_waits_for_its_sessions_spill(llama_dir):
+    """A turn sent while housekeeping's spill of its session is on the copier waits for the
+    copy, settles it, and loads the KV back: exact, and reported as restored from host."""
+    want = reference(llama_dir, "float32", n=2)
+    with make_llm(llama_dir, spill_after_s=1e9) as llm:
+        ins = Internals(llm)
+        s = llm.session(system=SYSTEM, sampling=G)
+        assert s.send(TURNS[0]).token_ids == want[0]
+        release = ins.hold_copier()
+        ins.spill_idle(s.kv.last_used + 2e9, settle=False)
+        assert release.loads_in_flight() == 1 and s.state == "idle"
+        t, box = send_in_thread(s, TURNS[1])
+        out = llm.generate(["an unrelated request"], OTHER, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4 and "r" not in box
+        release.set()
+        t.join(60)
+        r = box["r"]
+        assert r.token_ids == want[1] and r.restored_from == "host"
+        assert llm.stats().spills["host"] == 1
+        llm.check_integrity()
+
+
+def test_a_session_closed_while_it_spills_frees_everything(llama_dir, tmp_path):
+    with make_llm(llama_dir, session_dir=tmp_path, spill_after_s=1e9) as llm:
+        ins = Internals(llm)
+        s = llm.session(system=SYSTEM, sampling=G)
+        s.send(TURNS[0])
+        release = ins.hold_copier()
+        ins.spill_idle(s.kv.last_used + 2e9, settle=False)
+        closer = threading.Thread(target=s.close)
+        closer.start()  # waits (bounded) on the engine thread for the copy in flight
+        release.set()
+        closer.join(60)
+        assert not closer.is_alive()
+        st = llm.stats()
+        assert st.tiers["device"].blocks_used == 0 and st.tiers["host"].blocks_used == 0
+        llm.check_integrity()

@@ -18,7 +18,7 @@ from kvsession.cache.prefix import PrefixCache
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.host import HostPool
 from kvsession.tiers.mover import TierMover
-from kvsession.tiers.policy import TierPolicy
+from kvsession.tiers.policy import MOVE_POLL_S, TierPolicy
 from kvsession.tiers.snapshot_read import read_header
 
 BS = 4
@@ -317,10 +317,16 @@ def test_housekeeping_spills_sessions_idle_past_the_deadline(tmp_path):
     t = Transient()
     e.m.attach(t, s4.blocks)
     e.prefix.pins.add(list(range(300, 304)), t, None, now=0.0)  # s4 is all pinned lead
-    assert e.policy.housekeeping(now=112.0) == 3.0
-    assert s1.tier is Tier.HOST and hids(s1) == (0,)
+    # s1's copy runs on the copier: housekeeping comes back soon to settle it
+    assert e.policy.housekeeping(now=112.0) == MOVE_POLL_S
+    assert s1.moving is not None and s1.tier is Tier.DEVICE and not e.policy.decisions
+    e.policy.settle_moves()
+    assert s1.moving is None and s1.tier is Tier.HOST and hids(s1) == (0,)
+    assert e.policy.housekeeping(now=112.0) == 3.0  # s2's deadline
     assert [x.tier for x in (s2, s3, s4)] == [Tier.DEVICE] * 3 and ids(s4) == [3]
     assert e.policy.decisions == [("s1", "spill to host", "idle > spill_after_s=10.0")]
+    assert e.policy.housekeeping(now=115.0) == MOVE_POLL_S
+    e.policy.settle_moves()
     assert e.policy.housekeeping(now=115.0) is None
     assert hids(s2) == (1,) and ids(s3) == [2] and e.policy.spills == {"host": 2, "disk": 0}
     e.policy.spill_after_s = None
@@ -410,6 +416,8 @@ def test_a_keep_lapses_after_its_ttl(tmp_path):
     assert e.policy.suspend(s, expected_idle_s=5.0) == "keep"
     assert s.keep_until == 10.0  # KEEP_TTL_FACTOR (2) expected idle times
     assert e.policy.housekeeping(9.0) == pytest.approx(1.0) and s.tier is Tier.DEVICE
+    assert e.policy.housekeeping(10.0) == MOVE_POLL_S
+    e.policy.settle_moves()
     assert e.policy.housekeeping(10.0) is None
     assert s.tier is Tier.HOST and s.keep_until is None
     assert e.policy.decisions[-1] == ("s", "spill to host", "kept past its expected return")

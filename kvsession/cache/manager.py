@@ -62,10 +62,10 @@ class SessionKV:
     `busy` (a turn owns its blocks), `last_used`, `loaded_from` (the tier its KV was
     loaded from ahead of its next turn: a snapshot restore, a prefetch) and the return
     forecast (`turns`, `gap_s`: the learned gap between turns, `expected_idle_s`: the wait
-    the session announced, `keep_until`: when a "keep" decision lapses) and `loading` (its
-    blocks on their way back to the device on the copier, until settled: a
-    tiers.mover.PendingLoad) are the tier policy's; the rest is written by KVCacheManager
-    only."""
+    the session announced, `keep_until`: when a "keep" decision lapses) and `moving` (its
+    blocks on their way between tiers on the copier, until settled: a
+    tiers.mover.PendingLoad or PendingSpill) are the tier policy's; the rest is written by
+    KVCacheManager only."""
 
     holder_kind: ClassVar[HolderKind] = HolderKind.SESSION
     session_id: str
@@ -83,7 +83,7 @@ class SessionKV:
     gap_s: float | None = None
     expected_idle_s: float | None = None
     keep_until: float | None = None
-    loading: object | None = None
+    moving: object | None = None
 
 
 class Quarantine:

@@ -3,8 +3,9 @@
 The tier policy decides *whether* and *where* a session moves; the mover does the copy
 (device <-> host blocks, device/host -> snapshot file, file -> device blocks), times it into
 the bandwidth estimators the policy's cost model reads, and records the new placement
-through the KVCacheManager (the one writer of block tables). Everything runs on the engine
-thread.
+through the KVCacheManager (the one writer of block tables). Staging and settling run on the
+engine thread; the bytes of a load or a spill move on the copier (tiers/copier.py) or, for a
+caller that waits anyway, on the engine thread.
 
 Content any request can find lives on the host (`HostPool`, by hash) and in the disk cache
 (`DiskCache`, by hash, in one file under session_dir); a session's own files hold its KV
@@ -17,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,6 +48,11 @@ from kvsession.tiers.snapshot_read import read_blocks, read_header
 from kvsession.tiers.writeback import SnapshotLocks
 
 log = logging.getLogger("kvsession")
+# a spill's blocks are copied (host) or gathered for the snapshot writer (disk) this many at
+# a time: one pass over the bytes with bounded extra memory, the copier's pace between
+# groups. Measured (bench/restore_overlap.py, a 6k-token session spilled to disk, 3 rounds):
+# 8 at a time gave the same worst decode gap (2.6x the step) for a spill twice as long
+SPILL_GROUP_BLOCKS = 32
 
 
 @dataclass(eq=False)
@@ -54,7 +60,7 @@ class PendingLoad:
     """A spilled session's blocks on their way back to the device: staged on the engine
     thread (`TierMover.stage_load`), copied (`copy_load`, on the copier unless `inline`),
     settled on the engine thread (`settle_load`) by whoever first needs the session (the
-    one that finds it in `SessionKV.loading`)."""
+    one that finds it in `SessionKV.moving`)."""
 
     session: SessionKV
     tier: Tier
@@ -96,6 +102,28 @@ class LowerCopy:
     host_s: float = 0.0
     disk_bytes: int = 0
     disk_s: float = 0.0
+
+
+@dataclass(eq=False)
+class PendingSpill:
+    """A session's private blocks (after its pinned lead) on their way down to `tier`:
+    staged on the engine thread (`TierMover.stage_spill`), copied (`copy_spill`, on the
+    copier unless `inline`), settled on the engine thread (`settle_spill`) by whoever first
+    needs the session (the one that finds it in `SessionKV.moving`). Until then the session
+    keeps its device blocks (nothing writes them: it is idle) and is not idle to the
+    policy."""
+
+    session: SessionKV
+    tier: Tier
+    lead: int
+    held: HostTransient = field(default_factory=HostTransient)  # HOST: the blocks to fill
+    copy: list[tuple[int, int, int]] = field(default_factory=list)  # HOST: (index, dev, host)
+    path: Path | None = None  # DISK: the session's snapshot
+    fields: dict | None = None  # DISK: its header fields, as staged
+    sources: list = field(default_factory=list)  # DISK: (tensors, block ids) per tier
+    inline: bool = False  # copied on the engine thread (the host's staged path)
+    future: Future | None = None  # the copy on the copier, once submitted
+    why: str = ""  # the policy's reason (its decision log)
 
 
 class TierMover:
@@ -148,32 +176,103 @@ class TierMover:
     # ---- out of the device ---------------------------------------------------------------
 
     def to_host(self, s: SessionKV, lead: int) -> None:
-        """Move the private blocks (after `lead`) down to the host tier (the caller checked
-        that it has room): a full block whose content the host already holds (a prefix
-        another session spilled, a block the device evicted earlier) is referenced, the
-        others are copied and published there. The device blocks are released, their
-        content cached until evicted."""
-        bs, private = self.bs, s.blocks[lead:]
-        targets = [self.host.index.lookup(s.hashes[i], s.tokens[i * bs:(i + 1) * bs])
-                   if i < len(s.hashes) else None
-                   for i in range(lead, lead + len(private))]
-        fresh = self.manager.stage_host(s, targets)
-        copy = [(lead + j, d, h) for j, (d, h) in enumerate(zip(private, s.host_blocks,
-                                                                strict=True)) if h in fresh]
+        """Move the private blocks (after `lead`) down to the host tier, on this thread
+        (the caller checked that it has room): `stage_spill`, `copy_spill`,
+        `settle_spill`."""
+        self._spill_now(self.stage_spill(s, lead, Tier.HOST))
+
+    def stage_spill(self, s: SessionKV, lead: int, tier: Tier) -> PendingSpill:
+        """Engine thread: what moving the session's private blocks (after `lead`) down to
+        `tier` takes, the session unchanged until `settle_spill`.
+        HOST (the caller checked that it has room): host blocks for them, held by the job:
+        a full block whose content the host already holds (a prefix another session
+        spilled, a block the device evicted earlier) is referenced, the others are fresh
+        and copied. DISK: the session's snapshot fields and where each of its blocks is
+        (device, host), taken now."""
+        job = PendingSpill(s, tier, lead)
+        if tier is Tier.HOST:
+            bs, private = self.bs, s.blocks[lead:]
+            targets = [self.host.index.lookup(s.hashes[i], s.tokens[i * bs:(i + 1) * bs])
+                       if i < len(s.hashes) else None
+                       for i in range(lead, lead + len(private))]
+            fresh = self.manager.stage_host(job.held, targets)
+            job.copy = [(lead + j, d.block_id, h.block_id) for j, (d, h) in
+                        enumerate(zip(private, job.held.host_blocks, strict=True))
+                        if h in fresh]
+            job.inline = self.host.staged  # its buffers are the engine thread's
+        else:
+            job.path = self.disk.path_for(s.session_id)
+            job.fields = self.snapshot_fields(s)
+            job.sources = self._block_sources(s)
+        return job
+
+    def copy_spill(self, job: PendingSpill, pace: Callable[[], None] | None = None) -> int:
+        """Any thread (the copier's, unless `job.inline`): the blocks' bytes into the host
+        blocks, or the session's snapshot file written (atomically; under its snapshot
+        lock). Returns bytes written. `pace`: called between groups of blocks (the
+        copier's `pace`)."""
+        if job.tier is Tier.HOST:
+            moved = 0
+            for g in range(0, len(job.copy), SPILL_GROUP_BLOCKS):
+                if pace is not None:
+                    pace()
+                part = job.copy[g:g + SPILL_GROUP_BLOCKS]
+                moved += self.host.store(self.kv_pool, [d for _, d, _ in part],
+                                         [h for _, _, h in part])
+            return moved
+        with self.snapshot_locks.get(job.session.session_id):
+            return write_snapshot(job.path, job.fields, self._gather(job.sources, pace))
+
+    def timed_spill(self, job: PendingSpill,
+                    pace: Callable[[], None] | None) -> tuple[int, float]:
+        """`copy_spill`, with the seconds it took (observed when settled)."""
         t0 = time.perf_counter()
-        try:
-            moved = self.host.store(self.kv_pool, [d.block_id for _, d, _ in copy],
-                                    [h.block_id for _, _, h in copy])
-        except BaseException:
-            self.manager.release_host(s)
-            raise
-        if copy:
-            self.host_bytes_per_s.observe(moved, time.perf_counter() - t0)
-        for i, _, h in copy:
+        if pace is not None:
+            self.copier.start_pacing()
+        moved = self.copy_spill(job, pace)
+        return moved, time.perf_counter() - t0
+
+    def settle_spill(self, job: PendingSpill, moved: int = 0, seconds: float = 0.0,
+                     error: BaseException | None = None) -> bool:
+        """Engine thread, once per job: on success the session lets go of its device
+        blocks after the lead (their content stays cached) and is on `job.tier` (host
+        copies published for any request, the copy timed into the tier's rate); True.
+        A disk write that failed (disk full, unwritable) is logged and leaves the session
+        where it is: False. Any other error is raised, the session as it was."""
+        s = job.session
+        if error is not None:
+            self.manager.release_host(job.held)
+            if job.tier is Tier.DISK and isinstance(error, (OSError, SnapshotError)):
+                log.warning("could not spill session %s to %s: %s; it stays in %s",
+                            s.session_id, job.path, error, s.tier.value)
+                return False
+            raise error
+        if job.tier is Tier.DISK:
+            if moved:
+                self.disk_write_bytes_per_s.observe(moved, seconds)
+            self.disk_bytes_written += moved
+            self.manager.spill_to_disk(s, job.lead, job.path, self.copy_cost(Tier.DISK))
+            return True
+        if job.copy:
+            self.host_bytes_per_s.observe(moved, seconds)
+        bs, by_id = self.bs, {h.block_id: h for h in job.held.host_blocks}
+        for i, _, h in job.copy:
             if i < len(s.hashes):
-                self.host.index.cache_full_block(h, s.hashes[i], s.tokens[i * bs:(i + 1) * bs],
+                self.host.index.cache_full_block(by_id[h], s.hashes[i],
+                                                 s.tokens[i * bs:(i + 1) * bs],
                                                  s.hashes[i - 1] if i else None)
-        self.manager.spill_to_host(s, lead, self.copy_cost(Tier.HOST))
+        self.manager.stage_host(s, job.held.host_blocks)  # the session's references now
+        self.manager.release_host(job.held)
+        self.manager.spill_to_host(s, job.lead, self.copy_cost(Tier.HOST))
+        return True
+
+    def _spill_now(self, job: PendingSpill) -> bool:
+        """A spill staged, copied and settled on this thread."""
+        try:
+            moved, seconds = self.timed_spill(job, None)
+        except BaseException as e:
+            return self.settle_spill(job, error=e)
+        return self.settle_spill(job, moved, seconds)
 
     def keep_evicted(self, victims: list[Evicted]) -> set[int]:
         """Copy evicted device content the host tier does not hold yet into host blocks
@@ -296,21 +395,10 @@ class TierMover:
             self.disk_cache.release(on_disk, damaged)
 
     def to_disk(self, s: SessionKV, lead: int) -> bool:
-        """Write the whole KV to the session's file; then release all but the pinned lead
-        (and any host blocks). False, nothing changed, when the write fails."""
-        path = self.disk.path_for(s.session_id)
-        try:
-            t0 = time.perf_counter()
-            with self.snapshot_locks.get(s.session_id):
-                size = write_snapshot(path, self.snapshot_fields(s), self.block_tensors(s))
-            self.disk_write_bytes_per_s.observe(size, time.perf_counter() - t0)
-            self.disk_bytes_written += size
-        except (OSError, SnapshotError) as e:  # disk full, unwritable: it stays where it is
-            log.warning("could not spill session %s to %s: %s; it stays in %s",
-                        s.session_id, path, e, s.tier.value)
-            return False
-        self.manager.spill_to_disk(s, lead, path, self.copy_cost(Tier.DISK))
-        return True
+        """Write the whole KV to the session's file, on this thread; then release all but
+        the pinned lead (and any host blocks). False, nothing changed, when the write
+        fails."""
+        return self._spill_now(self.stage_spill(s, lead, Tier.DISK))
 
     def drop(self, s: SessionKV, lead: int) -> None:
         """Forget all but the first `lead` device blocks (the next turn recomputes)."""
@@ -346,14 +434,27 @@ class TierMover:
         with self.snapshot_locks.get(s.session_id):
             return write_snapshot(path, self.snapshot_fields(s), self.block_tensors(s))
 
-    def block_tensors(self, s: SessionKV, group: int = 32) -> Iterator[dict[str, torch.Tensor]]:
-        """Every block's tensors, contiguous, from wherever they are (device, host); blocks
-        are gathered `group` at a time (one pass over the bytes, bounded extra memory)."""
+    def block_tensors(self, s: SessionKV) -> Iterator[dict[str, torch.Tensor]]:
+        """Every block's tensors, contiguous, from wherever they are (device, host)."""
+        return self._gather(self._block_sources(s))
+
+    def _block_sources(self, s: SessionKV) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
+        """Where the session's blocks are, in order: (tensors, block ids) per tier."""
         sources = [(self.kv_pool.tensors(), [b.block_id for b in s.blocks])]
         if s.host_blocks:
             sources.append((self.host.tensors, [h.block_id for h in s.host_blocks]))
+        return sources
+
+    @staticmethod
+    def _gather(sources: list[tuple[dict[str, torch.Tensor], list[int]]],
+                pace: Callable[[], None] | None = None,
+                group: int = SPILL_GROUP_BLOCKS) -> Iterator[dict[str, torch.Tensor]]:
+        """The blocks' tensors, contiguous, gathered `group` at a time (one pass over the
+        bytes, bounded extra memory); `pace` is called before each group."""
         for tensors, ids in sources:
             for g in range(0, len(ids), group):
+                if pace is not None:
+                    pace()
                 part = ids[g:g + group]
                 stacked = {n: torch.stack([t[:, i] for i in part]) for n, t in tensors.items()}
                 for j in range(len(part)):

@@ -3,8 +3,8 @@
 A session's KV is a `SessionKV` (kvsession.cache.manager: where it lives, its block tables).
 The policy decides; the `TierMover` copies and records the new placement through the
 KVCacheManager. Everything here runs on the engine thread. A session is `busy` while a turn
-owns its blocks, and `loading` while its blocks come back on the copier: such sessions are
-never moved (`_idle`).
+owns its blocks, and `moving` while its blocks go down or come back on the copier: such
+sessions are never moved (`_idle`).
 
 Decisions use kvsession.costmodel with inputs measured at run time (EWMA of every copy's
 bandwidth, of prefill throughput, the scheduler's queue depth), never constants: on restore,
@@ -24,7 +24,7 @@ from kvsession.cache.block_pool import Block, Evicted, blocks_for
 from kvsession.cache.manager import Holder, SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
 from kvsession.errors import CacheFullError, SnapshotError
-from kvsession.tiers.mover import LowerLoad, PendingLoad, TierMover
+from kvsession.tiers.mover import LowerLoad, PendingLoad, PendingSpill, TierMover
 from kvsession.tiers.snapshot_format import SnapshotHeader
 
 log = logging.getLogger("kvsession")
@@ -58,6 +58,10 @@ DISK_ADMIT_HITS = 2
 # prefetched, a release): a disk read that takes longer is a stuck file system, reported as
 # a SnapshotError instead of a hang
 COPY_WAIT_S = 120.0
+# while spills started by housekeeping are in flight, the engine loop calls housekeeping
+# again this often to settle them (the loop's wait when it has nothing else to do; a step
+# calls it anyway)
+MOVE_POLL_S = 0.002
 
 
 class LoadProbe(Protocol):
@@ -94,6 +98,9 @@ class TierPolicy:
         self.recomputes = 0
         self.spill_failures = 0
         self.decisions: list[tuple[str, str, str]] = []  # (session, decision, reason)
+        # spills housekeeping started, each a steps generator and the Future it waits on:
+        # resumed by housekeeping once it is done (`_advance_background`)
+        self.background: list[tuple[Generator[Future, None, object], Future]] = []
 
     # ---- registry ----------------------------------------------------------------------
 
@@ -162,8 +169,8 @@ class TierPolicy:
 
     def reclaim(self, num_blocks: int, exclude: SessionKV | None = None) -> int:
         """Free at least `num_blocks` device blocks by spilling idle sessions, the one
-        expected back last (per reload cost) first. Returns how many were freed (may be
-        fewer)."""
+        expected back last (per reload cost) first, on this thread (the caller needs the
+        blocks now). Returns how many were freed (may be fewer)."""
         freed = 0
         for s in self._spill_order(self.sessions, Tier.HOST if self.host else Tier.DISK):
             if freed >= num_blocks:
@@ -176,9 +183,16 @@ class TierPolicy:
         return freed
 
     def spill(self, s: SessionKV, to: Tier | None = None, reason: str = "") -> Tier:
+        """`spill_steps` on this thread (its copy too)."""
+        return self._run(self.spill_steps(s, to, reason, in_place=True))
+
+    def spill_steps(self, s: SessionKV, to: Tier | None = None, reason: str = "",
+                    in_place: bool = False) -> Generator[Future, None, Tier]:
         """Move an idle session's private blocks off the device: to host when it has room
         (making room by moving older host sessions to disk), else to disk, else drop them
-        (the next turn recomputes). Returns where the KV went."""
+        (the next turn recomputes). The bytes move on the copier (its Future yielded; the
+        session keeps its device blocks and is `moving` until settled), or on this thread
+        when `in_place`. A session that is not idle stays. Returns where the KV went."""
         if not _idle(s) or not s.tokens:
             return s.tier
         lead = self._num_lead(s)
@@ -190,15 +204,43 @@ class TierPolicy:
             if self.host.num_free < len(private):
                 self._make_host_room(len(private))
             if self.host.num_free >= len(private):
-                self.mover.to_host(s, lead)
-                self.spills["host"] += 1
-                self._note(s, "spill to host", reason)
-                return Tier.HOST
-        if to in (None, Tier.DISK) and self.disk is not None and self._to_disk(s, lead, reason):
-            return Tier.DISK
-        if to is None or to is Tier.DEVICE:
+                job = self.mover.stage_spill(s, lead, Tier.HOST)
+                job.why = reason
+                if (yield from self._move(job, in_place)):
+                    return Tier.HOST
+        if to in (None, Tier.DISK) and self.disk is not None:
+            job = self.mover.stage_spill(s, lead, Tier.DISK)
+            job.why = reason
+            if (yield from self._move(job, in_place)):
+                return Tier.DISK
+        if (to is None or to is Tier.DEVICE) and _idle(s):
             self.drop(s, reason=reason or "no room in any tier")
         return s.tier
+
+    def _move(self, job: PendingSpill,
+              in_place: bool) -> Generator[Future, None, bool]:
+        """A staged spill copied (on this thread when `in_place` or `job.inline`, else on the
+        copier, paced) and waited for (its Future yielded); settled here unless whoever
+        needed the session first settled it. Returns whether the session went down."""
+        s = job.session
+        yield self._start_copy(job, self.mover.timed_spill, in_place)
+        if s.moving is job:
+            return self._settle_spill(job)
+        return s.tier is job.tier
+
+    def _start_copy(self, job: PendingLoad | PendingSpill,
+                    copy: Callable[[PendingLoad | PendingSpill, Callable | None], object],
+                    in_place: bool) -> Future:
+        """The job's copy run here when `in_place` or `job.inline` (unpaced: nothing else
+        runs while this thread waits), else submitted to the copier (paced); the session
+        is `moving` until it is settled. Returns the copy's Future."""
+        if job.inline or in_place:
+            job.future = Future()
+            _run_into(job.future, copy, job, None)
+        else:
+            job.future = self.mover.copier.submit(copy, job, self.mover.copier.pace)
+        job.session.moving = job
+        return job.future
 
     def _make_host_room(self, num_blocks: int) -> None:
         """Move the oldest idle host-tier sessions to disk (or drop them) until `num_blocks`
@@ -217,12 +259,9 @@ class TierPolicy:
                 self.drop(other, reason="host tier full, no disk tier")
 
     def _to_disk(self, s: SessionKV, lead: int, reason: str) -> bool:
-        if not self.mover.to_disk(s, lead):
-            self.spill_failures += 1
-            return False
-        self.spills["disk"] += 1
-        self._note(s, "spill to disk", reason)
-        return True
+        job = self.mover.stage_spill(s, lead, Tier.DISK)
+        job.why = reason
+        return self._run(self._move(job, in_place=True))
 
     def drop(self, s: SessionKV, reason: str) -> None:
         """Forget the private KV (keep the pinned lead): the next turn recomputes it."""
@@ -265,9 +304,9 @@ class TierPolicy:
     def prefetch_steps(self, s: SessionKV,
                        in_place: bool = False) -> Generator[Future, None, None]:
         """Load a spilled session back ahead of its next turn (which reports the tier), on
-        the copier: nothing moves the session until the copy is settled (`loading`), and a
+        the copier: nothing moves the session until the copy is settled (`moving`), and a
         turn that arrives meanwhile waits for it."""
-        if s.tier is Tier.DEVICE and s.loading is None:
+        if s.tier is Tier.DEVICE and s.moving is None:
             return
         source = yield from self.restore_steps(s, in_place)
         if source is not None:
@@ -297,26 +336,31 @@ class TierPolicy:
         Returns the tier it was loaded from, or None if it was not spilled or was
         dropped."""
         while True:
-            yield from self._await_loading(s)
+            yield from self._await_moving(s)
             if s.tier is Tier.DEVICE:
                 return None
             job = yield from self._start_load(s, in_place)
             if job is None:
                 return None
-            if s.loading is job:
+            if s.moving is job:
                 return self._settle(job)
             # settled meanwhile by a release or a fork (nothing moved it since: it is
-            # loading or busy): decided again
+            # moving or busy): decided again
 
-    def _await_loading(self, s: SessionKV) -> Generator[Future, None, None]:
-        """A copy already in flight for the session (a prefetch) waited for and settled."""
-        while s.loading is not None:
-            job = s.loading
+    def _await_moving(self, s: SessionKV) -> Generator[Future, None, None]:
+        """A copy already in flight for the session (a prefetch, a spill) waited for and
+        settled."""
+        while s.moving is not None:
+            job = s.moving
             yield job.future
-            if s.loading is job:
-                loaded = self._settle(job)
-                if loaded is not None:
-                    s.loaded_from = loaded
+            if s.moving is not job:
+                continue
+            if isinstance(job, PendingSpill):
+                self._settle_spill(job)
+                continue
+            loaded = self._settle(job)
+            if loaded is not None:
+                s.loaded_from = loaded
 
     def _start_load(self, s: SessionKV,
                     in_place: bool) -> Generator[Future, None, PendingLoad | None]:
@@ -346,14 +390,7 @@ class TierPolicy:
             return None
         job = self.mover.stage_load(s, lead)
         job.why = why
-        if job.inline or in_place:  # unpaced: nothing else runs while this thread waits
-            job.future = Future()
-            _run_into(job.future, self.mover.timed_copy, job, None)
-        else:
-            job.future = self.mover.copier.submit(self.mover.timed_copy, job,
-                                                  self.mover.copier.pace)
-        s.loading = job
-        yield job.future
+        yield self._start_copy(job, self.mover.timed_copy, in_place)
         return job
 
     def _settle(self, job: PendingLoad) -> str | None:
@@ -361,7 +398,7 @@ class TierPolicy:
         counted; a file that no longer holds the session's KV makes it recompute. Returns
         the tier loaded from, or None."""
         s = job.session
-        s.loading = None
+        s.moving = None
         error = job.future.exception()
         if error is None:
             moved, seconds = job.future.result()
@@ -377,6 +414,24 @@ class TierPolicy:
         self.drop(s, reason=f"unreadable snapshot: {error}")
         return None
 
+    def _settle_spill(self, job: PendingSpill) -> bool:
+        """Engine thread: a spill whose copy is done becomes the session's placement
+        (`mover`), counted; a failed disk write leaves it where it is. Returns whether it
+        went down."""
+        s = job.session
+        s.moving = None
+        error = job.future.exception()
+        if error is None:
+            went = self.mover.settle_spill(job, *job.future.result())
+        else:
+            went = self.mover.settle_spill(job, error=error)
+        if went:
+            self.spills[job.tier.value] += 1
+            self._note(s, f"spill to {job.tier.value}", job.why)
+        else:
+            self.spill_failures += 1
+        return went
+
     def _run(self, steps: Generator[Future, None, object]) -> object:
         """Drive a steps generator on this thread: each Future it yields is waited for
         (a copy on the copier; bounded by COPY_WAIT_S)."""
@@ -390,15 +445,43 @@ class TierPolicy:
         except StopIteration as stop:
             return stop.value
 
-    def loads_in_flight(self) -> int:
-        """Sessions whose blocks are on their way back (their fresh device blocks are held
-        by the copy's Transient until it is settled)."""
-        return sum(1 for s in self.sessions if s.loading is not None)
+    def moves_in_flight(self) -> int:
+        """Sessions whose blocks are on their way between tiers (a load's fresh device
+        blocks are held by its Transient, a spill's host blocks by its HostTransient, until
+        it is settled)."""
+        return sum(1 for s in self.sessions if s.moving is not None)
 
     def settle_pending(self, s: SessionKV) -> None:
-        """Engine thread: a copy in flight for the session (a prefetch) is waited for
-        (bounded by COPY_WAIT_S) and settled now: before the session is released."""
-        self._run(self._await_loading(s))
+        """Engine thread: a copy in flight for the session (a prefetch, a spill) is waited
+        for (bounded by COPY_WAIT_S) and settled now: before the session is released."""
+        self._run(self._await_moving(s))
+
+    def settle_moves(self) -> None:
+        """Engine thread: every spill housekeeping started is waited for (each bounded by
+        COPY_WAIT_S) and settled (at close; tests that drive housekeeping by hand)."""
+        while self.background:
+            done, _ = wait([f for _, f in self.background], timeout=COPY_WAIT_S)
+            if not done:
+                raise SnapshotError(f"a tier copy did not finish within {COPY_WAIT_S:.0f} s")
+            self._advance_background()
+
+    def _advance_background(self) -> None:
+        """Resume the background steps whose Future is done (to their next wait or end)."""
+        waiting = []
+        for steps, fut in self.background:
+            if fut.done():
+                try:
+                    fut = steps.send(None)
+                except StopIteration:
+                    continue
+            waiting.append((steps, fut))
+        self.background = waiting
+
+    def _start_background(self, steps: Generator[Future, None, object]) -> None:
+        try:
+            self.background.append((steps, next(steps)))
+        except StopIteration:
+            pass
 
     def restore_snapshot(self, s: SessionKV, header: SnapshotHeader) -> None:
         """A session just restored from a snapshot (its KV only in the file): load it now
@@ -505,11 +588,20 @@ class TierPolicy:
     # ---- hints -----------------------------------------------------------------------------
 
     def suspend(self, s: SessionKV, expected_idle_s: float | None) -> str:
+        """`suspend_steps` on this thread (its copy too)."""
+        return self._run(self.suspend_steps(s, expected_idle_s, in_place=True))
+
+    def suspend_steps(self, s: SessionKV, expected_idle_s: float | None,
+                      in_place: bool = False) -> Generator[Future, None, str]:
         """The session waits (tool call, human). Keep / host / disk / drop by expected waste:
         keep when the wait is short next to a reload, or memory is plentiful; else the
         cheapest tier to come back from that has room. `expected_idle_s` (None: the gap the
         session has shown between turns, if any) is kept for reclaim's order; a keep lapses
-        after KEEP_TTL_FACTOR times it (`housekeeping`)."""
+        after KEEP_TTL_FACTOR times it (`housekeeping`). A spill's bytes move on the copier
+        (`spill_steps`): the engine keeps stepping meanwhile. A spill already in flight
+        (housekeeping's) is waited for first; a session on its way back stays where it is."""
+        if isinstance(s.moving, PendingSpill):
+            yield from self._await_moving(s)
         if expected_idle_s is None:
             expected_idle_s = s.gap_s
         s.expected_idle_s = expected_idle_s
@@ -534,11 +626,12 @@ class TierPolicy:
             self._note(s, "keep", why)
             return "keep"
         if self.host is not None and idle_ms <= 300_000:
-            got = self.spill(s, Tier.HOST, reason="suspend: " + why)
+            got = yield from self.spill_steps(s, Tier.HOST, "suspend: " + why, in_place)
             if got is Tier.HOST:
                 return "host"
         if self.disk is not None and recompute >= DROP_BELOW_FRACTION * reload_disk:
-            if self.spill(s, Tier.DISK, reason="suspend: " + why) is Tier.DISK:
+            got = yield from self.spill_steps(s, Tier.DISK, "suspend: " + why, in_place)
+            if got is Tier.DISK:
                 return "disk"
         self.recomputes += 1  # decided now: the next turn recomputes instead of loading
         self.drop(s, reason="suspend: " + why)
@@ -546,7 +639,9 @@ class TierPolicy:
 
     def housekeeping(self, now: float) -> float | None:
         """Spill sessions idle longer than spill_after_s, and those kept past their keep's
-        TTL; seconds to the next deadline."""
+        TTL (on the copier: settled by a later call, `background`); seconds to the next
+        deadline (MOVE_POLL_S while a spill is in flight)."""
+        self._advance_background()
         nxt = None
         for s in list(self.sessions):
             if not _idle(s) or s.tier is not Tier.DEVICE or len(s.blocks) == self._num_lead(s):
@@ -561,16 +656,18 @@ class TierPolicy:
             due, reason = min(deadlines, key=lambda d: d[0])
             if now >= due:
                 s.keep_until = None
-                self.spill(s, reason=reason)
+                self._start_background(self.spill_steps(s, reason=reason))
             else:
                 nxt = due - now if nxt is None else min(nxt, due - now)
+        if self.background:
+            nxt = MOVE_POLL_S if nxt is None else min(nxt, MOVE_POLL_S)
         return nxt
 
 
 def _idle(s: SessionKV) -> bool:
     """Whether the policy may move the session: no turn owns its blocks and none are on
-    their way back."""
-    return not s.busy and s.loading is None
+    their way between tiers."""
+    return not s.busy and s.moving is None
 
 
 def _run_into(fut: Future, fn: Callable, *args) -> None:
