@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import queue
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,12 @@ def write_result(name: str, data: dict) -> Path:
     path.write_text(json.dumps(data, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def median_range(runs: list[dict], key: str) -> tuple[float, float, float]:
+    """(median, min, max) of `key` over rounds' results: what the reports print."""
+    xs = [r[key] for r in runs]
+    return statistics.median(xs), min(xs), max(xs)
 
 
 def text_of(tokenizer, rng, num_tokens: int) -> str:

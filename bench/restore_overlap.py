@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import MID_SIZE, pyplot, save_figure, text_of, write_result
+from common import MID_SIZE, median_range, pyplot, save_figure, text_of, write_result
 from shared_tiers import baseline_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,8 +165,7 @@ def main() -> None:
                   f"{res['spill_gap_over_step']:.2f}x", flush=True)
 
     def med(c, key):
-        xs = [x[key] for x in runs[c]]
-        return statistics.median(xs), min(xs), max(xs)
+        return median_range(runs[c], key)
     summary = {c: {k: med(c, k) for k in ("ttft_s", "load_s", "median_step_s",
                                           "load_gap_over_step", "turn_gap_over_step",
                                           "device_turn_gap_over_step", "spill_s",

@@ -30,6 +30,7 @@ BENCHES = {
     "expected_return": ("shared_tiers.py", ["--plot", "--workload", "agents"]),
     "disk_cache": ("shared_tiers.py", ["--plot", "--workload", "disk"]),
     "restore_overlap": ("restore_overlap.py", ["--plot"]),
+    "goodput": ("goodput.py", ["--plot"]),
     "remote_prefill": ("remote_prefill.py", []),
     "eviction": ("eviction.py", ["--plot"]),
     "structured": ("structured.py", []),

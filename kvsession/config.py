@@ -154,6 +154,17 @@ def _durability(value) -> Durability:
 
 
 @dataclass(frozen=True)
+class PrefillCaps:
+    """How long prompts share a step with short ones (vLLM's names; validated by
+    EngineConfig, applied by the scheduler: engine/scheduler.py). A prompt is long while
+    more than `long_prefill_token_threshold` of its tokens are left to compute."""
+
+    max_num_partial_prefills: int  # prompts in the middle of their prefill at once
+    max_long_partial_prefills: int  # long ones among them
+    long_prefill_token_threshold: int  # a long prompt's chunk before the step's top-up
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM(...)` was asked for, resolved and validated (no runtime facts)."""
 
@@ -187,6 +198,8 @@ class EngineConfig:
     quantization: Quantization = Quantization.NONE
     # the disk tier's cache blocks (tiers/disk_cache.py) under session_dir; None: none
     disk_cache_memory_bytes: int | None = None
+    # how long prompts share a step with short ones (engine/scheduler.py); None: uncapped
+    prefill_caps: PrefillCaps | None = None
 
     @staticmethod
     def from_args(
@@ -199,7 +212,8 @@ class EngineConfig:
         prefill_auth_key_file=None,
         eviction_policy="cost", durability="turn", chat_template=None, revision=None,
         download_dir=None, generation_config="auto", cpu_weight_layout="single",
-        quantization=None, disk_cache_memory=None, **unknown,
+        quantization=None, disk_cache_memory=None, max_num_partial_prefills=4,
+        max_long_partial_prefills=1, long_prefill_token_threshold=None, **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -266,6 +280,9 @@ class EngineConfig:
         if quantization is not None and dev.type != "cpu":
             raise ConfigError(f"quantization={quantization!r} runs on the CPU (its kernel is a "
                               f"CPU one); on {dev.type} use dtype='bfloat16'")
+        budget = check_int("max_num_batched_tokens", max_num_batched_tokens, min_value=1)
+        caps = _prefill_caps(max_num_partial_prefills, max_long_partial_prefills,
+                             long_prefill_token_threshold, budget)
         return EngineConfig(
             model=model_path, device=dev, dtype=compute, kv_cache_dtype=kv,
             max_model_len=max_model_len, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
@@ -275,8 +292,7 @@ class EngineConfig:
             host_cache_memory_bytes=parse_num_bytes(host_cache_memory, "host_cache_memory"),
             session_dir=_path(session_dir, "session_dir", allow_none=True),
             max_num_seqs=check_int("max_num_seqs", max_num_seqs, min_value=1),
-            max_num_batched_tokens=check_int(
-                "max_num_batched_tokens", max_num_batched_tokens, min_value=1),
+            max_num_batched_tokens=budget,
             enable_prefix_caching=check_bool("enable_prefix_caching", enable_prefix_caching),
             max_pinned_fraction=check_float(
                 "max_pinned_fraction", max_pinned_fraction, min_value=0.0, max_value=1.0),
@@ -295,12 +311,37 @@ class EngineConfig:
             cpu_weight_layout=WeightLayout(cpu_weight_layout),
             quantization=Quantization(quantization),
             disk_cache_memory_bytes=_disk_cache_bytes(disk_cache_memory, session_dir),
+            prefill_caps=caps,
         )
 
     @property
     def kv_cache_dtype_name(self) -> str:
         return "fp8_e4m3" if is_fp8(self.kv_cache_dtype) else str(
             self.kv_cache_dtype).removeprefix("torch.")
+
+
+# a long prompt's chunk before the step's top-up, by default: this share of the step's budget
+# (512 of 2,048 tokens), so that a long prefill leaves three quarters of a step to the short
+# requests that arrive beside it, and still takes all of it when none do
+LONG_PREFILL_BUDGET_DIVISOR = 4
+
+
+def _prefill_caps(max_partial, max_long, threshold, budget: int) -> PrefillCaps | None:
+    """LLM(max_num_partial_prefills=, max_long_partial_prefills=,
+    long_prefill_token_threshold=): None when the threshold is 0 (uncapped: a prefill takes
+    all the budget left, as before the caps)."""
+    max_partial = check_int("max_num_partial_prefills", max_partial, min_value=1)
+    max_long = check_int("max_long_partial_prefills", max_long, min_value=1)
+    if max_long > max_partial:
+        raise ConfigError(f"max_long_partial_prefills ({max_long}) must be at most "
+                          f"max_num_partial_prefills ({max_partial})")
+    if threshold is None:
+        threshold = max(budget // LONG_PREFILL_BUDGET_DIVISOR, 1)
+    threshold = check_int("long_prefill_token_threshold", threshold, min_value=0,
+                          max_value=budget)
+    if threshold == 0:
+        return None
+    return PrefillCaps(max_partial, max_long, threshold)
 
 
 def _disk_cache_bytes(value, session_dir) -> int | None:

@@ -189,3 +189,22 @@ class StallRatio:
             return self.prior
         return min(1.0, self.stalled_s / self.decode_s)
 
+    def pure_step_s(self, num_decodes: int) -> float | None:
+        """A step of `num_decodes` decodes and no prompt tokens, as measured: its power-of-two
+        bucket's average, else the nearest bucket measured (a decode step reads every
+        weight once whatever the batch, so neighbouring sizes differ little; under a
+        steady stream of prompts the exact size may never run alone); None before any
+        pure step was seen."""
+        if num_decodes <= 0 or not self.pure_s:
+            return None
+        kind = num_decodes.bit_length()
+        return self.pure_s[min(self.pure_s, key=lambda k: (abs(k - kind), k))]
+
+
+def slo_prefill_tokens(tpot_slo_s: float, pure_step_s: float, prefill_tps: float) -> int:
+    """Prompt tokens a step with decodes may add and still end within the TPOT target: the
+    time the decodes leave (`tpot_slo_s - pure_step_s`) at the measured prefill rate (a step
+    with prompt tokens takes about the decodes' own time plus the prompt's at that rate);
+    0 when the decodes alone take the target."""
+    return max(0, int((tpot_slo_s - pure_step_s) * prefill_tps))
+

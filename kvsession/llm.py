@@ -56,7 +56,9 @@ from kvsession.session_store import SessionStore
 from kvsession.validation import (
     check_bool,
     check_float,
+    check_int,
     check_path,
+    check_priorities,
     check_str,
     reject_unknown,
 )
@@ -114,7 +116,9 @@ class LLM:
                  generation_config: GenerationConfigName = "auto",
                  cpu_weight_layout: WeightLayoutName = "single",
                  quantization: QuantizationName | None = None,
-                 disk_cache_memory: int | str | None = None, **unknown):
+                 disk_cache_memory: int | str | None = None,
+                 max_num_partial_prefills: int = 4, max_long_partial_prefills: int = 1,
+                 long_prefill_token_threshold: int | None = None, **unknown):
         self._rt: Runtime | None = None
         self.config = EngineConfig.from_args(
             model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -131,7 +135,10 @@ class LLM:
             durability=durability, chat_template=chat_template, revision=revision,
             download_dir=download_dir, generation_config=generation_config,
             cpu_weight_layout=cpu_weight_layout, quantization=quantization,
-            disk_cache_memory=disk_cache_memory, **unknown)
+            disk_cache_memory=disk_cache_memory,
+            max_num_partial_prefills=max_num_partial_prefills,
+            max_long_partial_prefills=max_long_partial_prefills,
+            long_prefill_token_threshold=long_prefill_token_threshold, **unknown)
         # in a notebook, an earlier LLM over this model that only the output history holds
         # is closed before this one takes memory (kvsession/notebook.py)
         release_stale(self.config.model, _LIVE, _model_of)
@@ -184,11 +191,13 @@ class LLM:
 
     # ---- stateless generation --------------------------------------------------------
 
-    def _submit_all(self, ids: list[list[int]], params: list[SamplingParams]
+    def _submit_all(self, ids: list[list[int]], params: list[SamplingParams], priority
                     ) -> tuple[list[Sequence], list[Future]]:
         """Validate every request (ConfigError, nothing submitted) then submit them all."""
         rt = self._rt
-        seqs = [rt.sequences.new(i, p) for i, p in zip(ids, params, strict=True)]
+        priorities = check_priorities(priority, len(ids))
+        seqs = [rt.sequences.new(i, p, priority=u)
+                for i, p, u in zip(ids, params, priorities, strict=True)]
         rt.check_open()
         return seqs, rt.submit_all(seqs)
 
@@ -203,9 +212,10 @@ class LLM:
                 self._rt.cancel(seq)
 
     def _run_batch(self, prompts: list[str | None], ids: list[list[int]],
-                   params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+                   params: list[SamplingParams], use_tqdm: bool,
+                   priority=None) -> list[RequestOutput]:
         rt = self._rt
-        seqs, futures = self._submit_all(ids, params)
+        seqs, futures = self._submit_all(ids, params, priority)
         try:
             if use_tqdm and len(futures) > 1:
                 with tqdm(total=len(futures), desc="generate", unit="req") as bar:
@@ -220,57 +230,65 @@ class LLM:
         return [rt.sequences.output(s, p) for s, p in zip(done, prompts, strict=True)]
 
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None,
-                 use_tqdm: bool = True, **unknown) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: int | list[int] | None = None,
+                 **unknown) -> list[RequestOutput]:
         """Generate for a prompt or a batch (strings, or token ids via prompt_token_ids);
-        outputs come back in input order."""
+        outputs come back in input order. `priority`: one int, or one per prompt (lower is
+        more urgent, as vLLM; default 0): it orders admission and preemption."""
         reject_unknown("generate()", unknown, GENERATE_ARGS, hints=TO_SAMPLING_PARAMS)
         check_bool("use_tqdm", use_tqdm)
         texts, ids = self._requests.prompt_inputs(prompts, prompt_token_ids)
         params = self._requests.params_list(sampling_params, len(ids), Budget.FIXED)
-        return self._run_batch(texts, ids, params, use_tqdm)
+        return self._run_batch(texts, ids, params, use_tqdm, priority)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
              tool_choice="auto", chat_template_kwargs: dict | None = None,
-             parallel_tool_calls: bool = True, **unknown) -> list[RequestOutput]:
+             parallel_tool_calls: bool = True, priority: int | list[int] | None = None,
+             **unknown) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {role, content} dicts, OpenAI tool
         shapes included) or a list of conversations, rendered with the checkpoint's chat
         template. `tools` (OpenAI function tools) are rendered by the template and the calls
         parsed into `out.tool_calls` (`out.text` is then the content before them);
         tool_choice "required" or {"type": "function", "function": {"name": ...}} forces a
         valid call, "none" parses none. `parallel_tool_calls=False`: at most one call per
-        reply (the first). `chat_template_kwargs`: extra template variables."""
+        reply (the first). `chat_template_kwargs`: extra template variables. `priority`: as
+        `generate`'s (one per conversation)."""
         reject_unknown("chat()", unknown, CHAT_ARGS, hints=TO_SAMPLING_PARAMS)
         check_bool("use_tqdm", use_tqdm)
         chat = self._requests.chat_inputs(messages, add_generation_prompt, tools, tool_choice,
                                           chat_template_kwargs, parallel_tool_calls)
         params = chat.params(self._requests.params_list(sampling_params, len(chat.ids)))
-        return [chat.finish(o) for o in self._run_batch(chat.texts, chat.ids, params, use_tqdm)]
+        return [chat.finish(o) for o in self._run_batch(chat.texts, chat.ids, params, use_tqdm,
+                                                        priority)]
 
     # ---- asyncio and streaming -----------------------------------------------------------
 
     async def agenerate(self, prompts=None, sampling_params=None, prompt_token_ids=None,
+                        priority: int | list[int] | None = None,
                         **unknown) -> list[RequestOutput]:
         """`generate` for asyncio: awaits the outputs without blocking the event loop;
         concurrent calls batch together in the one engine loop."""
         reject_unknown("agenerate()", unknown, AGENERATE_ARGS, hints=TO_SAMPLING_PARAMS)
         texts, ids = self._requests.prompt_inputs(prompts, prompt_token_ids)
         return await self._arun(texts, ids, self._requests.params_list(
-            sampling_params, len(ids), Budget.FIXED))
+            sampling_params, len(ids), Budget.FIXED), priority)
 
     async def achat(self, messages, sampling_params=None, add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, tool_choice="auto",
                     chat_template_kwargs: dict | None = None, parallel_tool_calls: bool = True,
+                    priority: int | list[int] | None = None,
                     **unknown) -> list[RequestOutput]:
         """`chat` for asyncio."""
         reject_unknown("achat()", unknown, ACHAT_ARGS, hints=TO_SAMPLING_PARAMS)
         chat = self._requests.chat_inputs(messages, add_generation_prompt, tools, tool_choice,
                                           chat_template_kwargs, parallel_tool_calls)
         params = chat.params(self._requests.params_list(sampling_params, len(chat.ids)))
-        return [chat.finish(o) for o in await self._arun(chat.texts, chat.ids, params)]
+        return [chat.finish(o) for o in await self._arun(chat.texts, chat.ids, params,
+                                                         priority)]
 
-    async def _arun(self, texts, ids, params) -> list[RequestOutput]:
-        seqs, futures = self._submit_all(ids, params)
+    async def _arun(self, texts, ids, params, priority=None) -> list[RequestOutput]:
+        seqs, futures = self._submit_all(ids, params, priority)
         try:
             done = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         except BaseException:  # CancelledError too: the awaiting task was cancelled
@@ -281,7 +299,7 @@ class LLM:
     def stream(self, prompt=None, sampling_params=None, prompt_token_ids=None, messages=None,
                tools: list[dict] | None = None, tool_choice="auto",
                chat_template_kwargs: dict | None = None, parallel_tool_calls: bool = True,
-               **unknown) -> TextStream:
+               priority: int | None = None, **unknown) -> TextStream:
         """Generate for one prompt (a string, `prompt_token_ids`, or a conversation: a list
         of message dicts, in the prompt's place or as `messages`), yielding `TextChunk`s as
         tokens arrive: `chunk.text` deltas join to exactly the text `generate` returns (stop
@@ -292,23 +310,26 @@ class LLM:
         `chunk.reasoning` (a reasoning template's <think> block) and, with `tools` (as
         `chat`), `chunk.tool_calls` (ToolCallDelta: index, id and name first, then
         fragments of the arguments' JSON) — markup never in `content`; `chunk.text` stays
-        the text as generated, and `.output` has the parsed reply."""
+        the text as generated, and `.output` has the parsed reply. `priority`: as
+        `generate`'s."""
         reject_unknown("stream()", unknown, STREAM_ARGS, hints=TO_SAMPLING_PARAMS)
         text, seq, chat = self._requests.one_request(prompt, sampling_params, prompt_token_ids,
                                                      messages, tools, tool_choice,
                                                      chat_template_kwargs, parallel_tool_calls)
+        seq.priority = check_int("priority", 0 if priority is None else priority)
         return TextStream(self._rt, seq, text, chat)
 
     def astream(self, prompt=None, sampling_params=None, prompt_token_ids=None,
                 messages=None, tools: list[dict] | None = None, tool_choice="auto",
                 chat_template_kwargs: dict | None = None, parallel_tool_calls: bool = True,
-                **unknown) -> AsyncTextStream:
+                priority: int | None = None, **unknown) -> AsyncTextStream:
         """`stream` for asyncio: `async for chunk in llm.astream(...)`; many concurrent
         streams batch together in the one engine loop."""
         reject_unknown("astream()", unknown, STREAM_ARGS, hints=TO_SAMPLING_PARAMS)
         text, seq, chat = self._requests.one_request(prompt, sampling_params, prompt_token_ids,
                                                      messages, tools, tool_choice,
                                                      chat_template_kwargs, parallel_tool_calls)
+        seq.priority = check_int("priority", 0 if priority is None else priority)
         return AsyncTextStream(self._rt, seq, text, chat)
 
     # ---- sessions ----------------------------------------------------------------------
@@ -317,7 +338,7 @@ class LLM:
                 pin_system: bool = True, sampling: SamplingParams | None = None,
                 history: str = "append", tools: list[dict] | None = None,
                 chat_template_kwargs: dict | None = None, cache_salt: str | None = None,
-                fresh: bool = False, **unknown) -> Session:
+                fresh: bool = False, priority: int = 0, **unknown) -> Session:
         """A multi-turn conversation whose KV stays cached between turns. The system prompt
         is pinned (once, shared by every session with the same system prompt and tools).
         history: "append" (the token log is the truth; only new messages are rendered and
@@ -327,7 +348,9 @@ class LLM:
         id that was persisted there resumes that session (with its stored history, tools
         and salt); an id whose log crash recovery removed (nothing else of it left) raises
         SessionLostError rather than starting empty, unless fresh=True: a new, empty
-        session under that id (an id that still names a persisted session is refused)."""
+        session under that id (an id that still names a persisted session is refused).
+        `priority`: its turns' (each `send` may override it), and the order in which idle
+        sessions' KV is reclaimed: the less urgent (higher value) first."""
         reject_unknown("session()", unknown, SESSION_ARGS)
         check_str("system", system, allow_none=True)
         check_bool("pin_system", pin_system)
@@ -338,8 +361,11 @@ class LLM:
         if cache_salt is not None:
             sampling = (sampling or SamplingParams()).with_overrides(cache_salt=cache_salt)
         options = self._store.options(history, tools, chat_template_kwargs)
+        priority = check_int("priority", priority)
         self._rt.check_open()
-        return self._store.session(system, session_id, pin_system, sampling, options, fresh)
+        sess = self._store.session(system, session_id, pin_system, sampling, options, fresh)
+        sess.priority = priority
+        return sess
 
     def sessions(self) -> list[str]:
         """Ids of the sessions persisted in session_dir: each snapshot file's name
@@ -396,7 +422,10 @@ class LLM:
     @property
     def slo(self):
         """The latency targets (`SLO`) that goodput and attainment in `stats()` are
-        measured against; replace them with `llm.slo = SLO(...)`."""
+        measured against; replace them with `llm.slo = SLO(...)`. Once set, the scheduler
+        also keeps running decodes within its `tpot_s` where the hardware allows: a long
+        prompt's chunk in a step that decodes shrinks to what the target leaves
+        (`stats().slo_unmet_steps` counts the steps where nothing was left)."""
         return self._rt.slo
 
     @slo.setter
@@ -405,7 +434,7 @@ class LLM:
 
         if not isinstance(value, SLO):
             raise ConfigError(f"slo must be a kvsession.metrics.SLO, got {value!r}")
-        self._rt.slo = value
+        self._rt.set_slo(value)
 
     def get_default_sampling_params(self, sampling_params: SamplingParams | None = None
                                     ) -> SamplingParams:

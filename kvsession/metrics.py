@@ -162,6 +162,9 @@ class Stats(msgspec.Struct):
     # the cuts crash recovery made to session logs in session_dir: the start-up scan's and
     # those of sessions this LLM resumed (tiers/recovery.py)
     recovery: list[LogRecovery] = msgspec.field(default_factory=list)
+    # steps where the TPOT target of `llm.slo` left no room for a long prompt's tokens beside
+    # the decodes (a block was given anyway): the target is beyond this hardware at that load
+    slo_unmet_steps: int = 0
 
     def _repr_html_(self) -> str:
         """Every tier's occupancy, then the cache's and tiers' counters and latency."""

@@ -10,6 +10,7 @@ from kvsession.cache.manager import Tier
 from kvsession.cache.prefix import PrefixCache
 from kvsession.engine.loop import Engine
 from kvsession.engine.scheduler import Scheduler
+from kvsession.engine.slo_chunking import SloChunking
 from kvsession.metrics import SLO, LatencyTracker, PrefixStats, Stats, TierStats
 from kvsession.remote_offload import remote_stats
 from kvsession.tiers.disk import DiskTier
@@ -23,13 +24,14 @@ class StatsCollector:
     def __init__(self, pool: BlockPool, prefix: PrefixCache, host: HostPool | None,
                  disk: DiskTier | None, policy: TierPolicy, scheduler: Scheduler,
                  engine: Engine, latency: LatencyTracker, connector, block_size: int,
-                 kv_bytes_per_token: int, disk_cache: DiskCache | None = None,
-                 writeback: WriteBehind | None = None):
+                 kv_bytes_per_token: int, slo_chunking: SloChunking,
+                 disk_cache: DiskCache | None = None, writeback: WriteBehind | None = None):
         self.pool, self.prefix, self.host, self.disk = pool, prefix, host, disk
         self.policy, self.scheduler, self.engine, self.latency = policy, scheduler, engine, latency
         self.connector = connector  # the prefill connector, or None
         self.block_size, self.kv_bytes_per_token = block_size, kv_bytes_per_token
         self.disk_cache, self.writeback = disk_cache, writeback
+        self.slo_chunking = slo_chunking
 
     def now(self, slo: SLO) -> Stats:
         """Engine thread: every counter as it is between two steps."""
@@ -82,7 +84,8 @@ class StatsCollector:
             num_requests=self.latency.num_requests,
             num_preemptions=self.scheduler.num_preemptions,
             prefill_tokens=self.engine.prefill_tokens,
-            generated_tokens=self.engine.generated_tokens)
+            generated_tokens=self.engine.generated_tokens,
+            slo_unmet_steps=self.slo_chunking.unmet_steps)
 
     def add_disk_room(self, st: Stats) -> Stats:
         """Caller's thread: the disk tier's free blocks (what is left on session_dir's

@@ -18,14 +18,16 @@ from kvsession.runtime import Runtime
 from kvsession.tools import ToolSpec
 from kvsession.validation import check_bool
 
-GENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids", "use_tqdm")
+GENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids", "use_tqdm", "priority")
 TOOL_ARGS = ("tools", "tool_choice", "chat_template_kwargs", "parallel_tool_calls")
-CHAT_ARGS = ("messages", "sampling_params", "use_tqdm", "add_generation_prompt", *TOOL_ARGS)
+CHAT_ARGS = ("messages", "sampling_params", "use_tqdm", "add_generation_prompt", "priority",
+             *TOOL_ARGS)
 SESSION_ARGS = ("system", "session_id", "pin_system", "sampling", "history", "tools",
-                "chat_template_kwargs", "cache_salt", "fresh")
-AGENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids")
-ACHAT_ARGS = ("messages", "sampling_params", "add_generation_prompt", *TOOL_ARGS)
-STREAM_ARGS = ("prompt", "sampling_params", "prompt_token_ids", "messages", *TOOL_ARGS)
+                "chat_template_kwargs", "cache_salt", "fresh", "priority")
+AGENERATE_ARGS = ("prompts", "sampling_params", "prompt_token_ids", "priority")
+ACHAT_ARGS = ("messages", "sampling_params", "add_generation_prompt", "priority", *TOOL_ARGS)
+STREAM_ARGS = ("prompt", "sampling_params", "prompt_token_ids", "messages", "priority",
+               *TOOL_ARGS)
 # sampling settings passed to generate()/chat() directly belong in a SamplingParams
 TO_SAMPLING_PARAMS = {name: "sampling_params" for name in SAMPLING_ARG_NAMES}
 

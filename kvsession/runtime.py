@@ -23,6 +23,7 @@ import json
 import logging
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
+from functools import partial
 
 from kvsession import costmodel
 from kvsession.attention import resolve_backend
@@ -40,6 +41,7 @@ from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampler
 from kvsession.engine.scheduler import Scheduler
 from kvsession.engine.sequence import Sequence
+from kvsession.engine.slo_chunking import SloChunking
 from kvsession.errors import EngineClosedError
 from kvsession.generation_defaults import GenerationDefaults
 from kvsession.host_memory import release_free_memory
@@ -131,7 +133,7 @@ class Runtime:
             offload = RemoteOffload(self.connector, cfg.remote_prefill, self.latency, bpt,
                                     prefill_tps, stall_ratio)
         self.scheduler = Scheduler(self.manager, self.prefix, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens, offload)
+                                   cfg.max_num_batched_tokens, offload, cfg.prefill_caps)
 
         # ---- tiers: the mover copies, the policy decides
         snapshot_locks = SnapshotLocks()  # spills and saves vs write-behind compaction
@@ -141,6 +143,9 @@ class Runtime:
         self.policy = TierPolicy(self.mover, self.prefix, self.scheduler, prefill_tps, bpt,
                                  cfg.spill_after_s)
         self.scheduler.attach_reclaimer(self.policy)
+        # SLO-aware chunking: off until `llm.slo` is set (`set_slo`)
+        self.slo_chunking = SloChunking(stall_ratio, prefill_tps)
+        self.scheduler.attach_chunk_limit(self.slo_chunking)
         if self.host is not None or self.disk_cache is not None:
             # any request's device misses look in the host tier and the disk cache, and what
             # the device evicts is kept there (what the host evicts, in the disk cache)
@@ -174,8 +179,8 @@ class Runtime:
                                cfg.block_size)
         self.stats_collector = StatsCollector(
             self.pool, self.prefix, self.host, self.disk, self.policy, self.scheduler,
-            self.engine, self.latency, self.connector, cfg.block_size, bpt, self.disk_cache,
-            self.writeback)
+            self.engine, self.latency, self.connector, cfg.block_size, bpt, self.slo_chunking,
+            self.disk_cache, self.writeback)
         self.integrity = IntegrityCheck(self.manager, self.scheduler, self.engine,
                                         self.disk_cache, self.policy)
         if self.integrity.checking and num_blocks <= CHECK_EVERY_STEP_MAX_BLOCKS:
@@ -206,6 +211,12 @@ class Runtime:
     def call(self, fn: Callable[[], object]) -> Future:
         """Run fn on the engine thread between steps."""
         return self.check_open().call(fn)
+
+    def set_slo(self, slo: SLO) -> None:
+        """`llm.slo = ...`: the targets stats() measures against, and the TPOT target the
+        scheduler's chunking keeps (engine/slo_chunking.py) from the next step on."""
+        self.slo = slo
+        self.call(partial(self.slo_chunking.set_target, slo.tpot_s)).result()
 
     def submit(self, seq: Sequence, on_update: OnUpdate | None = None,
                prepare: Callable[[], Generator[Future, None, None] | None] | None = None

@@ -81,14 +81,15 @@ class SequenceFactory:
             return self._grammars
 
     def new(self, ids: list[int], params: SamplingParams,
-                     retain_blocks: bool = False) -> Sequence:
+            retain_blocks: bool = False, priority: int = 0) -> Sequence:
         self.validate_params(params, retain_blocks)
         ids = self.validate_prompt(ids)
         grammar = None if params.structured is None else \
             self.grammars().new_state(params.structured)
         return Sequence(token_ids=ids, params=params, max_model_len=self.max_model_len,
                         eos_token_ids=self.tokenizer.eos_token_ids, retain_blocks=retain_blocks,
-                        grammar=grammar, salt=self.salt_for(ids, params.cache_salt))
+                        grammar=grammar, salt=self.salt_for(ids, params.cache_salt),
+                        priority=priority)
 
     def salt_for(self, ids: list[int], cache_salt: str | None) -> Salt | None:
         """Layered isolation: a salted request shares the public pinned prefix it starts

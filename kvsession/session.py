@@ -56,7 +56,7 @@ from kvsession.tiers.snapshot import messages_to_text
 from kvsession.tools import ToolSpec
 from kvsession.turn_queue import TurnQueue
 from kvsession.turns import ForkPoint, LogEntry, SessionOptions, TurnExecutor, TurnInfo
-from kvsession.validation import check_bool, check_float, check_path, check_str
+from kvsession.validation import check_bool, check_float, check_int, check_path, check_str
 
 # a session turn's fallbacks below the model's defaults: greedy (an agent's turns are
 # reproducible unless the model card or the caller asks for sampling)
@@ -329,13 +329,15 @@ class Session:
         return new_msgs, params, spec
 
     def _start(self, new_msgs: list[dict], params: SamplingParams, spec: ToolSpec | None,
-               on_update=None):
+               on_update=None, priority=UNSET):
         """Render and submit. Returns (seq, turn info, future). Runs in the caller's thread,
-        after the previous turn of this session finished."""
+        after the previous turn of this session finished. `priority`: the turn's (UNSET:
+        the session's)."""
         self._check_open()
+        priority = None if priority is UNSET else check_int("priority", priority)
         # (validated once, as the turn's Sequence is built)
         return self._exec.submit(self.kv, self._render_turn(new_msgs, spec), params,
-                                 on_update, self._slog)
+                                 on_update, self._slog, priority)
 
     def _render_turn(self, new_msgs: list[dict], spec: ToolSpec | None) -> list[int]:
         """The turn's prompt: append history extends the log by the template's delta for
@@ -415,17 +417,19 @@ class Session:
              logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
              repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
              logit_bias=UNSET, response_format=UNSET, structured=UNSET, tools=UNSET,
-             tool_choice: ToolChoiceName | dict = UNSET, **unknown) -> Reply:
+             tool_choice: ToolChoiceName | dict = UNSET, priority: int = UNSET,
+             **unknown) -> Reply:
         """Add `message` (a string is a user message; or a dict / list of dicts) and
         generate the assistant's reply. Blocks until done. Keyword arguments override the
-        session's SamplingParams for this turn (unknown names: ConfigError)."""
+        session's SamplingParams for this turn (unknown names: ConfigError); `priority`
+        overrides the session's for this turn."""
         new_msgs, params, spec = self._prepare(message, _overrides(locals()),
                                               *_tool_args(locals()))
         mine, prev = self._turns.enter()
         try:
             if prev is not None:
                 prev.result()
-            seq, info, fut = self._start(new_msgs, params, spec)
+            seq, info, fut = self._start(new_msgs, params, spec, priority=priority)
             reply = self._finish(fut.result(), new_msgs, info, spec)
             self._wait_durable(self._commit(self._record_tokens(info), params))
             return reply
@@ -477,7 +481,8 @@ class Session:
              logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
              repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
              logit_bias=UNSET, response_format=UNSET, structured=UNSET, tools=UNSET,
-             tool_choice: ToolChoiceName | dict = UNSET, **unknown) -> Reply:
+             tool_choice: ToolChoiceName | dict = UNSET, priority: int = UNSET,
+             **unknown) -> Reply:
         """`send` for asyncio: awaits the engine without blocking the event loop."""
         new_msgs, params, spec = self._prepare(message, _overrides(locals()),
                                               *_tool_args(locals()))
@@ -493,7 +498,7 @@ class Session:
                     abandoned = True
                     self._turns.leave_after(prev, mine)
                     raise
-            seq, info, fut = self._start(new_msgs, params, spec)
+            seq, info, fut = self._start(new_msgs, params, spec, priority=priority)
             try:
                 done = await asyncio.wrap_future(fut)
             except asyncio.CancelledError:  # the caller's task was cancelled: so is the turn
@@ -512,7 +517,7 @@ class Session:
              logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
              repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
              logit_bias=UNSET, response_format=UNSET, structured=UNSET, tools=UNSET,
-             tool_choice=UNSET, **unknown) -> Iterator[StreamChunk]:
+             tool_choice=UNSET, priority=UNSET, **unknown) -> Iterator[StreamChunk]:
         """Like `send`, yielding text as it is generated; the last chunk has `.reply`."""
         new_msgs, params, spec = self._prepare(message, _overrides(locals()),
                                               *_tool_args(locals()))
@@ -523,7 +528,8 @@ class Session:
                 prev.result()
             updates: queue.SimpleQueue = queue.SimpleQueue()
             seq, info, fut = self._start(
-                new_msgs, params, spec, on_update=lambda s: updates.put(s.num_tokens))
+                new_msgs, params, spec, on_update=lambda s: updates.put(s.num_tokens),
+                priority=priority)
             fut.add_done_callback(lambda f: updates.put(None))
             st = self._turns.open_stream(seq, fut, mine)
             chunks = self._turn_chunks(seq, spec)
@@ -554,7 +560,7 @@ class Session:
              logprobs=UNSET, cache_salt=UNSET, min_p=UNSET, min_tokens=UNSET,
              repetition_penalty=UNSET, presence_penalty=UNSET, frequency_penalty=UNSET,
              logit_bias=UNSET, response_format=UNSET, structured=UNSET, tools=UNSET,
-             tool_choice=UNSET, **unknown) -> AsyncIterator[StreamChunk]:
+             tool_choice=UNSET, priority=UNSET, **unknown) -> AsyncIterator[StreamChunk]:
         """`stream` for asyncio (`async for`): the same chunks, awaited without a thread;
         closing it early (`aclose()`, or the consuming task cancelled) cancels the turn,
         which then never happened, as for `stream`."""
@@ -578,7 +584,8 @@ class Session:
                     loop.call_soon_threadsafe(updates.put_nowait, item)
 
             seq, info, fut = self._start(new_msgs, params, spec,
-                                         on_update=lambda s: post(s.num_tokens))
+                                         on_update=lambda s: post(s.num_tokens),
+                                         priority=priority)
             fut.add_done_callback(lambda f: post(None))
             st = self._turns.open_stream(seq, fut, mine)
             chunks = self._turn_chunks(seq, spec)
@@ -674,6 +681,7 @@ class Session:
         except BaseException:
             child.close()
             raise
+        child.priority = self.priority
         return child
 
     def save(self, path) -> None:
@@ -689,6 +697,16 @@ class Session:
         """`save`, the last thing this session does (the store's, at LLM close): a turn
         queued after it raises SessionClosedError. Unsealed if the write fails."""
         self.exclusive(lambda: self._exec.save(self.kv, path), seal=True)
+
+    @property
+    def priority(self) -> int:
+        """Its turns' priority unless a send says otherwise (lower is more urgent), and the
+        order in which idle sessions' KV is reclaimed (less urgent first)."""
+        return self.kv.priority
+
+    @priority.setter
+    def priority(self, value: int) -> None:
+        self.kv.priority = check_int("priority", value)
 
     def suspend(self, expected_idle_s: float | None = None) -> str:
         """The session is waiting (tool call, human). The engine decides, by expected waste,

@@ -105,16 +105,18 @@ class TurnExecutor:
         self.defaults: GenerationDefaults = runtime.generation
 
     def submit(self, kv: SessionKV, ids: list[int], params: SamplingParams,
-               on_update: OnUpdate | None, slog: SessionLog | None
-               ) -> tuple[Sequence, TurnInfo, Future]:
+               on_update: OnUpdate | None, slog: SessionLog | None,
+               priority: int | None = None) -> tuple[Sequence, TurnInfo, Future]:
         """Submit one turn whose KV starts from the session's (`ids`: its whole prompt,
         validated here, once): on the engine thread the session's blocks are handed to the
         turn's sequence (after restoring them from a spilled tier, or dropping them when
         recomputing is cheaper) and taken back when it ends. Exactly one of the two holds
         them at any moment. `slog`: the session's log, whose record the turn announces as
-        it ends (so the records of one step share a group commit)."""
+        it ends (so the records of one step share a group commit). `priority`: the turn's
+        (None: the session's)."""
         rt = self.rt
-        seq = rt.sequences.new(ids, params, retain_blocks=True)
+        seq = rt.sequences.new(ids, params, retain_blocks=True,
+                               priority=kv.priority if priority is None else priority)
         info = TurnInfo()
         bs = rt.config.block_size
 

@@ -46,6 +46,18 @@ def check_int(name: str, value, *, min_value: int | None = None, max_value: int 
     return int(value)
 
 
+def check_priorities(value, n: int) -> list[int]:
+    """`priority=` of a request call: None (0 for all), one int for all, or one per request
+    (lower is more urgent, as vLLM)."""
+    if value is None:
+        return [0] * n
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ConfigError(f"priority has {len(value)} values for {n} requests")
+        return [check_int("priority", v) for v in value]
+    return [check_int("priority", value)] * n
+
+
 def check_float(name: str, value, *, min_value: float | None = None,
                 max_value: float | None = None, min_inclusive: bool = True,
                 max_inclusive: bool = True, allow_none: bool = False,

@@ -115,6 +115,19 @@ def evict_all_and_zero(e):
     return other
 
 
+def test_reclaim_takes_the_less_urgent_sessions_kv_first(tmp_path):
+    """Priority first (higher value: less urgent), whatever the return forecast: s2 was
+    used last but is less urgent, so it goes before s1; equal priorities keep LRU."""
+    e = build(tmp_path)
+    s1 = add_session(e, "s1", 8, last_used=1.0)
+    s2 = add_session(e, "s2", 8, last_used=2.0, start=100)
+    s2.priority = 1
+    assert e.policy.reclaim(2) == 2
+    assert s2.tier is Tier.HOST and s1.tier is Tier.DEVICE
+    s2.priority = 0
+    check(e)
+
+
 def test_reclaim_spills_least_recently_used_idle_sessions(tmp_path):
     e = build(tmp_path)
     s1 = add_session(e, "s1", 8, last_used=1.0)

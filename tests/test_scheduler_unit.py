@@ -14,6 +14,7 @@ from kvsession.cache.identity import StorageIdentity
 from kvsession.cache.kv_pool import KVPool
 from kvsession.cache.manager import HolderKind, KVCacheManager, SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
+from kvsession.config import PrefillCaps
 from kvsession.engine.scheduler import Scheduler
 from kvsession.engine.sequence import Sequence, SequenceStatus
 from kvsession.params import SamplingParams
@@ -30,13 +31,13 @@ HEADER = StorageIdentity("m", "float32", BS, tokenizer_digest="t", template_dige
 HOSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def build(num_blocks=8, max_num_seqs=4, budget=64):
+def build(num_blocks=8, max_num_seqs=4, budget=64, caps=None):
     kv = KVPool(2, num_blocks, BS, 1, 4, torch.float32, torch.device("cpu"))
     host = HostPool(kv, 4)
     m = KVCacheManager(BlockPool(num_blocks, BS), kv, host.index)
     HOSTS[m] = host
     prefix = PrefixCache(m, StorageIdentity("m", "float32", BS).hasher())
-    return m, Scheduler(m, prefix, max_num_seqs, budget)
+    return m, Scheduler(m, prefix, max_num_seqs, budget, caps=caps)
 
 
 def seq(tokens) -> Sequence:
@@ -65,6 +66,8 @@ def run(sched, scheduled, token=7):
 
 
 def test_chunked_prefill_within_the_token_budget():
+    """Uncapped (caps=None, the scheduler before PrefillCaps): a prefill takes all the budget
+    left, and the short request behind it waits for the long one's next step."""
     m, sched = build(budget=8)
     a, b = seq(range(10)), seq(range(100, 106))
     sched.add(a)
@@ -84,6 +87,86 @@ def test_chunked_prefill_within_the_token_budget():
     assert sched.queue_depth() == 0 and a.num_tokens == 11 and b.num_tokens == 7
     scheduled, _ = sched.schedule()
     assert work(scheduled) == [(a, 1), (b, 1)] and fifo(m) == [5, 6, 7]
+    m.check_integrity()
+
+
+CAPS = PrefillCaps(max_num_partial_prefills=2, max_long_partial_prefills=1,
+                   long_prefill_token_threshold=4)
+
+
+def test_a_short_request_is_admitted_beside_a_long_prefill():
+    """With caps, the long prompt takes the threshold, the short one is admitted in the same
+    step; while a request decodes beside it the long prompt keeps to the threshold (the
+    step's length is what the decode waits for)."""
+    m, sched = build(budget=8, caps=CAPS)
+    a, b = seq(range(10)), seq(range(100, 103))
+    sched.add(a)
+    sched.add(b)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 4), (b, 3)] and [x.samples for x in scheduled] == [
+        False, True]
+    assert ids(a) == [0] and ids(b) == [1] and not sched.waiting
+    run(sched, scheduled)
+    assert a.num_computed_tokens == 4 and b.num_tokens == 4
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 4), (b, 1)] and ids(a) == [0, 2] and ids(b) == [1]
+    run(sched, scheduled)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 2), (b, 1)] and all(x.samples for x in scheduled)
+    assert ids(a) == [0, 2, 3] and ids(b) == [1, 4]
+    run(sched, scheduled)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 1), (b, 1)] and fifo(m) == [5, 6, 7]
+    m.check_integrity()
+
+
+def test_a_long_prompt_alone_takes_the_whole_budget():
+    """Nothing else runs: the threshold first, then the rest of the budget (the top-up)."""
+    m, sched = build(budget=8, caps=CAPS)
+    a = seq(range(20))
+    sched.add(a)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 8)] and ids(a) == [0, 1]
+    run(sched, scheduled)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 8)] and ids(a) == [0, 1, 2, 3]
+    m.check_integrity()
+
+
+def test_a_short_request_jumps_a_waiting_long_one():
+    """One long prefill at a time (max_long_partial_prefills=1): the second long prompt
+    waits, the short one behind it is admitted; the second starts in the step where the
+    first has no more than the threshold left."""
+    m, sched = build(num_blocks=16, budget=8, caps=CAPS)
+    a, c, d = seq(range(12)), seq(range(50, 62)), seq(range(100, 102))
+    for s in (a, c, d):
+        sched.add(s)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 4), (d, 2)] and list(sched.waiting) == [c]
+    run(sched, scheduled)
+    scheduled, _ = sched.schedule()  # a has 8 left: still long, c still waits
+    assert work(scheduled) == [(a, 4), (d, 1)] and list(sched.waiting) == [c]
+    run(sched, scheduled)
+    scheduled, _ = sched.schedule()  # a's last 4: c is admitted with what is left
+    assert work(scheduled) == [(a, 4), (d, 1), (c, 3)] and not sched.waiting
+    assert ids(a) == [0, 2, 3] and ids(d) == [1] and ids(c) == [4]
+    m.check_integrity()
+
+
+def test_priority_orders_admission_and_preemption():
+    """Lower is more urgent: the urgent request is admitted first although it came second,
+    and when blocks run out the less urgent one is preempted although it is older."""
+    m, sched = build(num_blocks=3, budget=16)
+    b, a = seq(range(100, 104)), seq(range(4))
+    b.priority, a.priority = 1, 0
+    sched.add(b)
+    sched.add(a)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 4), (b, 4)] and ids(a) == [0] and ids(b) == [1]
+    run(sched, scheduled)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 1)] and ids(a) == [0, 2]
+    assert list(sched.waiting) == [b] and b.num_preemptions == 1 and b.blocks == ()
     m.check_integrity()
 
 

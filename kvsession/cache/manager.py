@@ -62,8 +62,8 @@ class SessionKV:
     `busy` (a turn owns its blocks), `last_used`, `loaded_from` (the tier its KV was
     loaded from ahead of its next turn: a snapshot restore, a prefetch) and the return
     forecast (`turns`, `gap_s`: the learned gap between turns, `expected_idle_s`: the wait
-    the session announced, `keep_until`: when a "keep" decision lapses) and `moving` (its
-    blocks on their way between tiers on the copier, until settled: a
+    the session announced, `keep_until`: when a "keep" decision lapses), `priority` and
+    `moving` (its blocks on their way between tiers on the copier, until settled: a
     tiers.mover.PendingLoad or PendingSpill) are the tier policy's; the rest is written by
     KVCacheManager only."""
 
@@ -84,6 +84,7 @@ class SessionKV:
     expected_idle_s: float | None = None
     keep_until: float | None = None
     moving: object | None = None
+    priority: int = 0  # its turns' by default; reclaim takes less urgent (higher) ones first
 
 
 class Quarantine:

@@ -71,6 +71,8 @@ class Sequence:
     # prefill work but not it, its latency or its sampled token
     internal: bool = False
     no_remote: bool = False  # a remote prefill failed: compute this one locally
+    # lower is more urgent (as vLLM): it orders admission and preemption (the scheduler)
+    priority: int = 0
     # prompt tokens whose KV a remote prefill worker wrote (after the KV this sequence
     # already had: prefix hits or a session's earlier turns); 0: prefilled here
     num_remote_tokens: int = 0
@@ -120,6 +122,7 @@ class Sequence:
         child = Sequence(token_ids=self.token_ids[: self.num_prompt_tokens], params=self.params,
                          max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                          index=index, arrival_time=self.arrival_time,
+                         priority=self.priority,
                          grammar=None if self.grammar is None else self.grammar.fork())
         child.block_hashes = list(self.block_hashes)
         child.salt = self.salt

@@ -8,9 +8,10 @@ object in the body or as `X-KVSession-*` headers (the body wins):
                              result comes back: the Session is suspended with it
                              (`Session.suspend(expected_idle_s=...)`: the engine keeps its
                              KV, spills it to host or disk, or drops it, by expected cost);
-    priority                 the request's priority (an integer, higher first); accepted and
-                             validated, and kept with the conversation for the scheduler's
-                             priorities.
+    priority                 the request's priority (an integer, lower is more urgent, as
+                             vLLM): it orders the scheduler's admission and preemption, and
+                             is kept with the conversation's Session (its later turns, and
+                             the order idle sessions' KV is reclaimed in).
 
 Without `expected_tool_latency_s` the server uses what it learned of that conversation
 (`ToolGaps`): the time between each reply that called a tool and the conversation's next

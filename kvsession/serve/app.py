@@ -324,7 +324,8 @@ class Server:
     def _chat_events(self, plan: Plan, params, tool_kwargs: dict, per_turn: dict):
         if plan.session is not None:
             return SessionTurn(plan.session, plan.new, turn_overrides(params, per_turn))
-        return stateless_events(self.llm, params, messages=plan.new, tool_kwargs=tool_kwargs)
+        return stateless_events(self.llm, params, messages=plan.new, tool_kwargs=tool_kwargs,
+                                priority=_priority(plan))
 
     @staticmethod
     async def _reply(plan: Plan, overrides: dict) -> P.Result:
@@ -337,6 +338,8 @@ class Server:
         plan.hints = hints
         if plan.session is not None:
             self.gaps.request_arrived(plan.session.session_id, time.monotonic())
+            if hints.priority is not None:  # kept with the conversation, for its turns
+                plan.session.priority = hints.priority
 
     def _finished(self, plan: Plan, reply: dict) -> None:
         """A turn answered `reply`: its session filed for the conversation's next request;
@@ -386,7 +389,8 @@ class Server:
             work = self._reply(plan, turn_overrides(params, per_turn))
         else:
             work = collect(stateless_events(self.llm, params, messages=plan.new,
-                                            tool_kwargs=tool_kwargs))
+                                            tool_kwargs=tool_kwargs,
+                                            priority=_priority(plan)))
         return await self._until_disconnect(request, work)
 
     async def _until_disconnect(self, request: Request, work,
@@ -881,3 +885,8 @@ async def _replay(body: dict, usage: bool) -> AsyncIterator[str]:
 
 async def _nothing() -> None:
     pass
+
+
+def _priority(plan: Plan) -> int | None:
+    """The request's priority hint (None: the default)."""
+    return plan.hints.priority if plan.hints is not None else None

@@ -98,20 +98,21 @@ class SessionTurn:
 
 
 async def stateless_events(llm: LLM, params: SamplingParams, *, messages=None, prompt=None,
-                           prompt_token_ids=None,
-                           tool_kwargs: dict | None = None) -> AsyncIterator[tuple[str, object]]:
+                           prompt_token_ids=None, tool_kwargs: dict | None = None,
+                           priority: int | None = None) -> AsyncIterator[tuple[str, object]]:
     """A stateless request: streamed (cancelled when closed early) when n == 1 and there is
-    one prompt, else batched."""
+    one prompt, else batched. `priority`: the agent hint's (None: the default)."""
     tool_kwargs = tool_kwargs or {}
     if params.n > 1:
         if messages is not None:
-            outs = await llm.achat(messages, params, **tool_kwargs)
+            outs = await llm.achat(messages, params, priority=priority, **tool_kwargs)
         else:
-            outs = await llm.agenerate(prompt, params, prompt_token_ids=prompt_token_ids)
+            outs = await llm.agenerate(prompt, params, prompt_token_ids=prompt_token_ids,
+                                       priority=priority)
         yield "done", Result.of_output(outs[0])
         return
     stream = llm.astream(prompt, params, prompt_token_ids=prompt_token_ids, messages=messages,
-                         **tool_kwargs)
+                         priority=priority, **tool_kwargs)
     try:
         async for chunk in stream:
             if _says_something(chunk):

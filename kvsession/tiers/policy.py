@@ -152,17 +152,19 @@ class TierPolicy:
         return expected - idle
 
     def _spill_order(self, sessions: list[SessionKV], tier: Tier) -> list[SessionKV]:
-        """Idle sessions, the one to move first first: the furthest expected return per
-        millisecond its KV would take to come back from `tier` (or be recomputed, if that
-        is cheaper), per block it holds there. Keeping a session costs its blocks for the
-        time until it returns; moving it costs the reload when it does."""
+        """Idle sessions, the one to move first first: the least urgent (highest priority
+        value) first; among equals, the furthest expected return per millisecond its KV
+        would take to come back from `tier` (or be recomputed, if that is cheaper), per
+        block it holds there. Keeping a session costs its blocks for the time until it
+        returns; moving it costs the reload when it does."""
         now = self.clock()
 
-        def key(s: SessionKV) -> float:
+        def key(s: SessionKV) -> tuple[int, float]:
             n = max(len(s.tokens), 1)
             reload = min(costmodel.load_ms(n, self.bytes_per_token, self.mover.bandwidth(tier)),
                          costmodel.recompute_ms(n, self.prefill_tps.value))
-            return self.expected_return_s(s, now) * blocks_for(n, self.bs) / max(reload, 1e-6)
+            return s.priority, \
+                self.expected_return_s(s, now) * blocks_for(n, self.bs) / max(reload, 1e-6)
         return sorted(sessions, key=key, reverse=True)
 
     # ---- spilling ------------------------------------------------------------------------

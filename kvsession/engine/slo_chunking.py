@@ -1,0 +1,56 @@
+"""SLO-aware chunking: how many tokens of long prompts a step that also decodes may take, so
+that the decodes keep their time-per-output-token target (`llm.slo.tpot_s`, once the user
+sets `llm.slo`).
+
+A step's time is about its decodes' own (`StallRatio.pure_step_s`: measured pure decode
+steps of as many decodes) plus its prompt tokens at the measured prefill rate
+(`prefill_tps`); the limit is what the target leaves (`costmodel.slo_prefill_tokens`). Where
+even one block of prompt tokens would break the target (the decodes alone are too slow, or
+the target is below what the hardware does), a block is still given, so long prompts
+progress, and the step is counted (`unmet_steps`, `llm.stats().slo_unmet_steps`; logged
+once): the target cannot be met on this hardware at this load.
+
+Engine thread only: the scheduler asks (`ChunkLimit`), the engine measures, and the target
+is posted to the engine thread when `llm.slo` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from kvsession import costmodel
+
+log = logging.getLogger("kvsession")
+
+
+class SloChunking:
+    def __init__(self, stall: costmodel.StallRatio, prefill_tps: costmodel.RateEstimator):
+        self.stall, self.prefill_tps = stall, prefill_tps
+        self.tpot_s: float | None = None  # the target; None until `llm.slo` is set
+        self.unmet_steps = 0
+        self._warned = False
+
+    def set_target(self, tpot_s: float | None) -> None:
+        """Engine thread: the decodes' TPOT target (None or inf: none)."""
+        self.tpot_s = None if tpot_s is None or math.isinf(tpot_s) else tpot_s
+
+    def prefill_tokens(self, num_decodes: int, min_tokens: int) -> int | None:
+        """The long prompts' tokens a step with `num_decodes` decodes may take (at least
+        `min_tokens`); None: no limit (no target, no decode, or nothing measured yet)."""
+        if self.tpot_s is None or num_decodes <= 0:
+            return None
+        pure = self.stall.pure_step_s(num_decodes)
+        if pure is None:
+            return None
+        n = costmodel.slo_prefill_tokens(self.tpot_s, pure, self.prefill_tps.value)
+        if n >= min_tokens:
+            return n
+        self.unmet_steps += 1
+        if not self._warned:
+            self._warned = True
+            log.warning("the TPOT target (%.1f ms) leaves no room for prompt tokens beside "
+                        "%d decodes (a pure decode step takes %.1f ms): long prompts get "
+                        "%d tokens a step and the target is missed (stats().slo_unmet_steps)",
+                        self.tpot_s * 1e3, num_decodes, pure * 1e3, min_tokens)
+        return min_tokens
