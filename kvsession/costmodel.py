@@ -159,6 +159,12 @@ class StallRatio:
         self.pure_s: dict[int, float] = {}  # decode count's bit_length -> step seconds
         self.stalled_s = self.decode_s = 0.0
         self.num_mixed = 0
+        # what a prompt token adds to a step that decodes (seconds beyond the pure step, per
+        # prompt token; an exponential average, ALPHA): SLO-aware chunking sizes a long
+        # prompt's share with it. Not the prefill rate: a small chunk over a long context
+        # costs more per token than a whole short prompt, and a step's fixed cost is the
+        # decodes', already in the pure time
+        self.token_s: float | None = None
 
     def fix(self, value: float) -> None:
         """Hold the ratio at `value` (tests, operators who know their workload)."""
@@ -178,6 +184,9 @@ class StallRatio:
         else:
             stalled = max(0.0, seconds - pure)
             self.num_mixed += 1
+            per_token = stalled / prompt_tokens
+            self.token_s = per_token if self.token_s is None else (
+                self.ALPHA * per_token + (1 - self.ALPHA) * self.token_s)
         self.stalled_s = self.stalled_s * self.DECAY + stalled
         self.decode_s = self.decode_s * self.DECAY + seconds
 
@@ -201,10 +210,9 @@ class StallRatio:
         return self.pure_s[min(self.pure_s, key=lambda k: (abs(k - kind), k))]
 
 
-def slo_prefill_tokens(tpot_slo_s: float, pure_step_s: float, prefill_tps: float) -> int:
+def slo_prefill_tokens(tpot_slo_s: float, pure_step_s: float, token_s: float) -> int:
     """Prompt tokens a step with decodes may add and still end within the TPOT target: the
-    time the decodes leave (`tpot_slo_s - pure_step_s`) at the measured prefill rate (a step
-    with prompt tokens takes about the decodes' own time plus the prompt's at that rate);
-    0 when the decodes alone take the target."""
-    return max(0, int((tpot_slo_s - pure_step_s) * prefill_tps))
+    time the decodes leave (`tpot_slo_s - pure_step_s`) over what a prompt token adds to
+    such a step (`StallRatio.token_s`); 0 when the decodes alone take the target."""
+    return max(0, int((tpot_slo_s - pure_step_s) / max(token_s, 1e-9)))
 

@@ -144,7 +144,7 @@ class Runtime:
                                  cfg.spill_after_s)
         self.scheduler.attach_reclaimer(self.policy)
         # SLO-aware chunking: off until `llm.slo` is set (`set_slo`)
-        self.slo_chunking = SloChunking(stall_ratio, prefill_tps)
+        self.slo_chunking = SloChunking(stall_ratio)
         self.scheduler.attach_chunk_limit(self.slo_chunking)
         if self.host is not None or self.disk_cache is not None:
             # any request's device misses look in the host tier and the disk cache, and what

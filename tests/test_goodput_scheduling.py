@@ -10,7 +10,7 @@ import pytest
 from llms import tiny_llm
 
 from kvsession import SamplingParams
-from kvsession.costmodel import RateEstimator, StallRatio
+from kvsession.costmodel import StallRatio
 from kvsession.engine.slo_chunking import SloChunking
 from kvsession.errors import ConfigError
 from kvsession.metrics import SLO
@@ -111,15 +111,18 @@ def test_the_priority_hint_is_kept_with_the_conversation(llama_dir):
 
 
 def test_slo_chunking_leaves_the_decodes_their_target():
-    """A pure step of 4 decodes measured at 20 ms, prompts at 1,000 tokens/s: a 50 ms target
-    leaves 30 ms, 30 tokens; a target the decodes alone exceed gives the minimum and counts
-    the step; no target, no decode, or no pure step measured yet: no limit."""
-    stall, tps = StallRatio(), RateEstimator(prior=1.0)
-    tps.fix(1000.0)
-    chunking = SloChunking(stall, tps)
+    """A pure step of 4 decodes measured at 20 ms, then one with 20 prompt tokens at 40 ms:
+    a token adds 1 ms, so a 50 ms target leaves 30 ms, 30 tokens; a target the decodes
+    alone exceed gives the minimum and counts the step; no target, no decode, or nothing
+    measured yet: no limit."""
+    stall = StallRatio()
+    chunking = SloChunking(stall)
     chunking.set_target(0.050)
     assert chunking.prefill_tokens(4, 16) is None  # nothing measured yet
     stall.observe(4, 0, 0.020)
+    assert chunking.prefill_tokens(4, 16) is None  # no step with prompt tokens yet
+    stall.observe(4, 20, 0.040)
+    assert stall.token_s == pytest.approx(0.001)
     chunking.set_target(None)
     assert chunking.prefill_tokens(4, 16) is None  # no target
     chunking.set_target(0.050)

@@ -3,8 +3,10 @@ that the decodes keep their time-per-output-token target (`llm.slo.tpot_s`, once
 sets `llm.slo`).
 
 A step's time is about its decodes' own (`StallRatio.pure_step_s`: measured pure decode
-steps of as many decodes) plus its prompt tokens at the measured prefill rate
-(`prefill_tps`); the limit is what the target leaves (`costmodel.slo_prefill_tokens`). Where
+steps of as many decodes) plus what each prompt token adds to a step that decodes
+(`StallRatio.token_s`, measured on such steps: over a long context a chunk's token costs
+several times a short prompt's, so the prefill rate would size the chunk several times too
+large); the limit is what the target leaves (`costmodel.slo_prefill_tokens`). Where
 even one block of prompt tokens would break the target (the decodes alone are too slow, or
 the target is below what the hardware does), a block is still given, so long prompts
 progress, and the step is counted (`unmet_steps`, `llm.stats().slo_unmet_steps`; logged
@@ -25,8 +27,8 @@ log = logging.getLogger("kvsession")
 
 
 class SloChunking:
-    def __init__(self, stall: costmodel.StallRatio, prefill_tps: costmodel.RateEstimator):
-        self.stall, self.prefill_tps = stall, prefill_tps
+    def __init__(self, stall: costmodel.StallRatio):
+        self.stall = stall
         self.tpot_s: float | None = None  # the target; None until `llm.slo` is set
         self.unmet_steps = 0
         self._warned = False
@@ -40,10 +42,10 @@ class SloChunking:
         `min_tokens`); None: no limit (no target, no decode, or nothing measured yet)."""
         if self.tpot_s is None or num_decodes <= 0:
             return None
-        pure = self.stall.pure_step_s(num_decodes)
-        if pure is None:
+        pure, token_s = self.stall.pure_step_s(num_decodes), self.stall.token_s
+        if pure is None or token_s is None:
             return None
-        n = costmodel.slo_prefill_tokens(self.tpot_s, pure, self.prefill_tps.value)
+        n = costmodel.slo_prefill_tokens(self.tpot_s, pure, token_s)
         if n >= min_tokens:
             return n
         self.unmet_steps += 1
