@@ -15,8 +15,10 @@ from kvsession.cache.kv_pool import KVPool
 from kvsession.cache.manager import HolderKind, KVCacheManager, SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
 from kvsession.config import PrefillCaps
+from kvsession.costmodel import StallRatio
 from kvsession.engine.scheduler import Scheduler
 from kvsession.engine.sequence import Sequence, SequenceStatus
+from kvsession.engine.slo_chunking import SloChunking
 from kvsession.params import SamplingParams
 from kvsession.tiers.host import HostPool
 from kvsession.tiers.mover import TierMover
@@ -382,4 +384,26 @@ def test_admission_leaves_headroom_for_running_sequences_to_grow():
     assert sched.num_preemptions == 0  # before: c was admitted, then preempted
     scheduled, _ = sched.schedule()  # nothing running: no headroom to keep
     assert work(scheduled) == [(c, 8)] and not sched.waiting
+    m.check_integrity()
+
+
+def test_a_tpot_target_shrinks_a_long_prompts_chunk_beside_a_decode():
+    """SLO-aware chunking (engine/slo_chunking.py) with measured times: a pure step of one
+    decode 0.5 s, a prompt token adds 0.25 s; a 2 s target leaves 1.5 s, 6 tokens, below the
+    threshold of 8: the long prompt takes 6 beside the decode (and 8 + the rest alone)."""
+    m, sched = build(num_blocks=16, budget=16, caps=PrefillCaps(2, 1, 8))
+    stall = StallRatio()
+    stall.observe(1, 0, 0.5)
+    stall.observe(1, 4, 1.5)
+    chunking = SloChunking(stall)
+    chunking.set_target(2.0)
+    sched.attach_chunk_limit(chunking)
+    b, a = seq(range(100, 102)), seq(range(20))
+    sched.add(b)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(b, 2)]  # nothing decodes yet: no limit
+    run(sched, scheduled)
+    sched.add(a)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(b, 1), (a, 6)] and ids(a) == [1, 2]
     m.check_integrity()

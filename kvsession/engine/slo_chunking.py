@@ -8,9 +8,13 @@ steps of as many decodes) plus what each prompt token adds to a step that decode
 several times a short prompt's, so the prefill rate would size the chunk several times too
 large); the limit is what the target leaves (`costmodel.slo_prefill_tokens`). Where
 even one block of prompt tokens would break the target (the decodes alone are too slow, or
-the target is below what the hardware does), a block is still given, so long prompts
-progress, and the step is counted (`unmet_steps`, `llm.stats().slo_unmet_steps`; logged
-once): the target cannot be met on this hardware at this load.
+the target is below what the hardware does), the target is out of reach: the chunk is not
+limited (the prefill caps alone apply: shrinking it would only slow the long prompt, the
+step being slow anyway), and the step is counted (`unmet_steps`,
+`llm.stats().slo_unmet_steps`; logged once). Measured (bench/goodput.py, 2-core CPU, 8-15k
+token documents): a step with a 16-token chunk over a 15k context cost ~130 ms beyond its
+decodes' step (gathering the long context's KV is per step, not per token), and limiting
+to the minimum only stretched a document's prefill over ~1,000 such steps.
 
 Engine thread only: the scheduler asks (`ChunkLimit`), the engine measures, and the target
 is posted to the engine thread when `llm.slo` is set.
@@ -39,7 +43,8 @@ class SloChunking:
 
     def prefill_tokens(self, num_decodes: int, min_tokens: int) -> int | None:
         """The long prompts' tokens a step with `num_decodes` decodes may take (at least
-        `min_tokens`); None: no limit (no target, no decode, or nothing measured yet)."""
+        `min_tokens`); None: no limit (no target, no decode, nothing measured yet, or the
+        target out of reach even at `min_tokens`)."""
         if self.tpot_s is None or num_decodes <= 0:
             return None
         pure, token_s = self.stall.pure_step_s(num_decodes), self.stall.token_s
@@ -51,8 +56,9 @@ class SloChunking:
         self.unmet_steps += 1
         if not self._warned:
             self._warned = True
-            log.warning("the TPOT target (%.1f ms) leaves no room for prompt tokens beside "
-                        "%d decodes (a pure decode step takes %.1f ms): long prompts get "
-                        "%d tokens a step and the target is missed (stats().slo_unmet_steps)",
-                        self.tpot_s * 1e3, num_decodes, pure * 1e3, min_tokens)
-        return min_tokens
+            log.warning("the TPOT target (%.1f ms) leaves no room for %d prompt tokens beside "
+                        "%d decodes (a pure decode step takes %.1f ms, a prompt token adds "
+                        "%.2f ms): the target is out of reach here, long prompts keep the "
+                        "prefill caps' chunk (stats().slo_unmet_steps)", self.tpot_s * 1e3,
+                        min_tokens, num_decodes, pure * 1e3, token_s * 1e3)
+        return None
