@@ -244,8 +244,8 @@ class Scheduler:
             i += 1
         if any(s.priority for s in self.waiting):
             self.waiting = deque(sorted(self.waiting, key=_urgency))  # stable, as above
-        left = {item.seq.seq_id: item.seq.num_tokens - item.seq.num_computed_tokens
-                - item.num_new_tokens for item in scheduled}
+        left = {item.seq.seq_id: _to_compute(item.seq) - item.num_new_tokens
+                for item in scheduled}
         partial = sum(1 for s in self.running if left.get(s.seq_id, _to_compute(s)) > 0)
         partial_long = sum(1 for s in self.running if _to_compute(s) > threshold)
         i = 0
