@@ -93,6 +93,12 @@ class Internals:
         tokens must take fewer of them (jump-forward)."""
         return self._rt.engine.num_steps
 
+    def running_priorities(self) -> list[int]:
+        """The priorities of the sequences the scheduler runs (engine thread: call it from
+        `after_each_step` or `on_engine`): where a request's priority came from an HTTP
+        hint, that it reached the scheduler."""
+        return [s.priority for s in self._rt.scheduler.running]
+
     def idle(self) -> bool:
         """Nothing queued, running or at a worker (asked on the engine thread): a cancelled
         stream or a refused call must leave no request behind."""

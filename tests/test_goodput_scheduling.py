@@ -101,13 +101,25 @@ def test_the_priority_hint_is_kept_with_the_conversation(llama_dir):
     from kvsession.openai_compat import Client
 
     with tiny_llm(llama_dir) as llm:
-        c = Client(llm)
+        c, inside = Client(llm), Internals(llm)
+        seen: set[int] = set()  # the priorities the scheduler ran requests at
+        inside.after_each_step(lambda: seen.update(inside.running_priorities()))
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                   max_tokens=2, extra_headers={"x-session-id": "conv"},
                                   extra_body={"kvsession": {"priority": 4}})
-        assert Internals(llm).live_sessions["conv"].priority == 4
+        assert inside.live_sessions["conv"].priority == 4 and seen == {4}
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                   max_tokens=2, extra_body={"kvsession": {"priority": -2}})
+        assert seen == {4, -2}  # a stateless request's own
+        # /v1/completions has no conversation: the priority is the one hint it acts on,
+        # from the body or a header, streamed or not, one prompt or several
+        c.openai.completions.create(model="m", prompt="hi", max_tokens=2,
+                                    extra_body={"kvsession": {"priority": 7}})
+        c.openai.completions.create(model="m", prompt=["hi", "ho"], max_tokens=2,
+                                    extra_headers={"x-kvsession-priority": "8"})
+        list(c.openai.completions.create(model="m", prompt="hi", max_tokens=2, stream=True,
+                                         extra_body={"kvsession": {"priority": 9}}))
+        assert seen == {4, -2, 7, 8, 9}
 
 
 def test_slo_chunking_leaves_the_decodes_their_target():

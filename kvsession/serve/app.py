@@ -690,6 +690,8 @@ class Server:
         if req.best_of not in (None, req.n):
             raise P.APIError(400, "best_of must equal n (or be omitted)", param="best_of")
         prompts = _prompts(req.prompt)
+        # no conversation here: of the agent hints only the priority has something to act on
+        priority = H.read_hints(req.kvsession, request.headers).priority
         P.check_max_tokens(req, self.max_model_len)
         params = self.llm.get_default_sampling_params(P.sampling_params(
             req, self.default_max_tokens, req.logprobs, None, req.max_tokens))
@@ -699,8 +701,9 @@ class Server:
             rid = P.new_id("cmpl")
             if req.stream and len(prompts) == 1 and params.n == 1:
                 return await self._completion_stream(request, req, rid, prompts[0], params,
-                                                     slot, limit)
-            results = await self._map_errors(self._generate_all(request, prompts, params))
+                                                     slot, limit, priority)
+            results = await self._map_errors(self._generate_all(request, prompts, params,
+                                                                priority))
         finally:
             if not (req.stream and len(prompts) == 1 and params.n == 1):
                 slot.release()
@@ -720,26 +723,31 @@ class Server:
     def _prompt_text(self, prompt) -> str:
         return prompt if isinstance(prompt, str) else self.decode(prompt)
 
-    async def _generate_all(self, request: Request, prompts: list, params):
+    async def _generate_all(self, request: Request, prompts: list, params,
+                            priority: int | None):
         if len(prompts) == 1 and params.n == 1:
             p = prompts[0]
             events = stateless_events(self.llm, params,
                                       prompt=p if isinstance(p, str) else None,
-                                      prompt_token_ids=None if isinstance(p, str) else p)
+                                      prompt_token_ids=None if isinstance(p, str) else p,
+                                      priority=priority)
             return [(p, await self._until_disconnect(request, collect(events)))]
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
-            work = self.llm.agenerate(texts, params)
+            work = self.llm.agenerate(texts, params, priority=priority)
         else:
-            work = self.llm.agenerate(prompt_token_ids=prompts, sampling_params=params)
+            work = self.llm.agenerate(prompt_token_ids=prompts, sampling_params=params,
+                                      priority=priority)
         outs = await self._until_disconnect(request, work)
         return [(p, P.Result.of_output(o)) for p, o in zip(prompts, outs, strict=True)]
 
     async def _completion_stream(self, request: Request, req, rid: str, prompt, params,
-                                 slot: Slot, limit: int | None = None) -> Response:
+                                 slot: Slot, limit: int | None,
+                                 priority: int | None) -> Response:
         events = stateless_events(self.llm, params,
                                   prompt=prompt if isinstance(prompt, str) else None,
-                                  prompt_token_ids=None if isinstance(prompt, str) else prompt)
+                                  prompt_token_ids=None if isinstance(prompt, str) else prompt,
+                                  priority=priority)
         try:
             # its headers go out before its usage is known: the prompt counted beforehand,
             # as llm.generate counts it

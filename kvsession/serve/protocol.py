@@ -149,6 +149,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    kvsession: Any = None  # agent hints (serve/agent_hints.py): only priority applies here
 
 
 _AT = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
