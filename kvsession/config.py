@@ -164,6 +164,51 @@ class PrefillCaps:
     long_prefill_token_threshold: int  # a long prompt's chunk before the step's top-up
 
 
+class SpeculativeMethod(enum.Enum):
+    NGRAM = "ngram"  # drafts copied from earlier in the sequence (prompt lookup)
+
+
+# the most draft tokens a sequence proposes in one step: each is computed in the verifying
+# pass whether or not it is accepted, and on the 2-core CPU a verifying pass with 16 drafts
+# already costs ~2x a decode step of a 0.5B model
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`LLM(speculative_config={...})` (vLLM's names), validated by EngineConfig, used by
+    the drafter (engine/drafts.py). Drafts of up to `num_speculative_tokens` are the tokens
+    that followed the latest earlier occurrence of the sequence's last n tokens, n from
+    `prompt_lookup_max` down to `prompt_lookup_min`."""
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+
+def _speculative(value) -> SpeculativeConfig | None:
+    """LLM(speculative_config=None | {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": n, "prompt_lookup_min": m})."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(f"speculative_config must be a dict or None, got {value!r}")
+    known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+    reject_unknown("speculative_config", {k: v for k, v in value.items() if k not in known},
+                   known)
+    _choice(value.get("method"), "speculative_config.method",
+            {m.value for m in SpeculativeMethod})
+    k = check_int("speculative_config.num_speculative_tokens",
+                  value.get("num_speculative_tokens"), min_value=1,
+                  max_value=MAX_SPECULATIVE_TOKENS)
+    hi = check_int("speculative_config.prompt_lookup_max", value.get("prompt_lookup_max", 4),
+                   min_value=1, max_value=64)
+    lo = check_int("speculative_config.prompt_lookup_min",
+                   value.get("prompt_lookup_min", min(2, hi)), min_value=1, max_value=hi)
+    return SpeculativeConfig(SpeculativeMethod(value["method"]), k, hi, lo)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM(...)` was asked for, resolved and validated (no runtime facts)."""
@@ -200,6 +245,8 @@ class EngineConfig:
     disk_cache_memory_bytes: int | None = None
     # how long prompts share a step with short ones (engine/scheduler.py); None: uncapped
     prefill_caps: PrefillCaps | None = None
+    # drafts verified in one forward pass (engine/drafts.py); None: no speculation
+    speculative: SpeculativeConfig | None = None
 
     @staticmethod
     def from_args(
@@ -213,7 +260,8 @@ class EngineConfig:
         eviction_policy="cost", durability="turn", chat_template=None, revision=None,
         download_dir=None, generation_config="auto", cpu_weight_layout="single",
         quantization=None, disk_cache_memory=None, max_num_partial_prefills=4,
-        max_long_partial_prefills=1, long_prefill_token_threshold=None, **unknown,
+        max_long_partial_prefills=1, long_prefill_token_threshold=None,
+        speculative_config=None, **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -312,6 +360,7 @@ class EngineConfig:
             quantization=Quantization(quantization),
             disk_cache_memory_bytes=_disk_cache_bytes(disk_cache_memory, session_dir),
             prefill_caps=caps,
+            speculative=_speculative(speculative_config),
         )
 
     @property

@@ -118,7 +118,8 @@ class LLM:
                  quantization: QuantizationName | None = None,
                  disk_cache_memory: int | str | None = None,
                  max_num_partial_prefills: int = 4, max_long_partial_prefills: int = 1,
-                 long_prefill_token_threshold: int | None = None, **unknown):
+                 long_prefill_token_threshold: int | None = None,
+                 speculative_config: dict | None = None, **unknown):
         self._rt: Runtime | None = None
         self.config = EngineConfig.from_args(
             model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -138,7 +139,8 @@ class LLM:
             disk_cache_memory=disk_cache_memory,
             max_num_partial_prefills=max_num_partial_prefills,
             max_long_partial_prefills=max_long_partial_prefills,
-            long_prefill_token_threshold=long_prefill_token_threshold, **unknown)
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            speculative_config=speculative_config, **unknown)
         # in a notebook, an earlier LLM over this model that only the output history holds
         # is closed before this one takes memory (kvsession/notebook.py)
         release_stale(self.config.model, _LIVE, _model_of)

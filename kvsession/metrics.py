@@ -36,6 +36,11 @@ class RequestMetrics(msgspec.Struct):
     tpot_s: float
     e2e_s: float
     queue_s: float
+    # engine steps that computed some of its tokens (prompt chunks, decodes, verifications;
+    # n > 1: the completion that ended last), and the drafted tokens (jump-forward spans,
+    # speculation) its verifications kept: tokens beyond one per decode step
+    forward_passes: int = 0
+    accepted_draft_tokens: int = 0
 
 
 class TierStats(msgspec.Struct):

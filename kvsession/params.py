@@ -94,11 +94,14 @@ class StructuredOutput:
     - `regex`: a regular expression the whole output matches;
     - `grammar`: an EBNF grammar (xgrammar's GBNF dialect, start symbol `root`).
 
-    `jump_forward=True`: where the format allows exactly one continuation (a key, a
-    separator, the rest of an enum value), its tokens are appended without sampling and
-    computed in the next step together with the following token (fewer steps; the forced
-    text is tokenized by xgrammar, longest tokens first, which may differ from the model's
-    own tokenization). Not with `logprobs` (forced tokens have none); needs xgrammar >= 0.2.
+    Jump-forward, always: where the format allows exactly one continuation (a key, a
+    separator, the rest of an enum value), xgrammar's tokens for it are drafts, computed in
+    one forward pass and kept as far as the model, sampling as it would token by token,
+    agrees (engine/drafts.py): fewer passes, the same output as token-by-token constrained
+    decoding. `jump_forward=True` appends them unverified instead (no pass is spent on a
+    token the model would not have chosen, but the forced text keeps xgrammar's
+    tokenization, longest tokens first, which may differ from the model's own). Not with
+    `logprobs` (unverified tokens have none); needs xgrammar >= 0.2.
 
     Frozen and hashable (a schema is kept as canonical JSON text, `json_schema`), so equal
     formats share one compiled grammar. Whether the format compiles is checked when a

@@ -34,6 +34,7 @@ from kvsession.cache.manager import KVCacheManager
 from kvsession.cache.prefix import Pin, PrefixCache
 from kvsession.config import AttentionBackend, Durability, EngineConfig, RemotePrefillMode
 from kvsession.connector.base import compat_hash
+from kvsession.engine.drafts import Drafter
 from kvsession.engine.graphs import DecodeGraphs
 from kvsession.engine.loop import Engine, EngineLoop, OnUpdate
 from kvsession.engine.remote import RemoteOffload
@@ -146,6 +147,9 @@ class Runtime:
         # SLO-aware chunking: off until `llm.slo` is set (`set_slo`)
         self.slo_chunking = SloChunking(stall_ratio)
         self.scheduler.attach_chunk_limit(self.slo_chunking)
+        # drafts verified in one pass: grammar-forced spans always, prompt lookup when asked
+        self.drafter = Drafter(cfg.speculative, stall_ratio)
+        self.scheduler.attach_drafts(self.drafter)
         if self.host is not None or self.disk_cache is not None:
             # any request's device misses look in the host tier and the disk cache, and what
             # the device evicts is kept there (what the host evicts, in the disk cache)
@@ -164,7 +168,8 @@ class Runtime:
                              self.tokenizer.incremental_text,
                              self.latency, prefill_tps, timers=[self.policy.housekeeping],
                              connector=self.connector, stall_ratio=stall_ratio,
-                             remote_required=cfg.remote_prefill is RemotePrefillMode.REQUIRED)
+                             remote_required=cfg.remote_prefill is RemotePrefillMode.REQUIRED,
+                             drafter=self.drafter)
         # ---- durability="turn": session logs, group-committed by one thread
         durable = self.disk is not None and cfg.durability is Durability.TURN
         self.journal = GroupCommit(cfg.session_dir) if durable else None

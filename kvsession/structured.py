@@ -170,6 +170,19 @@ class GrammarState:
         yet); stop and special tokens are never among them."""
         return self.matcher.find_jump_forward_tokens()
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading `token_ids` the format accepts from here, one after another (a
+        draft is cut there before it is verified: a token the mask would refuse is never
+        computed, let alone kept). The state is left as it was (xgrammar's rollback)."""
+        n = 0
+        for t in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(t)):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
     def fork(self) -> GrammarState:
         """A fresh state for another completion of the same request. Completions are forked
         before their first token, so the start state is the right one (and this needs no

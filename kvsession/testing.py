@@ -301,3 +301,24 @@ def _write_weights(out: Path, tensors: dict[str, torch.Tensor], num_shards: int)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+class ReplayLookup:
+    """A draft source with a known acceptance, for speculation's tests and benchmarks
+    (`Drafter.replace_lookup`): a prompt's drafts are the next `num_tokens` tokens of the
+    output a run without drafts gave it (`outputs`: prompt token ids -> output token ids),
+    each replaced by a random token with probability 1 - `accept` (seeded). Greedy, the
+    model keeps every draft up to the first replaced one; a prompt it does not know gets no
+    drafts."""
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]], num_tokens: int,
+                 vocab_size: int, accept: float = 1.0, seed: int = 0):
+        self.outputs, self.num_tokens = outputs, num_tokens
+        self.vocab_size, self.accept = vocab_size, accept
+        self.rng = random.Random(seed)
+
+    def __call__(self, seq, max_tokens: int) -> list[int]:
+        known = self.outputs.get(tuple(seq.token_ids[:seq.num_prompt_tokens]), [])
+        done = seq.num_output_tokens
+        return [t if self.rng.random() < self.accept else self.rng.randrange(self.vocab_size)
+                for t in known[done: done + min(max_tokens, self.num_tokens)]]

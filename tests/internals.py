@@ -93,6 +93,13 @@ class Internals:
         tokens must take fewer of them (jump-forward)."""
         return self._rt.engine.num_steps
 
+    @property
+    def drafter(self):
+        """The engine's drafter: a test replaces its draft source (`replace_lookup`, e.g.
+        kvsession.testing.ReplayLookup) to control what verifications keep, or reads what
+        they kept (`accepted_tokens`, `proposed_tokens`)."""
+        return self._rt.drafter
+
     def running_priorities(self) -> list[int]:
         """The priorities of the sequences the scheduler runs (engine thread: call it from
         `after_each_step` or `on_engine`): where a request's priority came from an HTTP

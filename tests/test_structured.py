@@ -349,11 +349,19 @@ LONG_KEYS = {"type": "object", "properties": {
 
 
 def test_jump_forward_appends_forced_tokens_in_fewer_steps(llm):
+    """`jump_forward=True`: forced tokens appended unverified, in xgrammar's tokenization,
+    against token-by-token decoding (the drafter's verified forced spans off:
+    test_speculative.py covers those)."""
     counts = {}
+    drafter = Internals(llm).drafter
     for jf in (False, True):
         fmt = StructuredOutput(json_schema=LONG_KEYS, jump_forward=jf)
         steps = Internals(llm).steps
-        outs = sample(llm, fmt, 4, 128, 30)
+        drafter.forced_spans = jf
+        try:
+            outs = sample(llm, fmt, 4, 128, 30)
+        finally:
+            drafter.forced_spans = True
         counts[jf] = (Internals(llm).steps - steps, sum(len(o.token_ids) for o in outs))
         for o in outs:
             assert o.finish_reason == "stop"

@@ -10,6 +10,7 @@ An exception inside a step fails only the requests of that step; the loop surviv
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import threading
 import time
@@ -19,9 +20,10 @@ from concurrent.futures import CancelledError, Future, InvalidStateError
 import torch
 
 from kvsession.costmodel import RateEstimator, StallRatio
+from kvsession.engine.drafts import Drafter
 from kvsession.engine.remote import RemotePrefillDriver, RemotePrefills
 from kvsession.engine.runner import ModelRunner
-from kvsession.engine.sampler import Sampler, top_logprobs
+from kvsession.engine.sampler import Sampled, Sampler, top_logprobs
 from kvsession.engine.scheduler import ScheduledSeq, Scheduler
 from kvsession.engine.sequence import Sequence, SequenceStatus
 from kvsession.errors import CacheFullError, EngineClosedError
@@ -50,7 +52,8 @@ def request_metrics(seq: Sequence) -> RequestMetrics:
     tpot = (seq.finish_time - first) / (n - 1) if n > 1 else 0.0
     queue = (seq.first_scheduled_time or first) - seq.arrival_time
     return RequestMetrics(ttft_s=ttft, tpot_s=tpot, e2e_s=seq.finish_time - seq.arrival_time,
-                          queue_s=queue)
+                          queue_s=queue, forward_passes=seq.num_forward_passes,
+                          accepted_draft_tokens=seq.num_accepted_drafts)
 
 
 Timer = Callable[[float], "float | None"]  # timer(monotonic now) -> seconds to next deadline
@@ -70,8 +73,11 @@ class Engine:
                  new_text: Callable[[], IncrementalText], latency: LatencyTracker,
                  prefill_tps: RateEstimator, timers: list[Timer] | None = None,
                  connector: RemotePrefills | None = None,
-                 stall_ratio: StallRatio | None = None, remote_required: bool = False):
+                 stall_ratio: StallRatio | None = None, remote_required: bool = False,
+                 drafter: Drafter | None = None):
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
+        # what verifications kept goes back to it (the scheduler asks it for drafts)
+        self.drafter = drafter
         self.new_text, self.latency = new_text, latency
         self.prefill_tps = prefill_tps
         self.stall_ratio = stall_ratio or StallRatio()
@@ -158,11 +164,17 @@ class Engine:
             0, item.seq.num_prompt_tokens - item.seq.num_computed_tokens)) for item in batch)
         decodes = sum(item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
                       for item in batch)
+        draft_tokens = sum(item.num_draft_tokens for item in batch)
         t0 = time.perf_counter()
         try:
             logits = self._run_model(batch)
-            sampling = [item.seq for item in batch if item.samples]
-            sampled = self.sampler(logits, sampling)
+            sampling = [item for item in batch if item.samples]
+            # each sequence's first row (a verifying one has one more per draft); taken
+            # now: `samples` reads the progress that `update` advances
+            num_rows = [item.num_rows for item in sampling]
+            first_rows = list(itertools.accumulate(num_rows[:-1], initial=0))
+            sampled = self.sampler(logits if not draft_tokens else logits[first_rows],
+                                   [item.seq for item in sampling])
         except Exception as e:  # a broken step fails its requests, not the engine
             log.exception("engine step failed")
             for item in batch:
@@ -172,16 +184,23 @@ class Engine:
         elapsed_s = time.perf_counter() - t0
         if prompt_tokens >= 16:
             self.prefill_tps.observe(prompt_tokens, elapsed_s)
-        self.stall_ratio.observe(decodes, prompt_tokens, elapsed_s)
+        # drafts are tokens a decode step carries beyond its decodes, as prompt tokens are
+        self.stall_ratio.observe(decodes, prompt_tokens + draft_tokens, elapsed_s)
         self.num_steps += 1
-        self.scheduler.update(batch)
+        for item in batch:
+            item.seq.num_forward_passes += 1
+        # a verifying sequence has computed its last token; its drafts count once kept
+        self.scheduler.update([ScheduledSeq(item.seq, 1) if item.num_draft_tokens else item
+                               for item in batch])
         # the requests this step completes resolve after every row is advanced: their
         # finish callbacks (a session's check-in, its log record announced to the group
         # commit) all run before any caller wakes, so the records of turns ending in one
         # step share one fsync however the callers' threads are scheduled
         completed: list[tuple[Future, Sequence]] = []
         try:
-            for row, (seq, result) in enumerate(zip(sampling, sampled, strict=True)):
+            for item, row, n, result in zip(sampling, first_rows, num_rows, sampled,
+                                            strict=True):
+                seq = item.seq
                 # one request's failure (its sampling, its stop check, its session's check-in)
                 # fails that request alone: the others of the batch go on unchanged
                 if isinstance(result, BaseException):
@@ -189,6 +208,10 @@ class Engine:
                     self._fail(seq, result)
                     continue
                 try:
+                    if item.num_draft_tokens:
+                        self._verify(item, logits[row: row + n], result,
+                                     decodes, completed)
+                        continue
                     if seq.fork_pending:
                         self._fork(seq, logits[row], completed)
                     self._advance(seq, *result, completed)
@@ -257,15 +280,57 @@ class Engine:
                 raise result  # the request fails as a whole (the caller's except)
             self._advance(child, *result, completed)
 
+    def _verify(self, item: ScheduledSeq, logits: torch.Tensor, first: Sampled,
+                num_decodes: int, completed: list[tuple[Future, Sequence]]) -> None:
+        """A sequence that computed drafts d0..d(k-1) after its last token t: row j of
+        `logits` is its next-token distribution after t, d0 .. d(j-1). Each row is sampled
+        as a step without drafts would sample it (the sampler, this sequence's state after
+        the tokens before it, its generator), in order; a row is valid only while every
+        draft before it was the token sampled, so the first token that differs from its
+        draft is the last one taken (the bonus row's, when all k are kept). Greedy output is
+        the same as without drafts; sampled output draws the same numbers from the same
+        distributions, so a seeded request's tokens are the same too (a draft is kept with
+        the probability the model gives it: speculative sampling with a one-token draft
+        distribution). `first`: row 0, sampled with the batch."""
+        seq, k = item.seq, item.num_draft_tokens
+        drafts, seq.draft_token_ids = seq.draft_token_ids[:k], []
+        token, logprobs = first
+        kept = 0
+        while True:
+            done = self._append(seq, token, logprobs)
+            if done or kept == k or token != drafts[kept]:
+                break
+            kept += 1
+            (result,) = self.sampler(logits[kept: kept + 1], [seq])
+            if isinstance(result, BaseException):
+                raise result  # the request fails (the caller's except)
+            token, logprobs = result
+        seq.num_accepted_drafts += kept
+        self.scheduler.keep_drafts(seq, kept)
+        if self.drafter is not None:
+            self.drafter.observe(seq, k, kept, num_decodes)
+        self._settle(seq, done, completed)
+
     def _advance(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
                  completed: list[tuple[Future, Sequence]]) -> None:
         """Append the sampled token; a request it completes joins `completed` (resolved
         by the caller at the end of the step)."""
+        self._settle(seq, self._append(seq, token, logprobs), completed)
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> bool:
+        """Append a sampled token (and what the format forces after it, with
+        StructuredOutput.jump_forward); True if the request is complete."""
         seq.append_token(token, logprobs)
         self.generated_tokens += not seq.internal
         done = seq.check_finished(self.new_text)
         if not done and seq.grammar is not None and seq.params.structured.jump_forward:
             done = self._jump_forward(seq)
+        return done
+
+    def _settle(self, seq: Sequence, done: bool,
+                completed: list[tuple[Future, Sequence]]) -> None:
+        """After a step's tokens were appended: finish a completed request (joining
+        `completed`), tell the caller what is new."""
         if done:
             seq.finish_time = time.perf_counter()
             self.scheduler.finish(seq, release=not seq.retain_blocks)

@@ -162,14 +162,15 @@ class ModelRunner:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             table = seq.block_ids
-            ids += seq.token_ids[start:end]
+            ids += seq.token_ids[start:end - item.num_draft_tokens]
+            ids += seq.draft_token_ids[:item.num_draft_tokens]
             pos += range(start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             tables.append(table)
             starts.append(starts[-1] + item.num_new_tokens)
             seq_lens.append(end)
-            if item.samples:
-                sample_rows.append(starts[-1] - 1)
+            # a verifying sequence samples at its last token and at each draft
+            sample_rows += range(starts[-1] - item.num_rows, starts[-1])
         width = max(len(t) for t in tables)
         dev, long = self.device, torch.long
         meta = AttentionMetadata(
@@ -203,7 +204,8 @@ class ModelRunner:
         return done
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Run one step; float32 logits [num sampling sequences, vocab], in batch order."""
+        """Run one step; float32 logits [rows, vocab] in batch order: a row per sampling
+        sequence, 1 + its drafts for one that verifies drafts (ScheduledSeq.num_rows)."""
         if self.graphs is not None and all(i.num_new_tokens == 1 and i.samples for i in batch) \
                 and self.graphs.bucket(len(batch)) is not None:
             bs = self.kv_pool.block_size

@@ -52,13 +52,29 @@ HEADROOM_DIVISOR = 16
 
 @dataclass(frozen=True)
 class ScheduledSeq:
+    """One sequence's work in a step: `num_new_tokens` positions from its
+    `num_computed_tokens` on, of which the last `num_draft_tokens` are its drafts.
+
+        token_ids:  | computed             | t | d0 d1 .. d(k-1) |
+                    0          num_computed_tokens ^              ^ + num_new_tokens
+                    (t: its last token; d: seq.draft_token_ids[:k], k = num_draft_tokens)
+    """
+
     seq: Sequence
     num_new_tokens: int
+    num_draft_tokens: int = 0
 
     @property
     def samples(self) -> bool:
-        """This chunk reaches the end of the sequence's tokens, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """This chunk reaches the end of the sequence's tokens, so a token is sampled (one
+        per position from `t` on when it verifies drafts)."""
+        return (self.seq.num_computed_tokens + self.num_new_tokens - self.num_draft_tokens
+                == self.seq.num_tokens)
+
+    @property
+    def num_rows(self) -> int:
+        """The positions whose logits it samples from: the last, or `t` and each draft."""
+        return 1 + self.num_draft_tokens if self.samples else 0
 
 
 DEFERRED = object()  # _admit's answer when the sequence should wait for an in-flight block
@@ -113,6 +129,14 @@ class ChunkLimit(Protocol):
         """At least `min_tokens`; None: no limit."""
 
 
+class DraftProposer(Protocol):
+    """Drafts for a decoding sequence, verified in the same step (engine/drafts.py)."""
+
+    def propose(self, seq: Sequence, num_decodes: int) -> list[int]:
+        """Tokens proposed to follow `seq` (one token left to compute) in a step with
+        `num_decodes` decoding sequences; [] for none."""
+
+
 class OffloadDecider(Protocol):
     """Decides whether a sequence's prefill goes to a remote worker."""
 
@@ -132,6 +156,7 @@ class Scheduler:
         self.reclaimer: Reclaimer | None = None
         self.lower: LowerTiers | None = None
         self.chunk_limit: ChunkLimit | None = None
+        self.drafts: DraftProposer | None = None
         self._last_need = 0
         # remote prefill: sequences whose prompt KV a worker is writing wait in `remote`
         # holding their blocks; `new_remote` lists the ones admitted this step (the engine
@@ -163,6 +188,11 @@ class Scheduler:
     def attach_chunk_limit(self, limit: ChunkLimit) -> None:
         """Install SLO-aware chunking (the engine's measurements against `llm.slo`)."""
         self.chunk_limit = limit
+
+    def attach_drafts(self, drafts: DraftProposer) -> None:
+        """Install the drafter (jump-forward, speculation): a decoding sequence's step then
+        also computes its drafts, as far as budget and free blocks allow."""
+        self.drafts = drafts
 
     def reclaim(self, num_blocks: int) -> int:
         return self.reclaimer.reclaim(num_blocks) if self.reclaimer is not None else 0
@@ -211,8 +241,9 @@ class Scheduler:
         # a prompt is long above the threshold; its chunk is the threshold, less where a TPOT
         # target leaves the running decodes' step less room (short prompts go whole)
         threshold = budget if caps is None else caps.long_prefill_token_threshold
+        num_decodes = sum(1 for s in self.running if _to_compute(s) == 1)
         slo_limit = None if self.chunk_limit is None else self.chunk_limit.prefill_tokens(
-            sum(1 for s in self.running if _to_compute(s) == 1), self.pool.block_size)
+            num_decodes, self.pool.block_size)
         long_chunk = threshold if slo_limit is None else min(threshold, slo_limit)
         scheduled: list[ScheduledSeq] = []
         failed: list[Sequence] = []
@@ -224,6 +255,15 @@ class Scheduler:
             n = min(_to_compute(seq), budget,
                     long_chunk if _to_compute(seq) > threshold else budget)
             need = blocks_for(seq.num_computed_tokens + n, self.pool.block_size) - len(seq.blocks)
+            drafts = self._drafts(seq, n, budget, need, num_decodes)
+            if drafts:
+                self.manager.allocate_slots(
+                    seq, blocks_for(seq.num_computed_tokens + 1 + drafts,
+                                    self.pool.block_size) - len(seq.blocks))
+                scheduled.append(ScheduledSeq(seq, 1 + drafts, drafts))
+                budget -= 1 + drafts
+                i += 1
+                continue
             if need > self.pool.num_free:
                 self.reclaim(need - self.pool.num_free)
             while need > self.pool.num_free and self.running[-1] is not seq:
@@ -291,6 +331,28 @@ class Scheduler:
             # only capped prefills run: nothing waits on this step's length
             scheduled = self._top_up(scheduled, budget, slo_limit)
         return scheduled, failed
+
+    def _drafts(self, seq: Sequence, n: int, budget: int, need: int,
+                num_decodes: int) -> int:
+        """How many of a decoding sequence's drafts its step computes (0: none), set in
+        `seq.draft_token_ids`: those the budget leaves room for beside its token, and the
+        free blocks beyond what admission keeps for the others to grow into (drafts never
+        make anything wait: no reclaim, no preemption for them)."""
+        seq.draft_token_ids = []
+        if self.drafts is None or n != 1 or _to_compute(seq) != 1:
+            return 0
+        proposed = self.drafts.propose(seq, num_decodes)
+        if not proposed:
+            return 0
+        bs = self.pool.block_size
+        headroom = min(len(self.running), self.pool.num_blocks // HEADROOM_DIVISOR)
+        room = (len(seq.blocks) + max(self.pool.num_free - headroom, 0)) * bs \
+            - seq.num_computed_tokens - 1
+        k = min(len(proposed), budget - 1, room)
+        if k <= 0 or need > max(self.pool.num_free - headroom, 0):
+            return 0
+        seq.draft_token_ids = proposed[:k]
+        return k
 
     def _top_up(self, scheduled: list[ScheduledSeq], budget: int,
                 slo_limit: int | None) -> list[ScheduledSeq]:
@@ -538,6 +600,20 @@ class Scheduler:
                                                seq.token_ids[i * bs:(i + 1) * bs],
                                                seq.block_hashes[i - 1] if i else None)
                 self.prefix.clear_pending(seq.seq_id, seq.block_hashes[before:after])
+
+    def keep_drafts(self, seq: Sequence, num_kept: int) -> None:
+        """After a verification (its step's `update` counted the sequence's last token):
+        the KV of its first `num_kept` drafts, now its tokens, counts as computed and full
+        blocks are published; the blocks allocated for the drafts it did not keep are
+        released (what they hold was never hashed, and a kept block's slots past the
+        computed tokens are written again by the next step).
+
+            before:  | computed | t | d0 .. d(kept-1) | rejected drafts |
+            after:   | computed ........................ | (next token)
+        """
+        if num_kept:
+            self.update([ScheduledSeq(seq, num_kept)])
+        self.manager.truncate(seq, blocks_for(seq.num_computed_tokens, self.pool.block_size))
 
     def finish(self, seq: Sequence, release: bool = True) -> None:
         """Remove a finished (or failed) sequence. Its blocks are released, unless

@@ -37,6 +37,10 @@ class Grammar(Protocol):
 
     def fork(self) -> Grammar: ...
 
+    def forced_tokens(self) -> list[int]: ...
+
+    def valid_prefix(self, token_ids: list[int]) -> int: ...
+
 
 def completion_seed(seed: int, index: int) -> int:
     """Completion `index` of a seeded request draws from seed + index (vLLM's rule), wrapped
@@ -87,6 +91,12 @@ class Sequence:
     # a request's completions in index order, shared by all of them (set when n > 1 forks)
     group: list[Sequence] | None = None
     grammar: Grammar | None = None  # structured output: the matcher's state
+    # speculation (engine/drafts.py): the tokens proposed to follow this sequence's tokens,
+    # verified in its next forward pass and then cleared; never in token_ids, never hashed
+    draft_token_ids: list[int] = field(default_factory=list)
+    drafting: object = None  # the drafter's per-sequence state (engine/drafts.py)
+    num_forward_passes: int = 0  # steps that computed some of this sequence's tokens
+    num_accepted_drafts: int = 0  # drafted tokens the verification kept
     salt: Salt | None = None  # params.cache_salt, after the public pinned prefix it starts with
     # prompt_logprobs: prompt position -> {token_id: logprob} (recomputation overwrites)
     prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
