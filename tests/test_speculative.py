@@ -67,6 +67,8 @@ def test_drafting_stops_when_it_does_not_pay_and_tries_again_later():
     as long; keeping 3 of 4 pays."""
     assert pays(1.0, 4.0, None, None) and pays(3.0, 4.0, 0.010, 0.005)
     assert not pays(1.0, 4.0, 0.010, 0.005)
+    # beside 3 other decodes (a 12 ms step) the drafts cost all four: 3 x 12 < 4 x 4 x 5
+    assert pays(3.0, 4.0, 0.012, 0.005) and not pays(3.0, 4.0, 0.012, 0.005, 4)
     costs = StallRatio()
     costs.observe(1, 0, 0.010)
     costs.observe(1, 4, 0.030)

@@ -12,15 +12,19 @@ engine/loop.py). Two sources, one verification:
 A draft is cut where the request's format would refuse a token (it is never computed), and
 where max_tokens or max_model_len would end the request anyway.
 
-**It pays for itself.** Each draft token is computed whether or not it is kept, so a
-sequence drafts only while what it keeps pays for what the drafts add to the step: with
-`a` tokens kept and `k` proposed per verification (exponential averages), the step time
-`t` of the running decodes and `c` what one more token adds to such a step (both measured
-by the engine: `StallRatio.pure_step_s`, `StallRatio.token_s`), a verifying step makes
-`1 + a` tokens in `t + k c` instead of one token in `t`; it pays when `a t > k c`. When it
-does not, the sequence stops drafting for `backoff` of its decode steps, then tries once
-more; the backoff doubles while drafting keeps not paying (MIN_BACKOFF_STEPS to
-MAX_BACKOFF_STEPS). Until the engine has measured `c` drafting is assumed to pay.
+**It pays for itself.** Each draft token is computed whether or not it is kept, and every
+sequence of the step waits for it, so a sequence drafts only while what it keeps pays for
+what its drafts add to the step: with `a` tokens kept and `k` proposed per verification
+(exponential averages), `B` decoding sequences, the step time `t` of B decodes and `c` what
+one more token adds to such a step (both measured by the engine: `StallRatio.pure_step_s`,
+`StallRatio.token_s`), the drafts gain `a` tokens and cost the batch `k c`, in which it
+would have made `B k c / t` tokens; they pay when `a t > B k c` (at batch 1: `1 + a` tokens
+in `t + k c` beat one in `t`). On a CPU where a batch-8 decode step is already bound by
+compute (a token adds nearly its share of the step) drafting stops paying at large batches,
+as it should. When it does not pay, the sequence stops drafting for `backoff` of its decode
+steps, then tries once more; the backoff doubles while drafting keeps not paying
+(MIN_BACKOFF_STEPS to MAX_BACKOFF_STEPS). Until the engine has measured `c` drafting is
+assumed to pay.
 
 Engine thread only (the scheduler asks for drafts, the engine reports what was kept).
 """
@@ -53,13 +57,15 @@ class StepCosts(Protocol):
     def pure_step_s(self, num_decodes: int) -> float | None: ...
 
 
-def pays(kept: float, proposed: float, step_s: float | None,
-         token_s: float | None) -> bool:
-    """Whether verifying `proposed` drafts a step to keep `kept` of them makes this sequence
-    faster: kept * step_s > proposed * token_s (module doc). Unknown costs: assumed to."""
+def pays(kept: float, proposed: float, step_s: float | None, token_s: float | None,
+         num_decodes: int = 1) -> bool:
+    """Whether verifying `proposed` drafts a step to keep `kept` of them makes a step of
+    `num_decodes` decodes (`step_s` long) make more tokens per second:
+    kept * step_s > num_decodes * proposed * token_s (module doc). Unknown costs: assumed
+    to."""
     if step_s is None or token_s is None:
         return True
-    return kept * step_s > proposed * token_s
+    return kept * step_s > max(num_decodes, 1) * proposed * token_s
 
 
 @dataclass
@@ -200,7 +206,7 @@ class Drafter:
         state.proposed = proposed if state.proposed is None else (
             a * proposed + (1 - a) * state.proposed)
         if pays(state.kept, state.proposed, self.costs.pure_step_s(num_decodes),
-                self.costs.token_s):
+                self.costs.token_s, num_decodes):
             state.backoff_steps = MIN_BACKOFF_STEPS
             return
         state.pause_steps = state.backoff_steps
