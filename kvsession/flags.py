@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 
 
 def _optional(kind):
@@ -24,8 +25,19 @@ def _optional(kind):
     return parse
 
 
+def json_value(text: str):
+    """A JSON flag value (`--speculative-config '{"method": "ngram", ...}'`, as vLLM's)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+
+
+json_value.__name__ = "json"  # argparse names the type in its messages and metavar
+
 # arguments whose default is None: the type their values take (others: strings)
-NONE_DEFAULT_TYPES = {"max_model_len": int, "spill_after_s": float}
+NONE_DEFAULT_TYPES = {"max_model_len": int, "spill_after_s": float,
+                      "speculative_config": json_value}
 # arguments that take several values (`--prefill-worker tcp://a:1 tcp://b:2`)
 MANY = {"prefill_worker"}
 

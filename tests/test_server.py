@@ -1088,8 +1088,12 @@ def test_every_llm_argument_is_a_flag():
     args = p.parse_args(["--model", "m", "--block-size", "32", "--no-enable-prefix-caching",
                          "--max-model-len", "256", "--kv-cache-memory", "1GiB",
                          "--spill-after-s", "2.5", "--prefill-worker", "tcp://a:1",
-                         "tcp://b:2"])
+                         "tcp://b:2", "--speculative-config",
+                         '{"method": "ngram", "num_speculative_tokens": 3}'])
     kw = llm_kwargs(args, LLM)
+    assert kw["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(SystemExit):  # argparse's error: "not JSON: ..."
+        p.parse_args(["--model", "m", "--speculative-config", "{ngram"])
     assert kw["block_size"] == 32 and kw["enable_prefix_caching"] is False
     assert kw["max_model_len"] == 256 and kw["kv_cache_memory"] == "1GiB"
     assert kw["spill_after_s"] == 2.5 and kw["prefill_worker"] == ["tcp://a:1", "tcp://b:2"]
