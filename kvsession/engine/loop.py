@@ -172,7 +172,7 @@ class Engine:
             # each sequence's first row (a verifying one has one more per draft); taken
             # now: `samples` reads the progress that `update` advances
             num_rows = [item.num_rows for item in sampling]
-            first_rows = list(itertools.accumulate(num_rows[:-1], initial=0))
+            first_rows = list(itertools.accumulate(num_rows, initial=0))[:-1]
             sampled = self.sampler(logits if not draft_tokens else logits[first_rows],
                                    [item.seq for item in sampling])
         except Exception as e:  # a broken step fails its requests, not the engine
