@@ -170,6 +170,10 @@ class Stats(msgspec.Struct):
     # steps where the TPOT target of `llm.slo` left no room for a long prompt's tokens beside
     # the decodes (a block was given anyway): the target is beyond this hardware at that load
     slo_unmet_steps: int = 0
+    # drafts (grammar-forced spans, speculation: engine/drafts.py) computed for
+    # verification, and of them those kept
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
 
     def _repr_html_(self) -> str:
         """Every tier's occupancy, then the cache's and tiers' counters and latency."""

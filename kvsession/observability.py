@@ -85,7 +85,11 @@ class StatsCollector:
             num_preemptions=self.scheduler.num_preemptions,
             prefill_tokens=self.engine.prefill_tokens,
             generated_tokens=self.engine.generated_tokens,
-            slo_unmet_steps=self.slo_chunking.unmet_steps)
+            slo_unmet_steps=self.slo_chunking.unmet_steps,
+            draft_tokens_proposed=self.engine.drafter.proposed_tokens
+            if self.engine.drafter is not None else 0,
+            draft_tokens_accepted=self.engine.drafter.accepted_tokens
+            if self.engine.drafter is not None else 0)
 
     def add_disk_room(self, st: Stats) -> Stats:
         """Caller's thread: the disk tier's free blocks (what is left on session_dir's

@@ -115,8 +115,8 @@ def test_greedy_output_is_the_same_with_prompt_lookup(llama_dir, backend):
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=G, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
         kept = sum(o.metrics.accepted_draft_tokens for o in outs)
-        assert kept == Internals(llm).drafter.accepted_tokens
-        assert Internals(llm).drafter.proposed_tokens > 0
+        st = llm.stats()
+        assert 0 < kept == st.draft_tokens_accepted < st.draft_tokens_proposed
         for o in outs:  # a prefill, then a pass per token made beyond the drafts kept
             m = o.metrics
             assert m.forward_passes == len(o.outputs[0].token_ids) - m.accepted_draft_tokens
