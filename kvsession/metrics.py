@@ -170,6 +170,9 @@ class Stats(msgspec.Struct):
     # steps where the TPOT target of `llm.slo` left no room for a long prompt's tokens beside
     # the decodes (a block was given anyway): the target is beyond this hardware at that load
     slo_unmet_steps: int = 0
+    # spills to disk that failed (a full or failing disk): each session kept its KV where
+    # it was, and the failure was logged
+    spill_failures: int = 0
     # drafts (grammar-forced spans, speculation: engine/drafts.py) computed for
     # verification, and of them those kept
     draft_tokens_proposed: int = 0

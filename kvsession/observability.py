@@ -86,6 +86,7 @@ class StatsCollector:
             prefill_tokens=self.engine.prefill_tokens,
             generated_tokens=self.engine.generated_tokens,
             slo_unmet_steps=self.slo_chunking.unmet_steps,
+            spill_failures=self.policy.spill_failures,
             draft_tokens_proposed=self.engine.drafter.proposed_tokens
             if self.engine.drafter is not None else 0,
             draft_tokens_accepted=self.engine.drafter.accepted_tokens

@@ -170,19 +170,11 @@ class Internals:
         return self.on_engine(lambda: self._rt.policy.num_lead(session.kv))
 
     @property
-    def spill_failures(self) -> int:
-        """Spills to disk that failed (a full disk): the session must keep its KV."""
-        return self._rt.policy.spill_failures
-
-    @property
-    def live_sessions(self) -> dict:
-        """The LLM's registry of open sessions: a refused fork must register nothing."""
-        return self._store.live
-
-    @property
-    def tracked_sessions(self) -> list:
-        """The sessions the tier policy holds: a refused fork must leave none behind."""
-        return self._rt.policy.sessions
+    def sessions(self) -> tuple[dict, list]:
+        """(the LLM's registry of open sessions, the sessions the tier policy holds): a
+        refused fork must leave nothing in either; a server conversation's Session is found
+        by its id."""
+        return self._store.live, self._rt.policy.sessions
 
     @property
     def host_index(self):

@@ -107,7 +107,7 @@ def test_the_priority_hint_is_kept_with_the_conversation(llama_dir):
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                   max_tokens=2, extra_headers={"x-session-id": "conv"},
                                   extra_body={"kvsession": {"priority": 4}})
-        assert inside.live_sessions["conv"].priority == 4 and seen == {4}
+        assert inside.sessions[0]["conv"].priority == 4 and seen == {4}
         c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                   max_tokens=2, extra_body={"kvsession": {"priority": -2}})
         assert seen == {4, -2}  # a stateless request's own

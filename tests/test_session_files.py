@@ -361,7 +361,7 @@ def test_fork_of_a_closed_session_creates_nothing(llama_dir, tmp_path):
         after = llm.stats()
         assert after.num_requests == before.num_requests  # no system prompt prefill ran
         assert after.prefix.num_pins == before.prefix.num_pins == 0
-        assert Internals(llm).live_sessions == {} and Internals(llm).tracked_sessions == []
+        assert Internals(llm).sessions == ({}, [])
         llm.check_integrity()
     assert list(sd.iterdir()) == []  # nothing was persisted at close
 
