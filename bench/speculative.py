@@ -22,11 +22,12 @@ Writes results/speculative.json and, with --plot, results/speculative.png.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 
 from agent_workload import Agents, workload
-from common import median_range, mid_model, pyplot, save_figure, write_result
+from common import RESULTS, median_range, mid_model, pyplot, save_figure, write_result
 
 from kvsession import LLM, SamplingParams, StructuredOutput
 from kvsession.testing import HERMES_TEMPLATE, ReplayLookup
@@ -297,38 +298,44 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--parts", default="abcd",
+                    help="which parts to run (a: forced spans, b: replayed drafts, c: agent "
+                         "workload, d: code edits); the others are kept from the last JSON")
     ap.add_argument("--requests", type=int, default=6, help="(a): forced calls per round")
     ap.add_argument("--k", type=int, default=8, help="(b): drafts per step")
-    ap.add_argument("--sessions", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--skip-agents", action="store_true")
+    ap.add_argument("--sessions", type=int, default=8, help="(c): agents")
+    ap.add_argument("--turns", type=int, default=4, help="(c), (d): turns")
     ap.add_argument("--edit-sessions", type=int, default=2, help="(d): sessions")
-    ap.add_argument("--only-edits", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plot", action="store_true")
     args = ap.parse_args()
-    result: dict = {"rounds": args.rounds}
-    if args.only_edits:  # (d) alone, for trying it
-        print(code_edits(args.rounds, args.edit_sessions, args.turns))
-        return
-    llm = make_llm(chat_template=HERMES_TEMPLATE)  # a template that renders tools
-    print("(a) forced tool calls with long keys, batch 1", flush=True)
-    bias = length_bias(llm)
-    result["forced"] = forced_calls(llm, args.rounds, args.requests, bias)
-    result["forced_random"] = forced_calls(llm, args.rounds, args.requests, None)
-    print("(a') the same keys as a json_schema request: token by token / verified / unverified",
-          flush=True)
-    result["schema"] = schema_modes(llm, args.rounds, args.requests, bias)
-    result["schema_random"] = schema_modes(llm, args.rounds, args.requests, None)
-    print("(b) replayed drafts", flush=True)
-    result["replay"] = [replayed(llm, args.rounds, b, args.k, a)
-                        for b in (1, 8) for a in (1.0, 0.0)]
-    llm.close()
-    if not args.skip_agents:
+    last = RESULTS / "speculative.json"
+    result: dict = json.loads(last.read_text()) if last.is_file() else {}
+    for key in ("benchmark", "machine", "torch", "threads", "time"):
+        result.pop(key, None)  # write_result sets them anew
+    result["rounds"] = args.rounds
+    if "a" in args.parts or "b" in args.parts:
+        llm = make_llm(chat_template=HERMES_TEMPLATE)  # a template that renders tools
+        if "a" in args.parts:
+            print("(a) forced tool calls with long keys, batch 1", flush=True)
+            bias = length_bias(llm)
+            result["forced"] = forced_calls(llm, args.rounds, args.requests, bias)
+            result["forced_random"] = forced_calls(llm, args.rounds, args.requests, None)
+            print("(a') the same keys as a json_schema request: token by token / verified / "
+                  "unverified", flush=True)
+            result["schema"] = schema_modes(llm, args.rounds, args.requests, bias)
+            result["schema_random"] = schema_modes(llm, args.rounds, args.requests, None)
+        if "b" in args.parts:
+            print("(b) replayed drafts", flush=True)
+            result["replay"] = [replayed(llm, args.rounds, b, args.k, a)
+                                for b in (1, 8) for a in (1.0, 0.0)]
+        llm.close()
+    if "c" in args.parts:
         print("(c) agent workload, prompt lookup k=4", flush=True)
         result["agents"] = agent_makespan(args.rounds, args.sessions, args.turns)
-    print("(d) code-edit trace, prompt lookup k=8", flush=True)
-    result["code_edits"] = code_edits(args.rounds, args.edit_sessions, args.turns)
-    print("wrote", write_result("speculative", result))
+    if "d" in args.parts:
+        print("(d) code-edit trace, prompt lookup k=8", flush=True)
+        result["code_edits"] = code_edits(args.rounds, args.edit_sessions, args.turns)
+    write_result("speculative", result)
     if args.plot:
         plot(result)
 

@@ -2,7 +2,8 @@
 
 Each mutation breaks one invariant in a copy of the package (a missing decref, a skipped
 copy-on-write, fp8 scales not moved with their block, a hash hit trusted without checking
-its tokens, a preempted sequence that keeps its blocks, a skipped integrity accounting) and
+its tokens, a preempted sequence that keeps its blocks, a skipped integrity accounting, a
+refused draft counted as computed) and
 runs the tests that guard it; every mutant must make them fail. Run by CI after the suite:
 
     python tests/mutations.py            # all mutations
@@ -66,6 +67,11 @@ MUTATIONS = [
              "        self.pool.touch(blocks)\n        self.pool.touch(blocks[:1])\n"
              "        self._set(holder, holder.blocks + tuple(blocks))",
              ("tests/test_sessions.py::test_fork_shares_blocks_and_diverges",)),
+    Mutation("a refused draft counted as computed", "kvsession/engine/scheduler.py",
+             "        if num_kept:\n            self.update([ScheduledSeq(seq, num_kept)])",
+             "        if True:\n            self.update([ScheduledSeq(seq, num_kept + 1)])",
+             ("tests/test_speculative.py::test_replayed_drafts_keep_greedy_and_seeded_outputs",
+              )),
 ]
 
 

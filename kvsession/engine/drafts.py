@@ -10,7 +10,10 @@ engine/loop.py). Two sources, one verification:
   results included), n from `prompt_lookup_max` down to `prompt_lookup_min`.
 
 A draft is cut where the request's format would refuse a token (it is never computed), and
-where max_tokens or max_model_len would end the request anyway.
+where max_tokens or max_model_len would end the request anyway. Its length follows what the
+sequence's verifications keep: after one that kept every draft the limit doubles, after one
+that refused some it is one more than was kept (a sequence whose drafts are refused probes
+with one token, which costs its step almost nothing).
 
 **It pays for itself.** Each draft token is computed whether or not it is kept, and every
 sequence of the step waits for it, so a sequence drafts only while what it keeps pays for
@@ -79,6 +82,7 @@ class DraftState:
     proposed: float | None = None  # and of those proposed
     pause_steps: int = 0  # decode steps left without drafts
     backoff_steps: int = MIN_BACKOFF_STEPS  # the next pause, if drafting does not pay
+    max_draft: int | None = None  # the longest draft to propose next (None: no limit yet)
     lookups: int = field(default=0)  # prompt lookups made (stats, tests)
 
     @classmethod
@@ -187,11 +191,13 @@ class Drafter:
         draft: list[int] = []
         if grammar is not None and self.forced_spans:
             draft = grammar.forced_tokens()[:min(room, JUMP_FORWARD_MAX_TOKENS)]
+        if state is not None and state.max_draft is not None:
+            room = min(room, state.max_draft)
         if not draft and self.lookup is not None:
             draft = self.lookup(seq, room)[:room]
             if draft and grammar is not None:
                 draft = draft[:grammar.valid_prefix(draft)]
-        return draft
+        return draft[:room]
 
     def observe(self, seq: Sequence, proposed: int, kept: int, num_decodes: int) -> None:
         """A verification of `proposed` drafts kept `kept` of them: the sequence's averages,
@@ -201,6 +207,7 @@ class Drafter:
         state = seq.drafting
         if state is None:
             state = seq.drafting = DraftState.of(seq.token_ids)
+        state.max_draft = 2 * proposed if kept == proposed else kept + 1
         a = ACCEPT_ALPHA
         state.kept = kept if state.kept is None else a * kept + (1 - a) * state.kept
         state.proposed = proposed if state.proposed is None else (
