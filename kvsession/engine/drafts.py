@@ -10,10 +10,11 @@ engine/loop.py). Two sources, one verification:
   results included), n from `prompt_lookup_max` down to `prompt_lookup_min`.
 
 A draft is cut where the request's format would refuse a token (it is never computed), and
-where max_tokens or max_model_len would end the request anyway. Its length follows what the
-sequence's verifications keep: after one that kept every draft the limit doubles, after one
-that refused some it is one more than was kept (a sequence whose drafts are refused probes
-with one token, which costs its step almost nothing).
+where max_tokens or max_model_len would end the request anyway. A lookup draft's length
+follows what the sequence's verifications keep (a forced span is certain text, proposed
+whole): FIRST_DRAFT_TOKENS at first, twice as many after one that
+kept every draft, one more than was kept after one that refused some (a sequence whose
+drafts are refused probes with one token, which costs its step almost nothing).
 
 **It pays for itself.** Each draft token is computed whether or not it is kept, and every
 sequence of the step waits for it, so a sequence drafts only while what it keeps pays for
@@ -47,6 +48,13 @@ from kvsession.engine.sequence import Sequence
 JUMP_FORWARD_MAX_TOKENS = 32
 # the exponential averages of kept and proposed tokens weigh the newest verification so
 ACCEPT_ALPHA = 0.3
+# a sequence's first draft: at most this many tokens (then twice as many after each
+# verification that kept them all). Drafts that are all refused cost their step's every
+# sequence their tokens, and a first verification of 8 refused drafts beside 7 other decodes
+# (a 72-token step where a decode step is bound by compute on the 2-core CPU) cost the
+# replayed-random-drafts benchmark ~10% at batch 8; starting at 2 costs kept drafts two
+# verifications (2, 4, then 8)
+FIRST_DRAFT_TOKENS = 2
 # decode steps a sequence goes without drafts after drafting did not pay: the first time,
 # and at most (each further miss doubles it)
 MIN_BACKOFF_STEPS, MAX_BACKOFF_STEPS = 8, 256
@@ -82,7 +90,7 @@ class DraftState:
     proposed: float | None = None  # and of those proposed
     pause_steps: int = 0  # decode steps left without drafts
     backoff_steps: int = MIN_BACKOFF_STEPS  # the next pause, if drafting does not pay
-    max_draft: int | None = None  # the longest draft to propose next (None: no limit yet)
+    max_draft: int = FIRST_DRAFT_TOKENS  # the longest draft to propose next
     lookups: int = field(default=0)  # prompt lookups made (stats, tests)
 
     @classmethod
@@ -188,16 +196,18 @@ class Drafter:
             state.pause_steps -= 1
             return []
         grammar = seq.grammar
-        draft: list[int] = []
         if grammar is not None and self.forced_spans:
-            draft = grammar.forced_tokens()[:min(room, JUMP_FORWARD_MAX_TOKENS)]
-        if state is not None and state.max_draft is not None:
-            room = min(room, state.max_draft)
-        if not draft and self.lookup is not None:
-            draft = self.lookup(seq, room)[:room]
-            if draft and grammar is not None:
-                draft = draft[:grammar.valid_prefix(draft)]
-        return draft[:room]
+            # the text is certain, only its pieces may differ from the model's: whole spans
+            forced = grammar.forced_tokens()[:min(room, JUMP_FORWARD_MAX_TOKENS)]
+            if forced:
+                return forced
+        if self.lookup is None:
+            return []
+        room = min(room, FIRST_DRAFT_TOKENS if state is None else state.max_draft)
+        draft = self.lookup(seq, room)[:room]
+        if draft and grammar is not None:
+            draft = draft[:grammar.valid_prefix(draft)]
+        return draft
 
     def observe(self, seq: Sequence, proposed: int, kept: int, num_decodes: int) -> None:
         """A verification of `proposed` drafts kept `kept` of them: the sequence's averages,
