@@ -31,6 +31,7 @@ BENCHES = {
     "disk_cache": ("shared_tiers.py", ["--plot", "--workload", "disk"]),
     "restore_overlap": ("restore_overlap.py", ["--plot"]),
     "goodput": ("goodput.py", ["--plot"]),
+    "speculative": ("speculative.py", ["--plot"]),
     "remote_prefill": ("remote_prefill.py", []),
     "eviction": ("eviction.py", ["--plot"]),
     "structured": ("structured.py", []),
