@@ -36,6 +36,7 @@ class StatsCollector:
     def now(self, slo: SLO) -> Stats:
         """Engine thread: every counter as it is between two steps."""
         pool, bs, bpt = self.pool, self.block_size, self.kv_bytes_per_token
+        drafter = self.engine.drafter
         pins = self.prefix.pins
         device = TierStats(
             blocks_total=pool.num_blocks, blocks_used=pool.num_blocks - pool.num_free,
@@ -87,10 +88,8 @@ class StatsCollector:
             generated_tokens=self.engine.generated_tokens,
             slo_unmet_steps=self.slo_chunking.unmet_steps,
             spill_failures=self.policy.spill_failures,
-            draft_tokens_proposed=self.engine.drafter.proposed_tokens
-            if self.engine.drafter is not None else 0,
-            draft_tokens_accepted=self.engine.drafter.accepted_tokens
-            if self.engine.drafter is not None else 0)
+            draft_tokens_proposed=drafter.proposed_tokens if drafter is not None else 0,
+            draft_tokens_accepted=drafter.accepted_tokens if drafter is not None else 0)
 
     def add_disk_room(self, st: Stats) -> Stats:
         """Caller's thread: the disk tier's free blocks (what is left on session_dir's

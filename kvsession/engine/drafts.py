@@ -35,7 +35,7 @@ Engine thread only (the scheduler asks for drafts, the engine reports what was k
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -88,27 +88,21 @@ class DraftState:
     """One sequence's drafting: its tokens as an array (appended to as it grows), what its
     verifications kept, and how long it goes without drafts."""
 
-    tokens: np.ndarray
-    length: int
+    tokens: np.ndarray | None = None  # (made at the first lookup: spans alone need none)
+    length: int = 0
     kept: float | None = None  # exponential average of drafted tokens kept per verification
     proposed: float | None = None  # and of those proposed
     pause_steps: int = 0  # decode steps left without drafts
     backoff_steps: int = MIN_BACKOFF_STEPS  # the next pause, if drafting does not pay
     max_draft: int = FIRST_DRAFT_TOKENS  # the longest draft to propose next
-    lookups: int = field(default=0)  # prompt lookups made (stats, tests)
-
-    @classmethod
-    def of(cls, token_ids: list[int]) -> DraftState:
-        tokens = np.empty(max(2 * len(token_ids), 64), dtype=np.int64)
-        tokens[:len(token_ids)] = token_ids
-        return cls(tokens, len(token_ids))
 
     def sync(self, token_ids: list[int]) -> np.ndarray:
         """The sequence's tokens so far (a view); the new ones copied in."""
         n = len(token_ids)
-        if n > len(self.tokens):
-            grown = np.empty(2 * n, dtype=np.int64)
-            grown[:self.length] = self.tokens[:self.length]
+        if self.tokens is None or n > len(self.tokens):
+            grown = np.empty(max(2 * n, 64), dtype=np.int64)
+            if self.tokens is not None:
+                grown[:self.length] = self.tokens[:self.length]
             self.tokens = grown
         if n > self.length:
             self.tokens[self.length:n] = token_ids[self.length:]
@@ -161,8 +155,7 @@ class PromptLookup:
 
     def __call__(self, seq: Sequence, max_tokens: int) -> list[int]:
         if seq.drafting is None:
-            seq.drafting = DraftState.of(seq.token_ids)
-        seq.drafting.lookups += 1
+            seq.drafting = DraftState()
         c = self.config
         return lookup(seq.drafting.sync(seq.token_ids), min(max_tokens, c.num_speculative_tokens),
                       c.prompt_lookup_max, c.prompt_lookup_min)
@@ -195,9 +188,12 @@ class Drafter:
     def propose(self, seq: Sequence, num_decodes: int) -> list[int]:
         """Drafts for `seq`, a running sequence with one token left to compute, in a step
         with `num_decodes` decoding sequences; [] when it should not draft now."""
+        grammar = seq.grammar
+        if self.lookup is None and (grammar is None or not self.forced_spans):
+            return []  # nothing to draft from (most requests without speculation)
         p = seq.params
         room = min(p.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens) - 1
-        if room <= 0 or p.n > 1 and seq.group is None:
+        if room <= 0 or seq.fork_pending:
             return []
         if p.structured is not None and p.structured.jump_forward:
             return []  # forced spans are appended unverified (StructuredOutput.jump_forward)
@@ -205,7 +201,6 @@ class Drafter:
         if state is not None and state.pause_steps > 0:
             state.pause_steps -= 1
             return []
-        grammar = seq.grammar
         if grammar is not None and self.forced_spans:
             # the text is certain, only its pieces may differ from the model's: whole spans
             forced = grammar.forced_tokens()[:min(room, JUMP_FORWARD_MAX_TOKENS)]
@@ -226,7 +221,7 @@ class Drafter:
         self.accepted_tokens += kept
         state = seq.drafting
         if state is None:
-            state = seq.drafting = DraftState.of(seq.token_ids)
+            state = seq.drafting = DraftState()
         state.max_draft = 2 * proposed if kept == proposed else kept + 1
         a = ACCEPT_ALPHA
         state.kept = kept if state.kept is None else a * kept + (1 - a) * state.kept

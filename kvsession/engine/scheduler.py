@@ -344,15 +344,24 @@ class Scheduler:
         proposed = self.drafts.propose(seq, num_decodes)
         if not proposed:
             return 0
-        bs = self.pool.block_size
-        headroom = min(len(self.running), self.pool.num_blocks // HEADROOM_DIVISOR)
-        room = (len(seq.blocks) + max(self.pool.num_free - headroom, 0)) * bs \
-            - seq.num_computed_tokens - 1
-        k = min(len(proposed), budget - 1, room)
-        if k <= 0 or need > max(self.pool.num_free - headroom, 0):
+        k = min(len(proposed), budget - 1, self._room(seq, seq.num_computed_tokens + 1))
+        if k <= 0 or need > self._spare_blocks():
             return 0
         seq.draft_token_ids = proposed[:k]
         return k
+
+    def _headroom(self) -> int:
+        """Free blocks admission keeps for the running sequences to grow into."""
+        return min(len(self.running), self.pool.num_blocks // HEADROOM_DIVISOR)
+
+    def _spare_blocks(self) -> int:
+        """Free blocks beyond the headroom: what work that must not make anything wait (a
+        top-up, drafts) may take."""
+        return max(self.pool.num_free - self._headroom(), 0)
+
+    def _room(self, seq: Sequence, end: int) -> int:
+        """Positions after `end` that `seq`'s blocks and the spare blocks hold."""
+        return (len(seq.blocks) + self._spare_blocks()) * self.pool.block_size - end
 
     def _top_up(self, scheduled: list[ScheduledSeq], budget: int,
                 slo_limit: int | None) -> list[ScheduledSeq]:
@@ -365,13 +374,11 @@ class Scheduler:
         would wait for (on the 2-core CPU, ~1.4 s at 2,048 tokens of an 8k context against
         ~0.06 s for a decode step)."""
         bs = self.pool.block_size
-        headroom = min(len(self.running), self.pool.num_blocks // HEADROOM_DIVISOR)
         out = []
         for item in scheduled:
             seq, n = item.seq, item.num_new_tokens
             end = seq.num_computed_tokens + n
-            room = (len(seq.blocks) + max(self.pool.num_free - headroom, 0)) * bs - end
-            extra = min(seq.num_tokens - end, budget, room)
+            extra = min(seq.num_tokens - end, budget, self._room(seq, end))
             if slo_limit is not None:
                 extra = min(extra, slo_limit - n)
             if extra > 0:
@@ -416,7 +423,7 @@ class Scheduler:
         n = min(seq.num_tokens - num_cached, budget)
         num_new_blocks = blocks_for(num_cached + n, self.pool.block_size) - len(held)
         num_revived = sum(1 for b in hits if b.ref_cnt == 0)  # they leave the free queue
-        headroom = min(len(self.running), self.pool.num_blocks // HEADROOM_DIVISOR)
+        headroom = self._headroom()
         if num_new_blocks + num_revived + headroom > self.pool.num_free:
             self._last_need = num_new_blocks + num_revived + headroom
             if not attached and seq.params.prompt_logprobs is None:  # (those never query)
