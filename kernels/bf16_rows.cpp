@@ -16,8 +16,13 @@
 //   pass the 64-byte x load per vdpbf16ps was the limit (~2x oneDNN's time at 8 rows). The
 //   product is then compute-heavy enough that the hardware prefetcher fell behind: each
 //   weight row is prefetched two passes ahead (8 rows: 17.5 -> 22.9 GB/s, oneDNN's ~23).
-// Without AVX512-BF16 a portable loop converts (bf16 is float32's upper half) and
-// multiplies in float32; the model then keeps oneDNN's layout (kvs_bf16_native).
+// With AVX2 and FMA but no AVX512-BF16 (most laptops, AMD Zen 2/3), the weights are
+// converted to float32 in registers, two instructions per 16 (see that path's comment):
+// there ATen's bfloat16 products are far slower (F.linear streamed the rows at ~1.6-8 GB/s
+// on the AVX2 bench VM, a bfloat16 torch.mm on the transposed layout at ~0.8), and oneDNN
+// cannot pack bfloat16 at all. Without either, a portable loop converts (bf16 is float32's
+// upper half) and multiplies in float32; the model then keeps oneDNN's layout
+// (kvs_bf16_native).
 //
 // Layout: w [out, in] bf16 row-major, xb [rows, in] bf16, y [rows, out] float32;
 // in % 32 == 0, rows <= MAX_ROWS (the caller checks; the entry point refuses otherwise).
@@ -27,6 +32,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 constexpr int64_t MAX_ROWS = 16;
@@ -91,6 +97,111 @@ void tile(const uint16_t* w, const uint16_t* xb, int64_t in, int64_t out, int64_
     if (o < o_end) tile<ROWS, 1>(w, xb, in, out, o, o_end, y);
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// Without AVX512-BF16 (AVX2 and FMA: most laptops', AMD Zen 2/3's): the weights are turned
+// into float32 in registers, two instructions per 16 (bfloat16 is float32's upper half:
+// each 32-bit lane of a 16-weight load holds an even weight in its low half and an odd one
+// in its high half, so a shift left by 16 gives the 8 even weights as float32 and a mask
+// the 8 odd ones), and x is handed in float32 in the same order (`split_x`: per 16 inputs,
+// the 8 even ones, then the 8 odd ones), so that each 16 weights are two FMAs per row of x
+// with no shuffle. The products are exact in float32 (8-bit mantissas), as vdpbf16ps'
+// are; only the order of the sums differs.
+constexpr int64_t SPLIT = 16;  // inputs per split chunk (one 256-bit load of weights)
+
+inline __m256 even_f32(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 odd_f32(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+inline __m256i bf16x16(const uint16_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline float reduce8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// x [rows, in] bfloat16 into xs [rows, in] float32, each 16 inputs as even then odd
+void split_x(const uint16_t* xb, int64_t rows, int64_t in, float* xs) {
+  for (int64_t i = 0; i < rows * in; i += SPLIT) {
+    const __m256i v = bf16x16(xb + i);
+    _mm256_storeu_ps(xs + i, even_f32(v));
+    _mm256_storeu_ps(xs + i + 8, odd_f32(v));
+  }
+}
+
+// One row of x (split): output channels [o_begin, o_end), a weight row at a time, front to
+// back (one stream per thread, as the AVX512 path), eight partial sums over k: FMA's
+// latency times its two ports.
+void one_row(const uint16_t* w, const float* xs, int64_t in, int64_t o_begin, int64_t o_end,
+             float* y) {
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    const uint16_t* wo = w + o * in;
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 4 * SPLIT <= in; k += 4 * SPLIT) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = bf16x16(wo + k + j * SPLIT);
+        const float* xk = xs + k + j * SPLIT;
+        a[2 * j] = _mm256_fmadd_ps(even_f32(v), _mm256_loadu_ps(xk), a[2 * j]);
+        a[2 * j + 1] = _mm256_fmadd_ps(odd_f32(v), _mm256_loadu_ps(xk + 8), a[2 * j + 1]);
+      }
+    }
+    for (; k < in; k += SPLIT) {
+      const __m256i v = bf16x16(wo + k);
+      a[0] = _mm256_fmadd_ps(even_f32(v), _mm256_loadu_ps(xs + k), a[0]);
+      a[1] = _mm256_fmadd_ps(odd_f32(v), _mm256_loadu_ps(xs + k + 8), a[1]);
+    }
+    y[o] = reduce8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
+                                 _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7]))));
+  }
+}
+
+// ROWS rows of x (split), NO weight rows a pass (ROWS * NO accumulators and 2 * NO weight
+// vectors within AVX2's 16 registers), each weight row prefetched two passes ahead (as the
+// AVX512 path: with several rows of x the hardware prefetcher falls behind), the rest one
+// weight row at a time.
+template <int64_t ROWS, int64_t NO>
+void tile(const uint16_t* w, const float* xs, int64_t in, int64_t out, int64_t o_begin,
+          int64_t o_end, float* y) {
+  int64_t o = o_begin;
+  for (; o + NO <= o_end; o += NO) {
+    __m256 acc[ROWS][NO];
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < NO; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in; k += SPLIT) {
+      __m256 we[NO], wd[NO];
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < NO; ++j) {
+        const __m256i v = bf16x16(w + (o + j) * in + k);
+        we[j] = even_f32(v);
+        wd[j] = odd_f32(v);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (o + 2 * NO + j) * in + k),
+                     _MM_HINT_T0);
+      }
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < ROWS; ++r) {
+        const __m256 xe = _mm256_loadu_ps(xs + r * in + k);
+        const __m256 xo = _mm256_loadu_ps(xs + r * in + k + 8);
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < NO; ++j)
+          acc[r][j] = _mm256_fmadd_ps(wd[j], xo, _mm256_fmadd_ps(we[j], xe, acc[r][j]));
+      }
+    }
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < ROWS; ++r)
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < NO; ++j) y[r * out + o + j] = reduce8(acc[r][j]);
+  }
+  if constexpr (NO > 1) {
+    if (o < o_end) tile<ROWS, 1>(w, xs, in, out, o, o_end, y);
+  }
+}
 #else
 template <int64_t ROWS, int64_t NO>
 void tile(const uint16_t* w, const uint16_t* xb, int64_t in, int64_t out, int64_t o_begin,
@@ -113,12 +224,36 @@ void one_row(const uint16_t* w, const uint16_t* x, int64_t in, int64_t o_begin, 
   tile<1, 1>(w, x, in, 0, o_begin, o_end, y);
 }
 #endif
+
+// How x reaches the products: as given (bfloat16), or, on the AVX2 path, in float32 split
+// into even and odd inputs (`split_x`), made once per call into `buf`.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+using XElem = float;
+const XElem* prepared_x(const uint16_t* xb, int64_t rows, int64_t in, std::vector<float>& buf) {
+  buf.resize(rows * in);
+  split_x(xb, rows, in, buf.data());
+  return buf.data();
+}
+// weight rows a pass for ROWS rows of x: ROWS * NO accumulators plus 2 * NO weight vectors
+// within 14 of the 16 registers
+template <int64_t ROWS>
+constexpr int64_t PASS_ROWS = 14 / (ROWS + 2) < 1 ? 1 : 14 / (ROWS + 2);
+#else
+using XElem = uint16_t;
+const XElem* prepared_x(const uint16_t* xb, int64_t, int64_t, std::vector<float>&) {
+  return xb;
+}
+// ROWS * NO accumulators within 24 of AVX-512's 32 registers
+template <int64_t ROWS>
+constexpr int64_t PASS_ROWS = ROWS <= 5 ? 4 : 3;
+#endif
 }  // namespace
 
-// 1 where the kernel multiplies with AVX512-BF16 (vdpbf16ps), 0 where it runs the portable
-// loop (the model then keeps oneDNN's packed layout: linear.py).
+// 1 where the kernel multiplies in vector registers: with AVX512-BF16 (vdpbf16ps), or with
+// AVX2 and FMA (converted to float32 in registers); 0 where it runs the portable loop, which
+// is several times slower (the model then keeps oneDNN's packed layout: linear.py).
 extern "C" int kvs_bf16_native() {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
   return 1;
 #else
   return 0;
@@ -129,28 +264,30 @@ extern "C" int kvs_bf16_native() {
 extern "C" int kvs_bf16_matmul(const uint16_t* w, const uint16_t* xb, int64_t rows, int64_t in,
                                int64_t out, float* y, int threads) {
   if (in % 32 || rows < 1 || rows > MAX_ROWS || out < 1 || threads < 1) return 1;
+  std::vector<float> buf;
+  const XElem* xp = prepared_x(xb, rows, in, buf);
   const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
   // static: each thread one contiguous range of blocks, so one stream through w
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t ob = b * OUT_BLOCK, oe = ob + OUT_BLOCK < out ? ob + OUT_BLOCK : out;
     if (rows == 1) {
-      one_row(w, xb, in, ob, oe, y);
+      one_row(w, xp, in, ob, oe, y);
       continue;
     }
     for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
       const int64_t n = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
-      const uint16_t* x = xb + r0 * in;
+      const XElem* x = xp + r0 * in;
       float* yr = y + r0 * out;
       switch (n) {
         case 1: one_row(w, x, in, ob, oe, yr); break;
-        case 2: tile<2, 4>(w, x, in, out, ob, oe, yr); break;
-        case 3: tile<3, 4>(w, x, in, out, ob, oe, yr); break;
-        case 4: tile<4, 4>(w, x, in, out, ob, oe, yr); break;
-        case 5: tile<5, 4>(w, x, in, out, ob, oe, yr); break;
-        case 6: tile<6, 3>(w, x, in, out, ob, oe, yr); break;
-        case 7: tile<7, 3>(w, x, in, out, ob, oe, yr); break;
-        default: tile<8, 3>(w, x, in, out, ob, oe, yr); break;
+        case 2: tile<2, PASS_ROWS<2>>(w, x, in, out, ob, oe, yr); break;
+        case 3: tile<3, PASS_ROWS<3>>(w, x, in, out, ob, oe, yr); break;
+        case 4: tile<4, PASS_ROWS<4>>(w, x, in, out, ob, oe, yr); break;
+        case 5: tile<5, PASS_ROWS<5>>(w, x, in, out, ob, oe, yr); break;
+        case 6: tile<6, PASS_ROWS<6>>(w, x, in, out, ob, oe, yr); break;
+        case 7: tile<7, PASS_ROWS<7>>(w, x, in, out, ob, oe, yr); break;
+        default: tile<8, PASS_ROWS<8>>(w, x, in, out, ob, oe, yr); break;
       }
     }
   }

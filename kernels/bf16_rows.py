@@ -43,13 +43,42 @@ def applies(w: torch.Tensor) -> bool:
             and w.shape[1] % 32 == 0 and w.is_contiguous())
 
 
+# Whether ATen multiplies bfloat16 matrices at speed here: oneDNN's bfloat16 GEMM needs
+# AVX512 (BW/VL) or AMX. Without it (AVX2 machines) F.linear on bfloat16 ran ~7.6 GFLOP/s at
+# a 512-row prefill on the AVX2 bench VM, where the same product converted to float32 ran
+# ~38 (conversion included): `dense` converts there.
+BF16_GEMM = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+# Output rows of w converted to float32 at a time by `dense` (x [rows, in] @ w^T without a
+# bfloat16 GEMM): 4 MiB of float32 per chunk, so that a large head (152k x 1024) is not
+# copied whole (~0.6 GB) for one product.
+CONVERT_CHUNK_BYTES = 4 << 20
+
+
+def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ w^T (+ bias) in x's dtype for any number of rows: F.linear, except for
+    bfloat16 on a CPU without a bfloat16 GEMM (`BF16_GEMM`), where w is converted to float32
+    CONVERT_CHUNK_BYTES at a time and multiplied in float32 (the products of two bfloat16
+    values are exact in float32, as in a bfloat16 GEMM; only the sums' rounding differs)."""
+    if BF16_GEMM or w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        return F.linear(x, w, bias)
+    xf = x.float()
+    out = w.shape[0]
+    y = torch.empty(x.shape[0], out, dtype=torch.float32)
+    step = max(1, CONVERT_CHUNK_BYTES // (4 * w.shape[1]))
+    for o in range(0, out, step):
+        torch.mm(xf, w[o:o + step].float().t(), out=y[:, o:o + step])
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype)
+
+
 def matmul(fn, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """x [rows, in] @ w^T (+ bias) in x's dtype: the kernel `fn` (from `load`) for up to
-    KERNEL_MAX_ROWS rows of a weight it `applies` to, else F.linear."""
+    KERNEL_MAX_ROWS rows of a weight it `applies` to, else `dense`."""
     rows = x.shape[0]
     if fn is None or not 1 <= rows <= KERNEL_MAX_ROWS:
-        return F.linear(x, w, bias)
+        return dense(x, w, bias)
     xb = x if x.dtype == torch.bfloat16 and x.is_contiguous() else \
         x.to(torch.bfloat16).contiguous()
     y = torch.empty(rows, w.shape[0], dtype=torch.float32)

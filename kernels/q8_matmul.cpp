@@ -10,15 +10,17 @@
 // Layout: q [out, in] int8 row-major, scale [out, in / GROUP] float32, x [rows, in] float32,
 // y [rows, out] float32; in % GROUP == 0. The output channels are split over the threads in
 // blocks of OUT_BLOCK; a block's rows of q are read once for all rows of x (MAX_ROWS at
-// most: the caller splits larger batches). Two paths:
+// most: the caller splits larger batches). Three paths:
 // - groups of 32 with AVX512-VNNI (`vnni_rows`, the common case): x rounded to int8 per
 //   group, integer dot products (see its comment);
+// - groups of 32 with AVX2 and FMA, no VNNI (`avx2_rows`): x rounded the same way, integer
+//   dot products through vpmaddubsw (see its comment);
 // - otherwise (`q8_rows`): each group's int8 values are converted and scaled once and
 //   multiplied into every row's GROUP float32 lanes (vectorised: the compiler turns the k
 //   loops into conversions and FMAs), summed across lanes once per output.
 
 #include <omp.h>
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(__AVX2__)
 #include <immintrin.h>
 
 #include <vector>
@@ -225,6 +227,96 @@ void vnni_rows(const int8_t* q, const float* scale, const float* x, int64_t rows
     vnni_tile<decltype(n)::value>(q, scale, xr, in, out, o_begin, o_end, y + r0 * out);
   });
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// With AVX2 (llama.cpp's Q8_0 x Q8_0 dot on AVX2): each row of x rounded to int8 per group
+// of 32 as on the VNNI path, and each 32 weight bytes one vpmaddubsw per row of x, which
+// multiplies unsigned by signed bytes: |q| against x with q's sign moved onto it (vpsignb,
+// exact: |q| <= 127, and two products sum to at most 2 * 127 * 127 < 2^15, so the 16-bit
+// sums never saturate), then vpmaddwd to 32-bit sums, converted and scaled by d_x * d_w.
+// The float path spends ~10 instructions a 32 weights converting and scaling them, and
+// with AVX2's 8 lanes it is compute-bound at every batch.
+constexpr int64_t G = 32;
+
+// x [rows, in] rounded per group into q [rows, in] with d [rows, groups] (llama.cpp's
+// quantize_row_q8_0: d = max |x| / 127; rounded to nearest, halves to even as the VNNI path)
+void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, float* d) {
+  const int64_t groups = in / G;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + r * in + g * G;
+      __m256 v[4];
+      __m256 m = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(xg + 8 * j);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[j], abs_mask));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      const float amax = _mm_cvtss_f32(h);
+      d[r * groups + g] = amax / 127.0f;
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      __m256i i32[4];
+      for (int j = 0; j < 4; ++j) i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+      // packs interleave 128-bit lanes: the permute puts the 32 bytes back in order
+      const __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]);
+      const __m256i i16b = _mm256_packs_epi32(i32[2], i32[3]);
+      const __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + r * in + g * G), i8);
+    }
+  }
+}
+
+inline float reduce8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <int64_t ROWS>
+void avx2_tile(const int8_t* q, const float* scale, const int8_t* xq, const float* xd,
+               int64_t in, int64_t out, int64_t o_begin, int64_t o_end, float* y) {
+  const int64_t groups = in / G;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    const int8_t* qo = q + o * in;
+    const float* so = scale + o * groups;
+    __m256 acc[ROWS];
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qo + g * G));
+      // (the weight row two ahead, as the VNNI path)
+      if constexpr (ROWS > 1)
+        _mm_prefetch(reinterpret_cast<const char*>(qo + 2 * in + g * G), _MM_HINT_T0);
+      const __m256i wabs = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < ROWS; ++r) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * in + g * G));
+        const __m256i p16 = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, w));
+        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(so[g] * xd[r * groups + g]), acc[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < ROWS; ++r) y[r * out + o] = reduce8(acc[r]);
+  }
+}
+
+void avx2_rows(const int8_t* q, const float* scale, const float* x, int64_t rows, int64_t in,
+               int64_t out, float* y, int threads) {
+  const int64_t groups = in / G;
+  std::vector<int8_t> xq(rows * in);
+  std::vector<float> xd(rows * groups);
+  quantize_rows(x, rows, in, xq.data(), xd.data());
+  over_tiles(rows, out, threads, [&](int64_t o_begin, int64_t o_end, int64_t r0, auto n) {
+    avx2_tile<decltype(n)::value>(q, scale, xq.data() + r0 * in, xd.data() + r0 * groups, in,
+                                  out, o_begin, o_end, y + r0 * out);
+  });
+}
 #endif
 
 }  // namespace
@@ -232,7 +324,7 @@ void vnni_rows(const int8_t* q, const float* scale, const float* x, int64_t rows
 // 1 where groups of 32 take the VNNI path, which rounds x to int8 per group (q8_matmul.py's
 // twin does the same then); 0 where every product is the float path's.
 extern "C" int kvs_q8_rounds_activations() {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
   return 1;
 #else
   return 0;
@@ -247,6 +339,8 @@ extern "C" int kvs_q8_matmul(const int8_t* q, const float* scale, const float* x
   if (group == 32 && in % 32 == 0) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     vnni_rows(q, scale, x, rows, in, out, y, threads);
+#elif defined(__AVX2__) && defined(__FMA__)
+    avx2_rows(q, scale, x, rows, in, out, y, threads);
 #else
     q8_rows<32>(q, scale, x, rows, in, out, y, threads);
 #endif

@@ -7,13 +7,14 @@ scale = max |w| / 127 and q = round(w / scale) in [-127, 127], as Q8_0 does (whi
 the scale as float16; here float32, 1/8 byte per weight more, so the scale itself is not
 rounded). Resident bytes: 1 + 4/GROUP per weight, 0.56x bfloat16's with groups of 32.
 
-Products: with AVX512-VNNI and groups of 32 the kernel rounds a decode batch's activations
-to int8 per group as llama.cpp's Q8_0 products do (`round_activations`; its integer dot
-products read the weights ~1.3x faster at one row and ~1.6x at eight than converting them to
-float32): on the mid model that costs 1.33x the weight-only error in mean |delta logprob|,
-within the 1.5x of a weight-only Q8_0 emulation allowed (bench/int8_accuracy.py, its
-16-token-steps variant). Prefill (more rows than the kernel takes) keeps float activations
-against the dequantized weight.
+Products: with AVX512-VNNI, or AVX2 and FMA, and groups of 32 the kernel rounds a decode
+batch's activations to int8 per group as llama.cpp's Q8_0 products do (`round_activations`;
+its integer dot products read the weights ~1.3x faster at one row and ~1.6x at eight than
+converting them to float32 with AVX512, more with AVX2's 8 float lanes): on the mid model
+that costs 1.33x the weight-only error in mean |delta logprob|, within the 1.5x of a
+weight-only Q8_0 emulation allowed (bench/int8_accuracy.py, its 16-token-steps variant).
+Prefill (more rows than the kernel takes) keeps float activations against the dequantized
+weight.
 
 The kernel is built at first use like cpu_decode's (kernels/cpp_build.py); without a
 compiler `load()` returns None, logged once, and every product runs the twin, which
@@ -52,13 +53,14 @@ def load():
 
 def rounds_activations(group: int) -> bool:
     """Whether the kernel rounds x to int8 (`round_activations`) for weights of `group`:
-    groups of 32 on a CPU with AVX512-VNNI (q8_matmul.cpp's header says why)."""
+    groups of 32 on a CPU with AVX512-VNNI or AVX2 and FMA (q8_matmul.cpp's header says
+    why)."""
     fn = ROUNDS.get()
     return group == GROUP and fn is not None and fn() == 1
 
 
 def round_activations(x: torch.Tensor, group: int = GROUP) -> torch.Tensor:
-    """x [rows, in] rounded as the kernel's VNNI path rounds it (llama.cpp's Q8_0 rule for
+    """x [rows, in] rounded as the kernel's integer paths round it (llama.cpp's Q8_0 rule for
     activations): per group of inputs, d = max |x| / 127 and x ~ round(x / d) * d (halves
     to even), in float32."""
     rows, inp = x.shape
@@ -115,7 +117,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 def matmul_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                      rounded: bool = False) -> torch.Tensor:
     """x [rows, in] @ W^T in x's dtype: the weight dequantized; with `rounded`, x first
-    rounded as the kernel's VNNI path does (`round_activations`): the kernel's torch twin.
+    rounded as the kernel's integer paths do (`round_activations`): the kernel's torch twin.
     Prefill (more rows than the kernel takes) runs it unrounded: a dense float product,
     compute-bound, where rounding x would only lose accuracy."""
     if rounded:

@@ -170,15 +170,40 @@ def test_the_bf16_rows_kernel_equals_f_linear(rows, out, inp):
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
     many = torch.randn(bf16_rows.KERNEL_MAX_ROWS + 1, inp, generator=gen).to(torch.bfloat16)
-    assert torch.equal(bf16_rows.matmul(fn, many, w), torch.nn.functional.linear(many, w))
+    assert torch.equal(bf16_rows.matmul(fn, many, w), bf16_rows.dense(many, w))
     bf16_rows.register_op()
     assert torch.equal(torch.ops.kvsession.bf16_rows_matmul(x, w), bf16_rows.matmul(fn, x, w))
 
 
+@pytest.mark.parametrize("bf16_gemm", [True, False])
+def test_a_bf16_prefill_product_converts_where_the_cpu_has_no_bf16_gemm(monkeypatch,
+                                                                       bf16_gemm):
+    """bf16_rows.dense (a bfloat16 model's products of more rows than the kernel takes):
+    F.linear where oneDNN has a bfloat16 GEMM; elsewhere (AVX2 machines, where ATen's
+    bfloat16 product is ~5x slower) the weight converted to float32 a chunk of output rows at
+    a time, chunks cut mid-way here (a 3-row chunk over 10 rows): the same float32 sums of
+    bf16 products up to their order, rounded to bfloat16 once."""
+    from kvsession.kernels import bf16_rows
+
+    monkeypatch.setattr(bf16_rows, "BF16_GEMM", bf16_gemm)
+    monkeypatch.setattr(bf16_rows, "CONVERT_CHUNK_BYTES", 3 * 4 * 64)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(10, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(10, generator=gen).to(torch.bfloat16)
+    got = bf16_rows.dense(x, w, bias)
+    want = x.float() @ w.float().t() + bias.float()
+    assert got.dtype == torch.bfloat16 and got.shape == (40, 10)
+    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    if not bf16_gemm:  # one rounding to bfloat16: within one bf16 step of the float sums
+        assert torch.allclose(got.float(), want, rtol=2 ** -8, atol=1e-4)
+
+
 def test_a_bf16_model_keeps_every_projection_as_rows_where_the_cpu_multiplies_bf16(tmp_path):
-    """With AVX512-BF16 every projection of a bf16 model is one copy of the checkpoint's
-    rows (the kernel for decode batches, F.linear for prefill); elsewhere oneDNN's packed
-    layout (the plain one on a CPU where oneDNN cannot pack bf16) and the tied head's rows.
+    """With AVX512-BF16, or AVX2 and FMA, every projection of a bf16 model is one copy of
+    the checkpoint's rows (the kernel for decode batches, bf16_rows.dense for prefill);
+    elsewhere oneDNN's packed layout (the plain one on a CPU where oneDNN cannot pack bf16)
+    and the tied head's rows.
     (What they predict: the test above.)"""
     from kvsession.kernels import bf16_rows
 

@@ -26,17 +26,19 @@ bandwidth of the same run):
 - "rows": the checkpoint's `[out, in]` rows, `F.linear` for every batch but a bfloat16
   decode batch (up to 16 rows), which runs kernels/bf16_rows (oneDNN streams unpacked bf16
   rows at ~0.6x its packed rate, and the kernel at one row ~1.4x the packed rate: ~0.9 of
-  a plain read loop's). One copy that a tied embedding shares. Every projection of a
-  bfloat16 model on a CPU with AVX512-BF16 (LlamaModel; prefill through F.linear on the
-  rows ran ~4% slower than packed at 512 rows), and elsewhere the head of a single-layout
+  a plain read loop's; where oneDNN has no bfloat16 GEMM, as on AVX2 CPUs, a bfloat16
+  prefill converts the rows to float32 a chunk at a time: `bf16_rows.dense`). One copy
+  that a tied embedding shares. Every projection of a bfloat16 model on a CPU with
+  AVX512-BF16 or AVX2 and FMA (LlamaModel; prefill through F.linear on the rows ran ~4%
+  slower than packed at 512 rows with AVX512), and elsewhere the head of a single-layout
   model that ties its embeddings (a packed head would need the embedding kept a second
   time, ~0.3 GB for a 152k vocabulary).
 - "int8": int8 weights with a float scale per group of 32 inputs (llama.cpp's Q8_0 layout,
   kernels/q8_matmul.py; `LLM(quantization="int8")`): 0.56x bfloat16's bytes. A decode batch
-  (up to 16 rows) runs the C++ kernel built at first use (with AVX512-VNNI rounding its
-  activations to int8 per 32, as llama.cpp's Q8_0 products do); larger batches (prefill)
-  and a machine without a compiler dequantize the weight for one dense product in the
-  compute dtype. Accuracy against float32 and against a Q8_0 emulation:
+  (up to 16 rows) runs the C++ kernel built at first use (with AVX512-VNNI, or AVX2 and
+  FMA, rounding its activations to int8 per 32, as llama.cpp's Q8_0 products do); larger
+  batches (prefill) and a machine without a compiler dequantize the weight for one dense
+  product in the compute dtype. Accuracy against float32 and against a Q8_0 emulation:
   bench/int8_accuracy.py.
 """
 
@@ -45,7 +47,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
 from kvsession.host_memory import huge_page_empty
 from kvsession.kernels import bf16_rows, q8_matmul
@@ -141,7 +142,7 @@ class Linear:
         if self.rows_kernel is not None:
             return bf16_rows.matmul(self.rows_kernel, x, self.rows, self.bias)
         if self.rows is not None:
-            return F.linear(x, self.rows, self.bias)
+            return bf16_rows.dense(x, self.rows, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
