@@ -163,10 +163,10 @@ void one_row(const uint16_t* w, const float* xs, int64_t in, int64_t o_begin, in
 // ROWS rows of x (split), NO weight rows a pass (ROWS * NO accumulators and 2 * NO weight
 // vectors within AVX2's 16 registers), each weight row prefetched two passes ahead (as the
 // AVX512 path: with several rows of x the hardware prefetcher falls behind), the rest one
-// weight row at a time.
+// weight row at a time; inputs [k0, k1) only, the sums added to y's where `add`.
 template <int64_t ROWS, int64_t NO>
-void tile(const uint16_t* w, const float* xs, int64_t in, int64_t out, int64_t o_begin,
-          int64_t o_end, float* y) {
+void tile_span(const uint16_t* w, const float* xs, int64_t in, int64_t out, int64_t o_begin,
+               int64_t o_end, int64_t k0, int64_t k1, bool add, float* y) {
   int64_t o = o_begin;
   for (; o + NO <= o_end; o += NO) {
     __m256 acc[ROWS][NO];
@@ -174,7 +174,7 @@ void tile(const uint16_t* w, const float* xs, int64_t in, int64_t out, int64_t o
     for (int64_t r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
       for (int64_t j = 0; j < NO; ++j) acc[r][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < in; k += SPLIT) {
+    for (int64_t k = k0; k < k1; k += SPLIT) {
       __m256 we[NO], wd[NO];
 #pragma GCC unroll 4
       for (int64_t j = 0; j < NO; ++j) {
@@ -196,11 +196,27 @@ void tile(const uint16_t* w, const float* xs, int64_t in, int64_t out, int64_t o
 #pragma GCC unroll 8
     for (int64_t r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
-      for (int64_t j = 0; j < NO; ++j) y[r * out + o + j] = reduce8(acc[r][j]);
+      for (int64_t j = 0; j < NO; ++j) {
+        float* yo = y + r * out + o + j;
+        *yo = add ? *yo + reduce8(acc[r][j]) : reduce8(acc[r][j]);
+      }
   }
   if constexpr (NO > 1) {
-    if (o < o_end) tile<ROWS, 1>(w, xs, in, out, o, o_end, y);
+    if (o < o_end) tile_span<ROWS, 1>(w, xs, in, out, o, o_end, k0, k1, add, y);
   }
+}
+
+// Inputs a span: x's float32 rows are twice bfloat16's, and 8 rows of 3,072 inputs (96 KiB)
+// overflowed L1 for every weight row read (8 rows ran at ~3.6 GB/s, a sixth of one row's
+// rate): a span of 8 rows is 16 KiB.
+constexpr int64_t K_SPAN = 512;
+
+template <int64_t ROWS, int64_t NO>
+void tile(const uint16_t* w, const float* xs, int64_t in, int64_t out, int64_t o_begin,
+          int64_t o_end, float* y) {
+  for (int64_t k0 = 0; k0 < in; k0 += K_SPAN)
+    tile_span<ROWS, NO>(w, xs, in, out, o_begin, o_end, k0, k0 + K_SPAN < in ? k0 + K_SPAN : in,
+                        k0 > 0, y);
 }
 #else
 template <int64_t ROWS, int64_t NO>

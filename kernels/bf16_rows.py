@@ -5,6 +5,7 @@ where it does not build or the rows do not fit it."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,22 +55,36 @@ BF16_GEMM = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 CONVERT_CHUNK_BYTES = 4 << 20
 
 
-def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] @ w^T (+ bias) in x's dtype for any number of rows: F.linear, except for
-    bfloat16 on a CPU without a bfloat16 GEMM (`BF16_GEMM`), where w is converted to float32
-    CONVERT_CHUNK_BYTES at a time and multiplied in float32 (the products of two bfloat16
-    values are exact in float32, as in a bfloat16 GEMM; only the sums' rounding differs)."""
-    if BF16_GEMM or w.dtype != torch.bfloat16 or w.device.type != "cpu":
-        return F.linear(x, w, bias)
+def converts(x: torch.Tensor) -> bool:
+    """Whether a product with `x` [rows, in] should be made in float32 (`float32_chunks`):
+    x is bfloat16 on a CPU without a bfloat16 GEMM (`BF16_GEMM`)."""
+    return not BF16_GEMM and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+
+
+def float32_chunks(x: torch.Tensor, out: int, rows_of: Callable[[slice], torch.Tensor],
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ W^T (+ bias) in float32, W [out, in] made float32 CONVERT_CHUNK_BYTES
+    at a time: `rows_of(s)` returns W[s] in float32 (a slice of bfloat16 rows converted, or
+    of int8 ones dequantized). The products of two bfloat16 values are exact in float32, as
+    in a bfloat16 GEMM; only the sums' order and rounding differ."""
     xf = x.float()
-    out = w.shape[0]
     y = torch.empty(x.shape[0], out, dtype=torch.float32)
-    step = max(1, CONVERT_CHUNK_BYTES // (4 * w.shape[1]))
+    step = max(1, CONVERT_CHUNK_BYTES // (4 * x.shape[1]))
     for o in range(0, out, step):
-        torch.mm(xf, w[o:o + step].float().t(), out=y[:, o:o + step])
+        s = slice(o, min(o + step, out))
+        torch.mm(xf, rows_of(s).t(), out=y[:, s])
     if bias is not None:
         y += bias
-    return y.to(x.dtype)
+    return y
+
+
+def dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in] @ w^T (+ bias) in x's dtype for any number of rows: F.linear, except
+    where that would be a bfloat16 GEMM the CPU lacks (`converts`): then in float32,
+    `float32_chunks` of w's rows."""
+    if not converts(x) or w.dtype != torch.bfloat16:
+        return F.linear(x, w, bias)
+    return float32_chunks(x, w.shape[0], lambda s: w[s].float(), bias).to(x.dtype)
 
 
 def matmul(fn, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None

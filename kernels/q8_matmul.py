@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from kvsession.kernels import bf16_rows
 from kvsession.kernels.cpp_build import CtypesKernel, OpKind, TorchOp
 
 GROUP = 32  # Q8_0's block
@@ -122,6 +123,9 @@ def matmul_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     compute-bound, where rounding x would only lose accuracy."""
     if rounded:
         x = round_activations(x, x.shape[1] // scale.shape[1]).to(x.dtype)
+    if bf16_rows.converts(x):  # no bfloat16 GEMM here: in float32, a chunk of W at a time
+        return bf16_rows.float32_chunks(
+            x, q.shape[0], lambda s: dequantize(q[s], scale[s], torch.float32)).to(x.dtype)
     return x @ dequantize(q, scale, x.dtype).t()
 
 

@@ -150,7 +150,8 @@ def test_a_loaded_bf16_model_holds_its_weights_bytes_plus_its_kv_budget(tmp_path
 @pytest.mark.parametrize("rows, out, inp", [
     (1, 96, 64), (1, 200, 416),  # one row: 128 inputs a step and a tail of 32s
     (2, 131, 128), (3, 131, 128), (5, 70, 64), (6, 90, 96), (8, 64, 96), (8, 257, 160),
-    (9, 33, 32), (16, 7, 32)])  # 2-8 rows: 3 or 4 channels a pass and the rest; 9+ tiles
+    (9, 33, 32), (16, 7, 32),  # 2-8 rows: 3 or 4 channels a pass and the rest; 9+ tiles
+    (8, 70, 1056), (3, 19, 1056)])  # the AVX2 path's input spans (512) and their tail
 def test_the_bf16_rows_kernel_equals_f_linear(rows, out, inp):
     """kernels/bf16_rows (every decode product of a bf16 model) against F.linear on the same
     bf16 operands: float32 sums of bf16 products, so equal up to summation order; and its op

@@ -71,6 +71,27 @@ def test_the_kernel_equals_its_torch_twin(rows, out, inp, group, dtype):
                        q8_matmul.matmul_reference(many, q, scale))
 
 
+@pytest.mark.parametrize("bf16_gemm", [True, False])
+def test_a_bf16_prefill_product_of_int8_weights_is_made_in_float32_without_a_bf16_gemm(
+        monkeypatch, bf16_gemm):
+    """The twin with bfloat16 activations (an int8 model of a bf16 checkpoint, prefill):
+    where the CPU has no bfloat16 GEMM (AVX2) the weight is dequantized to float32 a chunk of
+    output rows at a time (chunks cut mid-way here) and multiplied in float32; either way
+    the float32 product of the same operands, rounded to bfloat16."""
+    from kvsession.kernels import bf16_rows
+
+    monkeypatch.setattr(bf16_rows, "BF16_GEMM", bf16_gemm)
+    monkeypatch.setattr(bf16_rows, "CONVERT_CHUNK_BYTES", 3 * 4 * 64)
+    gen = torch.Generator().manual_seed(3)
+    q, scale = q8_matmul.quantize(torch.randn(10, 64, generator=gen), 32)
+    x = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    got = q8_matmul.matmul_reference(x, q, scale)
+    want = x.float() @ q8_matmul.dequantize(q, scale, torch.float32).t()
+    assert got.dtype == torch.bfloat16 and got.shape == (40, 10)
+    rtol = 2 ** -8 if not bf16_gemm else 2e-2  # converted: one rounding to bfloat16
+    assert torch.allclose(got.float(), want, rtol=rtol, atol=rtol * want.abs().max().item())
+
+
 def top1(llm: LLM, prompt: list[int]) -> list[int]:
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     lps = llm.generate(prompt_token_ids=[prompt], sampling_params=params,
