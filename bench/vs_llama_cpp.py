@@ -24,8 +24,9 @@ it reads (kvsession's weight bytes, the GGUF's size) at the rate of the sample b
         --llama-cpp-src /path/to/llama.cpp [--rounds 8] [--plot]
 
 (the two llama.cpp arguments as bench/real_shapes.py takes them). Writes
-bench/results/vs_llama_cpp.json, and with --plot a figure; docs/benchmarks.md has the
-table.
+bench/results/vs_llama_cpp.json (`--name` another), with the CPU's vector capability (the
+kernels take other paths with AVX512 and with AVX2 only), and with --plot a figure;
+docs/benchmarks.md has the tables.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ def main() -> None:
     ap = arguments(rounds=8, llama_cpp_required=True)
     ap.description = __doc__.split("\n")[0]
     ap.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
+    ap.add_argument("--name", default="vs_llama_cpp",
+                    help="the result's name (bench/results/NAME.json and .png): a run on "
+                    "another CPU kind beside the first, e.g. vs_llama_cpp_avx2")
     args = ap.parse_args()
     bw = Bandwidth()
     results: dict = {}
@@ -122,15 +126,16 @@ def main() -> None:
                       f" vs {s[theirs]['x_bound_median']:.2f}", flush=True)
     print(f"DRAM read bandwidth over the run's samples: best {bw.best / 1e9:.1f} GB/s, "
           f"median {statistics.median(bw.samples) / 1e9:.1f}")
-    write_result("vs_llama_cpp", {
+    write_result(args.name, {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "decode_tokens": args.decode_tokens, "rounds": args.rounds,
         "bandwidth_best_gb_s": bw.best / 1e9,
         "bandwidth_median_gb_s": statistics.median(bw.samples) / 1e9, "shapes": results})
     if args.plot:
-        plot(results)
+        plot(results, args.name)
 
 
-def plot(results: dict) -> None:
+def plot(results: dict, name: str) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
     for ax, (shape, pairs) in zip(axes[0], results.items(), strict=True):
@@ -147,7 +152,7 @@ def plot(results: dict) -> None:
         ax.set_xticks(range(len(labels)), labels)
         ax.set_ylabel("llama.cpp s / kvsession s (>1: kvsession faster)")
         ax.set_title(f"{shape}: decode, paired rounds")
-    save_figure(fig, "vs_llama_cpp")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":
