@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import logging
 import math
 import os
 import re
@@ -30,6 +31,8 @@ from kvsession.validation import (
     check_str,
     reject_unknown,
 )
+
+logger = logging.getLogger("kvsession")
 
 
 class RemotePrefillMode(enum.Enum):
@@ -290,6 +293,15 @@ class EngineConfig:
         compute = COMPUTE_DTYPES[dtype] if dtype != "auto" else \
             checkpoint_dtype(model_path, COMPUTE_DTYPES) or \
             (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        if dtype == "auto" and compute == torch.float16 and dev.type == "cpu" \
+                and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+            # A CPU without AVX512-FP16 or AMX-FP16 has no float16 GEMM: ATen's float16
+            # product streamed weights at ~0.8 GB/s on the AVX2 bench VM (~25x slower than
+            # the bfloat16 kernel), so a float16 checkpoint runs as bfloat16: the same
+            # bytes, its range, 3 fewer mantissa bits (vLLM's CPU backend does the same).
+            compute = torch.bfloat16
+            logger.info("the checkpoint is float16, which this CPU cannot multiply at speed: "
+                        "computing in bfloat16 (dtype='float16' forces float16)")
         _choice(kv_cache_dtype, "kv_cache_dtype", {"auto", *KV_DTYPES})
         if kv_cache_dtype == "auto":
             kv = torch.float8_e4m3fn if dev.type == "cuda" else compute
