@@ -48,7 +48,19 @@ def applies(w: torch.Tensor) -> bool:
 # AVX512 (BW/VL) or AMX. Without it (AVX2 machines) F.linear on bfloat16 ran ~7.6 GFLOP/s at
 # a 512-row prefill on the AVX2 bench VM, where the same product converted to float32 ran
 # ~38 (conversion included): `dense` converts there.
-BF16_GEMM = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def _mkldnn_supports(probe: str) -> bool:
+    """torch.ops.mkldnn.<probe>() (whether oneDNN multiplies a 16-bit float type at speed on
+    this CPU); False on a build without oneDNN."""
+    try:
+        return bool(getattr(torch.ops.mkldnn, probe)())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+BF16_GEMM = _mkldnn_supports("_is_mkldnn_bf16_supported")
+# ... and float16 (AVX512-FP16 or AMX-FP16): config.py computes a float16 checkpoint in
+# bfloat16 without it
+FP16_GEMM = _mkldnn_supports("_is_mkldnn_fp16_supported")
 # Output rows of w converted to float32 at a time by `dense` (x [rows, in] @ w^T without a
 # bfloat16 GEMM): 4 MiB of float32 per chunk, so that a large head (152k x 1024) is not
 # copied whole (~0.6 GB) for one product.

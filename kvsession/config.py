@@ -20,6 +20,7 @@ import torch
 
 from kvsession.cache.eviction import EvictionPolicy
 from kvsession.errors import ConfigError
+from kvsession.kernels import bf16_rows
 from kvsession.kernels.reference import is_fp8
 from kvsession.model.config import checkpoint_dtype
 from kvsession.model.hub import fetch, is_hub_id
@@ -294,7 +295,7 @@ class EngineConfig:
             checkpoint_dtype(model_path, COMPUTE_DTYPES) or \
             (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         if dtype == "auto" and compute == torch.float16 and dev.type == "cpu" \
-                and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+                and not bf16_rows.FP16_GEMM:
             # A CPU without AVX512-FP16 or AMX-FP16 has no float16 GEMM: ATen's float16
             # product streamed weights at ~0.8 GB/s on the AVX2 bench VM (~25x slower than
             # the bfloat16 kernel), so a float16 checkpoint runs as bfloat16: the same

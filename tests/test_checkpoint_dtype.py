@@ -16,6 +16,7 @@ from internals import Internals
 
 from kvsession import LLM, SamplingParams
 from kvsession.errors import ConfigError
+from kvsession.kernels import bf16_rows
 from kvsession.testing import make_tiny_model
 
 ENGINE = {"kv_cache_memory": "4MiB", "max_model_len": 128}
@@ -38,7 +39,7 @@ def checkpoint_bytes(model_dir) -> int:
 
 # float16 is computed as such only where the CPU has a float16 GEMM (AVX512-FP16, AMX-FP16);
 # elsewhere as bfloat16 (config.py: ATen's float16 product is ~25x slower than the bf16 kernel)
-CPU_FLOAT16 = torch.float16 if torch.ops.mkldnn._is_mkldnn_fp16_supported() else torch.bfloat16
+CPU_FLOAT16 = torch.float16 if bf16_rows.FP16_GEMM else torch.bfloat16
 
 
 @pytest.mark.parametrize("layout, dtype, want", [
