@@ -44,10 +44,6 @@ def applies(w: torch.Tensor) -> bool:
             and w.shape[1] % 32 == 0 and w.is_contiguous())
 
 
-# Whether ATen multiplies bfloat16 matrices at speed here: oneDNN's bfloat16 GEMM needs
-# AVX512 (BW/VL) or AMX. Without it (AVX2 machines) F.linear on bfloat16 ran ~7.6 GFLOP/s at
-# a 512-row prefill on the AVX2 bench VM, where the same product converted to float32 ran
-# ~38 (conversion included): `dense` converts there.
 def _mkldnn_supports(probe: str) -> bool:
     """torch.ops.mkldnn.<probe>() (whether oneDNN multiplies a 16-bit float type at speed on
     this CPU); False on a build without oneDNN."""
@@ -57,6 +53,10 @@ def _mkldnn_supports(probe: str) -> bool:
         return False
 
 
+# Whether ATen multiplies bfloat16 matrices at speed here: oneDNN's bfloat16 GEMM needs
+# AVX512 (BW/VL) or AMX. Without it (AVX2 machines) F.linear on bfloat16 ran ~7.6 GFLOP/s at
+# a 512-row prefill on the AVX2 bench VM, where the same product converted to float32 ran
+# ~38 (conversion included): `dense` converts there.
 BF16_GEMM = _mkldnn_supports("_is_mkldnn_bf16_supported")
 # ... and float16 (AVX512-FP16 or AMX-FP16): config.py computes a float16 checkpoint in
 # bfloat16 without it

@@ -299,7 +299,7 @@ class EngineConfig:
             # A CPU without AVX512-FP16 or AMX-FP16 has no float16 GEMM: ATen's float16
             # product streamed weights at ~0.8 GB/s on the AVX2 bench VM (~25x slower than
             # the bfloat16 kernel), so a float16 checkpoint runs as bfloat16: the same
-            # bytes, its range, 3 fewer mantissa bits (vLLM's CPU backend does the same).
+            # bytes, its range, 3 fewer mantissa bits.
             compute = torch.bfloat16
             logger.info("the checkpoint is float16, which this CPU cannot multiply at speed: "
                         "computing in bfloat16 (dtype='float16' forces float16)")
