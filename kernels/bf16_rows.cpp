@@ -155,8 +155,9 @@ void one_row(const uint16_t* w, const float* xs, int64_t in, int64_t o_begin, in
       a[0] = _mm256_fmadd_ps(even_f32(v), _mm256_loadu_ps(xs + k), a[0]);
       a[1] = _mm256_fmadd_ps(odd_f32(v), _mm256_loadu_ps(xs + k + 8), a[1]);
     }
-    y[o] = reduce8(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
-                                 _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7]))));
+    const __m256 lo = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+    const __m256 hi = _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7]));
+    y[o] = reduce8(_mm256_add_ps(lo, hi));
   }
 }
 

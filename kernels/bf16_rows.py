@@ -31,8 +31,9 @@ def load():
 
 
 def native() -> bool:
-    """Whether the kernel builds here with AVX512-BF16 products (its portable loop converts
-    to float32 and runs several times slower than oneDNN's packed layout)."""
+    """Whether the kernel builds here with vector products: AVX512-BF16, or AVX2 and FMA
+    (its portable loop converts element by element and runs several times slower than
+    oneDNN's packed layout)."""
     fn = NATIVE.get()
     return fn is not None and fn() == 1
 

@@ -321,8 +321,8 @@ void avx2_rows(const int8_t* q, const float* scale, const float* x, int64_t rows
 
 }  // namespace
 
-// 1 where groups of 32 take the VNNI path, which rounds x to int8 per group (q8_matmul.py's
-// twin does the same then); 0 where every product is the float path's.
+// 1 where groups of 32 take an integer path (VNNI or AVX2), which rounds x to int8 per group
+// (q8_matmul.py's twin does the same then); 0 where every product is the float path's.
 extern "C" int kvs_q8_rounds_activations() {
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
   return 1;

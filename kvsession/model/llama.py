@@ -84,8 +84,9 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 def weight_format(cfg: EngineConfig) -> str:
     """The projections' format (model/linear.py) for what LLM(...) asked: one copy, as
-    rows for a bfloat16 model on a CPU whose kernels/bf16_rows multiplies in bfloat16
-    (AVX512-BF16), else oneDNN's packed layout; both with the dual layout."""
+    rows for a bfloat16 model on a CPU where kernels/bf16_rows has vector products
+    (AVX512-BF16, or AVX2 and FMA), else oneDNN's packed layout; both with the dual
+    layout."""
     if cfg.quantization is Quantization.INT8:
         return "int8"
     if cfg.cpu_weight_layout is WeightLayout.DUAL:
@@ -101,8 +102,8 @@ class LlamaModel:
         """weight_format: how the projections keep their weights on CPU (model/linear.py;
         `weight_format(cfg)` chooses for LLM): "onednn" by default (one copy; a tied output
         head keeps the checkpoint's rows, which the embedding shares); "rows" (one copy,
-        every projection the checkpoint's rows: a bfloat16 model on AVX512-BF16); "both"
-        adds the rows for batch-1 decode at twice the weight memory
+        every projection the checkpoint's rows: a bfloat16 model where bf16_rows.native());
+        "both" adds the rows for batch-1 decode at twice the weight memory
         (LLM(cpu_weight_layout="dual")); "int8" quantizes."""
         self.spec, self.weight_format = spec, weight_format
         # the paged attention op; an instance attribute so a measurement tool can wrap it
