@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kvsession.kernels import reference
 from kvsession.kernels.cpp_build import CtypesKernel, OpKind, TorchOp
 
 log = logging.getLogger("kvsession")
@@ -98,15 +99,17 @@ def paged_attention(fn, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 # The new token's K/V stored (by the kernel: two index_copy_ calls cost ~20-40 us a layer
 # in a decode step, the caches cold from the weights), then paged_attention, as one op that
-# compiled code calls
-# (model/onerow.py's decode step; the kernel must have loaded: the callers check `load()`
-# first). The op declares its writes to the caches (`Tensor(a!)`), so inductor performs
-# them in place: an index_copy_ into a graph input is functionalized into a copy of the
-# whole cache, which inductor did not turn back into an in-place write for the second and
-# later layers of one graph (2 x 64 MiB a layer and step with a 1 GiB pool on the bench
-# model). Defined through the plain Library API (a `torch.library.custom_op` wrapper cost
-# ~25 us a call); its CPU implementation is registered by `register_op` when first needed:
-# C++ (cpu_decode_op.cpp, ~2 us a call) where it builds, else Python (`_op`, ~30 us).
+# compiled code calls (model/onerow.py's decode steps, one sequence or a batch; the kernel
+# must have loaded: the callers check `load()` first). Leading blocks that every
+# sequence's table shares are read once (found by the op itself, as
+# reference.shared_prefix_blocks finds them). The op declares its writes to the caches
+# (`Tensor(a!)`), so inductor performs them in place: an index_copy_ into a graph input is
+# functionalized into a copy of the whole cache, which inductor did not turn back into an
+# in-place write for the second and later layers of one graph (2 x 64 MiB a layer and step
+# with a 1 GiB pool on the bench model). Defined through the plain Library API (a
+# `torch.library.custom_op` wrapper cost ~25 us a call); its CPU implementation is
+# registered by `register_op` when first needed: C++ (cpu_decode_op.cpp, ~2 us a call)
+# where it builds, else Python (`_op`, ~30 us).
 _LIBRARY = torch.library.Library("kvsession", "DEF")
 _LIBRARY.define("cpu_decode_store_attention(Tensor q, Tensor key, Tensor value, "
                 "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, "
@@ -125,8 +128,9 @@ def _op(q, key, value, k_cache, v_cache, slots, block_tables, seq_lens, softmax_
     """The op's implementation in Python: the kernel through ctypes (where the C++ one,
     cpu_decode_op.cpp, could not be built)."""
     dtype = k_cache.dtype
+    shared = reference.shared_prefix_blocks(block_tables, seq_lens, k_cache.shape[1])
     return paged_attention(load(dtype=dtype), q, k_cache, v_cache, block_tables, seq_lens,
-                           softmax_scale, store=store_rows(key, value, slots, dtype))
+                           softmax_scale, shared, store_rows(key, value, slots, dtype))
 
 
 OP = TorchOp(_LIBRARY, "cpu_decode_store_attention", SOURCE.with_name("cpu_decode_op.cpp"),

@@ -18,6 +18,21 @@
 
 namespace {
 
+// Leading columns of the block tables that every sequence has, physically the same (a
+// pinned system prompt, a forked history), full blocks only: read once for all of them
+// (the shared_blocks argument of the kernel; reference.shared_prefix_blocks in Python).
+int64_t shared_prefix_blocks(const int64_t* tables, int64_t stride, const int64_t* lens,
+                             int64_t num_seqs, int64_t block_size) {
+  if (num_seqs < 2) return 0;
+  int64_t full = lens[0];
+  for (int64_t s = 1; s < num_seqs; ++s) full = std::min(full, lens[s]);
+  full /= block_size;
+  for (int64_t c = 0; c < full; ++c)
+    for (int64_t s = 1; s < num_seqs; ++s)
+      if (tables[s * stride + c] != tables[c]) return c;
+  return full;
+}
+
 at::Tensor store_attention(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value,
                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -48,21 +63,24 @@ at::Tensor store_attention(const at::Tensor& q, const at::Tensor& key, const at:
   at::Tensor out = at::empty({num_seqs, heads, head_dim}, qf.options());
   if (num_seqs) {
     const int64_t chunk = std::max<int64_t>(1, KVS_TASK_TOKENS / block_size);
+    const int64_t shared = shared_prefix_blocks(tables.data_ptr<int64_t>(), tables.stride(0),
+                                                lens.data_ptr<int64_t>(), num_seqs,
+                                                block_size);
     const int failed =
         cache == at::kFloat
             ? kvs_decode_attention(
                   k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), block_size, kv_heads,
                   head_dim, tables.data_ptr<int64_t>(), tables.stride(0),
                   lens.data_ptr<int64_t>(), num_seqs, heads / kv_heads, qf.data_ptr<float>(),
-                  float(softmax_scale), 0, chunk, out.data_ptr<float>(),
+                  float(softmax_scale), shared, chunk, out.data_ptr<float>(),
                   at::get_num_threads(), kf.data_ptr<float>(), vf.data_ptr<float>(),
                   sl.data_ptr<int64_t>())
             : kvs_decode_attention_bf16(
                   static_cast<uint16_t*>(k_cache.data_ptr()),
                   static_cast<uint16_t*>(v_cache.data_ptr()), block_size, kv_heads, head_dim,
                   tables.data_ptr<int64_t>(), tables.stride(0), lens.data_ptr<int64_t>(),
-                  num_seqs, heads / kv_heads, qf.data_ptr<float>(), float(softmax_scale), 0,
-                  chunk, out.data_ptr<float>(), at::get_num_threads(),
+                  num_seqs, heads / kv_heads, qf.data_ptr<float>(), float(softmax_scale),
+                  shared, chunk, out.data_ptr<float>(), at::get_num_threads(),
                   static_cast<const uint16_t*>(kf.data_ptr()),
                   static_cast<const uint16_t*>(vf.data_ptr()), sl.data_ptr<int64_t>());
     TORCH_CHECK(!failed, "the CPU decode attention kernel could not allocate its scratch");

@@ -113,17 +113,19 @@ def test_the_kernel_stores_each_new_token_at_its_slot_before_attending(dtype):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", CASES[:4] + CASES[5:])  # the op reads no shared blocks
+@pytest.mark.parametrize("case", CASES)
 def test_the_ops_cpp_implementation_is_the_kernel_through_ctypes_exactly(kernel, case):
     """register_op gives kvsession::cpu_decode_store_attention its C++ implementation
     here (a compiler, torch's headers): the same kernel, called without Python, so the
-    same bits as `_op` (the kernel through ctypes), stores included; a query in bfloat16
-    comes back in bfloat16."""
+    same bits as `_op` (the kernel through ctypes, told the leading blocks every table
+    shares: the op finds them itself), stores included; a query in bfloat16 comes back in
+    bfloat16; the result is the torch twin's."""
     assert cpu_decode.register_op() == cpu_decode.OpKind.NATIVE
-    lens, _, bs, kvh, group, dim = case
+    lens, shared, bs, kvh, group, dim = case
     q, k, v, table, seq_lens = random_case(random.Random(str(case) + "op"), lens=lens,
-                                           shared=0, block_size=bs, kv_heads=kvh,
+                                           shared=shared, block_size=bs, kv_heads=kvh,
                                            group=group, dim=dim)
+    assert reference.shared_prefix_blocks(table, seq_lens, bs) == shared
     k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)
     g = torch.Generator().manual_seed(5)
     key, value = (torch.randn(len(lens), kvh, dim, generator=g) for _ in range(2))
@@ -135,6 +137,8 @@ def test_the_ops_cpp_implementation_is_the_kernel_through_ctypes_exactly(kernel,
         want = cpu_decode._op(query, key, value, k2, v2, slots, table, seq_lens, dim ** -0.5)
         assert got.dtype == query.dtype and torch.equal(got, want)
         assert torch.equal(k, k2) and torch.equal(v, v2)
+    twin = reference.paged_attention(q, k, v, table, seq_lens, dim ** -0.5)
+    torch.testing.assert_close(got.float(), twin, rtol=2e-2, atol=2e-2)  # bfloat16 query
 
 
 def test_where_the_ops_cpp_implementation_does_not_build_python_serves(tmp_path):

@@ -28,6 +28,23 @@ def count_calls(kernels: OneRowKernels, name: str) -> list:
     return calls
 
 
+def compiled_and_eager(ins: Internals, kernels: OneRowKernels, step, blocks: int) -> tuple:
+    """(step(kernels), step(None)) on the engine thread, the cache's first `blocks` blocks
+    holding the same random context both times (zeroed after)."""
+    kv = ins.kv_pool
+
+    def both():
+        g = torch.Generator().manual_seed(0)
+        for t in kv.tensors().values():
+            t[:blocks].copy_(torch.randn(t[:blocks].shape, generator=g).to(t.dtype))
+        try:
+            return step(kernels), step(None)
+        finally:
+            kv.reset_blocks(blocks)
+
+    return ins.on_engine(both)
+
+
 @pytest.mark.parametrize("arch,overrides,whole_step", [
     ("llama", {}, False), ("qwen2", {"tie_word_embeddings": True}, False),
     ("qwen3", {}, False), ("qwen2", {"tie_word_embeddings": True}, True),
@@ -319,16 +336,7 @@ def test_a_bf16_or_int8_step_in_one_region_calls_the_kernels_ops_and_matches_eag
             stored = kv.layer(len(model.layers) - 1).k[1, 3].clone()
             return logits, stored
 
-        def both():
-            g = torch.Generator().manual_seed(0)
-            for t in kv.tensors().values():  # a context to attend over, the same both times
-                t[:2].copy_(torch.randn(t[:2].shape, generator=g).to(t.dtype))
-            try:
-                return step(kernels), step(None)
-            finally:
-                kv.reset_blocks(2)
-
-        (compiled, k_compiled), (eager, k_eager) = ins.on_engine(both)
+        (compiled, k_compiled), (eager, k_eager) = compiled_and_eager(ins, kernels, step, 2)
     assert len(steps) == 1 and compiled.dtype == eager.dtype == torch.float32
     scale = eager.abs().max().item()
     assert (compiled - eager).abs().max().item() <= 0.05 * scale
@@ -336,3 +344,91 @@ def test_a_bf16_or_int8_step_in_one_region_calls_the_kernels_ops_and_matches_eag
     # a step or two between fused and eager code)
     k_scale = k_eager.float().abs().max().item()
     assert (k_compiled.float() - k_eager.float()).abs().max().item() <= 0.05 * k_scale
+
+
+@pytest.mark.parametrize("arch, dtype, quantization", [
+    ("qwen3", "bfloat16", None), ("llama", "float32", "int8")])
+def test_a_batch_of_decodes_runs_a_region_per_layer_and_matches_eager(model_dirs, arch, dtype,
+                                                                  quantization):
+    """A decode step of three sequences of a bfloat16 or int8 model: the batch region once
+    a layer, and the step's logits and stored K/V equal those of the same step through the eager
+    ops (the same kernels) up to bfloat16 rounding. The tables: two sequences share their
+    first block (read once by the op), the third has blocks of its own in another order,
+    its context ending mid-block."""
+    from kvsession.attention import AttentionMetadata
+    from kvsession.config import AttentionBackend
+    from kvsession.kernels import bf16_rows
+
+    if quantization is None and not bf16_rows.native():
+        pytest.skip("no vector bfloat16 products here: bfloat16 projections stay oneDNN's")
+    d = model_dirs(arch, dtype=dtype)
+    with LLM(d, max_model_len=128, kv_cache_memory="2MiB", quantization=quantization) as llm:
+        ins = Internals(llm)
+        model, kv = ins.model, ins.kv_pool
+        kernels = OneRowKernels.for_model(model)  # tiny weights: built by hand
+        kernels.select_attention(True)
+        assert kernels.batch_rows == 16 and kernels.serves_batch(3, kv.layer(0))
+        assert kernels.warm_up(model.spec, kv, model.softmax_scale, model.token_tables())
+        batches, ones = count_calls(kernels, "batch"), count_calls(kernels, "decode")
+        bs = kv.block_size
+        tables = torch.tensor([[0, 1], [0, 2], [4, 3]])
+        lens = [bs + 4, bs + 2, 2 * bs - 1]
+        slots = torch.tensor([bs + 3, 2 * bs + 1, 3 * bs + bs - 2])
+
+        def step(one_row):
+            model.one_row = one_row
+            meta = AttentionMetadata(
+                slot_mapping=slots, block_tables=tables, query_start_loc=[0, 1, 2, 3],
+                seq_lens=lens, seq_lens_tensor=torch.tensor(lens), decode_only=True,
+                softmax_scale=model.softmax_scale, backend=AttentionBackend.CPU,
+                query_start_loc_tensor=torch.tensor([0, 1, 2, 3]), max_query_len=1,
+                all_slots_valid=True)
+            logits = model.step_logits(torch.tensor([7, 9, 11]),
+                                       torch.tensor([n - 1 for n in lens]), kv, meta,
+                                       [0, 1, 2])
+            last = kv.layer(len(model.layers) - 1).k.flatten(0, 1)
+            return logits, last[slots].clone()
+
+        (compiled, k_compiled), (eager, k_eager) = compiled_and_eager(ins, kernels, step, 5)
+    assert len(batches) == len(model.layers) and not ones
+    assert compiled.shape == eager.shape and compiled.shape[0] == 3
+    for row in range(3):  # each sequence against its own scale
+        scale = eager[row].abs().max().item()
+        assert (compiled[row] - eager[row]).abs().max().item() <= 0.05 * scale
+    k_scale = k_eager.float().abs().max().item()
+    assert (k_compiled.float() - k_eager.float()).abs().max().item() <= 0.05 * k_scale
+
+
+def test_batches_of_any_size_compile_nothing_after_the_warm_up_and_match_eager(model_dirs):
+    """An int8 model of a float32 checkpoint generating batches of 2, 3 and 5 sequences
+    (and one alone): the warm-up compiled the batch region once for every batch size and
+    table width (both unbacked), the decode steps of batches ran through it, and the
+    tokens are those of the same batches through the eager ops."""
+    from torch._dynamo.utils import counters
+
+    d = model_dirs("llama")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    batches = [random_prompts(n, [3, 40], 500) for n in (2, 3, 5, 1)]
+    # no prefix cache: the second run would find the first's prompts, and an int8 prefill
+    # of up to 16 rows rounds its activations where a longer one does not (q8_matmul)
+    with LLM(d, max_model_len=256, kv_cache_memory="4MiB", quantization="int8",
+             enable_prefix_caching=False) as llm:
+        ins = Internals(llm)
+        model = ins.model
+        kernels = OneRowKernels.for_model(model)
+        kernels.select_attention(True)
+        assert kernels.warm_up(model.spec, ins.kv_pool, model.softmax_scale,
+                               model.token_tables())
+        compiled = counters["stats"]["unique_graphs"]
+
+        def run(one_row):
+            model.one_row = one_row
+            return [[o.token_ids for o in llm.generate(prompt_token_ids=b, use_tqdm=False,
+                                                       sampling_params=params)]
+                    for b in batches]
+
+        calls = count_calls(kernels, "batch")
+        got = run(kernels)
+        assert counters["stats"]["unique_graphs"] == compiled
+        want = run(None)
+    assert got == want and len(calls) >= (params.max_tokens - 1) * len(model.layers)

@@ -280,6 +280,8 @@ class LlamaModel:
         caches besides."""
         if self._one_region(input_ids, kv, meta):
             return self._decode_region(input_ids, positions, kv, meta)[0]
+        if self._batch_region(input_ids, kv, meta):
+            return self._decode_batch(input_ids, positions, kv, meta)[0]
         eps = self.spec.rms_norm_eps
         h = self.embed.index_select(0, input_ids) if self.embed_int8 is None \
             else self.embed_int8.lookup(input_ids)
@@ -308,11 +310,14 @@ class LlamaModel:
     def step_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVPool,
                     meta: AttentionMetadata, rows: list[int]) -> torch.Tensor:
         """forward(), then logits() of the hidden states `rows` (the rows that sample):
-        float32 [len(rows), vocab]. A batch-1 decode step that samples its row runs as one
-        compiled region from the token id to the logits where the one-token path reads
-        attention with the kernel (model/onerow.py decode_logits_kernel)."""
+        float32 [len(rows), vocab]. Where the one-token path reads attention with the
+        kernel, a batch-1 decode step runs as one compiled region from the token id to the
+        logits (model/onerow.py decode_logits_kernel), and a decode step of a batch of a
+        bfloat16 or int8 model as a compiled region per layer (decode_batch_layer)."""
         if rows == [0] and self._one_region(input_ids, kv, meta):
             return self._decode_region(input_ids, positions, kv, meta)[1]
+        if len(rows) == input_ids.shape[0] and self._batch_region(input_ids, kv, meta):
+            return self._decode_batch(input_ids, positions, kv, meta)[1]
         hidden = self.forward(input_ids, positions, kv, meta)
         if len(rows) < hidden.shape[0]:  # a decode step samples every row: no copy
             hidden = hidden[rows]
@@ -333,6 +338,21 @@ class LlamaModel:
         return self.one_row.decode_logits(
             input_ids, positions, self.token_tables(), self.spec, kv, *self._one_sequence(
                 kv, meta), self.softmax_scale, meta.on_layer_done)
+
+    def _batch_region(self, input_ids: torch.Tensor, kv: KVPool, meta: AttentionMetadata
+                      ) -> bool:
+        """Whether this step is a decode step of several sequences the batch region
+        serves."""
+        return self.one_row is not None and meta.decode_only and \
+            self.one_row.serves_batch(input_ids.shape[0], kv.layer(0))
+
+    def _decode_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVPool,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [n, hidden] after the final norm, float32 logits [n, vocab]) of a
+        `_batch_region` step."""
+        return self.one_row.decode_batch_logits(
+            input_ids, positions, self.token_tables(), self.spec, kv, meta.slot_mapping,
+            meta.block_tables, meta.seq_lens_tensor, self.softmax_scale, meta.on_layer_done)
 
     @staticmethod
     def _one_sequence(kv: KVPool, meta: AttentionMetadata) -> tuple:

@@ -78,16 +78,17 @@ DENSE_OPTIONS = COMPILE_OPTIONS | {"realize_cpu_acc_reads_threshold": 2}
 
 
 def row_product(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
-    """x [in] times w [out, in] (+ b): [out], one pass over w's rows. bfloat16 rows through
-    the kernel's op (kernels/bf16_rows: one vdpbf16ps per 32 weights, where the generated
-    loop widens each weight to float32 first); an int8 weight, w = (q, scale) as
-    q8_matmul.quantize makes it, through the int8 kernel's op."""
+    """x [n, in] times w [out, in] (+ b): [n, out], one pass over w's rows. bfloat16 rows
+    through the kernel's op (kernels/bf16_rows: one vdpbf16ps per 32 weights, where the
+    generated loop widens each weight to float32 first); an int8 weight, w = (q, scale) as
+    q8_matmul.quantize makes it, through the int8 kernel's op (both ops take 1 to
+    KERNEL_MAX_ROWS rows); float32 rows as a generated loop, one row only (n = 1)."""
     if isinstance(w, tuple):
-        y = torch.ops.kvsession.q8_matmul(x[None], *w)[0]
+        y = torch.ops.kvsession.q8_matmul(x, *w)
     elif w.dtype == torch.bfloat16:
-        y = torch.ops.kvsession.bf16_rows_matmul(x[None], w)[0]
+        y = torch.ops.kvsession.bf16_rows_matmul(x, w)
     else:
-        y = (w * x).sum(-1)
+        y = (w * x[0]).sum(-1).unsqueeze(0)
     return y if b is None else y + b
 
 
@@ -97,39 +98,44 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def pre_attention(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps: float,
                   heads: int, kv_heads: int):
-    """h [1, hidden] -> q [1, heads, D], k and v [1, kv_heads, D], rotated as the model's
-    qkv_rows does (cos and sin_signed [1, 1, D] of this token's position)."""
-    qkv = row_product(_norm(h[0], norm, eps), qkv_w, qkv_b).view(1, heads + 2 * kv_heads, -1)
+    """h [n, hidden] -> q [n, heads, D], k and v [n, kv_heads, D], rotated as the model's
+    qkv_rows does (cos and sin_signed [n, 1, D] of each row's position)."""
+    qkv = row_product(_norm(h, norm, eps), qkv_w, qkv_b)
+    qkv = qkv.view(h.shape[0], heads + 2 * kv_heads, qkv.shape[-1] // (heads + 2 * kv_heads))
     qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads:]
     if q_norm is not None:
         qk = torch.cat((_norm(qk[:, :heads], q_norm, eps), _norm(qk[:, heads:], k_norm, eps)),
                        dim=1)
-    # HF's x * cos + rotate_half(x) * sin, as LlamaModel.rope writes it
-    qk = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin_signed
+    # HF's x * cos + rotate_half(x) * sin, as LlamaModel.rope writes it (its roll as a
+    # cat of the halves: roll's decomposition asks whether the tensor is empty, which a
+    # batch's unbacked row count cannot answer)
+    half = qk.shape[-1] // 2
+    qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin_signed
     return qk[:, :heads], qk[:, heads:], v
 
 
 def post_attention(h, o, o_w, o_b, norm, gate_up_w, gate_up_b, down_w, down_b, eps: float):
-    """h [1, hidden] plus the o product of the attention output o [1, heads * D], then plus
+    """h [n, hidden] plus the o product of the attention output o [n, heads * D], then plus
     the MLP of that: the residual stream after the layer."""
-    h = h + row_product(o[0], o_w, o_b)
-    gate_up = row_product(_norm(h[0], norm, eps), gate_up_w, gate_up_b)
-    half = gate_up.shape[0] // 2
-    return h + row_product(F.silu(gate_up[:half]) * gate_up[half:], down_w, down_b)
+    h = h + row_product(o, o_w, o_b)
+    gate_up = row_product(_norm(h, norm, eps), gate_up_w, gate_up_b)
+    half = gate_up.shape[-1] // 2
+    return h + row_product(F.silu(gate_up[:, :half]) * gate_up[:, half:], down_w, down_b)
 
 
 def layer(attend_fn, h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps: float,
           heads: int, kv_heads: int, k_cache, v_cache, slot, block_ids, num_tokens,
           scale: float, o_w, o_b, post_norm, gate_up_w, gate_up_b, down_w, down_b,
           eps_post: float):
-    """One layer of a batch-1 decode step: pre_attention, then `attend_fn` stores the new
-    K/V at `slot` of the layer's float32 cache ([num_blocks, block_size, kv_heads, D]) and
-    attends over the first `num_tokens` (a 0-dim tensor) slots of `block_ids` (the
-    sequence's blocks, in order), then post_attention."""
+    """One layer of a decode step of n sequences: pre_attention, then `attend_fn` stores the
+    new K/V at `slot` of the layer's cache ([num_blocks, block_size, kv_heads, D]) and
+    attends over each sequence's context (a batch-1 step's `block_ids` [n_blocks] and
+    `num_tokens` (0-dim); a batch's block tables [n, max_blocks] and lengths [n]), then
+    post_attention."""
     q, k, v = pre_attention(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps,
                             heads, kv_heads)
     o = attend_fn(q, k, v, k_cache, v_cache, slot, block_ids, num_tokens, scale)
-    return post_attention(h, o.reshape(1, -1), o_w, o_b, post_norm, gate_up_w, gate_up_b,
+    return post_attention(h, o.reshape(h.shape[0], -1), o_w, o_b, post_norm, gate_up_w, gate_up_b,
                           down_w, down_b, eps_post)
 
 
@@ -174,21 +180,59 @@ def decode_logits_kernel(token, position, embed, cos_table, sin_table, layers, c
     rotary rows in eager ops, the layers, the head) a step took ~0.25-0.3 ms longer on the
     AMD bench machine (3.23-3.33 vs 2.98-3.04 ms at 66-79 GB/s, ~8%; the same logits to the
     bit): each call's Python, guards and OpenMP start, with the memory idle meanwhile."""
-    h = embed.index_select(0, token) if isinstance(embed, torch.Tensor) else \
-        q8_matmul.dequantize(embed[0].index_select(0, token), embed[1].index_select(0, token),
-                             final_norm.dtype)  # an int8 table (q, scale)
-    # in the model's dtype, as LlamaModel.forward rounds them
-    cos = cos_table.index_select(0, position).unsqueeze(1).to(h.dtype)
-    sin_signed = sin_table.index_select(0, position).unsqueeze(1).to(h.dtype)
+    h, cos, sin_signed = token_inputs(token, position, embed, cos_table, sin_table,
+                                      final_norm.dtype)
     hidden = decode_layers_kernel(h, layers, caches, cos, sin_signed, eps, heads, kv_heads,
                                   slot, block_ids, num_tokens, scale, final_norm)
     return hidden, head(hidden, head_w, head_b)
+
+
+def token_inputs(token, position, embed, cos_table, sin_table, dtype: torch.dtype):
+    """The embedding rows of tokens [n] (an int8 table (q, scale) dequantized to the
+    model's `dtype`) and the rotary rows cos and sin_signed [n, 1, D] of positions [n], in
+    the model's dtype as LlamaModel.forward rounds them."""
+    h = embed.index_select(0, token) if isinstance(embed, torch.Tensor) else \
+        q8_matmul.dequantize(embed[0].index_select(0, token), embed[1].index_select(0, token),
+                             dtype)
+    cos = cos_table.index_select(0, position).unsqueeze(1).to(h.dtype)
+    sin_signed = sin_table.index_select(0, position).unsqueeze(1).to(h.dtype)
+    return h, cos, sin_signed
+
+
+def decode_batch_layer(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, eps: float,
+                       heads: int, kv_heads: int, k_cache, v_cache, slots, block_tables,
+                       seq_lens, scale: float, o_w, o_b, post_norm, gate_up_w, gate_up_b,
+                       down_w, down_b, eps_post: float):
+    """One layer of a decode step of n sequences (2 to the products' KERNEL_MAX_ROWS) in one
+    region: `layer` with h [n, hidden], cos and sin_signed [n, 1, D], the attention read by
+    the kernel's op over `block_tables` [n, max_blocks] and `seq_lens` [n] (blocks every
+    sequence shares read once: kernels/cpu_decode_op.cpp), the new K/V stored at `slots`
+    [n]. Every length is unbacked (one graph for every batch and table width): the row
+    counts are told equal here, for the broadcasts between them.
+
+    Why a region for batches too: between the same C++ products, the eager step ran ~40
+    small ops a layer, ~22% of a Qwen3-0.6B-shaped bfloat16 step of 8 sequences on the AVX2
+    bench VM (py-spy), where llama.cpp's graph has none of that overhead. Why a region per
+    layer, not the whole step as for one sequence: the whole step took ~50 s to compile
+    (28 layers of shape-generic code), where one layer's graph serves every layer, and the
+    ~28 calls' overhead is <1% of a step of 8."""
+    torch._check(cos.shape[0] == h.shape[0])
+    torch._check(sin_signed.shape[0] == h.shape[0])
+    return layer(batch_store_attend, h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed,
+                 eps, heads, kv_heads, k_cache, v_cache, slots, block_tables, seq_lens, scale,
+                 o_w, o_b, post_norm, gate_up_w, gate_up_b, down_w, down_b, eps_post)
 
 
 def kernel_store_attend(q, k, v, k_cache, v_cache, slot, block_ids, num_tokens,
                         scale: float):
     return torch.ops.kvsession.cpu_decode_store_attention(
         q, k, v, k_cache, v_cache, slot, block_ids[None], num_tokens.view(1), scale)
+
+
+def batch_store_attend(q, k, v, k_cache, v_cache, slots, block_tables, seq_lens,
+                       scale: float):
+    return torch.ops.kvsession.cpu_decode_store_attention(
+        q, k, v, k_cache, v_cache, slots, block_tables, seq_lens, scale)
 
 
 def store_attend(q, k, v, k_cache, v_cache, slot, block_ids, num_tokens, scale: float):
@@ -219,8 +263,8 @@ def attend(q, k_cache, v_cache, block_ids, num_tokens, scale: float):
 
 
 def head(hidden, w, b):
-    """hidden [1, hidden] (after the final norm) -> float32 logits [1, vocab]."""
-    return row_product(hidden[0], w, b).unsqueeze(0).float()
+    """hidden [n, hidden] (after the final norm) -> float32 logits [n, vocab]."""
+    return row_product(hidden, w, b).float()
 
 
 def compile_region(fn, dynamic: bool | None = False,
@@ -241,8 +285,12 @@ class LayerArgs:
 class OneRowKernels:
     """The compiled regions of one model and the tensors they read (the Linears' rows)."""
 
-    def __init__(self, layers: list[LayerArgs], head_args: tuple, final_norm: torch.Tensor):
+    def __init__(self, layers: list[LayerArgs], head_args: tuple, final_norm: torch.Tensor,
+                 batch_rows: int = 0):
+        """batch_rows: the most sequences a decode step's batch region takes (0: none; the
+        products' ops take up to KERNEL_MAX_ROWS rows: bfloat16 and int8 models)."""
         self.layers, self.head_args, self.final_norm = layers, head_args, final_norm
+        self.batch_rows = batch_rows
         self.layer_pairs = [(lw.pre, lw.post) for lw in layers]  # decode_layers_kernel's
         self.pre, self.post, self.head = (compile_region(f) for f in
                                           (pre_attention, post_attention, head))
@@ -270,17 +318,52 @@ class OneRowKernels:
         nothing to overlap). Under inference mode."""
         block_ids, token, position, slot, num_tokens = _step_indices(
             block_ids, token, position, slot, num_tokens)
-        layers = range(len(self.layers))
-        if self._caches is None or self._caches[0] is not kv:  # a pool's tensors are
-            # allocated once: its per-layer views are built once too (~1% of a step)
-            self._caches = (kv, [(kv.layer(i).k, kv.layer(i).v) for i in layers])
-        out = self.decode(token, position, *tables, self.layer_pairs, self._caches[1],
+        out = self.decode(token, position, *tables, self.layer_pairs, self._layer_caches(kv),
                           spec.rms_norm_eps, spec.num_heads, spec.num_kv_heads, slot,
                           block_ids, num_tokens, scale, self.final_norm, *self.head_args)
         if on_layer_done is not None:
-            for i in layers:
+            for i in range(len(self.layers)):
                 on_layer_done(i)
         return out
+
+    def _layer_caches(self, kv) -> list:
+        """Each layer's (k, v) cache of `kv`. A pool's tensors are allocated once: its
+        per-layer views are built once too (~1% of a batch-1 step)."""
+        if self._caches is None or self._caches[0] is not kv:
+            self._caches = (kv, [(kv.layer(i).k, kv.layer(i).v)
+                                 for i in range(len(self.layers))])
+        return self._caches[1]
+
+    def serves_batch(self, num_seqs: int, layer_kv) -> bool:
+        """Whether the batch region serves a decode step of `num_seqs` sequences on this
+        layer's cache (after select_attention(kernel=True))."""
+        return self.kernel_attention and 2 <= num_seqs <= self.batch_rows \
+            and self.reads_cache(layer_kv)
+
+    def decode_batch_logits(self, tokens, positions, tables: TokenTables, spec, kv, slots,
+                            block_tables, seq_lens, scale: float, on_layer_done=None):
+        """A decode step of n sequences (`serves_batch`), a region per layer
+        (decode_batch_layer), the token and rotary rows, the final norm and the output head
+        around them: tokens, positions, slots and seq_lens [n] int64, block_tables [n,
+        max_blocks]; (hidden [n, hidden], float32 logits [n, vocab]). `on_layer_done(i)`
+        once layer i's K/V is written. Under inference mode."""
+        eps = spec.rms_norm_eps
+        h, cos, sin_signed = token_inputs(tokens, positions, tables.embed, tables.cos,
+                                          tables.sin_signed, self.final_norm.dtype)
+        # every length marked unbacked: one graph for all batch sizes and table widths
+        cos, sin_signed, slots, block_tables, seq_lens = (
+            _unbacked(_inference(t), dims) for t, dims in (
+                (cos, (0,)), (sin_signed, (0,)), (slots, (0,)), (block_tables, (0, 1)),
+                (seq_lens, (0,))))
+        for i, (args, (k_cache, v_cache)) in enumerate(zip(self.layers, self._layer_caches(kv),
+                                                            strict=True)):
+            h = self.batch(_unbacked(h, (0,)), *args.pre, cos, sin_signed, eps,
+                           spec.num_heads, spec.num_kv_heads, k_cache, v_cache, slots,
+                           block_tables, seq_lens, scale, *args.post)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        hidden = _norm(h, self.final_norm, eps)
+        return hidden, head(hidden, *self.head_args)
 
     def decode_step(self, h, cos_sin: tuple, spec, kv, slot, block_ids, num_tokens,
                     scale: float, on_layer_done=None):
@@ -314,14 +397,21 @@ class OneRowKernels:
         self.decode = compile_region(decode_logits_kernel, dynamic=None) if kernel else \
             compile_region(decode_layer, dynamic=None, options=COMPILE_OPTIONS)
         self.decode.attach(self.store)
+        # batches of decodes: only beside the kernel's attention (the op reads each
+        # sequence's own block table), only where the products are ops (batch_rows)
+        self.batch = compile_region(decode_batch_layer, dynamic=None) \
+            if kernel and self.batch_rows else None
+        if self.batch is not None:
+            self.batch.attach(self.store)
 
     def attach_store(self, store: RegionStore | None) -> None:
         """Compile the regions ahead of time through `store` (loading what an earlier
         process stored: model/region_store.py); None: in this process only. Before
         warm_up."""
         self.store = store
-        for region in (self.pre, self.post, self.head, self.decode):
-            region.attach(store)
+        for region in (self.pre, self.post, self.head, self.decode, self.batch):
+            if region is not None:
+                region.attach(store)
 
     def warm_up(self, spec, kv, scale: float, tables: TokenTables) -> bool:
         """Compile what the engine will run, before its first step needs it; False if that
@@ -359,6 +449,8 @@ class OneRowKernels:
                             log.warning("decode steps run the one-token regions around the "
                                         "attention op: compiling the decode layer failed "
                                         "(%s: %s)", type(e).__name__, e)
+                    if decodes and self.batch is not None:
+                        self._warm_batch(spec, kv, scale, tables)
                     if not decodes:
                         self.pre(h, *self.layers[0].pre, *rope, spec.rms_norm_eps,
                                  spec.num_heads, spec.num_kv_heads)
@@ -373,6 +465,21 @@ class OneRowKernels:
             if writes:
                 kv.reset_blocks(2)
         return True
+
+    def _warm_batch(self, spec, kv, scale: float, tables: TokenTables) -> None:
+        """The batch region compiled on a step of two sequences that share block 0 and
+        write block 1 (warm_up's blocks); where it fails, batches keep the eager step
+        (said in the log)."""
+        n = kv.block_size + 1
+        try:
+            self.decode_batch_logits(torch.zeros(2, dtype=torch.long),
+                                     torch.tensor([n - 1, n - 2]), tables, spec, kv,
+                                     torch.tensor([n - 1, n - 2]), torch.tensor([[0, 1]] * 2),
+                                     torch.tensor([n, n - 1]), scale)
+        except Exception as e:  # noqa: BLE001 - the eager step serves batches
+            self.batch, self.batch_rows = None, 0
+            log.warning("decode steps of several sequences run eagerly: compiling their "
+                        "region failed (%s: %s)", type(e).__name__, e)
 
     @staticmethod
     def for_model(model) -> OneRowKernels | None:
@@ -394,10 +501,13 @@ class OneRowKernels:
                                             or bf16_rows.register_op() != OpKind.NATIVE):
                 return None
         eps = model.spec.rms_norm_eps
+        # float32 rows are a generated loop for one row; the ops take up to 16
+        batch_rows = 0 if lins[0].int8 is None and lins[0].rows.dtype == torch.float32 \
+            else min(bf16_rows.KERNEL_MAX_ROWS, q8_matmul.KERNEL_MAX_ROWS)
         return OneRowKernels([LayerArgs(
             pre=(lw.input_norm, *_wb(lw.qkv), lw.q_norm, lw.k_norm),
             post=(*_wb(lw.o), lw.post_norm, *_wb(lw.gate_up), *_wb(lw.down), eps))
-            for lw in model.layers], _wb(model.lm_head), model.norm)
+            for lw in model.layers], _wb(model.lm_head), model.norm, batch_rows)
 
     @staticmethod
     def build(model) -> OneRowKernels | None:
@@ -418,9 +528,15 @@ def _step_indices(block_ids: torch.Tensor, *others: torch.Tensor) -> tuple:
     mode, the warm-up's from inside; as inference tensors both match), and `block_ids`'s
     length marked unbacked (one compiled graph for every length, 1 included: no 0/1
     specialisation)."""
-    block_ids = _inference(block_ids)
-    torch._dynamo.decorators.mark_unbacked(block_ids, 0)
-    return (block_ids, *(_inference(t) for t in others))
+    return (_unbacked(_inference(block_ids), (0,)), *(_inference(t) for t in others))
+
+
+def _unbacked(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """`t` with dimensions `dims` marked unbacked (a length that varies per call: one
+    compiled graph for every length, 1 included, no 0/1 specialisation)."""
+    for d in dims:
+        torch._dynamo.decorators.mark_unbacked(t, d)
+    return t
 
 
 def _inference(t: torch.Tensor) -> torch.Tensor:
