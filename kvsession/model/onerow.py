@@ -30,7 +30,10 @@ the attention read token-major). Other
 one-token steps (an fp8 or bfloat16 cache, which the model's paged attention op reads) run
 two regions per layer: before attention (input norm, fused q/k/v product, per-head q/k
 norms, rotary) and after it (o product, residual, post norm, gate/up product, SiLU-mul, down
-product, residual). One-row logits run the output head as a region. Used on CPU models
+product, residual). One-row logits run the output head as a region. A decode step of 2-16
+sequences of a bfloat16 or int8 model (whose products are the kernels' ops, which take up
+to 16 rows) runs a region per layer (`decode_batch_layer`, every length unbacked: one graph
+for all batch sizes and table widths). Used on CPU models
 (float32 "both" rows, bfloat16 rows, int8) large enough to be measured
 (linear.MEASURE_MIN_BYTES: smaller weights stay in the caches, where every kernel is fast):
 a float32 model's only where a one-token step through them measured faster than through
