@@ -351,13 +351,14 @@ def test_a_bf16_or_int8_step_in_one_region_calls_the_kernels_ops_and_matches_eag
 def test_a_batch_of_decodes_runs_a_region_per_layer_and_matches_eager(model_dirs, arch, dtype,
                                                                   quantization):
     """A decode step of three sequences of a bfloat16 or int8 model: the batch region once
-    a layer, and the step's logits and stored K/V equal those of the same step through the eager
-    ops (the same kernels) up to bfloat16 rounding. The tables: two sequences share their
-    first block (read once by the op), the third has blocks of its own in another order,
-    its context ending mid-block."""
+    a layer, and the step's logits and stored K/V equal those of the same step through the
+    eager ops (the same kernels) up to bfloat16 rounding. Two steps: the three tables share
+    their first block (read once for all by the op: reference.shared_prefix_blocks says 1),
+    then the third has blocks of its own in another order (nothing shared); every context
+    ends mid-block."""
     from kvsession.attention import AttentionMetadata
     from kvsession.config import AttentionBackend
-    from kvsession.kernels import bf16_rows
+    from kvsession.kernels import bf16_rows, reference
 
     if quantization is None and not bf16_rows.native():
         pytest.skip("no vector bfloat16 products here: bfloat16 projections stay oneDNN's")
@@ -371,32 +372,34 @@ def test_a_batch_of_decodes_runs_a_region_per_layer_and_matches_eager(model_dirs
         assert kernels.warm_up(model.spec, kv, model.softmax_scale, model.token_tables())
         batches, ones = count_calls(kernels, "batch"), count_calls(kernels, "decode")
         bs = kv.block_size
-        tables = torch.tensor([[0, 1], [0, 2], [4, 3]])
-        lens = [bs + 4, bs + 2, 2 * bs - 1]
-        slots = torch.tensor([bs + 3, 2 * bs + 1, 3 * bs + bs - 2])
+        lens = torch.tensor([bs + 4, bs + 2, 2 * bs - 1])
+        for tables, shared in ((torch.tensor([[0, 1], [0, 2], [0, 4]]), 1),
+                               (torch.tensor([[0, 1], [0, 2], [4, 3]]), 0)):
+            assert reference.shared_prefix_blocks(tables, lens, bs) == shared
+            slots = tables[:, 1] * bs + lens % bs - 1  # each context's last slot
 
-        def step(one_row):
-            model.one_row = one_row
-            meta = AttentionMetadata(
-                slot_mapping=slots, block_tables=tables, query_start_loc=[0, 1, 2, 3],
-                seq_lens=lens, seq_lens_tensor=torch.tensor(lens), decode_only=True,
-                softmax_scale=model.softmax_scale, backend=AttentionBackend.CPU,
-                query_start_loc_tensor=torch.tensor([0, 1, 2, 3]), max_query_len=1,
-                all_slots_valid=True)
-            logits = model.step_logits(torch.tensor([7, 9, 11]),
-                                       torch.tensor([n - 1 for n in lens]), kv, meta,
-                                       [0, 1, 2])
-            last = kv.layer(len(model.layers) - 1).k.flatten(0, 1)
-            return logits, last[slots].clone()
+            def step(one_row, tables=tables, slots=slots):
+                model.one_row = one_row
+                meta = AttentionMetadata(
+                    slot_mapping=slots, block_tables=tables, query_start_loc=[0, 1, 2, 3],
+                    seq_lens=lens.tolist(), seq_lens_tensor=lens, decode_only=True,
+                    softmax_scale=model.softmax_scale, backend=AttentionBackend.CPU,
+                    query_start_loc_tensor=torch.tensor([0, 1, 2, 3]), max_query_len=1,
+                    all_slots_valid=True)
+                logits = model.step_logits(torch.tensor([7, 9, 11]), lens - 1, kv, meta,
+                                           [0, 1, 2])
+                last = kv.layer(len(model.layers) - 1).k.flatten(0, 1)
+                return logits, last[slots].clone()
 
-        (compiled, k_compiled), (eager, k_eager) = compiled_and_eager(ins, kernels, step, 5)
-    assert len(batches) == len(model.layers) and not ones
-    assert compiled.shape == eager.shape and compiled.shape[0] == 3
-    for row in range(3):  # each sequence against its own scale
-        scale = eager[row].abs().max().item()
-        assert (compiled[row] - eager[row]).abs().max().item() <= 0.05 * scale
-    k_scale = k_eager.float().abs().max().item()
-    assert (k_compiled.float() - k_eager.float()).abs().max().item() <= 0.05 * k_scale
+            (compiled, k_compiled), (eager, k_eager) = compiled_and_eager(ins, kernels, step,
+                                                                          5)
+            assert compiled.shape == eager.shape and compiled.shape[0] == 3
+            for row in range(3):  # each sequence against its own scale
+                scale = eager[row].abs().max().item()
+                assert (compiled[row] - eager[row]).abs().max().item() <= 0.05 * scale
+            k_scale = k_eager.float().abs().max().item()
+            assert (k_compiled.float() - k_eager.float()).abs().max().item() <= 0.05 * k_scale
+    assert len(batches) == 2 * len(model.layers) and not ones
 
 
 def test_batches_of_any_size_compile_nothing_after_the_warm_up_and_match_eager(model_dirs):
