@@ -28,6 +28,17 @@ def count_calls(kernels: OneRowKernels, name: str) -> list:
     return calls
 
 
+def kernels_model(model_dirs, arch: str, dtype: str, quantization: str | None) -> LLM:
+    """A tiny bfloat16 or int8 model whose products are the kernels' ops (skipped where
+    bfloat16 rows have no vector kernel: its projections stay oneDNN's)."""
+    from kvsession.kernels import bf16_rows
+
+    if quantization is None and not bf16_rows.native():
+        pytest.skip("no vector bfloat16 products here: bfloat16 projections stay oneDNN's")
+    return LLM(model_dirs(arch, dtype=dtype), max_model_len=128, kv_cache_memory="2MiB",
+               quantization=quantization)
+
+
 def compiled_and_eager(ins: Internals, kernels: OneRowKernels, step, blocks: int) -> tuple:
     """(step(kernels), step(None)) on the engine thread, the cache's first `blocks` blocks
     holding the same random context both times (zeroed after)."""
@@ -307,12 +318,8 @@ def test_a_bf16_or_int8_step_in_one_region_calls_the_kernels_ops_and_matches_eag
     K/V."""
     from kvsession.attention import AttentionMetadata
     from kvsession.config import AttentionBackend
-    from kvsession.kernels import bf16_rows
 
-    if quantization is None and not bf16_rows.native():
-        pytest.skip("no AVX512-BF16 here: bfloat16 projections stay oneDNN's")
-    d = model_dirs(arch, dtype=dtype)
-    with LLM(d, max_model_len=128, kv_cache_memory="2MiB", quantization=quantization) as llm:
+    with kernels_model(model_dirs, arch, dtype, quantization) as llm:
         ins = Internals(llm)
         model, kv = ins.model, ins.kv_pool
         assert kv.layer(0).k.dtype == getattr(torch, dtype)
@@ -358,12 +365,9 @@ def test_a_batch_of_decodes_runs_a_region_per_layer_and_matches_eager(model_dirs
     ends mid-block."""
     from kvsession.attention import AttentionMetadata
     from kvsession.config import AttentionBackend
-    from kvsession.kernels import bf16_rows, reference
+    from kvsession.kernels import reference
 
-    if quantization is None and not bf16_rows.native():
-        pytest.skip("no vector bfloat16 products here: bfloat16 projections stay oneDNN's")
-    d = model_dirs(arch, dtype=dtype)
-    with LLM(d, max_model_len=128, kv_cache_memory="2MiB", quantization=quantization) as llm:
+    with kernels_model(model_dirs, arch, dtype, quantization) as llm:
         ins = Internals(llm)
         model, kv = ins.model, ins.kv_pool
         kernels = OneRowKernels.for_model(model)  # tiny weights: built by hand

@@ -228,12 +228,16 @@ def decode_batch_layer(h, norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin_signed, e
 
 def kernel_store_attend(q, k, v, k_cache, v_cache, slot, block_ids, num_tokens,
                         scale: float):
-    return torch.ops.kvsession.cpu_decode_store_attention(
-        q, k, v, k_cache, v_cache, slot, block_ids[None], num_tokens.view(1), scale)
+    """batch_store_attend for one sequence: its block list [n_blocks] and 0-dim length as
+    a table of one row."""
+    return batch_store_attend(q, k, v, k_cache, v_cache, slot, block_ids[None],
+                              num_tokens.view(1), scale)
 
 
 def batch_store_attend(q, k, v, k_cache, v_cache, slots, block_tables, seq_lens,
                        scale: float):
+    """The decode kernel's op: each sequence's new K/V stored at its slot, then attention
+    over its table row."""
     return torch.ops.kvsession.cpu_decode_store_attention(
         q, k, v, k_cache, v_cache, slots, block_tables, seq_lens, scale)
 
