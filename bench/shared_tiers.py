@@ -172,6 +172,10 @@ def run_one(workload: str, config: str, model: Path) -> dict:
             "device_hit_tokens": st.prefix.hit_tokens,
             "host_hit_tokens": getattr(host_stats, "hit_tokens", None),
             "host_bytes_written": getattr(host_stats, "bytes_written", None),
+            # device blocks copied to the host as they were evicted (the step waiting) and
+            # ahead of it, on the copier
+            "host_copied_at_eviction": getattr(host_stats, "blocks_copied_at_eviction", None),
+            "host_copied_ahead": getattr(host_stats, "blocks_copied_ahead", None),
             # bytes written to the host / KV bytes the run produced (its prompt tokens
             # computed and tokens generated): the host tier's write amplification
             "host_write_amplification": getattr(host_stats, "bytes_written", 0) / produced,
@@ -257,7 +261,8 @@ def main() -> None:
                                           "ttft_p50_s", "ttft_p99_s", "rag_ttft_p99_s",
                                           "agent_ttft_p99_s", "disk_hit_tokens",
                                           "disk_write_amplification",
-                                          "disk_cache_write_amplification")}
+                                          "disk_cache_write_amplification",
+                                          "host_copied_at_eviction", "host_copied_ahead")}
                for c in configs}
     if args.workload == "disk":
         h, hd = summary["host"], summary["host_disk"]
@@ -294,6 +299,11 @@ def main() -> None:
     print(f"prompt tokens computed: device / shared = {fewer:.2f}x (target >= 2x)")
     print(f"TTFT p99: device {p99['device'] * 1e3:.0f} ms, private {p99['private'] * 1e3:.0f} "
           f"ms, shared {p99['shared'] * 1e3:.0f} ms (target: shared best)")
+    at, ahead = (summary["shared"][k][0] for k in ("host_copied_at_eviction",
+                                                   "host_copied_ahead"))
+    if at is not None and ahead is not None:
+        print(f"evicted device blocks copied to the host: {at:.0f} as they were evicted (the "
+              f"step waiting), {ahead:.0f} ahead on the copier")
     write_result("shared_tiers", {"baseline": args.baseline, "rounds": runs,
                                   "summary": summary, "fewer_prefill_vs_device": fewer,
                                   "device_tokens": spec["device"],

@@ -49,7 +49,9 @@ class StatsCollector:
                              blocks_free=hp.num_free, bytes_per_token=bpt,
                              tokens_capacity=hp.num_blocks * bs,
                              cached_blocks=len(hp.index.index), hit_tokens=hp.hit_tokens,
-                             bytes_read=hp.bytes_read, bytes_written=hp.bytes_written)
+                             bytes_read=hp.bytes_read, bytes_written=hp.bytes_written,
+                             blocks_copied_at_eviction=self.policy.mover.evicted_copies,
+                             blocks_copied_ahead=self.policy.mover.cleaned_blocks)
         disk = TierStats(bytes_per_token=bpt)
         if self.disk is not None:  # sessions whose KV lives only there (free: see add_disk_room)
             disk.blocks_used = sum(blocks_for(len(s.tokens), bs) for s in self.policy.sessions

@@ -142,7 +142,8 @@ class Runtime:
                                self.identity, prefill_tps, snapshot_locks, self.disk_cache,
                                self.scheduler)
         self.policy = TierPolicy(self.mover, self.prefix, self.scheduler, prefill_tps, bpt,
-                                 cfg.spill_after_s)
+                                 cfg.spill_after_s,
+                                 blocks_for(cfg.max_num_batched_tokens, cfg.block_size))
         self.scheduler.attach_reclaimer(self.policy)
         # SLO-aware chunking: off until `llm.slo` is set (`set_slo`)
         self.slo_chunking = SloChunking(stall_ratio)

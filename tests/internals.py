@@ -151,11 +151,12 @@ class Internals:
         without timing anything."""
         return HeldCopier(self)
 
-    def spill_idle(self, now: float, settle: bool = True) -> None:
-        """The tier policy's idle check as if the clock read `now` (monotonic): sessions
-        idle past spill_after_s spill without the test waiting for it. Their copies run on
-        the copier: with `settle` they are waited for and settled before this returns,
-        else they are left in flight (the engine loop settles them)."""
+    def tier_housekeeping(self, now: float, settle: bool = True) -> None:
+        """The tier policy's timed work as if the clock read `now` (monotonic): sessions
+        idle past spill_after_s spill, and what the device's next allocations would evict
+        is copied to the host ahead of them, without the test waiting for either. Their
+        copies run on the copier: with `settle` they are waited for and settled before
+        this returns, else they are left in flight (the engine loop settles them)."""
         policy = self._rt.policy
 
         def spill():

@@ -207,7 +207,7 @@ def test_a_turn_waits_for_its_sessions_spill(llama_dir):
         s = llm.session(system=SYSTEM, sampling=G)
         assert s.send(TURNS[0]).token_ids == want[0]
         release = ins.hold_copier()
-        ins.spill_idle(s.kv.last_used + 2e9, settle=False)
+        ins.tier_housekeeping(s.kv.last_used + 2e9, settle=False)
         assert release.loads_in_flight() == 1 and s.state == "idle"
         t, box = send_in_thread(s, TURNS[1])
         out = llm.generate(["an unrelated request"], OTHER, use_tqdm=False)[0]
@@ -226,7 +226,7 @@ def test_a_session_closed_while_it_spills_frees_everything(llama_dir, tmp_path):
         s = llm.session(system=SYSTEM, sampling=G)
         s.send(TURNS[0])
         release = ins.hold_copier()
-        ins.spill_idle(s.kv.last_used + 2e9, settle=False)
+        ins.tier_housekeeping(s.kv.last_used + 2e9, settle=False)
         closer = threading.Thread(target=s.close)
         closer.start()  # waits (bounded) on the engine thread for the copy in flight
         release.set()

@@ -149,7 +149,7 @@ def test_non_json_message_is_refused_before_it_reaches_the_engine(llama_dir, tmp
         assert s.messages == [] and s.stats.turns == 0
         # JSON data (tool calls, metadata) is kept, also through a spill to disk
         s.send({"role": "user", "content": "hi", "meta": {"when": [1, 2.5, None]}})
-        Internals(llm).spill_idle(s.kv.last_used + 1.0)
+        Internals(llm).tier_housekeeping(s.kv.last_used + 1.0)
         assert s.state == "disk"
         assert s.send("more").restored_from == "disk"
         assert s.messages[0]["meta"] == {"when": [1, 2.5, None]}

@@ -274,7 +274,7 @@ def test_spill_after_idle(llama_dir):
     with make_llm(llama_dir, spill_after_s=1e-3) as llm:
         s = llm.session(sampling=G)
         s.send("hello")
-        Internals(llm).spill_idle(s.kv.last_used + 1.0)
+        Internals(llm).tier_housekeeping(s.kv.last_used + 1.0)
         assert s.state == "host"
         assert s.send("more").restored_from == "host"
         s.close()

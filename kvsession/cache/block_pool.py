@@ -21,6 +21,7 @@ shared prefix survives longest.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ class Evicted:
     token_ids: tuple[int, ...]
     parent_hash: bytes | None  # the cached block its chain links to, if still cached
     hits: int = 1  # references its content took while cached here (1: used once)
+    # the block's eviction count when this was taken (`BlockPool.next_victims`):
+    # `still_holds` compares it to tell whether the content has been evicted since
+    generation: int = 0
 
 
 class EvictionSink(Protocol):
@@ -253,6 +257,43 @@ class BlockPool:
         b.evict.parent, b.evict.num_children, b.evict.depth, b.evict.hits = None, 0, 0, 0
         b.evict.branches, b.evict.shared = 0, False
         b.evict.copy_tier, b.evict.copy_cost = None, 1.0
+
+    def next_victims(self, num_blocks: int) -> list[Evicted]:
+        """Changing nothing: the cached content that the next `num_blocks` allocations
+        would evict, in eviction order, each as `allocate` hands it to the sink (with its
+        `generation`). Blocks without content go first and evict nothing; under COST the
+        cheapest free leaves follow, each prefix after its last cached child
+        (`CostAwareQueue.cached_order`)."""
+        if isinstance(self.free_queue, CostAwareQueue):
+            empty = self.num_empty_free
+            ahead = list(itertools.islice(self.free_queue.cached_order(),
+                                          max(num_blocks - empty, 0)))
+        else:
+            ahead = [b for b in itertools.islice(self.free_queue, num_blocks)
+                     if b.block_hash is not None]
+        out = []
+        for b in ahead:
+            parent = _live_parent(b)
+            out.append(Evicted(b.block_id, b.block_hash, b.token_ids,
+                               parent.block_hash if parent is not None else None,
+                               b.evict.hits, b.evict.generation))
+        return out
+
+    def still_holds(self, v: Evicted) -> bool:
+        """Whether block `v.block_id` still holds the content `v` was taken from
+        (`next_victims`): it has not been evicted since, so its bytes are the same (a full
+        cached block is never written)."""
+        b = self.blocks[v.block_id]
+        return b.evict.generation == v.generation and b.block_hash == v.block_hash
+
+    @property
+    def num_empty_free(self) -> int:
+        """Free blocks holding no content (and those a growing pool has not created yet):
+        what can be allocated without evicting anything. COST pools only count them; an
+        LRU pool takes its blocks in order whatever they hold, and reports 0."""
+        if not isinstance(self.free_queue, CostAwareQueue):
+            return 0
+        return self.free_queue.uncached.num_blocks + self.num_blocks - len(self.blocks)
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Add a reference to each block (prefix hit, fork, pin); a free block is revived

@@ -182,27 +182,39 @@ class CostAwareQueue:
 
     def __iter__(self) -> Iterator[Block]:
         """The eviction order if nothing else happened: blocks without content, then the
-        leaves by the leading order's priority, each prefix entering when its last cached
-        child has gone (blocks whose descendants are in use last)."""
+        cached ones (`cached_order`)."""
         yield from self.uncached
+        yield from self.cached_order()
+
+    def cached_order(self) -> Iterator[Block]:
+        """The free cached blocks in eviction order if nothing else happened: the leaves by
+        the leading order's priority, each prefix entering when its last cached child has
+        gone, then the prefixes whose descendants are in use. Lazy, changing nothing: a
+        walk down the heap from its root, cheapest first, stale entries skipped, so the
+        first k cost O(k log k) and never the whole heap (the tier policy peeks at the next
+        victims every step)."""
         i = self.orders.index(self.leader)
-        heap = [(b.evict.keys[i], tick, b) for _, tick, b in self._heaps[i]
-                if b.evict.queue_tick == tick]
-        heapq.heapify(heap)
-        parked = dict(self._parked)
-        remaining: dict[int, int] = {}
-        while heap:
-            *_, b = heapq.heappop(heap)
+        heap = self._heaps[i]
+        # ((key, tick, block), its index in `heap`, or -1 for a prefix exposed here)
+        frontier = [(heap[0], 0)] if heap else []
+        remaining: dict[int, int] = {}  # per parked prefix: cached children still ahead
+        while frontier:
+            (_, tick, b), at = heapq.heappop(frontier)
+            if at >= 0:
+                for child in (2 * at + 1, 2 * at + 2):
+                    if child < len(heap):
+                        heapq.heappush(frontier, (heap[child], child))
+                if b.evict.queue_tick != tick:
+                    continue  # stale
             yield b
             if b.evict.parent is not None:
                 p, generation = b.evict.parent
-                if p.evict.generation == generation and p.block_id in parked:
+                if p.evict.generation == generation and p.block_id in self._parked:
                     left = remaining[p.block_id] = remaining.get(p.block_id,
                                                                  p.evict.num_children) - 1
                     if left == 0:
-                        del parked[p.block_id]
-                        heapq.heappush(heap, (p.evict.keys[i], p.evict.tick, p))
-        yield from parked.values()
+                        heapq.heappush(frontier, ((p.evict.keys[i], p.evict.tick, p), -1))
+        yield from (b for b in self._parked.values() if remaining.get(b.block_id) != 0)
 
     def __contains__(self, b: Block) -> bool:
         return b in self.uncached or b.evict.queue_tick is not None or b.block_id in self._parked

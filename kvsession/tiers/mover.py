@@ -126,6 +126,20 @@ class PendingSpill:
     why: str = ""  # the policy's reason (its decision log)
 
 
+@dataclass(eq=False)
+class PendingClean:
+    """Free cached device blocks that the next allocations would evict, copied to the host
+    ahead of it (a buffer pool's background writer): staged on the engine thread
+    (`TierMover.stage_clean`: fresh host blocks held by `held`), copied on the copier
+    (`copy_clean`), settled on the engine thread (`settle_clean`), where each copy is
+    published on the host only if its device block still holds that content. The eviction
+    then finds the content on the host and copies nothing."""
+
+    victims: list[Evicted]
+    held: HostTransient = field(default_factory=HostTransient)
+    future: Future | None = None
+
+
 class TierMover:
     def __init__(self, manager: KVCacheManager, host: HostPool | None, disk: DiskTier | None,
                  hasher: BlockHasher, identity: StorageIdentity,
@@ -149,6 +163,9 @@ class TierMover:
         self.copier = Copier(manager.kv_pool.k.device, contention)
         # session files' KV bytes: spilled snapshots written, snapshot / segment KV loaded
         self.disk_bytes_written = self.disk_bytes_read = self.disk_hit_tokens = 0
+        # device blocks copied to the host as they were evicted (on the engine thread), and
+        # those copied ahead of their eviction (on the copier) and published
+        self.evicted_copies = self.cleaned_blocks = 0
         self.header_fields = identity.header_fields()  # what every header it writes holds
         self.bs = manager.block_size
         # measured bandwidths (bytes/s); priors only until the first copy is timed
@@ -277,11 +294,14 @@ class TierMover:
     def keep_evicted(self, victims: list[Evicted]) -> set[int]:
         """Copy evicted device content the host tier does not hold yet into host blocks
         (as many as it has unreferenced, its own coldest cached content making room),
-        published there for any later request. Returns the victims now held on the host."""
+        published there for any later request, on this thread (the blocks are about to be
+        rewritten; what was copied ahead, `stage_clean`, is found there and not copied).
+        Returns the victims now held on the host."""
         index = self.host.index
         new = [v for v in victims if index.lookup(v.block_hash, v.token_ids) is None]
         new = new[:index.num_free]
         if new:
+            self.evicted_copies += len(new)
             held = HostTransient()
             self.manager.stage_host(held, [None] * len(new))
             try:
@@ -295,6 +315,48 @@ class TierMover:
             finally:
                 self.manager.release_host(held)
         return {v.block_id for v in victims if index.lookup(v.block_hash, v.token_ids)}
+
+    def stage_clean(self, victims: list[Evicted]) -> PendingClean:
+        """Engine thread: fresh host blocks for device victims ahead of their eviction
+        (`BlockPool.next_victims`; the policy chose them and checked the host's room), held
+        by the job until `settle_clean`. CacheFullError when the host is short."""
+        job = PendingClean(list(victims))
+        self.manager.stage_host(job.held, [None] * len(job.victims))
+        return job
+
+    def copy_clean(self, job: PendingClean) -> tuple[int, float]:
+        """The copier: the victims' bytes into the job's host blocks; (bytes, seconds).
+        The device blocks are free and may be evicted and rewritten meanwhile: such a copy
+        is torn, and `settle_clean` drops it."""
+        t0 = time.perf_counter()
+        moved = self.host.store(self.kv_pool, [v.block_id for v in job.victims],
+                                [h.block_id for h in job.held.host_blocks])
+        return moved, time.perf_counter() - t0
+
+    def settle_clean(self, job: PendingClean, moved: int = 0, seconds: float = 0.0,
+                     error: BaseException | None = None) -> int:
+        """Engine thread: publish on the host each copy whose device block still holds the
+        content it was copied from (not evicted since: its bytes did not change), unless
+        the host found that content meanwhile; let the job's host blocks go (the published
+        ones stay cached there). Returns how many were published; a failed copy publishes
+        none (logged: the eviction copies them as before)."""
+        published = 0
+        try:
+            if error is not None:
+                log.warning("copying %d blocks ahead of their eviction failed: %s",
+                            len(job.victims), error)
+                return 0
+            index = self.host.index
+            for v, h in zip(job.victims, job.held.host_blocks, strict=True):
+                if self.pool.still_holds(v) and index.lookup(v.block_hash, v.token_ids) is None:
+                    index.cache_full_block(h, v.block_hash, v.token_ids, v.parent_hash, v.hits)
+                    published += 1
+            if moved:
+                self.host_bytes_per_s.observe(moved, seconds)
+            self.cleaned_blocks += published
+            return published
+        finally:
+            self.manager.release_host(job.held)
 
     def keep_on_disk(self, victims: list[Evicted], tier: Tier) -> set[int]:
         """Write evicted content of `tier`'s pool (the host's, or the device's when there

@@ -24,7 +24,14 @@ from kvsession.cache.block_pool import Block, Evicted, blocks_for
 from kvsession.cache.manager import Holder, SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
 from kvsession.errors import CacheFullError, SnapshotError
-from kvsession.tiers.mover import LowerLoad, PendingLoad, PendingSpill, TierMover
+from kvsession.tiers.mover import (
+    SPILL_GROUP_BLOCKS,
+    LowerLoad,
+    PendingClean,
+    PendingLoad,
+    PendingSpill,
+    TierMover,
+)
 from kvsession.tiers.snapshot_format import SnapshotHeader
 
 log = logging.getLogger("kvsession")
@@ -58,6 +65,12 @@ DISK_ADMIT_HITS = 2
 # prefetched, a release): a disk read that takes longer is a stuck file system, reported as
 # a SnapshotError instead of a hang
 COPY_WAIT_S = 120.0
+# copies ahead of eviction look at most this share of the device pool's and of the host's
+# blocks ahead (`_clean_ahead`): such a copy duplicates content the device still holds, so
+# the host holds less else. Measured (tests/test_shared_tiers.py's document-then-flood
+# trace, 32 device blocks, 64 host blocks): copying every free device block ahead pushed
+# the document off the host, where evictions alone had kept it
+CLEAN_AHEAD_SHARE = 4
 # while spills started by housekeeping are in flight, the engine loop calls housekeeping
 # again this often to settle them (the loop's wait when it has nothing else to do; a step
 # calls it anyway)
@@ -84,8 +97,16 @@ class HostEvictions:
 class TierPolicy:
     def __init__(self, mover: TierMover, prefix: PrefixCache, load: LoadProbe,
                  prefill_tps: costmodel.RateEstimator, bytes_per_token: int,
-                 spill_after_s: float | None = None):
+                 spill_after_s: float | None = None, step_blocks: int = 0):
+        """step_blocks: the most device blocks one step may allocate; that many of the
+        device pool's next allocations (at most a CLEAN_AHEAD_SHARE of either pool) are
+        looked at to copy what they would evict to the host ahead of time (`_clean_ahead`;
+        0: never, evictions copy as they happen)."""
         self.mover, self.prefix, self.load = mover, prefix, load
+        self.clean_ahead_blocks = min(step_blocks, mover.pool.num_blocks // CLEAN_AHEAD_SHARE,
+                                      mover.host.num_blocks // CLEAN_AHEAD_SHARE) \
+            if mover.host is not None else 0
+        self.cleaning: PendingClean | None = None  # the one copy ahead in flight
         self.pool, self.host, self.disk = mover.pool, mover.host, mover.disk
         self.disk_cache = mover.disk_cache
         self.prefill_tps, self.bytes_per_token = prefill_tps, bytes_per_token
@@ -541,6 +562,49 @@ class TierPolicy:
             log.warning("could not keep %d evicted blocks on disk: %s", len(admitted), e)
             return {}
 
+    def _clean_ahead(self) -> None:
+        """The device pool's background writer: the cached content that its next
+        `clean_ahead_blocks` allocations would evict, and that the host lacks, is copied
+        to the host now, on the copier (`clean_steps`), so the eviction finds it there
+        instead of copying on the engine thread while a step waits. Everything evicted is
+        kept on the host anyway (`evicting`), so this moves the same copies earlier; a
+        block revived before its eviction costs one copy that was not needed.
+        At most one group in flight, into host blocks whose taking evicts nothing that
+        would have to be written below on this thread (with a disk cache: only empty ones).
+        Not with the staged host copies (the Triton kernels on CUDA), whose buffers are
+        the engine thread's."""
+        if self.host is None or self.cleaning is not None or not self.clean_ahead_blocks \
+                or self.host.staged:
+            return
+        index = self.host.index
+        room = index.num_empty_free if self.disk_cache is not None else index.num_free
+        if not room:
+            return
+        victims = [v for v in self.pool.next_victims(self.clean_ahead_blocks)
+                   if index.lookup(v.block_hash, v.token_ids) is None]
+        victims = victims[:min(room, SPILL_GROUP_BLOCKS)]
+        if victims:
+            self._start_background(self.clean_steps(victims))
+
+    def clean_steps(self, victims: list[Evicted]) -> Generator[Future, None, int]:
+        """Copy device victims to the host ahead of their eviction: staged and settled
+        here, copied on the copier (its Future yielded). Returns how many were published
+        on the host (those whose device block still held the content at settling)."""
+        try:
+            job = self.cleaning = self.mover.stage_clean(victims)
+        except CacheFullError:  # the host's room was checked: nothing to copy into
+            return 0
+        try:
+            job.future = self.mover.copier.submit(self.mover.copy_clean, job)
+            yield job.future
+            try:
+                moved, seconds = job.future.result()
+            except Exception as e:  # noqa: BLE001 - a copy ahead is an optimisation
+                return self.mover.settle_clean(job, error=e)
+            return self.mover.settle_clean(job, moved, seconds)
+        finally:
+            self.cleaning = None
+
     def lower_hits(self, token_ids: list[int], hashes: list[bytes], start: int,
                    num_blocks: int) -> list[tuple[Tier, Block]]:
         """`LowerTiers`: the blocks holding a prompt's blocks start.. up to the first miss,
@@ -641,9 +705,11 @@ class TierPolicy:
 
     def housekeeping(self, now: float) -> float | None:
         """Spill sessions idle longer than spill_after_s, and those kept past their keep's
-        TTL (on the copier: settled by a later call, `background`); seconds to the next
-        deadline (MOVE_POLL_S while a spill is in flight)."""
+        TTL, and copy what the next allocations will evict to the host ahead of them (on
+        the copier: settled by a later call, `background`); seconds to the next deadline
+        (MOVE_POLL_S while a copy is in flight)."""
         self._advance_background()
+        self._clean_ahead()
         nxt = None
         for s in list(self.sessions):
             if not _idle(s) or s.tier is not Tier.DEVICE or len(s.blocks) == self._num_lead(s):

@@ -1,0 +1,189 @@
+"""Copies ahead of eviction: the device pool's next victims are copied to the host on the
+copier before an allocation evicts them, so the eviction finds them there and the step
+does not wait for the copy. `BlockPool.next_victims` names them exactly; a copy whose
+device block was evicted meanwhile (its bytes possibly rewritten) is never published; every
+output is the one an engine without caching gives."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from internals import Internals
+from test_policy_unit import BPT, add_session, build, content
+from test_prefix_cache import gen
+from test_shared_tiers import BPT as BPT_TINY
+from test_shared_tiers import DEVICE, G, fixed_rates
+
+from kvsession import LLM, costmodel
+from kvsession.cache.block_pool import BlockPool, Evicted
+from kvsession.cache.eviction import EvictionPolicy
+from kvsession.cache.hashing import BlockHasher
+from kvsession.tiers.policy import TierPolicy
+from oracle import random_prompts
+
+BS = 4
+
+
+class Recorder:
+    """An EvictionSink that keeps nothing and records what `allocate` evicts."""
+
+    def __init__(self):
+        self.victims: list[Evicted] = []
+
+    def evicting(self, victims):
+        self.victims += victims
+        return {}
+
+
+def cached_chains(eviction, chains):
+    """A pool of 12 blocks holding `chains` (lists of block counts) as cached, freed
+    content, tail first as a finished sequence frees it; the rest empty."""
+    pool, hasher = BlockPool(12, BS, True, eviction), BlockHasher({"model": "t"}, BS)
+    for c, n in enumerate(chains):
+        tokens = [100 * c + t for t in range(n * BS)]
+        hashes = hasher.extend([], tokens, len(tokens), None)
+        blocks = pool.allocate(n)
+        for i, b in enumerate(blocks):
+            pool.cache_full_block(b, hashes[i], tokens[i * BS:(i + 1) * BS],
+                                  hashes[i - 1] if i else None)
+        pool.free(blocks)
+    sink = Recorder()
+    pool.attach_sink(sink)
+    return pool, sink
+
+
+@pytest.mark.parametrize("eviction", [EvictionPolicy.COST, EvictionPolicy.LRU])
+@pytest.mark.parametrize("take", [1, 3, 6, 12])
+def test_next_victims_are_what_the_next_allocation_evicts(eviction, take):
+    """Three chains (3, 2 and 4 blocks) and three empty blocks: whatever the lookahead,
+    the victims named ahead are the ones `allocate` then hands its sink, in order, with
+    their parents and hits."""
+    pool, sink = cached_chains(eviction, [3, 2, 4])
+    ahead = pool.next_victims(take)
+    assert all(pool.still_holds(v) for v in ahead)
+    pool.allocate(take)
+    assert [(v.block_id, v.block_hash, v.parent_hash, v.hits) for v in ahead] == \
+        [(v.block_id, v.block_hash, v.parent_hash, v.hits) for v in sink.victims]
+    assert not any(pool.still_holds(v) for v in ahead)  # evicted: their generation moved on
+    pool.check_integrity()
+
+
+def test_next_victims_changes_nothing_and_skips_blocks_in_use():
+    pool, sink = cached_chains(EvictionPolicy.COST, [3, 2, 4])
+    free_order = [b.block_id for b in pool.free_queue]
+    assert [v.block_id for v in pool.next_victims(12)] == free_order[3:]
+    assert [b.block_id for b in pool.free_queue] == free_order
+    # the 4-block chain is in use again (a prefix hit): nothing of it is a victim
+    chain = [b for b in pool.blocks if b.block_hash is not None and b.token_ids[0] >= 200]
+    pool.touch(chain)
+    ahead = [v.block_id for v in pool.next_victims(12)]
+    assert len(ahead) == 5 and not set(ahead) & {b.block_id for b in chain}
+    assert sink.victims == []
+    pool.check_integrity()
+
+
+def unit(tmp_path, step_blocks=8):
+    """test_policy_unit's engine (8 device blocks, 8 host blocks, no disk) with copies
+    ahead looking `step_blocks` ahead (at most a quarter of each pool: 2), the policy as
+    the device pool's eviction sink, and one released session's 16 tokens (4 blocks,
+    content(i) in block i) cached and free on the device."""
+    e = build(tmp_path, num_blocks=8, host_blocks=8, disk=False)
+    e.policy = TierPolicy(e.mover, e.prefix, load=e.probe,
+                          prefill_tps=costmodel.RateEstimator(prior=2000.0),
+                          bytes_per_token=BPT, step_blocks=step_blocks)
+    e.m.pool.attach_sink(e.policy)
+    e.policy.release(add_session(e, "a", 16, last_used=0.0))
+    return e
+
+
+def test_a_copy_ahead_is_published_and_the_eviction_copies_nothing(tmp_path):
+    e = unit(tmp_path)
+    victims = e.m.pool.next_victims(8)  # 4 empty blocks first, then the session's 4
+    assert len(victims) == 4
+    job = e.mover.stage_clean(victims)
+    moved, seconds = e.mover.copy_clean(job)
+    assert e.mover.settle_clean(job, moved, seconds) == 4
+    host = e.host.index
+    for v in victims:  # the exact bytes, now found by hash on the host
+        h = host.lookup(v.block_hash, v.token_ids)
+        assert torch.equal(e.host.tensors["k"][:, h.block_id], content(v.block_id))
+        assert torch.equal(e.host.tensors["v"][:, h.block_id], -content(v.block_id))
+    assert sum(b.ref_cnt for b in host.blocks) == 0  # the job let its host blocks go
+    e.m.pool.allocate(8)  # evicts all four
+    assert e.m.pool.evictions_by_copy == {"host": 4}
+    assert e.mover.evicted_copies == 0 and e.mover.cleaned_blocks == 4
+    e.m.pool.check_integrity()
+    host.check_integrity()
+
+
+def test_a_copy_whose_block_was_evicted_meanwhile_is_not_published(tmp_path):
+    """The copier reads free device blocks that the engine may evict and rewrite before
+    the copy is settled: such a copy may be torn, and is never published."""
+    e = unit(tmp_path)
+    e.m.pool.attach_sink(Recorder())  # (the eviction keeps nothing: only the copy ahead)
+    victims = e.m.pool.next_victims(8)
+    job = e.mover.stage_clean(victims)
+    moved, seconds = e.mover.copy_clean(job)
+    taken = e.m.pool.allocate(6)  # the 4 empty blocks and 2 of the victims, rewritten
+    for b in taken:
+        e.kv.k[:, b.block_id] = -1.0
+    assert e.mover.settle_clean(job, moved, seconds) == 2  # the 2 still intact
+    host = e.host.index
+    evicted = [v for v in victims if not e.m.pool.still_holds(v)]
+    assert len(evicted) == 2
+    assert all(host.lookup(v.block_hash, v.token_ids) is None for v in evicted)
+    assert sum(b.ref_cnt for b in host.blocks) == 0
+    host.check_integrity()
+
+
+def test_housekeeping_copies_ahead_one_group_at_a_time(tmp_path):
+    """The policy looks a quarter of the pools ahead (2 blocks here): with the 4 empty
+    blocks ahead of the cached ones nothing is copied; once they are taken, housekeeping
+    copies the next two victims on the copier and settles them on a later call."""
+    e = unit(tmp_path, step_blocks=64)
+    assert e.policy.clean_ahead_blocks == 2
+    e.policy.housekeeping(0.0)
+    assert e.policy.cleaning is None and e.mover.cleaned_blocks == 0
+    held = e.m.pool.allocate(4)  # the empty blocks: the cached ones are next
+    e.policy.housekeeping(0.0)
+    assert e.policy.cleaning is not None
+    e.policy.settle_moves()
+    assert e.policy.cleaning is None and e.mover.cleaned_blocks == 2
+    e.policy.housekeeping(0.0)  # the next two are already on the host
+    assert e.policy.cleaning is None
+    e.m.pool.free(held)
+    e.m.pool.check_integrity()
+
+
+def test_what_the_next_allocation_evicts_was_copied_ahead(llama_dir):
+    """Two documents fill the device but for a few empty blocks; the copies ahead put the
+    next victims on the host. The next prompt's allocation evicts them without copying
+    anything, and the evicted content comes back from the host, exact. (The last prompt
+    and its answer fit the blocks taken at its admission: no eviction happens later,
+    while the engine loop's own copies ahead race its steps.)"""
+    a, b, c = random_prompts(4, [120, 100, 34], 500)
+    with fixed_rates(LLM(llama_dir, host_cache_memory=64 * 8 * BPT_TINY, **DEVICE)) as llm, \
+            LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+        ins = Internals(llm)
+        gen(llm, [a], G)
+        gen(llm, [b], G)
+        ins.tier_housekeeping(time.monotonic())  # (the engine loop may have done it already)
+        st = llm.stats()
+        cleaned = st.tiers["host"].blocks_copied_ahead
+        assert cleaned > 0
+        assert st.prefix.evictions_by_copy == {}  # nothing evicted yet
+        assert st.tiers["host"].blocks_copied_at_eviction == 0
+        gen(llm, [c], G)
+        st = llm.stats()
+        evicted = st.prefix.evictions_by_copy.get("host", 0)
+        assert 0 < evicted <= cleaned and st.prefix.evictions_by_copy.get("none", 0) == 0
+        assert st.tiers["host"].blocks_copied_at_eviction == 0  # all of them were there
+        hits_before = st.tiers["host"].hit_tokens
+        outs = gen(llm, [a + [7], b + [8]], G)
+        # (both together need more than the device: they evict more as they run)
+        assert llm.stats().tiers["host"].hit_tokens - hits_before >= evicted * 8
+        assert [o.token_ids for o in outs] == \
+            [o.token_ids for o in gen(plain, [a + [7], b + [8]], G)]
+        llm.check_integrity()
