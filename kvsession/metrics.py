@@ -57,8 +57,8 @@ class TierStats(msgspec.Struct):
     bytes_read: int = 0
     bytes_written: int = 0
     cache_bytes_written: int = 0  # of bytes_written, the disk cache's (not sessions' files)
-    # host: device blocks copied here as the device evicted them (on the engine thread, the
-    # step waiting) and those copied ahead of their eviction (on the copier)
+    # host (disk): device (host) blocks copied here as they were evicted (on the engine
+    # thread, the step waiting), and those copied ahead of their eviction (on the copier)
     blocks_copied_at_eviction: int = 0
     blocks_copied_ahead: int = 0
 

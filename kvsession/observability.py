@@ -43,6 +43,7 @@ class StatsCollector:
             blocks_free=pool.num_free, blocks_pinned=pins.num_pinned_blocks,
             bytes_per_token=bpt, tokens_capacity=pool.num_blocks * bs)
         host = TierStats(bytes_per_token=bpt)
+        mover = self.policy.mover
         if self.host is not None:
             hp = self.host
             host = TierStats(blocks_total=hp.num_blocks, blocks_used=hp.num_blocks - hp.num_free,
@@ -50,8 +51,8 @@ class StatsCollector:
                              tokens_capacity=hp.num_blocks * bs,
                              cached_blocks=len(hp.index.index), hit_tokens=hp.hit_tokens,
                              bytes_read=hp.bytes_read, bytes_written=hp.bytes_written,
-                             blocks_copied_at_eviction=self.policy.mover.evicted_copies,
-                             blocks_copied_ahead=self.policy.mover.cleaned_blocks)
+                             blocks_copied_at_eviction=mover.evicted_copies[Tier.HOST],
+                             blocks_copied_ahead=mover.cleaned_blocks[Tier.HOST])
         disk = TierStats(bytes_per_token=bpt)
         if self.disk is not None:  # sessions whose KV lives only there (free: see add_disk_room)
             disk.blocks_used = sum(blocks_for(len(s.tokens), bs) for s in self.policy.sessions
@@ -69,6 +70,8 @@ class StatsCollector:
             disk.bytes_written += dc.bytes_written
             disk.cache_bytes_written = dc.bytes_written
             disk.bytes_read += dc.bytes_read
+            disk.blocks_copied_at_eviction = mover.evicted_copies[Tier.DISK]
+            disk.blocks_copied_ahead = mover.cleaned_blocks[Tier.DISK]
         q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
         lat, goodput, attainment = self.latency.summary(slo)
         return Stats(

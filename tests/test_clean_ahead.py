@@ -7,11 +7,12 @@ output is the one an engine without caching gives."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from internals import Internals
-from test_policy_unit import BPT, add_session, build, content
+from test_policy_unit import BPT, HASHER, HEADER, add_session, build, content
 from test_prefix_cache import gen
 from test_shared_tiers import BPT as BPT_TINY
 from test_shared_tiers import DEVICE, G, fixed_rates
@@ -20,6 +21,12 @@ from kvsession import LLM, costmodel
 from kvsession.cache.block_pool import BlockPool, Evicted
 from kvsession.cache.eviction import EvictionPolicy
 from kvsession.cache.hashing import BlockHasher
+from kvsession.cache.kv_pool import KVPool
+from kvsession.cache.manager import HostTransient, KVCacheManager, Tier
+from kvsession.tiers.disk import DiskTier
+from kvsession.tiers.disk_cache import DiskCache
+from kvsession.tiers.host import HostPool
+from kvsession.tiers.mover import TierMover
 from kvsession.tiers.policy import TierPolicy
 from oracle import random_prompts
 
@@ -102,7 +109,7 @@ def test_a_copy_ahead_is_published_and_the_eviction_copies_nothing(tmp_path):
     e = unit(tmp_path)
     victims = e.m.pool.next_victims(8)  # 4 empty blocks first, then the session's 4
     assert len(victims) == 4
-    job = e.mover.stage_clean(victims)
+    job = e.mover.stage_clean(Tier.DEVICE, victims)
     moved, seconds = e.mover.copy_clean(job)
     assert e.mover.settle_clean(job, moved, seconds) == 4
     host = e.host.index
@@ -113,7 +120,7 @@ def test_a_copy_ahead_is_published_and_the_eviction_copies_nothing(tmp_path):
     assert sum(b.ref_cnt for b in host.blocks) == 0  # the job let its host blocks go
     e.m.pool.allocate(8)  # evicts all four
     assert e.m.pool.evictions_by_copy == {"host": 4}
-    assert e.mover.evicted_copies == 0 and e.mover.cleaned_blocks == 4
+    assert e.mover.evicted_copies[Tier.HOST] == 0 and e.mover.cleaned_blocks[Tier.HOST] == 4
     e.m.pool.check_integrity()
     host.check_integrity()
 
@@ -124,7 +131,7 @@ def test_a_copy_whose_block_was_evicted_meanwhile_is_not_published(tmp_path):
     e = unit(tmp_path)
     e.m.pool.attach_sink(Recorder())  # (the eviction keeps nothing: only the copy ahead)
     victims = e.m.pool.next_victims(8)
-    job = e.mover.stage_clean(victims)
+    job = e.mover.stage_clean(Tier.DEVICE, victims)
     moved, seconds = e.mover.copy_clean(job)
     taken = e.m.pool.allocate(6)  # the 4 empty blocks and 2 of the victims, rewritten
     for b in taken:
@@ -145,12 +152,12 @@ def test_housekeeping_copies_ahead_one_group_at_a_time(tmp_path):
     e = unit(tmp_path, step_blocks=64)
     assert e.policy.clean_ahead_blocks == 2
     e.policy.housekeeping(0.0)
-    assert e.policy.cleaning is None and e.mover.cleaned_blocks == 0
+    assert e.policy.cleaning is None and e.mover.cleaned_blocks[Tier.HOST] == 0
     held = e.m.pool.allocate(4)  # the empty blocks: the cached ones are next
     e.policy.housekeeping(0.0)
     assert e.policy.cleaning is not None
     e.policy.settle_moves()
-    assert e.policy.cleaning is None and e.mover.cleaned_blocks == 2
+    assert e.policy.cleaning is None and e.mover.cleaned_blocks[Tier.HOST] == 2
     e.policy.housekeeping(0.0)  # the next two are already on the host
     assert e.policy.cleaning is None
     e.m.pool.free(held)
@@ -187,3 +194,75 @@ def test_what_the_next_allocation_evicts_was_copied_ahead(llama_dir):
         assert [o.token_ids for o in outs] == \
             [o.token_ids for o in gen(plain, [a + [7], b + [8]], G)]
         llm.check_integrity()
+
+
+def host_over_disk(tmp_path):
+    """A device pool of 8 blocks, a host tier of 4, a disk cache below: two host blocks
+    hold known content (K = content(10 + i), V its negation), used twice (what the disk
+    cache admits), cached and free; two host blocks never made."""
+    kv = KVPool(2, 8, BS, 1, 4, torch.float32, torch.device("cpu"))
+    host = HostPool(kv, 4)
+    m = KVCacheManager(BlockPool(8, BS), kv, host.index)
+    cache = DiskCache(tmp_path, kv.tensors(), BS, HEADER.header_fields(), 1 << 20)
+    mover = TierMover(m, host, DiskTier(tmp_path), HASHER, HEADER, disk_cache=cache)
+    tokens = list(range(2 * BS))
+    hashes = HASHER.extend([], tokens, len(tokens), None)
+    held = HostTransient()
+    m.stage_host(held, [None, None])
+    for i, h in enumerate(held.host_blocks):
+        host.tensors["k"][:, h.block_id], host.tensors["v"][:, h.block_id] = \
+            content(10 + i), -content(10 + i)
+        host.index.cache_full_block(h, hashes[i], tokens[i * BS:(i + 1) * BS],
+                                    hashes[i - 1] if i else None, earned_hits=2)
+    m.release_host(held)
+    return SimpleNamespace(kv=kv, host=host, m=m, cache=cache, mover=mover, tokens=tokens,
+                           hashes=hashes)
+
+
+def reopened(tmp_path, e):
+    """The disk cache as the next process finds it: (blocks recovered, K of each)."""
+    e.cache.close()
+    again = DiskCache(tmp_path, e.kv.tensors(), BS, HEADER.header_fields(), 1 << 20)
+    slots = again.index.lookup_run(e.tokens, e.hashes, 0, 2)
+    again.hold(slots)
+    dst = {n: torch.zeros_like(t) for n, t in e.kv.tensors().items()}
+    assert again.load(slots, dst, list(range(len(slots)))) == len(slots)
+    again.release(slots)
+    again.close()
+    return again.recovered_blocks, [dst["k"][:, i] for i in range(len(slots))]
+
+
+def test_host_victims_are_written_to_the_disk_cache_ahead(tmp_path):
+    """Their slots are written on the copier, headers committed at settling: found by
+    hash here and by the next process, the exact bytes; the host's eviction then writes
+    nothing."""
+    e = host_over_disk(tmp_path)
+    victims = e.host.index.next_victims(4)  # 2 never-made blocks first, then the two
+    assert [v.hits for v in victims] == [2, 2]
+    job = e.mover.stage_clean(Tier.HOST, victims)
+    done, seconds = e.mover.copy_clean(job)
+    assert e.mover.settle_clean(job, done, seconds) == 2
+    assert e.cache.index.lookup_run(e.tokens, e.hashes, 0, 2) != []
+    e.cache.check_integrity()
+    written = e.cache.bytes_written
+    assert e.mover.keep_on_disk(victims, Tier.HOST) == {v.block_id for v in victims}
+    assert e.cache.bytes_written == written  # already there: nothing written again
+    recovered, ks = reopened(tmp_path, e)
+    assert recovered == 2
+    assert all(torch.equal(k, content(10 + i)) for i, k in enumerate(ks))
+
+
+def test_a_slot_whose_host_block_was_evicted_meanwhile_is_never_found(tmp_path):
+    """Its payload was written, but its host block lost the content before the settle:
+    the header stays blank, so neither this process nor the next finds the slot."""
+    e = host_over_disk(tmp_path)
+    victims = e.host.index.next_victims(4)
+    job = e.mover.stage_clean(Tier.HOST, victims)
+    done, seconds = e.mover.copy_clean(job)
+    taken = e.host.index.allocate(4)  # the host evicts both (its sink keeps nothing here)
+    assert e.mover.settle_clean(job, done, seconds) == 0
+    e.host.index.free(taken)
+    assert e.cache.index.lookup_run(e.tokens, e.hashes, 0, 2) == []
+    e.cache.check_integrity()
+    recovered, ks = reopened(tmp_path, e)
+    assert recovered == 0 and ks == []

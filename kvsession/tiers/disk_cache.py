@@ -22,8 +22,11 @@ leaves a header whose checksum fails, or a payload whose checksum fails when it 
 either is a miss, never wrong KV). A crash loses cache blocks at most.
 
 Bookkeeping runs on the engine thread; a load's reads (`load`) may run on the copier, into
-slots the engine thread holds for it (`hold`). One process owns the file at a time (an flock on
-`.blocks.lock`); another process on the same directory runs without a disk cache.
+slots the engine thread holds for it (`hold`), and so may the payload writes of slots it
+reserved (`reserve`, `write`), whose headers it writes once the source is known to have
+been intact (`commit`): a slot is found only after its commit. One process owns the file
+at a time (an flock on `.blocks.lock`); another process on the same directory runs without
+a disk cache.
 """
 
 from __future__ import annotations
@@ -90,8 +93,8 @@ class DiskCache:
         # the copier and on the engine thread)
         self._count = threading.Lock()
         self.hit_tokens = self.bytes_read = self.bytes_written = 0
-        # references taken by loads in flight (`hold` / `release`): check_integrity's
-        # accounting; nothing else references a slot
+        # references taken by loads and writes in flight (`hold` / `reserve`, `release`):
+        # check_integrity's accounting; nothing else references a slot
         self._held: Counter[int] = Counter()
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
@@ -161,38 +164,73 @@ class DiskCache:
 
     def store(self, src: dict[str, torch.Tensor], entries: list[tuple[int, bytes, tuple,
                                                                        bytes | None, int]]) -> int:
-        """Write blocks into cache slots and publish them: entries are (block id in `src`,
-        hash, token ids, parent hash, hits), `src` tensors laid out as the pool's. Content
-        already here is skipped; the cache's own coldest blocks make room, and at most its
-        unreferenced blocks are used. Returns the number of blocks written. A failed write
-        (disk full) leaves that slot, and the ones after it, unpublished."""
+        """Write blocks into cache slots and publish them, on this thread: entries are
+        (block id in `src`, hash, token ids, parent hash, hits), `src` tensors laid out as
+        the pool's. Content already here is skipped; the cache's own coldest blocks make
+        room, and at most its unreferenced blocks are used. Returns the number of blocks
+        written. A failed write (disk full) leaves that slot, and the ones after it,
+        unpublished."""
         new = [e for e in entries if self.index.lookup(e[1], e[2]) is None]
-        new = new[:self.index.num_free]
-        if not new:
-            return 0
-        slots = self.index.allocate(len(new))
+        slots = self.reserve(len(new))
         written = 0
         try:
-            for slot, (src_id, block_hash, tokens, parent, hits) in zip(slots, new, strict=True):
-                payload = [src[name][:, src_id].contiguous().cpu().view(torch.uint8)
-                           .numpy().tobytes() for name, _ in self.parts]
-                crc = 0
-                for part in payload:
-                    crc = zlib.crc32(part, crc)
-                depth = 0 if parent is None else self._depth_after(parent)
-                header = self._header(block_hash, parent, tokens, depth, hits, crc)
-                n = os.pwritev(self.fd, [header, *payload], slot.block_id * self.slot_bytes)
+            crcs = self.write(src, slots, [e[0] for e in new])
+            for slot, (_, block_hash, tokens, parent, hits), crc in zip(slots, new, crcs,
+                                                                        strict=False):
+                written += self.commit(slot, block_hash, tokens, parent, hits, crc)
+        finally:
+            self.release(slots)  # published ones stay cached, the rest are reused first
+        return written
+
+    def reserve(self, num_blocks: int) -> list[Block]:
+        """Engine thread: up to `num_blocks` slots to write (at most the unreferenced ones;
+        the cache's own coldest content makes room), held until `release`."""
+        slots = self.index.allocate(min(num_blocks, self.index.num_free)) if num_blocks else []
+        self._held.update(b.block_id for b in slots)
+        return slots
+
+    def write(self, src: dict[str, torch.Tensor], slots: list[Block],
+              src_ids: list[int]) -> list[int]:
+        """Any thread (the copier's, for copies ahead of eviction): block src_ids[i] of
+        `src` (tensors laid out as the pool's) into reserved slot i, its header left
+        invalid until `commit` (so a slot whose source changed while it was read, or whose
+        commit a crash prevented, is never found, not even by the next process). Returns
+        each slot's payload crc32, up to the first failed write (disk full: logged)."""
+        crcs = []
+        blank = bytes(self.header_bytes)
+        for slot, src_id in zip(slots, src_ids, strict=True):
+            payload = [src[name][:, src_id].contiguous().cpu().view(torch.uint8)
+                       .numpy().tobytes() for name, _ in self.parts]
+            crc = 0
+            for part in payload:
+                crc = zlib.crc32(part, crc)
+            try:
+                n = os.pwritev(self.fd, [blank, *payload], slot.block_id * self.slot_bytes)
                 if n != self.header_bytes + self.payload_bytes:
                     raise OSError(f"short write to {self.path}: {n} bytes")
+            except OSError as e:
+                log.warning("disk cache %s: %s; %d of %d blocks kept", self.path, e,
+                            len(crcs), len(slots))
+                break
+            with self._count:
                 self.bytes_written += n
-                self.index.cache_full_block(slot, block_hash, tokens, parent, hits)
-                written += 1
+            crcs.append(crc)
+        return crcs
+
+    def commit(self, slot: Block, block_hash: bytes, tokens, parent: bytes | None,
+               hits: int, payload_crc: int) -> bool:
+        """Engine thread: a written slot's header (valid from now on, to the next process
+        too) and the block published. False when the header cannot be written (the slot
+        stays unpublished)."""
+        depth = 0 if parent is None else self._depth_after(parent)
+        header = self._header(block_hash, parent, tokens, depth, hits, payload_crc)
+        try:
+            os.pwrite(self.fd, header, slot.block_id * self.slot_bytes)
         except OSError as e:
-            log.warning("disk cache %s: %s; %d of %d blocks kept", self.path, e, written,
-                        len(new))
-        finally:
-            self.index.free(slots)  # published ones stay cached, the rest are reused first
-        return written
+            log.warning("disk cache %s: %s", self.path, e)
+            return False
+        self.index.cache_full_block(slot, block_hash, tokens, parent, hits)
+        return True
 
     def _depth_after(self, parent: bytes) -> int:
         b = self.index.index.get(parent)
@@ -239,8 +277,9 @@ class DiskCache:
         self._held.update(b.block_id for b in slots)
 
     def release(self, slots: list[Block], damaged: Block | None = None) -> None:
-        """Engine thread: the load is done with `slots`; `damaged` (one of them) is
-        discarded: found by nobody again."""
+        """Engine thread: the load (or the write) is done with `slots` (held or reserved);
+        `damaged` (one of them) is discarded: found by nobody again. A reserved slot never
+        committed holds no content: it is reused first."""
         self.index.free(slots)
         self._held.subtract(b.block_id for b in slots)
         self._held += Counter()  # drop the zero counts
@@ -248,13 +287,14 @@ class DiskCache:
             self.index.discard(damaged)
 
     def check_integrity(self, max_blocks: int | None = None) -> None:
-        """The index's invariants, and every reference is a load's (`hold`). `max_blocks`:
+        """The index's invariants, and every reference is a load's or a write's (`hold`,
+        `reserve`). `max_blocks`:
         only while it has created at most that many blocks."""
         if max_blocks is not None and len(self.index.blocks) > max_blocks:
             return
         self.index.check_integrity()
         for b in self.index.blocks:
             if b.ref_cnt != self._held[b.block_id]:
-                raise AssertionError(f"disk cache {b}: ref_cnt {b.ref_cnt}, held by loads "
+                raise AssertionError(f"disk cache {b}: ref_cnt {b.ref_cnt}, held by copies "
                                      f"{self._held[b.block_id]}")
 

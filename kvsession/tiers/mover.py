@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -128,15 +129,19 @@ class PendingSpill:
 
 @dataclass(eq=False)
 class PendingClean:
-    """Free cached device blocks that the next allocations would evict, copied to the host
-    ahead of it (a buffer pool's background writer): staged on the engine thread
-    (`TierMover.stage_clean`: fresh host blocks held by `held`), copied on the copier
-    (`copy_clean`), settled on the engine thread (`settle_clean`), where each copy is
-    published on the host only if its device block still holds that content. The eviction
-    then finds the content on the host and copies nothing."""
+    """Free cached blocks of `tier`'s pool that its next allocations would evict, copied a
+    tier down ahead of it (a buffer pool's background writer): device blocks to the host
+    (`tier` DEVICE: fresh host blocks held by `held`), or host blocks to the disk cache
+    (`tier` HOST: slots reserved there). Staged on the engine thread
+    (`TierMover.stage_clean`), copied on the copier (`copy_clean`), settled on the engine
+    thread (`settle_clean`), where each copy is published below only if its source block
+    still holds that content. The eviction then finds the content there and copies
+    nothing."""
 
+    tier: Tier  # whose blocks are copied down
     victims: list[Evicted]
-    held: HostTransient = field(default_factory=HostTransient)
+    held: HostTransient = field(default_factory=HostTransient)  # DEVICE: the host blocks
+    slots: list[Block] = field(default_factory=list)  # HOST: the disk cache slots
     future: Future | None = None
 
 
@@ -163,9 +168,11 @@ class TierMover:
         self.copier = Copier(manager.kv_pool.k.device, contention)
         # session files' KV bytes: spilled snapshots written, snapshot / segment KV loaded
         self.disk_bytes_written = self.disk_bytes_read = self.disk_hit_tokens = 0
-        # device blocks copied to the host as they were evicted (on the engine thread), and
-        # those copied ahead of their eviction (on the copier) and published
-        self.evicted_copies = self.cleaned_blocks = 0
+        # blocks copied a tier down as they were evicted (on the engine thread, the step
+        # waiting) and ahead of their eviction (on the copier; those published), by the
+        # tier they went to (HOST: from the device; DISK: the disk cache)
+        self.evicted_copies: Counter[Tier] = Counter()
+        self.cleaned_blocks: Counter[Tier] = Counter()
         self.header_fields = identity.header_fields()  # what every header it writes holds
         self.bs = manager.block_size
         # measured bandwidths (bytes/s); priors only until the first copy is timed
@@ -301,7 +308,7 @@ class TierMover:
         new = [v for v in victims if index.lookup(v.block_hash, v.token_ids) is None]
         new = new[:index.num_free]
         if new:
-            self.evicted_copies += len(new)
+            self.evicted_copies[Tier.HOST] += len(new)
             held = HostTransient()
             self.manager.stage_host(held, [None] * len(new))
             try:
@@ -316,47 +323,70 @@ class TierMover:
                 self.manager.release_host(held)
         return {v.block_id for v in victims if index.lookup(v.block_hash, v.token_ids)}
 
-    def stage_clean(self, victims: list[Evicted]) -> PendingClean:
-        """Engine thread: fresh host blocks for device victims ahead of their eviction
-        (`BlockPool.next_victims`; the policy chose them and checked the host's room), held
-        by the job until `settle_clean`. CacheFullError when the host is short."""
-        job = PendingClean(list(victims))
-        self.manager.stage_host(job.held, [None] * len(job.victims))
+    def stage_clean(self, tier: Tier, victims: list[Evicted]) -> PendingClean:
+        """Engine thread: where victims of `tier`'s pool go ahead of their eviction
+        (`BlockPool.next_victims`; the policy chose them and checked the room below):
+        fresh host blocks (DEVICE) or disk cache slots (HOST, as many as it has
+        unreferenced: the victims after them are dropped from the job), held by the job
+        until `settle_clean`. CacheFullError when the host is short."""
+        job = PendingClean(tier, list(victims))
+        if tier is Tier.DEVICE:
+            self.manager.stage_host(job.held, [None] * len(job.victims))
+        else:
+            job.slots = self.disk_cache.reserve(len(job.victims))
+            del job.victims[len(job.slots):]
         return job
 
-    def copy_clean(self, job: PendingClean) -> tuple[int, float]:
-        """The copier: the victims' bytes into the job's host blocks; (bytes, seconds).
-        The device blocks are free and may be evicted and rewritten meanwhile: such a copy
+    def copy_clean(self, job: PendingClean) -> tuple[list[int] | int, float]:
+        """The copier: the victims' bytes into the job's host blocks (bytes moved) or disk
+        cache slots (their payload crcs, up to a failed write), and the seconds it took.
+        The source blocks are free and may be evicted and rewritten meanwhile: such a copy
         is torn, and `settle_clean` drops it."""
         t0 = time.perf_counter()
-        moved = self.host.store(self.kv_pool, [v.block_id for v in job.victims],
-                                [h.block_id for h in job.held.host_blocks])
-        return moved, time.perf_counter() - t0
+        ids = [v.block_id for v in job.victims]
+        if job.tier is Tier.DEVICE:
+            done: list[int] | int = self.host.store(
+                self.kv_pool, ids, [h.block_id for h in job.held.host_blocks])
+        else:
+            done = self.disk_cache.write(self.host.tensors, job.slots, ids)
+        return done, time.perf_counter() - t0
 
-    def settle_clean(self, job: PendingClean, moved: int = 0, seconds: float = 0.0,
-                     error: BaseException | None = None) -> int:
-        """Engine thread: publish on the host each copy whose device block still holds the
+    def settle_clean(self, job: PendingClean, done: list[int] | int = 0,
+                     seconds: float = 0.0, error: BaseException | None = None) -> int:
+        """Engine thread: publish below each copy whose source block still holds the
         content it was copied from (not evicted since: its bytes did not change), unless
-        the host found that content meanwhile; let the job's host blocks go (the published
-        ones stay cached there). Returns how many were published; a failed copy publishes
-        none (logged: the eviction copies them as before)."""
+        the tier below found that content meanwhile; let the job's blocks go (the
+        published ones stay cached there). Returns how many were published; a failed copy
+        publishes none (logged: the eviction copies them as before)."""
+        source = self.pool if job.tier is Tier.DEVICE else self.host.index
         published = 0
         try:
             if error is not None:
                 log.warning("copying %d blocks ahead of their eviction failed: %s",
                             len(job.victims), error)
                 return 0
-            index = self.host.index
-            for v, h in zip(job.victims, job.held.host_blocks, strict=True):
-                if self.pool.still_holds(v) and index.lookup(v.block_hash, v.token_ids) is None:
-                    index.cache_full_block(h, v.block_hash, v.token_ids, v.parent_hash, v.hits)
-                    published += 1
-            if moved:
-                self.host_bytes_per_s.observe(moved, seconds)
-            self.cleaned_blocks += published
+            if job.tier is Tier.DEVICE:
+                index = self.host.index
+                for v, h in zip(job.victims, job.held.host_blocks, strict=True):
+                    if source.still_holds(v) and index.lookup(v.block_hash, v.token_ids) is None:
+                        index.cache_full_block(h, v.block_hash, v.token_ids, v.parent_hash,
+                                               v.hits)
+                        published += 1
+                if done:
+                    self.host_bytes_per_s.observe(done, seconds)
+            else:
+                index = self.disk_cache.index
+                for v, slot, crc in zip(job.victims, job.slots, done, strict=False):
+                    if source.still_holds(v) and index.lookup(v.block_hash, v.token_ids) is None:
+                        published += self.disk_cache.commit(slot, v.block_hash, v.token_ids,
+                                                            v.parent_hash, v.hits, crc)
+            self.cleaned_blocks[Tier.HOST if job.tier is Tier.DEVICE else Tier.DISK] += published
             return published
         finally:
-            self.manager.release_host(job.held)
+            if job.tier is Tier.DEVICE:
+                self.manager.release_host(job.held)
+            else:
+                self.disk_cache.release(job.slots)
 
     def keep_on_disk(self, victims: list[Evicted], tier: Tier) -> set[int]:
         """Write evicted content of `tier`'s pool (the host's, or the device's when there
@@ -364,8 +394,9 @@ class TierMover:
         request (the policy chose the victims: its admission). Returns the victims now
         held there."""
         src = self.host.tensors if tier is Tier.HOST else self.kv_pool.tensors()
-        self.disk_cache.store(src, [(v.block_id, v.block_hash, v.token_ids, v.parent_hash,
-                                     v.hits) for v in victims])
+        self.evicted_copies[Tier.DISK] += self.disk_cache.store(
+            src, [(v.block_id, v.block_hash, v.token_ids, v.parent_hash, v.hits)
+                  for v in victims])
         index = self.disk_cache.index
         return {v.block_id for v in victims if index.lookup(v.block_hash, v.token_ids)}
 

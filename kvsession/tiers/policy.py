@@ -107,6 +107,7 @@ class TierPolicy:
                                       mover.host.num_blocks // CLEAN_AHEAD_SHARE) \
             if mover.host is not None else 0
         self.cleaning: PendingClean | None = None  # the one copy ahead in flight
+        self._clean_seen: tuple = ()  # the pools' state at the last look for copies ahead
         self.pool, self.host, self.disk = mover.pool, mover.host, mover.disk
         self.disk_cache = mover.disk_cache
         self.prefill_tps, self.bytes_per_token = prefill_tps, bytes_per_token
@@ -563,45 +564,77 @@ class TierPolicy:
             return {}
 
     def _clean_ahead(self) -> None:
-        """The device pool's background writer: the cached content that its next
-        `clean_ahead_blocks` allocations would evict, and that the host lacks, is copied
-        to the host now, on the copier (`clean_steps`), so the eviction finds it there
-        instead of copying on the engine thread while a step waits. Everything evicted is
-        kept on the host anyway (`evicting`), so this moves the same copies earlier; a
-        block revived before its eviction costs one copy that was not needed.
-        At most one group in flight, into host blocks whose taking evicts nothing that
-        would have to be written below on this thread (with a disk cache: only empty ones).
-        Not with the staged host copies (the Triton kernels on CUDA), whose buffers are
-        the engine thread's."""
-        if self.host is None or self.cleaning is not None or not self.clean_ahead_blocks \
-                or self.host.staged:
+        """A buffer pool's background writer, for the device pool and the host's: the
+        cached content that a pool's next `clean_ahead_blocks` allocations would evict,
+        and that the tier below would keep (`evicting`: the host keeps everything; the
+        disk cache what it admits), is copied there now, on the copier (`clean_steps`), so
+        the eviction finds it there instead of copying on the engine thread while a step
+        waits. The same copies, earlier; a block revived before its eviction costs one
+        copy that was not needed. At most one group in flight, the host's first (its
+        victims are the room a device copy needs), into room whose taking writes nothing
+        below on this thread (`_host_room`). Looked at again only once the pools changed.
+        Device to host not with the staged host copies (Triton kernels on CUDA), whose
+        buffers are the engine thread's."""
+        if self.host is None or self.cleaning is not None or not self.clean_ahead_blocks:
+            return
+        pools = [self.pool, self.host.index] + \
+            ([self.disk_cache.index] if self.disk_cache is not None else [])
+        seen = tuple((p.num_evictions, p.num_free, len(p.index)) for p in pools)
+        if seen == self._clean_seen:
+            return  # nothing was allocated, freed or published since the last look
+        self._clean_seen = seen
+        if self.disk_cache is not None:
+            victims = [v for v in self.host.index.next_victims(self.clean_ahead_blocks)
+                       if self._disk_would_keep(v)]
+            victims = victims[:min(self.disk_cache.index.num_free, SPILL_GROUP_BLOCKS)]
+            if victims:
+                self._start_background(self.clean_steps(Tier.HOST, victims))
+                return
+        if self.host.staged:
             return
         index = self.host.index
-        room = index.num_empty_free if self.disk_cache is not None else index.num_free
-        if not room:
-            return
         victims = [v for v in self.pool.next_victims(self.clean_ahead_blocks)
                    if index.lookup(v.block_hash, v.token_ids) is None]
-        victims = victims[:min(room, SPILL_GROUP_BLOCKS)]
+        victims = victims[:min(self._host_room(), SPILL_GROUP_BLOCKS)]
         if victims:
-            self._start_background(self.clean_steps(victims))
+            self._start_background(self.clean_steps(Tier.DEVICE, victims))
 
-    def clean_steps(self, victims: list[Evicted]) -> Generator[Future, None, int]:
-        """Copy device victims to the host ahead of their eviction: staged and settled
-        here, copied on the copier (its Future yielded). Returns how many were published
-        on the host (those whose device block still held the content at settling)."""
+    def _disk_would_keep(self, v: Evicted) -> bool:
+        """Whether evicting `v` from the host would write it to the disk cache: admitted
+        (used at least DISK_ADMIT_HITS times) and not there yet."""
+        return v.hits >= DISK_ADMIT_HITS and \
+            self.disk_cache.index.lookup(v.block_hash, v.token_ids) is None
+
+    def _host_room(self) -> int:
+        """Host blocks a copy ahead can take without the host's eviction writing to disk on
+        this thread: all its unreferenced ones without a disk cache; else the empty ones,
+        then the leading victims the disk cache would not keep or already holds."""
+        index = self.host.index
+        if self.disk_cache is None:
+            return index.num_free
+        room = index.num_empty_free
+        for v in index.next_victims(self.clean_ahead_blocks):
+            if self._disk_would_keep(v):
+                break
+            room += 1
+        return room
+
+    def clean_steps(self, tier: Tier, victims: list[Evicted]) -> Generator[Future, None, int]:
+        """Copy victims of `tier`'s pool a tier down ahead of their eviction: staged and
+        settled here, copied on the copier (its Future yielded). Returns how many were
+        published below (those whose source block still held the content at settling)."""
         try:
-            job = self.cleaning = self.mover.stage_clean(victims)
-        except CacheFullError:  # the host's room was checked: nothing to copy into
+            job = self.cleaning = self.mover.stage_clean(tier, victims)
+        except CacheFullError:  # the room was checked: nothing to copy into
             return 0
         try:
             job.future = self.mover.copier.submit(self.mover.copy_clean, job)
             yield job.future
             try:
-                moved, seconds = job.future.result()
+                done, seconds = job.future.result()
             except Exception as e:  # noqa: BLE001 - a copy ahead is an optimisation
                 return self.mover.settle_clean(job, error=e)
-            return self.mover.settle_clean(job, moved, seconds)
+            return self.mover.settle_clean(job, done, seconds)
         finally:
             self.cleaning = None
 
