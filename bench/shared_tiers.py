@@ -41,6 +41,13 @@ Reports prompt tokens computed, hits per tier, TTFT p50 / p99, and the disk's wr
 amplification: bytes written to session_dir (cache slots, segments, snapshots) / KV bytes
 the run produced (prompt tokens computed + tokens generated, times bytes per token), with
 the cache's share.
+
+`--workload ahead`: the disk workload's trace and tiers, two engines: at_eviction, the
+revision before copies ahead of eviction (`--baseline-ahead`: every device block the device
+evicts is copied to the host, and every host block the host evicts to the disk cache, as the
+eviction happens, on the engine thread while the step waits); ahead, this tree (the copier
+copies the next victims before). Reports blocks copied at eviction and ahead per tier,
+TTFT p50 / p99, prompt tokens computed.
 """
 
 from __future__ import annotations
@@ -65,6 +72,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # the last revision whose host tier was session-private (before the content index landed),
 # and the last whose reclaim ordered sessions by last use
 BASELINE, BASELINE_ORDER = "db28ed4", "a26d440"
+# the last revision that copied every push-down (device -> host, host -> disk cache) as the
+# eviction happened, on the engine thread
+BASELINE_AHEAD = "5c1d03a"
 SYSTEM_TOKENS, MESSAGE_TOKENS, REPLY_TOKENS = 512, 128, 16
 NUM_DOCS, DOC_TOKENS, QUESTION_TOKENS, RAG_GAP_S, RAG_IN_FLIGHT = 10, 2048, 64, 0.8, 4
 TOOL_MEDIAN_S = 0.4
@@ -83,6 +93,10 @@ WORKLOADS = {
     "disk": {"agents": 8, "turns": 6, "rag": 48, "device": 8192, "host": 8192,
              "disk_cache": 65536, "sigma": 1.2, "cap_s": 6.0,
              "configs": {"host": ("this", True, "dir"), "host_disk": ("this", True, "cache")}},
+    "ahead": {"agents": 8, "turns": 6, "rag": 48, "device": 8192, "host": 8192,
+              "disk_cache": 65536, "sigma": 1.2, "cap_s": 6.0,
+              "configs": {"at_eviction": ("baseline_ahead", True, "cache"),
+                          "ahead": ("this", True, "cache")}},
 }
 
 
@@ -176,6 +190,8 @@ def run_one(workload: str, config: str, model: Path) -> dict:
             # ahead of it, on the copier
             "host_copied_at_eviction": getattr(host_stats, "blocks_copied_at_eviction", None),
             "host_copied_ahead": getattr(host_stats, "blocks_copied_ahead", None),
+            "disk_copied_at_eviction": getattr(disk_stats, "blocks_copied_at_eviction", None),
+            "disk_copied_ahead": getattr(disk_stats, "blocks_copied_ahead", None),
             # bytes written to the host / KV bytes the run produced (its prompt tokens
             # computed and tokens generated): the host tier's write amplification
             "host_write_amplification": getattr(host_stats, "bytes_written", 0) / produced,
@@ -227,6 +243,8 @@ def main() -> None:
     ap.add_argument("--baseline", default=BASELINE, help="git revision of 'private'")
     ap.add_argument("--baseline-order", default=BASELINE_ORDER,
                     help="git revision of 'last_use'")
+    ap.add_argument("--baseline-ahead", default=BASELINE_AHEAD,
+                    help="git revision of 'at_eviction'")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -238,7 +256,8 @@ def main() -> None:
     model = mid_model()
     spec = WORKLOADS[args.workload]
     configs = tuple(spec["configs"])
-    engines = {"this": ROOT, "baseline": args.baseline, "baseline_order": args.baseline_order}
+    engines = {"this": ROOT, "baseline": args.baseline, "baseline_order": args.baseline_order,
+               "baseline_ahead": args.baseline_ahead}
     trees = {c: engines[e] if e == "this" else baseline_tree(engines[e])
              for c, (e, *_) in spec["configs"].items()}
     runs: dict[str, list[dict]] = {c: [] for c in configs}
@@ -262,7 +281,8 @@ def main() -> None:
                                           "agent_ttft_p99_s", "disk_hit_tokens",
                                           "disk_write_amplification",
                                           "disk_cache_write_amplification",
-                                          "host_copied_at_eviction", "host_copied_ahead")}
+                                          "host_copied_at_eviction", "host_copied_ahead",
+                                          "disk_copied_at_eviction", "disk_copied_ahead")}
                for c in configs}
     if args.workload == "disk":
         h, hd = summary["host"], summary["host_disk"]
@@ -280,6 +300,22 @@ def main() -> None:
         if args.plot:
             two_bars(summary, ("prefill_tokens", "prompt tokens computed", 1),
                      ("ttft_p99_s", "TTFT p99 ms", 1e3), "disk_cache")
+        return
+    if args.workload == "ahead":
+        at, ah = summary["at_eviction"], summary["ahead"]
+        print(f"copies ahead: TTFT p50 {ah['ttft_p50_s'][0] * 1e3:.0f} vs "
+              f"{at['ttft_p50_s'][0] * 1e3:.0f} ms, p99 {ah['ttft_p99_s'][0] * 1e3:.0f} vs "
+              f"{at['ttft_p99_s'][0] * 1e3:.0f} ms, prompt tokens {ah['prefill_tokens'][0]} vs "
+              f"{at['prefill_tokens'][0]}; blocks copied at eviction / ahead: host "
+              f"{ah['host_copied_at_eviction'][0]:.0f} / {ah['host_copied_ahead'][0]:.0f}, "
+              f"disk {ah['disk_copied_at_eviction'][0]:.0f} / {ah['disk_copied_ahead'][0]:.0f}")
+        write_result("clean_ahead", {"baseline_ahead": args.baseline_ahead, "rounds": runs,
+                                     "summary": summary,
+                                     "workload": {k: v for k, v in spec.items()
+                                                  if k != "configs"}})
+        if args.plot:
+            two_bars(summary, ("ttft_p50_s", "TTFT p50 ms", 1e3),
+                     ("ttft_p99_s", "TTFT p99 ms", 1e3), "clean_ahead")
         return
     if args.workload == "agents":
         lu, ex = summary["last_use"], summary["expected"]
