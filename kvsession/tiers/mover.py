@@ -337,19 +337,31 @@ class TierMover:
             del job.victims[len(job.slots):]
         return job
 
-    def copy_clean(self, job: PendingClean) -> tuple[list[int] | int, float]:
+    def copy_clean(self, job: PendingClean,
+                   pace: Callable[[], None] | None = None) -> tuple[list[int] | int, float]:
         """The copier: the victims' bytes into the job's host blocks (bytes moved) or disk
-        cache slots (their payload crcs, up to a failed write), and the seconds it took.
-        The source blocks are free and may be evicted and rewritten meanwhile: such a copy
-        is torn, and `settle_clean` drops it."""
+        cache slots (their payload crcs, up to a failed write), SPILL_GROUP_BLOCKS at a
+        time (`pace` between groups), and the seconds it took. The source blocks are free
+        and may be evicted and rewritten meanwhile: such a copy is torn, and
+        `settle_clean` drops it."""
         t0 = time.perf_counter()
-        ids = [v.block_id for v in job.victims]
-        if job.tier is Tier.DEVICE:
-            done: list[int] | int = self.host.store(
-                self.kv_pool, ids, [h.block_id for h in job.held.host_blocks])
-        else:
-            done = self.disk_cache.write(self.host.tensors, job.slots, ids)
-        return done, time.perf_counter() - t0
+        if pace is not None:
+            self.copier.start_pacing()
+        moved, crcs = 0, []
+        for g in range(0, len(job.victims), SPILL_GROUP_BLOCKS):
+            if pace is not None:
+                pace()
+            part = slice(g, g + SPILL_GROUP_BLOCKS)
+            ids = [v.block_id for v in job.victims[part]]
+            if job.tier is Tier.DEVICE:
+                moved += self.host.store(self.kv_pool, ids,
+                                         [h.block_id for h in job.held.host_blocks[part]])
+                continue
+            written = self.disk_cache.write(self.host.tensors, job.slots[part], ids)
+            crcs += written
+            if len(written) < len(ids):
+                break  # a failed write (logged): the slots after it stay blank
+        return (moved if job.tier is Tier.DEVICE else crcs), time.perf_counter() - t0
 
     def settle_clean(self, job: PendingClean, done: list[int] | int = 0,
                      seconds: float = 0.0, error: BaseException | None = None) -> int:

@@ -25,7 +25,6 @@ from kvsession.cache.manager import Holder, SessionKV, Tier
 from kvsession.cache.prefix import PrefixCache
 from kvsession.errors import CacheFullError, SnapshotError
 from kvsession.tiers.mover import (
-    SPILL_GROUP_BLOCKS,
     LowerLoad,
     PendingClean,
     PendingLoad,
@@ -570,7 +569,8 @@ class TierPolicy:
         disk cache what it admits), is copied there now, on the copier (`clean_steps`), so
         the eviction finds it there instead of copying on the engine thread while a step
         waits. The same copies, earlier; a block revived before its eviction costs one
-        copy that was not needed. At most one group in flight, the host's first (its
+        copy that was not needed. One job in flight (its whole lookahead, copied
+        SPILL_GROUP_BLOCKS at a time, paced like a spill), the host's first (its
         victims are the room a device copy needs), into room whose taking writes nothing
         below on this thread (`_host_room`). Looked at again only once the pools changed.
         Device to host not with the staged host copies (Triton kernels on CUDA), whose
@@ -586,7 +586,7 @@ class TierPolicy:
         if self.disk_cache is not None:
             victims = [v for v in self.host.index.next_victims(self.clean_ahead_blocks)
                        if self._disk_would_keep(v)]
-            victims = victims[:min(self.disk_cache.index.num_free, SPILL_GROUP_BLOCKS)]
+            victims = victims[:self.disk_cache.index.num_free]
             if victims:
                 self._start_background(self.clean_steps(Tier.HOST, victims))
                 return
@@ -595,7 +595,7 @@ class TierPolicy:
         index = self.host.index
         victims = [v for v in self.pool.next_victims(self.clean_ahead_blocks)
                    if index.lookup(v.block_hash, v.token_ids) is None]
-        victims = victims[:min(self._host_room(), SPILL_GROUP_BLOCKS)]
+        victims = victims[:self._host_room()]
         if victims:
             self._start_background(self.clean_steps(Tier.DEVICE, victims))
 
@@ -628,7 +628,8 @@ class TierPolicy:
         except CacheFullError:  # the room was checked: nothing to copy into
             return 0
         try:
-            job.future = self.mover.copier.submit(self.mover.copy_clean, job)
+            job.future = self.mover.copier.submit(self.mover.copy_clean, job,
+                                                  self.mover.copier.pace)
             yield job.future
             try:
                 done, seconds = job.future.result()
