@@ -143,7 +143,8 @@ class Runtime:
                                self.scheduler)
         self.policy = TierPolicy(self.mover, self.prefix, self.scheduler, prefill_tps, bpt,
                                  cfg.spill_after_s,
-                                 blocks_for(cfg.max_num_batched_tokens, cfg.block_size))
+                                 blocks_for(cfg.max_num_batched_tokens, cfg.block_size),
+                                 device_ahead=self.mover.copier.own_engine)
         self.scheduler.attach_reclaimer(self.policy)
         # SLO-aware chunking: off until `llm.slo` is set (`set_slo`)
         self.slo_chunking = SloChunking(stall_ratio)

@@ -6,15 +6,13 @@ output is the one an engine without caching gives."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from internals import Internals
+from test_disk_cache import HOST, SLOT, used_twice_then_evicted
 from test_policy_unit import BPT, HASHER, HEADER, add_session, build, content
 from test_prefix_cache import gen
-from test_shared_tiers import BPT as BPT_TINY
 from test_shared_tiers import DEVICE, G, fixed_rates
 
 from kvsession import LLM, costmodel
@@ -99,7 +97,7 @@ def unit(tmp_path, step_blocks=8):
     e = build(tmp_path, num_blocks=8, host_blocks=8, disk=False)
     e.policy = TierPolicy(e.mover, e.prefix, load=e.probe,
                           prefill_tps=costmodel.RateEstimator(prior=2000.0),
-                          bytes_per_token=BPT, step_blocks=step_blocks)
+                          bytes_per_token=BPT, step_blocks=step_blocks, device_ahead=True)
     e.m.pool.attach_sink(e.policy)
     e.policy.release(add_session(e, "a", 16, last_used=0.0))
     return e
@@ -164,35 +162,24 @@ def test_housekeeping_copies_ahead_one_group_at_a_time(tmp_path):
     e.m.pool.check_integrity()
 
 
-def test_what_the_next_allocation_evicts_was_copied_ahead(llama_dir):
-    """Two documents fill the device but for a few empty blocks; the copies ahead put the
-    next victims on the host. The next prompt's allocation evicts them without copying
-    anything, and the evicted content comes back from the host, exact. (The last prompt
-    and its answer fit the blocks taken at its admission: no eviction happens later,
-    while the engine loop's own copies ahead race its steps.)"""
-    a, b, c = random_prompts(4, [120, 100, 34], 500)
-    with fixed_rates(LLM(llama_dir, host_cache_memory=64 * 8 * BPT_TINY, **DEVICE)) as llm, \
+def test_on_a_cpu_the_devices_victims_are_copied_as_they_are_evicted(llama_dir, tmp_path):
+    """Without a copier engine of its own (a CPU), the device's victims are copied as they
+    are evicted (a copy ahead would take the step's cores and memory bus); the host's
+    reach the disk cache, ahead or as evicted, and come back exact."""
+    (doc,) = random_prompts(6, [120], 500)
+    q = doc + [1, 2, 3, 4]
+    with fixed_rates(LLM(llama_dir, session_dir=tmp_path, disk_cache_memory=64 * SLOT,
+                         **HOST, **DEVICE)) as llm, \
             LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
-        ins = Internals(llm)
-        gen(llm, [a], G)
-        gen(llm, [b], G)
-        ins.tier_housekeeping(time.monotonic())  # (the engine loop may have done it already)
+        used_twice_then_evicted(llm, doc, 300)
         st = llm.stats()
-        cleaned = st.tiers["host"].blocks_copied_ahead
-        assert cleaned > 0
-        assert st.prefix.evictions_by_copy == {}  # nothing evicted yet
-        assert st.tiers["host"].blocks_copied_at_eviction == 0
-        gen(llm, [c], G)
-        st = llm.stats()
-        evicted = st.prefix.evictions_by_copy.get("host", 0)
-        assert 0 < evicted <= cleaned and st.prefix.evictions_by_copy.get("none", 0) == 0
-        assert st.tiers["host"].blocks_copied_at_eviction == 0  # all of them were there
-        hits_before = st.tiers["host"].hit_tokens
-        outs = gen(llm, [a + [7], b + [8]], G)
-        # (both together need more than the device: they evict more as they run)
-        assert llm.stats().tiers["host"].hit_tokens - hits_before >= evicted * 8
-        assert [o.token_ids for o in outs] == \
-            [o.token_ids for o in gen(plain, [a + [7], b + [8]], G)]
+        assert st.tiers["host"].blocks_copied_ahead == 0
+        assert st.tiers["host"].blocks_copied_at_eviction >= 15
+        disk = st.tiers["disk"]
+        assert disk.blocks_copied_ahead + disk.blocks_copied_at_eviction >= 15
+        out = gen(llm, [q], G)[0]
+        assert out.num_cached_tokens == 120
+        assert out.token_ids == gen(plain, [q], G)[0].token_ids
         llm.check_integrity()
 
 

@@ -65,6 +65,13 @@ class Copier:
                                         daemon=True)
         self._thread.start()
 
+    @property
+    def own_engine(self) -> bool:
+        """Whether its copies run beside the engine's compute rather than on the cores and
+        the memory bus a step uses (a CUDA stream: the GPU's copy engines). Only then is a
+        copy that may turn out unneeded (a copy ahead of eviction) free."""
+        return self.stream is not None
+
     def submit(self, fn: Callable[..., object], *args) -> Future:
         fut: Future = Future()
         self._queue.put((fut, fn, args))

@@ -47,8 +47,10 @@ class HostPool:
         self.index = BlockPool(num_blocks, device_pool.block_size, True, EvictionPolicy.COST,
                                (Order.RECENCY,), grow=True)
         self.staged = device_pool.use_kernels
-        # grown, reused staging buffers: device side, and (pinned on CUDA) host side
-        self._device_staging, self._host_staging = Workspace(), Workspace(pin_memory=pin)
+        # grown, reused staging buffers, per thread (the engine thread's, the copier's):
+        # device side, and (pinned on CUDA) host side
+        self._pin = pin
+        self._staging = threading.local()
         # counters (llm.stats().tiers["host"]): tokens found here by lookups, bytes copied
         # (loads run on the engine thread and on the copier: tiers/copier.py)
         self._count = threading.Lock()
@@ -87,13 +89,16 @@ class HostPool:
         from kvsession.kernels.block_copy import gather_blocks, scatter_blocks
 
         n = len(device_ids)
+        if not hasattr(self._staging, "device"):
+            self._staging.device, self._staging.host = Workspace(), Workspace(self._pin)
+        device_staging, host_staging = self._staging.device, self._staging.host
         ids = torch.tensor(device_ids, dtype=torch.long, device=pool.k.device)
         host_idx = torch.tensor(host_ids, dtype=torch.long)
         moved = 0
         for name, t in pool.tensors().items():
             shape = (t.shape[0], n, *t.shape[2:])  # [num_layers, n, *block]
-            dev_buf = self._device_staging.get(name, shape, t)
-            host_buf = self._host_staging.get(name, shape, self.tensors[name])
+            dev_buf = device_staging.get(name, shape, t)
+            host_buf = host_staging.get(name, shape, self.tensors[name])
             host = raw_view(self.tensors[name])
             if to_host:
                 gather_blocks(t, dev_buf, ids)

@@ -96,17 +96,20 @@ class HostEvictions:
 class TierPolicy:
     def __init__(self, mover: TierMover, prefix: PrefixCache, load: LoadProbe,
                  prefill_tps: costmodel.RateEstimator, bytes_per_token: int,
-                 spill_after_s: float | None = None, step_blocks: int = 0):
-        """step_blocks: the most device blocks one step may allocate; that many of the
-        device pool's next allocations (at most a CLEAN_AHEAD_SHARE of either pool) are
-        looked at to copy what they would evict to the host ahead of time (`_clean_ahead`;
-        0: never, evictions copy as they happen)."""
+                 spill_after_s: float | None = None, step_blocks: int = 0,
+                 device_ahead: bool = False):
+        """step_blocks: the most device blocks one step may allocate; that many of a
+        pool's next allocations (at most a CLEAN_AHEAD_SHARE of either pool) are looked at
+        to copy what they would evict a tier down ahead of time (`_clean_ahead`; 0: never,
+        evictions copy as they happen). device_ahead: the device pool's victims too, not
+        only the host's (where the copier has its own engine: `Copier.own_engine`)."""
         self.mover, self.prefix, self.load = mover, prefix, load
         self.clean_ahead_blocks = min(step_blocks, mover.pool.num_blocks // CLEAN_AHEAD_SHARE,
                                       mover.host.num_blocks // CLEAN_AHEAD_SHARE) \
             if mover.host is not None else 0
         self.cleaning: PendingClean | None = None  # the one copy ahead in flight
         self._clean_seen: tuple = ()  # the pools' state at the last look for copies ahead
+        self.device_ahead = device_ahead
         self.pool, self.host, self.disk = mover.pool, mover.host, mover.disk
         self.disk_cache = mover.disk_cache
         self.prefill_tps, self.bytes_per_token = prefill_tps, bytes_per_token
@@ -573,8 +576,13 @@ class TierPolicy:
         SPILL_GROUP_BLOCKS at a time, paced like a spill), the host's first (its
         victims are the room a device copy needs), into room whose taking writes nothing
         below on this thread (`_host_room`). Looked at again only once the pools changed.
-        Device to host not with the staged host copies (Triton kernels on CUDA), whose
-        buffers are the engine thread's."""
+        Device to host only with `device_ahead`: on a CPU the copier's copy takes the
+        cores and the memory bus the step uses, and the copies that turn out unneeded
+        (blocks revived before their eviction; duplicates that crowd the host) cost more
+        than the stall they save. Measured (bench/shared_tiers.py --workload ahead, 2
+        vCPUs, 3 rounds): with them on a CPU, 55% of the device -> host copies left the
+        engine thread, but the host wrote 1.49x the bytes, held fewer distinct blocks (host
+        hits 23.1k tokens against 31.6k) and TTFT p50 was 1.18x (2.47 s against 2.10 s)."""
         if self.host is None or self.cleaning is not None or not self.clean_ahead_blocks:
             return
         pools = [self.pool, self.host.index] + \
@@ -590,7 +598,7 @@ class TierPolicy:
             if victims:
                 self._start_background(self.clean_steps(Tier.HOST, victims))
                 return
-        if self.host.staged:
+        if not self.device_ahead:
             return
         index = self.host.index
         victims = [v for v in self.pool.next_victims(self.clean_ahead_blocks)
