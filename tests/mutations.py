@@ -98,9 +98,10 @@ def pytest(root: Path, tests: tuple[str, ...]) -> tuple[int, float, str]:
     """(exit code, seconds, the end of the output) of the tests in a tree."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                          *tests], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
+    # in one process (-n 0): a few tests, and a worker's crash would not be a test failure
+    out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p",
+                          "no:cacheprovider", *tests], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
     lines = (out.stdout + out.stderr).strip().splitlines()
     failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
     return out.returncode, time.perf_counter() - t0, "\n".join(failed[:1] or lines[-4:])
