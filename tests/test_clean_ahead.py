@@ -1,8 +1,10 @@
-"""Copies ahead of eviction: the device pool's next victims are copied to the host on the
-copier before an allocation evicts them, so the eviction finds them there and the step
-does not wait for the copy. `BlockPool.next_victims` names them exactly; a copy whose
-device block was evicted meanwhile (its bytes possibly rewritten) is never published; every
-output is the one an engine without caching gives."""
+"""Copies ahead of eviction: a pool's next victims are copied a tier down on the copier
+before an allocation evicts them (the device's to the host where the copier has its own
+engine, the host's to the disk cache everywhere), so the eviction finds them there and the
+step does not wait for the copy. `BlockPool.next_victims` names them exactly; a copy whose
+source block was evicted meanwhile (its bytes possibly rewritten) is never published, and a
+disk cache slot never committed is not found by the next process either; every output is
+the one an engine without caching gives."""
 
 from __future__ import annotations
 
