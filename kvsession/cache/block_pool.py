@@ -224,10 +224,7 @@ class BlockPool:
                 self.evictions_by_reason[self.free_queue.last_reason] += 1
                 evicted.append((b.block_id, b.evict.copy_tier))
                 if self.sink is not None:
-                    parent = _live_parent(b)
-                    victims.append(Evicted(b.block_id, b.block_hash, b.token_ids,
-                                           parent.block_hash if parent is not None else None,
-                                           b.evict.hits))
+                    victims.append(_evicted(b))
             self._evict(b)
             b.ref_cnt = 1
             out.append(b)
@@ -271,13 +268,7 @@ class BlockPool:
         else:
             ahead = [b for b in itertools.islice(self.free_queue, num_blocks)
                      if b.block_hash is not None]
-        out = []
-        for b in ahead:
-            parent = _live_parent(b)
-            out.append(Evicted(b.block_id, b.block_hash, b.token_ids,
-                               parent.block_hash if parent is not None else None,
-                               b.evict.hits, b.evict.generation))
-        return out
+        return [_evicted(b) for b in ahead]
 
     def still_holds(self, v: Evicted) -> bool:
         """Whether block `v.block_id` still holds the content `v` was taken from
@@ -459,6 +450,14 @@ class BlockPool:
                 raise AssertionError(f"{b} is a shared prefix, its cached parent is not")
         for shadow in self.shadows:
             shadow.check_integrity()
+
+
+def _evicted(b: Block) -> Evicted:
+    """A cached block's content as the sink sees it, before the block is evicted."""
+    parent = _live_parent(b)
+    return Evicted(b.block_id, b.block_hash, b.token_ids,
+                   parent.block_hash if parent is not None else None, b.evict.hits,
+                   b.evict.generation)
 
 
 def _live_parent(b: Block) -> Block | None:
