@@ -9,14 +9,14 @@ meet the budget, `disk_cache_memory`.
 
 The file, `.blocks.kvc`, is a row of fixed-size slots; slot i holds block i of `index`, a
 growing `BlockPool` (ref counts, the hash index, a free queue that evicts the coldest
-leaves first by the cost rule), so the cache's bookkeeping is the device pool's. A slot:
+leaves first by the cost rule), so the cache's bookkeeping is the device pool's. A slot is
+one block's record (tiers/block_record.py: a header naming the block, its tokens and
+checksums, then the payload), padded:
 
-    [ header: magic | identity digest | block hash | parent hash | depth | hits |
-      payload crc32 | token ids (block_size x uint32) | header crc32 ][ payload ][ pad ]
-    |<----------------------------- slot_bytes (a multiple of 4 KiB) --------------------->|
+    [ header ][ payload ][ pad ]
+    |<-- slot_bytes (a multiple of 4 KiB) -->|
 
-and its payload is every KV tensor's block, all layers, tensors in name order (the bytes of
-`tensor[:, block]`). The file is self-describing, so the cache outlives the process: at
+The file is self-describing, so the cache outlives the process: at
 start-up the headers are read back and every intact one is published again (a torn write
 leaves a header whose checksum fails, or a payload whose checksum fails when it is read:
 either is a miss, never wrong KV). A crash loses cache blocks at most.
@@ -31,13 +31,9 @@ a disk cache.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import struct
 import threading
-import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -45,18 +41,13 @@ import torch
 
 from kvsession.cache.block_pool import Block, BlockPool
 from kvsession.cache.eviction import EvictionPolicy, Order
-from kvsession.kernels.reference import raw_view
+from kvsession.tiers.block_record import BlockRecords, RecordHeader
 from kvsession.tiers.locks import FileLock
 
 log = logging.getLogger("kvsession")
 CACHE_NAME = ".blocks.kvc"
 CACHE_LOCK_NAME = ".blocks.lock"
-MAGIC = b"KVSBLK01"
 SLOT_ALIGN_BYTES = 4096
-MAX_HASH_BYTES = 64
-# magic, identity digest, hash length + hash, parent flag + length + hash, depth, hits,
-# payload crc; then the token ids and the header's own crc
-_FIXED = struct.Struct(f"<8s16sB{MAX_HASH_BYTES}sBB{MAX_HASH_BYTES}sIII")
 
 
 class DiskCacheBusy(Exception):
@@ -77,16 +68,12 @@ class DiskCache:
         if not self.lock.try_acquire():
             raise DiskCacheBusy(f"{self.root / CACHE_NAME} is in use by another process")
         self.path = self.root / CACHE_NAME
-        # (name, bytes of one block, all layers) in payload order
-        self.parts = [(n, t[:, 0].numel() * t.element_size()) for n, t in sorted(tensors.items())]
-        self.payload_bytes = sum(p[1] for p in self.parts)
-        self.tokens = struct.Struct(f"<{block_size}I")
-        self.header_bytes = _FIXED.size + self.tokens.size + 4
-        used = self.header_bytes + self.payload_bytes
+        self.records = BlockRecords(tensors, block_size, identity_fields)
+        self.payload_bytes = self.records.payload_bytes
+        self.header_bytes = self.records.header_bytes
+        used = self.records.record_bytes
         self.slot_bytes = -(-used // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
         self.num_blocks = num_blocks = budget_bytes // self.slot_bytes
-        self.identity = hashlib.blake2b(json.dumps(identity_fields, sort_keys=True).encode(),
-                                        digest_size=16).digest()
         self.index = BlockPool(num_blocks, block_size, True, EvictionPolicy.COST,
                                (Order.RECENCY,), grow=True)
         # counters (llm.stats().tiers["disk"]): tokens found here, bytes moved (loads run on
@@ -125,42 +112,20 @@ class DiskCache:
             return 0
         found = []
         for i in range(n):
-            meta = self._read_header(os.pread(self.fd, self.header_bytes, i * self.slot_bytes))
+            meta = self.records.read_header(os.pread(self.fd, self.header_bytes,
+                                                     i * self.slot_bytes))
             if meta is not None:
-                found.append((meta[3], i, meta))
+                found.append((meta.depth, i, meta))
         slots = self.index.allocate(n)  # a fresh growing pool hands out ids 0..n-1 in order
-        for _, i, (block_hash, parent, tokens, _, hits, _) in sorted(found):
-            self.index.cache_full_block(slots[i], block_hash, tokens, parent, hits)
+        for _, i, meta in sorted(found, key=_by_depth):
+            self.index.cache_full_block(slots[i], meta.block_hash, meta.token_ids,
+                                        meta.parent_hash, meta.hits)
         self.index.free(slots)
         if found:
             log.info("disk cache %s: %d blocks from an earlier run", self.path, len(found))
         return len(found)
 
     # ---- slots ---------------------------------------------------------------------------
-
-    def _header(self, block_hash: bytes, parent: bytes | None, tokens, depth: int,
-                hits: int, payload_crc: int) -> bytes:
-        fixed = _FIXED.pack(MAGIC, self.identity, len(block_hash), block_hash,
-                            parent is not None, len(parent or b""), parent or b"", depth,
-                            hits, payload_crc)
-        head = fixed + self.tokens.pack(*tokens)
-        return head + struct.pack("<I", zlib.crc32(head))
-
-    def _read_header(self, raw: bytes):
-        """(hash, parent hash, tokens, depth, hits, payload crc) of an intact header written
-        under this identity, else None."""
-        if len(raw) != self.header_bytes:
-            return None
-        head, (crc,) = raw[:-4], struct.unpack("<I", raw[-4:])
-        if zlib.crc32(head) != crc:
-            return None
-        magic, ident, hlen, h, has_parent, plen, p, depth, hits, payload_crc = \
-            _FIXED.unpack(head[:_FIXED.size])
-        if magic != MAGIC or ident != self.identity or not 0 < hlen <= MAX_HASH_BYTES \
-                or plen > MAX_HASH_BYTES:
-            return None
-        tokens = self.tokens.unpack(head[_FIXED.size:])
-        return h[:hlen], (p[:plen] if has_parent else None), tokens, depth, hits, payload_crc
 
     def store(self, src: dict[str, torch.Tensor], entries: list[tuple[int, bytes, tuple,
                                                                        bytes | None, int]]) -> int:
@@ -199,11 +164,7 @@ class DiskCache:
         crcs = []
         blank = bytes(self.header_bytes)
         for slot, src_id in zip(slots, src_ids, strict=True):
-            payload = [src[name][:, src_id].contiguous().cpu().view(torch.uint8)
-                       .numpy().tobytes() for name, _ in self.parts]
-            crc = 0
-            for part in payload:
-                crc = zlib.crc32(part, crc)
+            payload, crc = self.records.payload(src, src_id)
             try:
                 n = os.pwritev(self.fd, [blank, *payload], slot.block_id * self.slot_bytes)
                 if n != self.header_bytes + self.payload_bytes:
@@ -223,7 +184,7 @@ class DiskCache:
         too) and the block published. False when the header cannot be written (the slot
         stays unpublished)."""
         depth = 0 if parent is None else self._depth_after(parent)
-        header = self._header(block_hash, parent, tokens, depth, hits, payload_crc)
+        header = self.records.header(block_hash, parent, tokens, depth, hits, payload_crc)
         try:
             os.pwrite(self.fd, header, slot.block_id * self.slot_bytes)
         except OSError as e:
@@ -243,7 +204,7 @@ class DiskCache:
         used. Returns how many leading blocks were loaded: a damaged slot (a torn write, a
         changed file) stops the load there; the caller discards it (`index.discard`) once
         it has dropped its reference."""
-        used = self.header_bytes + self.payload_bytes
+        used = self.records.record_bytes
         buf = bytearray(used)
         for j, (slot, dst_id) in enumerate(zip(slots, dst_ids, strict=True)):
             try:
@@ -251,20 +212,14 @@ class DiskCache:
             except OSError as e:
                 log.warning("disk cache %s: %s", self.path, e)
                 return j
-            meta = self._read_header(bytes(buf[:self.header_bytes])) if n == used else None
-            payload = memoryview(buf)[self.header_bytes:]
-            if meta is None or meta[0] != slot.block_hash or meta[2] != slot.token_ids \
-                    or zlib.crc32(payload) != meta[5]:
+            payload = self.records.check(buf, slot.block_hash, slot.token_ids) \
+                if n == used else None
+            if payload is None:
                 log.warning("disk cache %s: slot %d is damaged; recomputing from there",
                             self.path, slot.block_id)
                 return j
-            off = 0
-            for name, nbytes in self.parts:
-                block = raw_view(dst[name][:, dst_id])
-                data = torch.frombuffer(payload[off:off + nbytes], dtype=torch.uint8)
-                # (the buffer is reused by the next block: copied synchronously)
-                block.copy_(data.view(block.dtype).view(block.shape))
-                off += nbytes
+            # (the buffer is reused by the next block: copied synchronously)
+            self.records.copy_into(payload, dst, dst_id)
             with self._count:
                 self.bytes_read += used
                 self.hit_tokens += self.block_size
@@ -298,3 +253,8 @@ class DiskCache:
                 raise AssertionError(f"disk cache {b}: ref_cnt {b.ref_cnt}, held by copies "
                                      f"{self._held[b.block_id]}")
 
+
+
+def _by_depth(found: tuple[int, int, RecordHeader]) -> tuple[int, int]:
+    """Parents (shallower) first, then by slot."""
+    return found[0], found[1]
