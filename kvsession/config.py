@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from kvsession.kernels import bf16_rows
 from kvsession.kernels.reference import is_fp8
 from kvsession.model.config import checkpoint_dtype
 from kvsession.model.hub import fetch, is_hub_id
+from kvsession.tiers.object_store import check_options, check_url
 from kvsession.validation import (
     SEED_RANGE,
     check_bool,
@@ -214,6 +215,22 @@ def _speculative(value) -> SpeculativeConfig | None:
 
 
 @dataclass(frozen=True)
+class ObjectStoreConfig:
+    """LLM(object_store=..., object_store_options=..., object_store_memory=...)."""
+
+    url: str
+    # the store's and its client's options: they may hold credentials, so they are never
+    # printed (repr) nor compared
+    options: dict = field(repr=False, compare=False)
+    memory_bytes: int  # the most this process keeps written there
+
+
+# what one process keeps written in the object store by default (its own least recently
+# used objects are deleted beyond it)
+OBJECT_STORE_MEMORY_DEFAULT = "16GiB"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM(...)` was asked for, resolved and validated (no runtime facts)."""
 
@@ -251,6 +268,8 @@ class EngineConfig:
     prefill_caps: PrefillCaps | None = None
     # drafts verified in one forward pass (engine/drafts.py); None: no speculation
     speculative: SpeculativeConfig | None = None
+    # KV blocks in an object store (tiers/object_store.py); None: none
+    object_store: ObjectStoreConfig | None = None
 
     @staticmethod
     def from_args(
@@ -265,7 +284,8 @@ class EngineConfig:
         download_dir=None, generation_config="auto", cpu_weight_layout="single",
         quantization=None, disk_cache_memory=None, max_num_partial_prefills=4,
         max_long_partial_prefills=1, long_prefill_token_threshold=None,
-        speculative_config=None, **unknown,
+        speculative_config=None, object_store=None, object_store_options=None,
+        object_store_memory=None, **unknown,
     ) -> EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
@@ -374,6 +394,8 @@ class EngineConfig:
             disk_cache_memory_bytes=_disk_cache_bytes(disk_cache_memory, session_dir),
             prefill_caps=caps,
             speculative=_speculative(speculative_config),
+            object_store=_object_store(object_store, object_store_options,
+                                       object_store_memory),
         )
 
     @property
@@ -415,6 +437,17 @@ def _disk_cache_bytes(value, session_dir) -> int | None:
         raise ConfigError("disk_cache_memory needs a session_dir (the disk cache is a file "
                           "there)")
     return n
+
+
+def _object_store(url, options, memory) -> ObjectStoreConfig | None:
+    """LLM(object_store=, object_store_options=, object_store_memory=)."""
+    if url is None:
+        if options is not None or memory is not None:
+            raise ConfigError("object_store_options and object_store_memory apply to an "
+                              "object_store (its URL)")
+        return None
+    return ObjectStoreConfig(check_url(url), check_options(options), parse_num_bytes(
+        OBJECT_STORE_MEMORY_DEFAULT if memory is None else memory, "object_store_memory"))
 
 
 def _chat_template(value) -> str | None:

@@ -98,15 +98,18 @@ def recompute_ms(num_tokens: int, prefill_tps: float, queue_depth: int = 0) -> f
     return ms
 
 
-def load_ms(num_tokens: int, kv_bytes_per_token: float, tier_bytes_per_s: float) -> float:
-    return num_tokens * kv_bytes_per_token / tier_bytes_per_s * 1000.0
+def load_ms(num_tokens: int, kv_bytes_per_token: float, tier_bytes_per_s: float,
+            latency_s: float = 0.0) -> float:
+    """A load's time: the tier's latency (an object store's round trip, paid once per load:
+    its reads run concurrently) and then its bytes at its bandwidth."""
+    return (latency_s + num_tokens * kv_bytes_per_token / tier_bytes_per_s) * 1000.0
 
 
 def should_load(num_tokens: int, kv_bytes_per_token: float, tier_bytes_per_s: float,
-                prefill_tps: float, queue_depth: int = 0) -> bool:
+                prefill_tps: float, queue_depth: int = 0, latency_s: float = 0.0) -> bool:
     """Load iff loading is faster than recomputing right now."""
-    return load_ms(num_tokens, kv_bytes_per_token, tier_bytes_per_s) < recompute_ms(
-        num_tokens, prefill_tps, queue_depth)
+    return load_ms(num_tokens, kv_bytes_per_token, tier_bytes_per_s, latency_s) < \
+        recompute_ms(num_tokens, prefill_tps, queue_depth)
 
 
 def break_even_bytes_per_s(kv_bytes_per_token: float, prefill_tps: float) -> float:

@@ -119,7 +119,9 @@ class LLM:
                  disk_cache_memory: int | str | None = None,
                  max_num_partial_prefills: int = 4, max_long_partial_prefills: int = 1,
                  long_prefill_token_threshold: int | None = None,
-                 speculative_config: dict | None = None, **unknown):
+                 speculative_config: dict | None = None,
+                 object_store: str | None = None, object_store_options: dict | None = None,
+                 object_store_memory: int | str | None = None, **unknown):
         self._rt: Runtime | None = None
         self.config = EngineConfig.from_args(
             model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -140,7 +142,9 @@ class LLM:
             max_num_partial_prefills=max_num_partial_prefills,
             max_long_partial_prefills=max_long_partial_prefills,
             long_prefill_token_threshold=long_prefill_token_threshold,
-            speculative_config=speculative_config, **unknown)
+            speculative_config=speculative_config, object_store=object_store,
+            object_store_options=object_store_options,
+            object_store_memory=object_store_memory, **unknown)
         # in a notebook, an earlier LLM over this model that only the output history holds
         # is closed before this one takes memory (kvsession/notebook.py)
         release_stale(self.config.model, _LIVE, _model_of)

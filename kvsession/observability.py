@@ -16,6 +16,7 @@ from kvsession.remote_offload import remote_stats
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.disk_cache import DiskCache
 from kvsession.tiers.host import HostPool
+from kvsession.tiers.object_store import ObjectCache
 from kvsession.tiers.policy import TierPolicy
 from kvsession.tiers.writeback import WriteBehind
 
@@ -25,12 +26,13 @@ class StatsCollector:
                  disk: DiskTier | None, policy: TierPolicy, scheduler: Scheduler,
                  engine: Engine, latency: LatencyTracker, connector, block_size: int,
                  kv_bytes_per_token: int, slo_chunking: SloChunking,
-                 disk_cache: DiskCache | None = None, writeback: WriteBehind | None = None):
+                 disk_cache: DiskCache | None = None, writeback: WriteBehind | None = None,
+                 objects: ObjectCache | None = None):
         self.pool, self.prefix, self.host, self.disk = pool, prefix, host, disk
         self.policy, self.scheduler, self.engine, self.latency = policy, scheduler, engine, latency
         self.connector = connector  # the prefill connector, or None
         self.block_size, self.kv_bytes_per_token = block_size, kv_bytes_per_token
-        self.disk_cache, self.writeback = disk_cache, writeback
+        self.disk_cache, self.writeback, self.objects = disk_cache, writeback, objects
         self.slo_chunking = slo_chunking
 
     def now(self, slo: SLO) -> Stats:
@@ -72,10 +74,17 @@ class StatsCollector:
             disk.bytes_read += dc.bytes_read
             disk.blocks_copied_at_eviction = mover.evicted_copies[Tier.DISK]
             disk.blocks_copied_ahead = mover.cleaned_blocks[Tier.DISK]
+        tiers = {"device": device, "host": host, "disk": disk}
+        if self.objects is not None:
+            ob = self.objects  # (its counters are ints: read as they are)
+            tiers["object"] = TierStats(
+                bytes_per_token=bpt, cached_blocks=len(ob.known), hit_tokens=ob.hit_tokens,
+                bytes_read=ob.bytes_read, bytes_written=ob.bytes_written,
+                cache_bytes_written=ob.bytes_written)
         q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
         lat, goodput, attainment = self.latency.summary(slo)
         return Stats(
-            tiers={"device": device, "host": host, "disk": disk},
+            tiers=tiers,
             prefix=PrefixStats(queried_tokens=q, hit_tokens=h, hit_rate=h / q if q else 0.0,
                                evictions=pool.num_evictions, cached_blocks=len(pool.index),
                                pinned_blocks=pins.num_pinned_blocks,

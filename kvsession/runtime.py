@@ -58,11 +58,13 @@ from kvsession.pinning import Pinning
 from kvsession.remote_offload import connect_workers, remote_client_class
 from kvsession.sequence_factory import SequenceFactory
 from kvsession.sizing import RuntimeInfo, size_kv
+from kvsession.tiers.block_record import BlockRecords
 from kvsession.tiers.commit import GroupCommit
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.disk_cache import DiskCache, DiskCacheBusy
 from kvsession.tiers.host import HostPool
 from kvsession.tiers.mover import TierMover
+from kvsession.tiers.object_store import ObjectCache
 from kvsession.tiers.policy import HostEvictions, TierPolicy
 from kvsession.tiers.writeback import SnapshotLocks, WriteBehind
 
@@ -118,6 +120,7 @@ class Runtime:
         host_blocks = cfg.host_cache_memory_bytes // (bpt * cfg.block_size)
         self.host = HostPool(self.kv_pool, host_blocks) if host_blocks > 0 else None
         self.disk_cache = open_disk_cache(cfg, self.kv_pool, self.identity)
+        self.objects = open_object_store(cfg, self.kv_pool, self.identity)
         self.manager = KVCacheManager(self.pool, self.kv_pool,
                                       self.host.index if self.host is not None else None)
         self.prefix = PrefixCache(self.manager, self.identity.hasher(),
@@ -140,7 +143,7 @@ class Runtime:
         snapshot_locks = SnapshotLocks()  # spills and saves vs write-behind compaction
         self.mover = TierMover(self.manager, self.host, self.disk, self.prefix.hasher,
                                self.identity, prefill_tps, snapshot_locks, self.disk_cache,
-                               self.scheduler)
+                               self.scheduler, self.objects)
         self.policy = TierPolicy(self.mover, self.prefix, self.scheduler, prefill_tps, bpt,
                                  cfg.spill_after_s,
                                  blocks_for(cfg.max_num_batched_tokens, cfg.block_size),
@@ -152,12 +155,14 @@ class Runtime:
         # drafts verified in one pass: grammar-forced spans always, prompt lookup when asked
         self.drafter = Drafter(cfg.speculative, stall_ratio)
         self.scheduler.attach_drafts(self.drafter)
-        if self.host is not None or self.disk_cache is not None:
-            # any request's device misses look in the host tier and the disk cache, and what
-            # the device evicts is kept there (what the host evicts, in the disk cache)
+        below_host = self.disk_cache is not None or self.objects is not None
+        if self.host is not None or below_host:
+            # any request's device misses look in the host tier, the disk cache and the
+            # object store, and what the device evicts is kept there (what the host
+            # evicts, in the disk cache and the object store)
             self.scheduler.attach_lower_tiers(self.policy)
             self.pool.attach_sink(self.policy)
-            if self.host is not None and self.disk_cache is not None:
+            if self.host is not None and below_host:
                 self.host.index.attach_sink(HostEvictions(self.policy))
 
         # ---- the engine and its thread
@@ -187,7 +192,7 @@ class Runtime:
         self.stats_collector = StatsCollector(
             self.pool, self.prefix, self.host, self.disk, self.policy, self.scheduler,
             self.engine, self.latency, self.connector, cfg.block_size, bpt, self.slo_chunking,
-            self.disk_cache, self.writeback)
+            self.disk_cache, self.writeback, self.objects)
         self.integrity = IntegrityCheck(self.manager, self.scheduler, self.engine,
                                         self.disk_cache, self.policy)
         if self.integrity.checking and num_blocks <= CHECK_EVERY_STEP_MAX_BLOCKS:
@@ -272,6 +277,8 @@ class Runtime:
         if self.journal is not None:
             self.journal.close()
         self.mover.copier.close()
+        if self.objects is not None:
+            self.objects.close()  # what was queued is stored (bounded)
         if self.disk_cache is not None:
             self.disk_cache.close()
         self.kv_pool = None
@@ -300,3 +307,14 @@ def open_disk_cache(cfg: EngineConfig, kv_pool: KVPool,
         cache.close()
         return None
     return cache
+
+
+def open_object_store(cfg: EngineConfig, kv_pool: KVPool,
+                      identity: StorageIdentity) -> ObjectCache | None:
+    """The object-store tier when `object_store` names one (ConfigError when it cannot be
+    opened: obstore missing, a URL or options the store refuses)."""
+    if cfg.object_store is None:
+        return None
+    records = BlockRecords(kv_pool.tensors(), cfg.block_size, identity.header_fields())
+    return ObjectCache(cfg.object_store.url, cfg.object_store.options, records,
+                       cfg.object_store.memory_bytes)

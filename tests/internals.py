@@ -36,6 +36,8 @@ CHILD_PRELUDE = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().p
 # fix_rate's names: the cost model's measured inputs
 _RATES = {"host": ("mover", "host_bytes_per_s"),  # host tier load bandwidth, bytes/s
           "disk_read": ("mover", "disk_read_bytes_per_s"),  # disk tier read bandwidth
+          "object_read": ("mover", "object_read_bytes_per_s"),  # object store, bytes/s
+          "object_latency": ("mover", "object_latency_s"),  # its round trip, seconds
           "prefill": ("engine", "prefill_tps")}  # prefill throughput, tokens/s
 
 

@@ -49,6 +49,7 @@ class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
+    OBJECT = "object"  # an object store: cache blocks only (tiers/object_store.py)
 
 
 @dataclass(eq=False)

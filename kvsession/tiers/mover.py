@@ -41,6 +41,7 @@ from kvsession.tiers.copier import Contention, Copier
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.disk_cache import DiskCache
 from kvsession.tiers.host import HostPool
+from kvsession.tiers.object_store import ObjectCache
 from kvsession.tiers.resume import DiskPlan
 from kvsession.tiers.segments import compact
 from kvsession.tiers.snapshot import write_snapshot
@@ -77,13 +78,14 @@ class PendingLoad:
 
 @dataclass(eq=False)
 class LowerLoad:
-    """A prompt's blocks found on the host and in the disk cache, on their way into device
-    blocks already in the holder's table: staged on the engine thread
+    """A prompt's blocks found on the host, in the disk cache and in the object store, on
+    their way into device blocks already in the holder's table: staged on the engine thread
     (`TierMover.stage_lower`), copied (`copy_lower`, on the copier unless `inline`),
     settled on the engine thread (`settle_lower`)."""
 
     on_host: list[Block]  # host blocks (referenced by `sources` until settled)
     on_disk: list[Block]  # disk cache slots after them (held until settled)
+    on_object: list[bytes]  # the hashes of the object store's blocks after those
     sources: HostTransient
     blocks: list[Block]  # the device blocks they go to, in the holder's table
     token_ids: list[int]
@@ -103,6 +105,9 @@ class LowerCopy:
     host_s: float = 0.0
     disk_bytes: int = 0
     disk_s: float = 0.0
+    object_bytes: int = 0
+    object_s: float = 0.0
+    object_first_s: float = 0.0  # until its first object arrived: the store's latency
 
 
 @dataclass(eq=False)
@@ -150,7 +155,8 @@ class TierMover:
                  hasher: BlockHasher, identity: StorageIdentity,
                  prefill_tps: costmodel.RateEstimator | None = None,
                  snapshot_locks: SnapshotLocks | None = None,
-                 disk_cache: DiskCache | None = None, contention: Contention | None = None):
+                 disk_cache: DiskCache | None = None, contention: Contention | None = None,
+                 objects: ObjectCache | None = None):
         """identity: this engine's storage identity (headers record it: model,
         tokenizer, template, kv dtype, block size, geometry, tensor names). prefill_tps
         (measured by the engine) prices a spilled block's reload for eviction.
@@ -163,7 +169,7 @@ class TierMover:
                              "KVCacheManager with HostPool.index")
         self.manager, self.kv_pool, self.host, self.disk = manager, manager.kv_pool, host, disk
         self.pool, self.hasher, self.identity = manager.pool, hasher, identity
-        self.disk_cache = disk_cache
+        self.disk_cache, self.objects = disk_cache, objects
         # session loads, off the engine thread (paced while the engine has work: `pace`)
         self.copier = Copier(manager.kv_pool.k.device, contention)
         # session files' KV bytes: spilled snapshots written, snapshot / segment KV loaded
@@ -179,13 +185,23 @@ class TierMover:
         self.host_bytes_per_s = costmodel.RateEstimator(prior=10e9)
         self.disk_read_bytes_per_s = costmodel.RateEstimator(prior=1e9)
         self.disk_write_bytes_per_s = costmodel.RateEstimator(prior=1e9)
+        # the object store: bytes/s once its objects arrive, and seconds until the first
+        # does (a request's round trip), which every load pays once
+        self.object_read_bytes_per_s = costmodel.RateEstimator(prior=100e6)
+        self.object_latency_s = costmodel.RateEstimator(prior=0.05)
         # resumed sessions whose KV is on disk in several files (tiers/resume.py): the
         # session's tier is DISK and this says where each block is, until it is loaded
         self.plans: dict[SessionKV, DiskPlan] = {}
 
     def bandwidth(self, tier: Tier) -> float:
         """Measured bytes/s of loading from `tier`."""
-        return (self.host_bytes_per_s if tier is Tier.HOST else self.disk_read_bytes_per_s).value
+        return {Tier.HOST: self.host_bytes_per_s, Tier.DISK: self.disk_read_bytes_per_s,
+                Tier.OBJECT: self.object_read_bytes_per_s}[tier].value
+
+    def latency_s(self, tier: Tier) -> float:
+        """Measured seconds a load from `tier` waits before its bytes flow (the object
+        store's round trip; nothing for the host and the disk)."""
+        return self.object_latency_s.value if tier is Tier.OBJECT else 0.0
 
     def copy_cost(self, tier: Tier) -> float:
         """Reloading a block from `tier` as a fraction of recomputing it (at the measured
@@ -412,6 +428,14 @@ class TierMover:
         index = self.disk_cache.index
         return {v.block_id for v in victims if index.lookup(v.block_hash, v.token_ids)}
 
+    def offer_objects(self, victims: list[Evicted], tier: Tier) -> int:
+        """Queue evicted content of `tier`'s pool (the host's, or the device's) for the
+        object store (the policy chose the victims: its admission). Returns how many were
+        queued (what the store has is skipped)."""
+        src = self.host.tensors if tier is Tier.HOST else self.kv_pool.tensors()
+        return self.objects.offer(src, [(v.block_id, v.block_hash, v.token_ids,
+                                         v.parent_hash, v.hits) for v in victims])
+
     def load_lower_hits(self, holder: Holder, found: list[tuple[Tier, Block]], token_ids,
                         hashes: list[bytes], start: int) -> int:
         """`stage_lower`, `copy_lower` and `settle_lower` on this thread. Returns how many
@@ -423,12 +447,14 @@ class TierMover:
                     hashes: list[bytes], start: int) -> LowerLoad:
         """Engine thread: fresh device blocks for lower-tier blocks `found` (blocks start..
         of a prompt, as the policy's lookup found them: host blocks, then disk cache
-        blocks), appended to the holder's table now, unpublished until the copy is settled.
+        blocks, then the object store's hashes), appended to the holder's table now,
+        unpublished until the copy is settled.
         The lower blocks are referenced until then, so neither the device allocation's own
         evictions (which push content down a tier) nor later ones can take them. All or
         nothing (CacheFullError)."""
         on_host = [b for tier, b in found if tier is Tier.HOST]
         on_disk = [b for tier, b in found if tier is Tier.DISK]
+        on_object = [h for tier, h in found if tier is Tier.OBJECT]
         sources, staged = HostTransient(), Transient()
         if on_host:
             self.manager.stage_host(sources, on_host)
@@ -442,8 +468,8 @@ class TierMover:
         blocks = list(staged.blocks)
         self.manager.transfer(staged, holder)
         inline = bool(on_host) and self.host.staged  # its buffers are the engine thread's
-        return LowerLoad(on_host, on_disk, sources, blocks, list(token_ids), list(hashes),
-                         start, inline)
+        return LowerLoad(on_host, on_disk, on_object, sources, blocks, list(token_ids),
+                         list(hashes), start, inline)
 
     def copy_lower(self, job: LowerLoad) -> LowerCopy:
         """Any thread (the copier's, unless `job.inline`): the bytes into the job's device
@@ -460,18 +486,33 @@ class TierMover:
                 out.loaded = len(job.on_host)
             if job.on_disk:
                 t0 = time.perf_counter()
+                after_host = ids[len(job.on_host):]
                 got = self.disk_cache.load(job.on_disk, self.kv_pool.tensors(),
-                                           ids[len(job.on_host):])
+                                           after_host[:len(job.on_disk)])
                 out.loaded += got
                 out.damaged = got < len(job.on_disk)
                 out.disk_bytes = got * (self.disk_cache.header_bytes
                                         + self.disk_cache.payload_bytes)
                 out.disk_s = time.perf_counter() - t0
+            if job.on_object and not out.damaged:
+                self._copy_objects(job, ids[out.loaded:], out)
         except Exception as e:  # noqa: BLE001 - what was not loaded is computed
             log.warning("loading %d blocks from below the device failed: %s; computing "
                         "them", len(job.blocks), e)
             out.loaded = 0
         return out
+
+    def _copy_objects(self, job: LowerLoad, ids: list[int], out: LowerCopy) -> None:
+        """The object store's part of `copy_lower`, after the host's and the disk's."""
+        bs, first = self.bs, job.start + len(job.on_host) + len(job.on_disk)
+        tokens = [tuple(job.token_ids[i * bs:(i + 1) * bs])
+                  for i in range(first, first + len(job.on_object))]
+        t0 = time.perf_counter()
+        got, out.object_first_s = self.objects.load(job.on_object, tokens,
+                                                    self.kv_pool.tensors(), ids)
+        out.object_s = time.perf_counter() - t0
+        out.object_bytes = got * self.objects.records.record_bytes
+        out.loaded += got
 
     def settle_lower(self, job: LowerLoad, copy: LowerCopy) -> int:
         """Engine thread: the loaded blocks are published under their hashes, the lower
@@ -486,6 +527,10 @@ class TierMover:
             self.host.hit_tokens += len(job.on_host) * bs
         if copy.disk_bytes:
             self.disk_read_bytes_per_s.observe(copy.disk_bytes, copy.disk_s)
+        if copy.object_bytes:
+            self.object_latency_s.observe(copy.object_first_s, 1.0)
+            self.object_read_bytes_per_s.observe(
+                copy.object_bytes, max(copy.object_s - copy.object_first_s, 1e-6))
         for j, b in enumerate(job.blocks[:loaded]):
             i = job.start + j
             self.pool.cache_full_block(b, job.hashes[i], job.token_ids[i * bs:(i + 1) * bs],

@@ -84,7 +84,7 @@ class LoadProbe(Protocol):
 
 class HostEvictions:
     """The host pool's `EvictionSink`: what the host tier overwrites goes down to the disk
-    cache when the policy admits it."""
+    cache and the object store when the policy admits it."""
 
     def __init__(self, policy: TierPolicy):
         self.policy = policy
@@ -111,7 +111,7 @@ class TierPolicy:
         self._clean_seen: tuple = ()  # the pools' state at the last look for copies ahead
         self.device_ahead = device_ahead
         self.pool, self.host, self.disk = mover.pool, mover.host, mover.disk
-        self.disk_cache = mover.disk_cache
+        self.disk_cache, self.objects = mover.disk_cache, mover.objects
         self.prefill_tps, self.bytes_per_token = prefill_tps, bytes_per_token
         self.spill_after_s = spill_after_s
         self.clock = time.monotonic  # last use, gaps and keep TTLs (replaceable in tests)
@@ -551,12 +551,16 @@ class TierPolicy:
 
     def evicting_host(self, victims: list[Evicted]) -> dict[int, str]:
         """The host tier is about to overwrite cached content (`HostEvictions`): what was
-        used at least DISK_ADMIT_HITS times goes to the disk cache."""
+        used at least DISK_ADMIT_HITS times goes to the disk cache and the object store."""
         return self._keep_on_disk(victims, Tier.HOST)
 
     def _keep_on_disk(self, victims: list[Evicted], tier: Tier) -> dict[int, str]:
-        """The victims (of `tier`'s pool) the disk cache admits, written there."""
+        """The victims (of `tier`'s pool) the tiers below admit: written to the disk cache,
+        and queued for the object store (stored there by its uploader, so not counted as
+        kept). Returns those the disk cache holds."""
         admitted = [v for v in victims if v.hits >= DISK_ADMIT_HITS]
+        if self.objects is not None and admitted:
+            self.mover.offer_objects(admitted, tier)
         if self.disk_cache is None or not admitted:
             return {}
         try:
@@ -650,22 +654,30 @@ class TierPolicy:
     def lower_hits(self, token_ids: list[int], hashes: list[bytes], start: int,
                    num_blocks: int) -> list[tuple[Tier, Block]]:
         """`LowerTiers`: the blocks holding a prompt's blocks start.. up to the first miss,
-        walking down: the host tier, then the disk cache after the host's run. Each tier's
-        run is taken when loading it beats recomputing it (`costmodel.should_load` at that
-        tier's measured rate; the device pool takes them by the scheduler's own admission
-        check)."""
-        found: list[tuple[Tier, Block]] = []
-        for tier, index in ((Tier.HOST, self.host.index if self.host else None),
-                            (Tier.DISK, self.disk_cache.index if self.disk_cache else None)):
+        walking down: the host tier, then the disk cache after the host's run, then the
+        object store (its hashes: what it holds is read, and verified, by the load). Each
+        tier's run is taken when loading it beats recomputing it (`costmodel.should_load`
+        at that tier's measured rate and latency; the device pool takes them by the
+        scheduler's own admission check)."""
+        found: list[tuple[Tier, Block | bytes]] = []
+        for tier in (Tier.HOST, Tier.DISK, Tier.OBJECT):
             at = start + len(found)
-            if index is None or at >= num_blocks:
-                continue
-            run = index.lookup_run(token_ids, hashes, at, num_blocks)
+            if at >= num_blocks:
+                break
+            if tier is Tier.OBJECT:
+                run = self.objects.lookup_run(hashes, at, num_blocks) \
+                    if self.objects is not None else []
+            else:
+                index = self.host.index if tier is Tier.HOST and self.host is not None else \
+                    self.disk_cache.index if tier is Tier.DISK and self.disk_cache else None
+                run = index.lookup_run(token_ids, hashes, at, num_blocks) \
+                    if index is not None else []
             if not run:
                 continue  # the next tier down may hold it
             if not costmodel.should_load(
                     len(run) * self.bs, self.bytes_per_token, self.mover.bandwidth(tier),
-                    self.prefill_tps.value, self.load.queue_depth()):
+                    self.prefill_tps.value, self.load.queue_depth(),
+                    self.mover.latency_s(tier)):
                 break
             found += [(tier, b) for b in run]
         return found

@@ -1,0 +1,208 @@
+"""The object-store tier against a real S3 server (moto's, started here on 127.0.0.1):
+content the host evicts after it was used more than once is put there, content-addressed;
+another LLM (another replica: nothing in its device, host or disk) finds it by hash and
+loads it instead of computing it; every object is verified when read, so a damaged or
+foreign object is a miss; the server going away means recompute, never a hang; no
+credential appears in a message. Every output is the one an engine without caching gives."""
+
+from __future__ import annotations
+
+import logging
+import struct
+
+import pytest
+from internals import Internals
+from test_prefix_cache import gen
+from test_shared_tiers import BPT, DEVICE, G, fixed_rates, flood
+
+from kvsession import LLM, ConfigError
+from oracle import random_prompts
+
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+pytest.importorskip("obstore")
+
+BUCKET = "kvs-test"
+SECRET = "sEcReT-do-not-print-7f3a"  # the secret key: must never reach a message
+HOST = dict(host_cache_memory=8 * 8 * BPT)  # 8 host blocks: a document cannot stay there
+
+
+class S3:
+    """A moto S3 server on 127.0.0.1 with one bucket."""
+
+    def __init__(self):
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
+        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0,
+                                                     verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                                   aws_access_key_id="kvs", aws_secret_access_key=SECRET)
+        self.client.create_bucket(Bucket=BUCKET)
+        self.options = {"endpoint": self.endpoint, "region": "us-east-1",
+                        "access_key_id": "kvs", "secret_access_key": SECRET,
+                        "allow_http": True}
+
+    def keys(self, prefix: str) -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET,
+                                                                      Prefix=prefix)
+        return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+    def stop(self):
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3()
+    yield server
+    server.stop()
+
+
+def store_llm(llama_dir, s3, prefix, **kw):
+    llm = fixed_rates(LLM(llama_dir, object_store=f"s3://{BUCKET}/{prefix}",
+                          object_store_options=s3.options, **{**HOST, **DEVICE, **kw}))
+    ins = Internals(llm)
+    ins.fix_rate("object_read", 1e12)
+    ins.fix_rate("object_latency", 1e-9)
+    return llm
+
+
+def computed_and_stored(llama_dir, s3, prefix, doc, seed, **kw):
+    """One replica computes the document, finds it once more (so it is admitted below the
+    host), pushes it off the device and the host, and closes (its uploads stored).
+    Returns its two outputs."""
+    with store_llm(llama_dir, s3, prefix, **kw) as llm:
+        out = [gen(llm, [doc + [7, 8, 9]], G)[0], gen(llm, [doc + [10, 11]], G)[0]]
+        assert out[1].num_cached_tokens == len(doc) // 8 * 8
+        flood(llm, seed)
+        flood(llm, seed + 1)
+        llm.check_integrity()
+    return out
+
+
+def test_a_prefix_one_replica_computed_is_loaded_by_another(llama_dir, s3):
+    (doc,) = random_prompts(31, [120], 500)
+    q = doc + [1, 2, 3, 4]
+    first = computed_and_stored(llama_dir, s3, "share", doc, 300)
+    keys = s3.keys("share/kv/")
+    assert len(keys) >= 15  # the document's 15 full blocks (and the flood's reused ones)
+    with store_llm(llama_dir, s3, "share") as other, \
+            LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+        out = gen(other, [q], G)[0]
+        st = other.stats()
+        assert out.num_cached_tokens == 120
+        assert st.tiers["object"].hit_tokens == 120
+        assert st.prefill_tokens == len(q) - 120
+        assert st.tiers["object"].bytes_read >= 120 * BPT
+        assert out.token_ids == gen(plain, [q], G)[0].token_ids
+        assert [o.token_ids for o in first] == [
+            gen(plain, [p], G)[0].token_ids for p in (doc + [7, 8, 9], doc + [10, 11])]
+        other.check_integrity()
+
+
+def block_objects(s3, prefix, doc) -> list[str]:
+    """The keys of the objects holding the document's full blocks, in order (found by the
+    token ids each record's header carries)."""
+    bodies = {k: s3.client.get_object(Bucket=BUCKET, Key=k)["Body"].read()
+              for k in s3.keys(f"{prefix}/kv/")}
+    out = []
+    for i in range(len(doc) // 8):
+        tokens = struct.pack("<8I", *doc[i * 8:(i + 1) * 8])
+        out.append(next(k for k, body in bodies.items() if tokens in body))
+    return out
+
+
+def test_a_damaged_or_foreign_object_is_a_miss(llama_dir, s3):
+    (doc,) = random_prompts(32, [120], 500)
+    q = doc + [5, 6]
+    computed_and_stored(llama_dir, s3, "damage", doc, 310)
+    keys = block_objects(s3, "damage", doc)
+    with LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+        want = gen(plain, [q], G)[0].token_ids
+    # the document's 6th block: a byte of its payload flipped
+    good = s3.client.get_object(Bucket=BUCKET, Key=keys[5])["Body"].read()
+    damaged = bytearray(good)
+    damaged[-1] ^= 0xFF
+    s3.client.put_object(Bucket=BUCKET, Key=keys[5], Body=bytes(damaged))
+    with store_llm(llama_dir, s3, "damage") as llm:
+        out = gen(llm, [q], G)[0]
+        assert out.token_ids == want
+        assert llm.stats().tiers["object"].hit_tokens == 5 * 8  # up to the damaged one
+        assert out.num_cached_tokens == 5 * 8
+        llm.check_integrity()
+    # mended; now the 7th block's name holds the 8th block's record (a foreign block)
+    s3.client.put_object(Bucket=BUCKET, Key=keys[5], Body=good)
+    s3.client.copy_object(Bucket=BUCKET, Key=keys[6],
+                          CopySource={"Bucket": BUCKET, "Key": keys[7]})
+    with store_llm(llama_dir, s3, "damage") as llm:
+        out = gen(llm, [q], G)[0]
+        assert out.token_ids == want
+        assert llm.stats().tiers["object"].hit_tokens == 6 * 8
+        llm.check_integrity()
+
+
+def test_without_a_host_tier_the_device_evicts_to_the_store(llama_dir, s3):
+    (doc,) = random_prompts(33, [120], 500)
+    q = doc + [3, 3]
+    computed_and_stored(llama_dir, s3, "nohost", doc, 320, host_cache_memory=0)
+    with store_llm(llama_dir, s3, "nohost", host_cache_memory=0) as other, \
+            LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+        out = gen(other, [q], G)[0]
+        assert out.num_cached_tokens == 120
+        assert other.stats().tiers["object"].hit_tokens == 120
+        assert out.token_ids == gen(plain, [q], G)[0].token_ids
+
+
+def test_the_store_going_away_means_recompute_and_no_secret_is_printed(llama_dir, caplog):
+    """A server of its own, stopped under a replica that had listed it: the load fails
+    (every request bounded), the prompt is computed, the same tokens come out; the puts
+    of the blocks it then evicts fail too; nothing names the secret key."""
+    caplog.set_level(logging.DEBUG, logger="kvsession")
+    (doc,) = random_prompts(34, [120], 500)
+    q = doc + [2, 7]
+    own = S3()
+    try:
+        computed_and_stored(llama_dir, own, "down", doc, 330)
+        llm = store_llm(llama_dir, own, "down")
+        assert llm.stats().tiers["object"].cached_blocks >= 15
+    finally:
+        own.stop()
+    with llm, LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+        out = gen(llm, [q], G)[0]
+        assert out.token_ids == gen(plain, [q], G)[0].token_ids
+        assert out.num_cached_tokens == 0
+        assert llm.stats().tiers["object"].hit_tokens == 0
+        gen(llm, [doc + [1]], G)  # used twice: admitted below the host when evicted
+        flood(llm, 340)
+        flood(llm, 341)
+        llm.check_integrity()
+        text = repr(llm.config) + repr(llm.stats())
+    assert "object store s3://kvs-test/down" in caplog.text  # the failures were logged
+    assert SECRET not in caplog.text + text
+
+
+def test_what_one_process_writes_stays_within_its_budget(llama_dir, s3):
+    (doc,) = random_prompts(35, [120], 500)
+    # a record: one block's 4 KiB of KV and its header (~200 bytes): six fit, not seven
+    computed_and_stored(llama_dir, s3, "budget", doc, 350,
+                        object_store_memory=6 * (8 * BPT + 512))
+    assert len(s3.keys("budget/kv/")) == 6
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(object_store="ftp://host/x"), "object_store must be a URL"),
+    (dict(object_store_options={"region": "x"}), "apply to an object_store"),
+    (dict(object_store_memory="1GiB"), "apply to an object_store"),
+    (dict(object_store="s3://b/p", object_store_options=["region"]), "must be a dict"),
+    (dict(object_store="s3://b/p", object_store_memory="lots"), "object_store_memory"),
+    (dict(object_store="file:///tmp/kvs", object_store_options={"region": "x"}),
+     "do not apply"),
+    (dict(object_store="s3://b/p", object_store_options={"no_such_option": SECRET}),
+     "object_store='s3://b/p'"),
+])
+def test_bad_object_store_arguments_are_config_errors(llama_dir, kw, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        LLM(llama_dir, **DEVICE, **kw).close()
+    assert SECRET not in str(e.value)
