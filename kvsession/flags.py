@@ -37,7 +37,7 @@ json_value.__name__ = "json"  # argparse names the type in its messages and meta
 
 # arguments whose default is None: the type their values take (others: strings)
 NONE_DEFAULT_TYPES = {"max_model_len": int, "spill_after_s": float,
-                      "speculative_config": json_value}
+                      "speculative_config": json_value, "object_store_options": json_value}
 # arguments that take several values (`--prefill-worker tcp://a:1 tcp://b:2`)
 MANY = {"prefill_worker"}
 

@@ -206,3 +206,21 @@ def test_bad_object_store_arguments_are_config_errors(llama_dir, kw, match):
     with pytest.raises(ConfigError, match=match) as e:
         LLM(llama_dir, **DEVICE, **kw).close()
     assert SECRET not in str(e.value)
+
+
+def test_serve_and_the_worker_take_the_object_store_flags():
+    import argparse
+
+    from kvsession.flags import add_llm_flags, llm_kwargs
+    from kvsession.worker import CALLER_ONLY
+
+    for exclude in (frozenset(), CALLER_ONLY):  # the server's flags, the worker's
+        p = argparse.ArgumentParser()
+        add_llm_flags(p, LLM, exclude)
+        args = p.parse_args(["--model", "m", "--object-store", "s3://b/kv",
+                             "--object-store-options", '{"allow_http": true}',
+                             "--object-store-memory", "2GiB"])
+        kw = llm_kwargs(args, LLM, exclude)
+        assert kw["object_store"] == "s3://b/kv"
+        assert kw["object_store_options"] == {"allow_http": True}
+        assert kw["object_store_memory"] == "2GiB"
