@@ -9,8 +9,9 @@ never name the same object. An object is one block's record (tiers/block_record.
 verified when it is read (identity, hash, tokens, checksums): a foreign, damaged or missing
 object is a miss (the rest of the prompt is computed), never wrong KV and never an error.
 
-What goes there: what the tier policy admits below the host (content used more than once,
-`DISK_ADMIT_HITS`), as it is evicted, whether or not a disk cache keeps it too. The
+What goes there: content used more than once (the tier policy's `DISK_ADMIT_HITS`), as the
+device evicts it (other processes find it before this host lets it go) and, if it is not
+there yet, as the host does; whether or not a disk cache keeps it too. The
 engine thread encodes the record (one memory copy of the block) and queues it; the
 uploader thread puts it. The queue is bounded (UPLOAD_QUEUE_BLOCKS): what does not fit is
 not stored (a later miss recomputes it). What this process wrote is bounded by

@@ -540,6 +540,10 @@ class TierPolicy:
         for (or all of it, without a host tier) goes to the disk cache if it admits it.
         Returns the victims kept, each with where."""
         kept: dict[int, str] = {}
+        if self.objects is not None and self.host is not None:
+            # the object store is shared with other processes: content reused here goes
+            # there as soon as the device lets it go, not only once the host does
+            self._offer_objects(victims, Tier.DEVICE)
         if self.host is not None and victims:
             try:
                 kept = dict.fromkeys(self.mover.keep_evicted(victims), Tier.HOST.value)
@@ -559,8 +563,7 @@ class TierPolicy:
         and queued for the object store (stored there by its uploader, so not counted as
         kept). Returns those the disk cache holds."""
         admitted = [v for v in victims if v.hits >= DISK_ADMIT_HITS]
-        if self.objects is not None and admitted:
-            self.mover.offer_objects(admitted, tier)
+        self._offer_objects(admitted, tier)
         if self.disk_cache is None or not admitted:
             return {}
         try:
@@ -568,6 +571,13 @@ class TierPolicy:
         except (CacheFullError, RuntimeError) as e:
             log.warning("could not keep %d evicted blocks on disk: %s", len(admitted), e)
             return {}
+
+    def _offer_objects(self, victims: list[Evicted], tier: Tier) -> None:
+        """Queue the victims (of `tier`'s pool) that the object store admits (used at
+        least DISK_ADMIT_HITS times) for it."""
+        admitted = [v for v in victims if v.hits >= DISK_ADMIT_HITS]
+        if self.objects is not None and admitted:
+            self.mover.offer_objects(admitted, tier)
 
     def _clean_ahead(self) -> None:
         """A buffer pool's background writer, for the device pool and the host's: the
