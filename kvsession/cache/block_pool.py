@@ -255,6 +255,13 @@ class BlockPool:
         b.evict.branches, b.evict.shared = 0, False
         b.evict.copy_tier, b.evict.copy_cost = None, 1.0
 
+    def cached_record(self, block_hash: bytes) -> Evicted | None:
+        """The content cached under `block_hash` as a victim's record (its block, tokens,
+        cached parent's hash, hits), or None when it is not cached here. Changes nothing:
+        the tier policy reads a block's chain through it (`parent_hash`)."""
+        b = self.index.get(block_hash)
+        return _evicted(b) if b is not None else None
+
     def next_victims(self, num_blocks: int) -> list[Evicted]:
         """Changing nothing: the cached content that the next `num_blocks` allocations
         would evict, in eviction order, each as `allocate` hands it to the sink (with its

@@ -11,7 +11,8 @@ object is a miss (the rest of the prompt is computed), never wrong KV and never 
 
 What goes there: content used more than once (the tier policy's `DISK_ADMIT_HITS`), as the
 device evicts it (other processes find it before this host lets it go) and, if it is not
-there yet, as the host does; whether or not a disk cache keeps it too. The
+there yet, as the host does; whether or not a disk cache keeps it too; with its cached
+ancestors the store lacks (another process finds a run only from its first miss). The
 engine thread encodes the record (one memory copy of the block) and queues it; the
 uploader thread puts it. The queue is bounded (UPLOAD_QUEUE_BLOCKS): what does not fit is
 not stored (a later miss recomputes it). What this process wrote is bounded by
@@ -157,6 +158,8 @@ class ObjectCache:
         self._lock = threading.Lock()
         # hashes found there: written by this process, or listed
         self.known: set[bytes] = set()
+        # hashes queued for the uploader (offered once)
+        self.pending: set[bytes] = set()
         # what this process wrote, least recently used first (the budget deletes from here)
         self.written: OrderedDict[bytes, None] = OrderedDict()
         # counters (llm.stats().tiers["object"])
@@ -177,6 +180,11 @@ class ObjectCache:
 
     # ---- engine thread -------------------------------------------------------------------
 
+    def has(self, block_hash: bytes) -> bool:
+        """Whether the block is known there, or queued to be put there."""
+        with self._lock:
+            return block_hash in self.known or block_hash in self.pending
+
     def lookup_run(self, hashes: list[bytes], start: int, end: int) -> list[bytes]:
         """The hashes of blocks start.. (before end) known to be there, up to the first
         that is not. Makes no request (a hit is verified when it is read)."""
@@ -196,14 +204,16 @@ class ObjectCache:
         Returns how many were queued."""
         queued = 0
         for block_id, block_hash, tokens, parent, hits in entries:
-            with self._lock:
-                if block_hash in self.known:
-                    continue
+            if self.has(block_hash):
+                continue
             record = self.records.encode(src, block_id, block_hash, tokens, parent, 0, hits)
+            with self._lock:
+                self.pending.add(block_hash)
             try:
                 self.uploads.put_nowait((block_hash, record))
             except queue.Full:
                 with self._lock:
+                    self.pending.discard(block_hash)
                     self.dropped_blocks += 1
                 continue
             queued += 1
@@ -313,13 +323,17 @@ class ObjectCache:
     def _put(self, block_hash: bytes, record: bytes) -> None:
         with self._lock:
             if block_hash in self.known:
+                self.pending.discard(block_hash)
                 return
         try:
             self.obs.put(self.store, self.key(block_hash), record)
         except Exception as e:  # noqa: BLE001 - not stored: a later miss recomputes
+            with self._lock:
+                self.pending.discard(block_hash)
             self._failed(f"writing {self.key(block_hash)}: {e}")
             return
         with self._lock:
+            self.pending.discard(block_hash)
             self.known.add(block_hash)
             self.written[block_hash] = None
             self.bytes_written += len(record)

@@ -574,10 +574,36 @@ class TierPolicy:
 
     def _offer_objects(self, victims: list[Evicted], tier: Tier) -> None:
         """Queue the victims (of `tier`'s pool) that the object store admits (used at
-        least DISK_ADMIT_HITS times) for it."""
+        least DISK_ADMIT_HITS times) for it, with their cached ancestors it lacks: another
+        process finds a run only from the prompt's first block it misses on, and the hot
+        blocks of a prefix (a chat template's header, a shared document's first blocks)
+        may never be evicted here."""
         admitted = [v for v in victims if v.hits >= DISK_ADMIT_HITS]
-        if self.objects is not None and admitted:
-            self.mover.offer_objects(admitted, tier)
+        if self.objects is None or not admitted:
+            return
+        offers: dict[Tier, dict[bytes, Evicted]] = {tier: {v.block_hash: v for v in admitted}}
+        for v in admitted:
+            for where, record in self._ancestors_to_offer(v.parent_hash):
+                offers.setdefault(where, {})[record.block_hash] = record
+        for where, records in offers.items():
+            self.mover.offer_objects(list(records.values()), where)
+
+    def _ancestors_to_offer(self, parent_hash: bytes | None) -> list[tuple[Tier, Evicted]]:
+        """The cached chain above a block (on the device, else on the host), nearest
+        first, up to the first block the object store holds or has queued (or that is
+        cached in neither pool)."""
+        out: list[tuple[Tier, Evicted]] = []
+        pools = [(Tier.DEVICE, self.pool)] + \
+            ([(Tier.HOST, self.host.index)] if self.host is not None else [])
+        h = parent_hash
+        while h is not None and not self.objects.has(h) and len(out) < self.pool.num_blocks:
+            found = next(((t, r) for t, pool in pools
+                          if (r := pool.cached_record(h)) is not None), None)
+            if found is None:
+                break
+            out.append(found)
+            h = found[1].parent_hash
+        return out
 
     def _clean_ahead(self) -> None:
         """A buffer pool's background writer, for the device pool and the host's: the
