@@ -11,9 +11,10 @@ share a GIL with the engine, but it shares the VM's 2 cores).
 question, 16 output tokens (greedy, ignore_eos), the mid-size model (bench/common.py),
 max_model_len 4,176, a device pool of 4,608 tokens, no host tier (`host_cache_memory=0`).
 Per configuration, in fresh processes: a "writer" computes the document (two prompts share
-it, so its blocks are used twice), pushes it off the device with two unrelated prompts of
-~4,100 tokens each, and closes (its queued uploads stored); then a "reader" (nothing on its
-device) sends one 32-token warm-up prompt, then document + question, and records the TTFT,
+it, so its blocks are used twice), pushes it off the device with unrelated ~4,100-token
+prompts (two; with a disk cache, more until the cache holds the whole document: the
+device's frequency order keeps its head a while), and closes (its queued uploads stored); then a "reader" (nothing on its
+device) sends one 256-token warm-up prompt, then document + question, and records the TTFT,
 the prompt tokens it computed and the tokens hit per tier. Configurations:
 - recompute: a reader with no tier below the device (no writer: it would leave nothing);
 - disk: `session_dir` + `disk_cache_memory` in both processes (the disk cache);
@@ -76,16 +77,18 @@ BUCKET = "kvs-bench"
 BPT = 2 * MID_SIZE["num_hidden_layers"] * MID_SIZE["num_key_value_heads"] \
     * MID_SIZE["head_dim"] * 4
 OUT_TOKENS = 16
+BLOCK_TOKENS = 16  # the engine's default block_size
+WARMUP_TOKENS = 256  # the reader's first prompt (the process's first long prefill)
 RESTORE_CONFIGS = ("recompute", "disk", "s3", "file")
 REPLICA_CONFIGS = ("alone", "shared")
 SIZES = {
-    # restore: document, question, device pool, unrelated prompts pushing it off (count,
-    # tokens each), max_model_len; replicas: requests, document / question tokens (a prefix
+    # restore: document, question, device pool, unrelated prompts pushing it off (at least,
+    # at most; tokens each), max_model_len; replicas: requests, document / question tokens (a prefix
     # of the trace's), device and host tokens per replica, requests in flight per replica
-    "full": {"doc": 4096, "question": 64, "pool": 4608, "floods": 2, "flood": 4096,
+    "full": {"doc": 4096, "question": 64, "pool": 4608, "floods": (2, 6), "flood": 4096,
              "max_len": 4096 + 64 + OUT_TOKENS, "requests": 48, "rag_doc": 2048,
              "rag_question": 64, "device": 8192, "host": 8192, "in_flight": 4},
-    "quick": {"doc": 512, "question": 16, "pool": 640, "floods": 2, "flood": 512,
+    "quick": {"doc": 512, "question": 16, "pool": 640, "floods": (2, 6), "flood": 512,
               "max_len": 512 + 16 + OUT_TOKENS, "requests": 12, "rag_doc": 512,
               "rag_question": 16, "device": 2048, "host": 2048, "in_flight": 4},
 }
@@ -167,26 +170,36 @@ def restore_texts(sz: dict, seed: int) -> dict:
         return [rng.randrange(lo, hi) for _ in range(n)]
     return {"doc": ids(sz["doc"]), "writer_q": [ids(sz["question"]), ids(sz["question"])],
             "question": ids(sz["question"]),
-            "floods": [ids(sz["flood"], 500, 30000) for _ in range(sz["floods"])],
-            "warmup": ids(32, 500, 30000)}
+            "floods": [ids(sz["flood"], 500, 30000) for _ in range(sz["floods"][1])],
+            "warmup": ids(WARMUP_TOKENS, 500, 30000)}
 
 
 def writer(job: dict) -> dict:
     """Compute the document twice over (its blocks used twice), push it off the device with
-    unrelated prompts, close (what is queued for the object store is stored)."""
+    unrelated prompts, close (what is queued for the object store is stored). The disk
+    cache gets only the blocks the device evicts (the object store also gets their cached
+    ancestors), and the device's frequency order keeps the document's head until the
+    unrelated prompts have aged it: with a disk cache, more prompts until it holds the
+    whole document."""
     from kvsession import LLM
 
     sz, t = job["sizes"], restore_texts(job["sizes"], job["seed"])
     llm = LLM(job["model"], **job["llm"])
     first = gen(llm, t["doc"] + t["writer_q"][0])
     again = gen(llm, t["doc"] + t["writer_q"][1])
+    floods = 0
     for ids in t["floods"]:
+        if floods >= sz["floods"][0] and (job["tier"] != "disk" or llm.stats().tiers[
+                "disk"].cached_blocks >= sz["doc"] // BLOCK_TOKENS):
+            break
         gen(llm, ids)
+        floods += 1
     st = llm.stats()
     t0 = time.perf_counter()
     llm.close()
     obj = st.tiers.get("object")
     return {"doc_ttft_s": first.metrics.ttft_s, "doc_cached_again": again.num_cached_tokens,
+            "floods": floods,
             "device_evictions": st.prefix.evictions, "close_s": time.perf_counter() - t0,
             "disk_cached_blocks": st.tiers["disk"].cached_blocks,
             "object_bytes_written": obj.bytes_written if obj else 0, "doc_tokens": sz["doc"]}

@@ -7,8 +7,10 @@ credential appears in a message. Every output is the one an engine without cachi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from internals import Internals
@@ -279,3 +281,92 @@ def test_two_servers_without_a_shared_directory_share_a_prefix(llama_dir, s3, tm
             srv.stop(timeout=60)
     for name in ("a.stderr", "b.stderr"):
         assert SECRET not in (tmp_path / name).read_text()
+
+
+# ---- the tier on its own ---------------------------------------------------------------
+
+def small_records(identity: str = "model-a"):
+    import torch
+
+    from kvsession.tiers.block_record import BlockRecords
+    gen_ = torch.Generator().manual_seed(0)
+    tensors = {"k": torch.randn(2, 4, 8, 2, 4, generator=gen_),
+               "v": torch.randn(2, 4, 8, 2, 4, generator=gen_)}
+    return BlockRecords(tensors, 8, {"model": identity}), tensors
+
+
+def test_a_record_is_used_only_when_every_check_passes():
+    """Seeded: 400 damaged copies of one record (a flipped byte anywhere, cut short, grown,
+    another identity's, another block's tokens or hash) are all refused; the intact one
+    gives back the block's exact bytes."""
+    import random
+
+    import torch
+
+    records, tensors = small_records()
+    tokens, h = tuple(range(8)), b"\x01" * 32
+    raw = records.encode(tensors, 2, h, tokens, b"\x02" * 32, 0, 3)
+    assert len(raw) == records.record_bytes
+    out = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    records.copy_into(records.check(bytearray(raw), h, tokens), out, 1)
+    assert all(torch.equal(out[n][:, 1], tensors[n][:, 2]) for n in tensors)
+    rng = random.Random(53)
+    for _ in range(400):
+        bad = bytearray(raw)
+        kind = rng.randrange(3)
+        if kind == 0:
+            bad[rng.randrange(len(bad))] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            del bad[rng.randrange(len(bad)):]
+        else:
+            bad += bytes(rng.randrange(1, 64))
+        assert records.check(bad, h, tokens) is None
+    assert records.check(bytearray(raw), h, tokens[:-1] + (99,)) is None
+    assert records.check(bytearray(raw), b"\x03" * 32, tokens) is None
+    other, _ = small_records("model-b")
+    assert other.check(bytearray(raw), h, tokens) is None
+
+
+def test_a_store_that_fails_is_backed_off_until_a_listing_succeeds():
+    import torch
+
+    from kvsession.tiers.object_store import ObjectCache
+
+    records, tensors = small_records()
+    own = S3()
+    cache = ObjectCache(f"s3://{BUCKET}/backoff", own.options, records, 1 << 20,
+                        list_interval_s=3600)
+    try:
+        h, tokens = b"\x05" * 32, tuple(range(8))
+        assert cache.offer(tensors, [(0, h, tokens, None, 2)]) == 1
+        assert cache.has(h) and cache.flush(30)
+        assert cache.lookup_run([h], 0, 1) == [h]
+        out = {n: torch.zeros_like(t) for n, t in tensors.items()}
+        assert cache.load([h], [tokens], out, [3])[0] == 1
+        assert torch.equal(out["k"][:, 3], tensors["k"][:, 0])
+        own.stop()
+        assert cache.load([h], [tokens], out, [3])[0] == 0  # a miss, bounded, no error
+        assert cache.errors >= 1
+        assert cache.lookup_run([h], 0, 1) == []  # backed off: no load waits on it again
+        assert h in cache.known
+    finally:
+        cache.close(timeout_s=5)
+        with contextlib.suppress(Exception):
+            own.stop()
+
+
+def test_two_replicas_in_one_store_at_once(llama_dir, s3):
+    """Two LLMs put the same documents into one store at the same time (the same objects
+    from both); a third loads them; every output is exact."""
+    docs = random_prompts(37, [120, 120], 500)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda i: computed_and_stored(llama_dir, s3, "both", docs[i % 2],
+                                                    360 + i), range(2)))
+    with store_llm(llama_dir, s3, "both") as llm, \
+            LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+        for doc in docs:
+            q = doc + [4, 4]
+            out = gen(llm, [q], G)[0]
+            assert out.token_ids == gen(plain, [q], G)[0].token_ids
+        assert llm.stats().tiers["object"].hit_tokens >= 120
+        llm.check_integrity()

@@ -29,7 +29,9 @@ Concurrency: `lookup_run`, `offer` and `close` run on the engine thread (any one
 counters are under `_lock`; nothing else is shared. Every request to the store is bounded
 (the client's timeouts and retries: REQUEST_TIMEOUT_S, CONNECT_TIMEOUT_S, MAX_RETRIES), and
 a load waits for its reads at most LOAD_WAIT_S; a store that is down, slow or failing makes
-loads miss and uploads drop, and is logged, with no credential in any message.
+loads miss and uploads drop, and is logged, with no credential in any message. After a
+failure, lookups find nothing there for a back-off (BACKOFF_S, doubling, reset by a
+listing that succeeds), so a dead store costs one load's wait per period.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ GET_CONCURRENCY = 8
 UPLOAD_QUEUE_BLOCKS = 1024
 # how often what other processes wrote is listed again (at least 10x the listing's time)
 LIST_INTERVAL_S = 5.0
+# after a request to the store fails, lookups find nothing there for this long, doubled on
+# each failure up to the max and reset by a listing that succeeds: a store that is down or
+# timing out costs one load's wait per period, not every request's
+BACKOFF_S, MAX_BACKOFF_S = 2.0, 60.0
 # options obstore takes as its HTTP client's (the rest configure the store itself)
 CLIENT_KEYS = frozenset({
     "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type",
@@ -165,6 +171,8 @@ class ObjectCache:
         # counters (llm.stats().tiers["object"])
         self.hit_tokens = self.bytes_read = self.bytes_written = 0
         self.errors = self.dropped_blocks = 0
+        # lookups find nothing before this (time.monotonic()), after failures
+        self.down_until, self.backoff_s = 0.0, BACKOFF_S
         self.uploads: queue.Queue = queue.Queue(UPLOAD_QUEUE_BLOCKS)
         self.readers = ThreadPoolExecutor(GET_CONCURRENCY, thread_name_prefix="kvs-object-get")
         self._closing = threading.Event()
@@ -187,9 +195,12 @@ class ObjectCache:
 
     def lookup_run(self, hashes: list[bytes], start: int, end: int) -> list[bytes]:
         """The hashes of blocks start.. (before end) known to be there, up to the first
-        that is not. Makes no request (a hit is verified when it is read)."""
+        that is not; none while the store is backed off after a failure. Makes no request
+        (a hit is verified when it is read)."""
         run = []
         with self._lock:
+            if time.monotonic() < self.down_until:
+                return run
             for h in hashes[start:end]:
                 if h not in self.known:
                     break
@@ -264,11 +275,13 @@ class ObjectCache:
                     self._failed(f"reading {self.key(h)} took over {LOAD_WAIT_S} s")
                 if j == 0:
                     first_s = time.perf_counter() - t0
-                payload = self.records.check(raw, h, token_ids[j]) if raw is not None else None
+                if raw is None:
+                    break  # the store failed: the block is likely still there
+                payload = self.records.check(raw, h, token_ids[j]) if raw else None
                 if payload is None:
                     with self._lock:
-                        self.known.discard(h)
-                    if raw is not None:
+                        self.known.discard(h)  # gone, or never to be used: forgotten
+                    if raw:
                         log.warning("object store %s: %s is damaged or foreign; computing "
                                     "from there", self.url, self.key(h))
                     break
@@ -285,10 +298,12 @@ class ObjectCache:
         return loaded, first_s
 
     def _get(self, key: str) -> bytearray | None:
+        """The object's bytes; empty when there is no such object (deleted since it was
+        listed); None when the store failed."""
         try:
             data = self.obs.get(self.store, key).bytes()
         except FileNotFoundError:
-            return None  # deleted since it was listed: a miss
+            return bytearray()
         except Exception as e:  # noqa: BLE001 - the store failing is a miss
             self._failed(f"reading {key}: {e}")
             return None
@@ -299,6 +314,8 @@ class ObjectCache:
         with self._lock:
             self.errors += 1
             n = self.errors
+            self.down_until = time.monotonic() + self.backoff_s
+            self.backoff_s = min(self.backoff_s * 2, MAX_BACKOFF_S)
         if n <= 3 or n % 100 == 0:  # a store that is down fails every request
             log.warning("object store %s: %s (%d errors)", self.url, self.scrub(what), n)
 
@@ -363,4 +380,5 @@ class ObjectCache:
         with self._lock:
             # what was listed, and this process's own (written after the listing began)
             self.known = found | set(self.written)
+            self.down_until, self.backoff_s = 0.0, BACKOFF_S  # it answers again
         return time.monotonic() - t0
