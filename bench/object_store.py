@@ -13,9 +13,10 @@ max_model_len 4,176, a device pool of 4,608 tokens, no host tier (`host_cache_me
 Per configuration, in fresh processes: a "writer" computes the document (two prompts share
 it, so its blocks are used twice), pushes it off the device with unrelated ~4,100-token
 prompts (two; with a disk cache, more until the cache holds the whole document: the
-device's frequency order keeps its head a while), and closes (its queued uploads stored); then a "reader" (nothing on its
-device) sends one 256-token warm-up prompt, then document + question, and records the TTFT,
-the prompt tokens it computed and the tokens hit per tier. Configurations:
+device's frequency order keeps its head a while), and closes (its queued uploads stored);
+then a "reader" (nothing on its device) sends one 256-token warm-up prompt, then document +
+question, and records the TTFT, the prompt tokens it computed and the tokens hit per tier.
+Configurations:
 - recompute: a reader with no tier below the device (no writer: it would leave nothing);
 - disk: `session_dir` + `disk_cache_memory` in both processes (the disk cache);
 - s3: `object_store` on the moto server (a fresh bucket prefix per round), no session_dir;
@@ -68,8 +69,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import MID_SIZE, RESULTS, mid_model, median_range, pyplot, save_figure, \
-    write_result
+from common import MID_SIZE, RESULTS, median_range, mid_model, pyplot, save_figure, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "kvs-bench"
@@ -275,9 +275,10 @@ def replica(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)  # one core of the VM per replica
+    from shared_tiers import WORKLOADS, trace
+
     from kvsession import LLM
     from kvsession.metrics import percentile
-    from shared_tiers import WORKLOADS, trace
 
     sz = job["sizes"]
     llm = LLM(job["model"], **job["llm"])

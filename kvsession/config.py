@@ -24,7 +24,8 @@ from kvsession.kernels import bf16_rows
 from kvsession.kernels.reference import is_fp8
 from kvsession.model.config import checkpoint_dtype
 from kvsession.model.hub import fetch, is_hub_id
-from kvsession.tiers.object_store import check_options, check_url
+from kvsession.tiers.object_store import check_options, check_url, is_url
+from kvsession.tiers.session_mirror import local_root
 from kvsession.validation import (
     SEED_RANGE,
     check_bool,
@@ -270,6 +271,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # KV blocks in an object store (tiers/object_store.py); None: none
     object_store: ObjectStoreConfig | None = None
+    # session_dir given as an object-store URL: sessions' logs and snapshots mirrored there
+    # (tiers/session_mirror.py), session_dir then being its local directory; None: none
+    session_store: ObjectStoreConfig | None = None
 
     @staticmethod
     def from_args(
@@ -290,6 +294,11 @@ class EngineConfig:
         """The arguments of `LLM(...)`, validated; `**unknown` only exists so that a misspelt
         keyword is a ConfigError with a suggestion rather than a bare TypeError."""
         reject_unknown("LLM()", unknown, ENGINE_ARG_NAMES)
+        session_store = local_session_dir = None
+        if is_url(session_dir):  # sessions in an object store, through a local directory
+            session_store = ObjectStoreConfig(check_url(session_dir),
+                                              check_options(object_store_options), 0)
+            local_session_dir = local_root(session_dir, cache_root())
         check_str("revision", revision, allow_none=True)
         download = _path(download_dir, "download_dir", allow_none=True)
         if is_hub_id(model):  # "org/name" (a local path that exists wins)
@@ -371,7 +380,8 @@ class EngineConfig:
                 "gpu_memory_utilization", gpu_memory_utilization, min_value=0.0,
                 min_inclusive=False, max_value=1.0),
             host_cache_memory_bytes=parse_num_bytes(host_cache_memory, "host_cache_memory"),
-            session_dir=_path(session_dir, "session_dir", allow_none=True),
+            session_dir=local_session_dir if session_store is not None else
+            _path(session_dir, "session_dir", allow_none=True),
             max_num_seqs=check_int("max_num_seqs", max_num_seqs, min_value=1),
             max_num_batched_tokens=budget,
             enable_prefix_caching=check_bool("enable_prefix_caching", enable_prefix_caching),
@@ -395,7 +405,8 @@ class EngineConfig:
             prefill_caps=caps,
             speculative=_speculative(speculative_config),
             object_store=_object_store(object_store, object_store_options,
-                                       object_store_memory),
+                                       object_store_memory, session_store),
+            session_store=session_store,
         )
 
     @property
@@ -439,12 +450,18 @@ def _disk_cache_bytes(value, session_dir) -> int | None:
     return n
 
 
-def _object_store(url, options, memory) -> ObjectStoreConfig | None:
+def cache_root() -> Path:
+    """kvsession's cache directory: $KVSESSION_CACHE, else ~/.cache/kvsession."""
+    return Path(os.environ.get("KVSESSION_CACHE", Path.home() / ".cache" / "kvsession"))
+
+
+def _object_store(url, options, memory, session_store) -> ObjectStoreConfig | None:
     """LLM(object_store=, object_store_options=, object_store_memory=)."""
     if url is None:
-        if options is not None or memory is not None:
+        if memory is not None or (options is not None and session_store is None):
             raise ConfigError("object_store_options and object_store_memory apply to an "
-                              "object_store (its URL)")
+                              "object_store (its URL; the options also to a session_dir "
+                              "that is one)")
         return None
     return ObjectStoreConfig(check_url(url), check_options(options), parse_num_bytes(
         OBJECT_STORE_MEMORY_DEFAULT if memory is None else memory, "object_store_memory"))

@@ -66,6 +66,7 @@ from kvsession.tiers.host import HostPool
 from kvsession.tiers.mover import TierMover
 from kvsession.tiers.object_store import ObjectCache
 from kvsession.tiers.policy import HostEvictions, TierPolicy
+from kvsession.tiers.session_mirror import SessionMirror
 from kvsession.tiers.writeback import SnapshotLocks, WriteBehind
 
 log = logging.getLogger("kvsession")
@@ -121,6 +122,9 @@ class Runtime:
         self.host = HostPool(self.kv_pool, host_blocks) if host_blocks > 0 else None
         self.disk_cache = open_disk_cache(cfg, self.kv_pool, self.identity)
         self.objects = open_object_store(cfg, self.kv_pool, self.identity)
+        # session_dir given as a store's URL: sessions' files mirrored there
+        self.mirror = SessionMirror(cfg.session_store.url, cfg.session_store.options) \
+            if cfg.session_store is not None else None
         self.manager = KVCacheManager(self.pool, self.kv_pool,
                                       self.host.index if self.host is not None else None)
         self.prefix = PrefixCache(self.manager, self.identity.hasher(),
@@ -179,7 +183,7 @@ class Runtime:
                              drafter=self.drafter)
         # ---- durability="turn": session logs, group-committed by one thread
         durable = self.disk is not None and cfg.durability is Durability.TURN
-        self.journal = GroupCommit(cfg.session_dir) if durable else None
+        self.journal = GroupCommit(cfg.session_dir, self.mirror) if durable else None
         # full KV blocks written behind to each session's segment (never waited on)
         self.writeback = WriteBehind(self.disk, self.identity, snapshot_locks) \
             if durable else None
@@ -276,6 +280,8 @@ class Runtime:
             self.writeback.close()
         if self.journal is not None:
             self.journal.close()
+        if self.mirror is not None:
+            self.mirror.close()
         self.mover.copier.close()
         if self.objects is not None:
             self.objects.close()  # what was queued is stored (bounded)

@@ -14,6 +14,7 @@ from a file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from kvsession.runtime import Runtime
 from kvsession.sampling_record import sampling_from_record
 from kvsession.tiers import recovery, wal
 from kvsession.tiers.commit import Op, SessionLog
+from kvsession.tiers.disk import check_session_id
 from kvsession.tiers.files import fsync_dir
 from kvsession.tiers.locks import FileLock, NoLock, lock_session
 from kvsession.tiers.resume import build_plan, open_segment, open_shared
@@ -43,6 +45,7 @@ from kvsession.turns import SessionOptions, TurnExecutor
 # tokenizer, and is refused before it costs the tokenizer's time and memory
 SYSTEM_CHARS_PER_TOKEN = 64
 # bound on waiting for the commit thread to close or delete a session's log
+log = logging.getLogger("kvsession")
 LOG_OP_TIMEOUT_S = 60.0
 
 
@@ -277,10 +280,41 @@ class SessionFiles:
                 self.log_op(slog, Op.DELETE if delete else Op.CLOSE)
             if delete and disk is not None and self.rt.writeback is not None:
                 disk.collect_shared()
+            if self.rt.mirror is not None and disk is not None:
+                self.rt.mirror.sync(disk.root, session_id)  # the store as the files are
         finally:
             lock = self._locks.pop(session_id, None)
             if lock is not None:
                 lock.release()
+
+    # ---- session_dir in an object store (tiers/session_mirror.py) --------------------------
+
+    def fetch_missing(self, session_id: str) -> None:
+        """A session resumed with no file here: its files fetched from the store (the
+        caller holds its lock)."""
+        disk, mirror = self.rt.disk, self.rt.mirror
+        if mirror is None or disk.log_path(session_id).is_file() or \
+                disk.path_for(session_id).is_file():
+            return
+        if mirror.fetch(disk.root, session_id):
+            log.info("session %s: fetched from %s", session_id, mirror.url)
+
+    def stored_elsewhere(self) -> set[str]:
+        """The sessions the store holds (none without one)."""
+        if self.rt.mirror is None:
+            return set()
+        ids = set()
+        for sid in self.rt.mirror.session_ids():
+            try:
+                ids.add(check_session_id(sid))
+            except ConfigError:
+                continue  # not a session's name
+        return ids
+
+    def mirror_snapshot(self, session_id: str) -> None:
+        """The session's snapshot, just written here, put in the store."""
+        if self.rt.mirror is not None:
+            self.rt.mirror.put(self.rt.disk.path_for(session_id))
 
     def before_persist(self, session_id: str) -> None:
         """Before a live session's snapshot is written at close: with a log, the

@@ -85,6 +85,7 @@ class SessionStore:
         check_session_id(session_id)
         lock = self.files.lock(session_id)  # first: the files are only ours to read once held
         try:
+            self.files.fetch_missing(session_id)  # from the store session_dir names, if one
             has_log = disk.log_path(session_id).is_file()
             has_snapshot = disk.path_for(session_id).is_file()
             if fresh and (has_log or has_snapshot):
@@ -112,7 +113,9 @@ class SessionStore:
                               HistoryMode.parse(history))
 
     def sessions(self) -> list[str]:
-        return sorted(self.rt.disk.scan()) if self.rt.disk is not None else []
+        if self.rt.disk is None:
+            return []
+        return sorted(set(self.rt.disk.scan()) | self.files.stored_elsewhere())
 
     def _new_session(self, session_id: str | None, system: str | None,
                      sampling: SamplingParams | None, system_key,
@@ -290,6 +293,7 @@ class SessionStore:
         segment, redundant then, are removed."""
         self.files.before_persist(sess.session_id)
         sess.save_sealed(self.rt.disk.path_for(sess.session_id))
+        self.files.mirror_snapshot(sess.session_id)  # in the store before the log leaves it
         self.files.after_persist(sess.session_id)
 
     def close_all(self) -> None:

@@ -18,7 +18,7 @@ from test_prefix_cache import gen
 from test_shared_tiers import BPT, DEVICE, G, fixed_rates, flood
 
 from kvsession import LLM, ConfigError, SamplingParams
-from oracle import random_prompts
+from oracle import expected_turn, random_prompts
 
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -370,3 +370,86 @@ def test_two_replicas_in_one_store_at_once(llama_dir, s3):
             assert out.token_ids == gen(plain, [q], G)[0].token_ids
         assert llm.stats().tiers["object"].hit_tokens >= 120
         llm.check_integrity()
+
+
+# ---- sessions in the store: session_dir="s3://..." ----------------------------------------
+
+SESSION_LLM = dict(kv_cache_memory="1MiB", max_model_len=512, host_cache_memory=0)
+TERSE = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+CRASHING_CHILD = r"""
+import json, os, signal, sys
+from kvsession import LLM, SamplingParams
+model, url = sys.argv[1], sys.argv[2]
+options, llm_args = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+llm = LLM(model, session_dir=url, object_store_options=options, **llm_args)
+s = llm.session(session_id="crashed", system="You are terse.",
+                sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+for turn in ("list the files", "open the first one"):
+    s.send(turn)
+    print("ack", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no close, no snapshot: only what each turn put
+"""
+
+
+def machine(monkeypatch, tmp_path, name):
+    """Another machine: its own cache directory (and so its own local session_dir)."""
+    monkeypatch.setenv("KVSESSION_CACHE", str(tmp_path / name))
+
+
+def check_next_turn(llama_dir, s, params=TERSE):
+    """The resumed session's next turn is what an engine without any of this gives."""
+    before = list(s.token_ids)
+    reply = s.send("now run the tests")
+    with LLM(llama_dir, enable_prefix_caching=False, **SESSION_LLM) as plain:
+        assert reply.token_ids == expected_turn(plain, s, before, reply, params)
+
+
+def test_a_session_closed_on_one_machine_resumes_on_another(llama_dir, s3, tmp_path,
+                                                            monkeypatch):
+    url = f"s3://{BUCKET}/sessions-a"
+    machine(monkeypatch, tmp_path, "a")
+    with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
+             **SESSION_LLM) as llm:
+        s = llm.session(session_id="agent-1", system="You are terse.", sampling=TERSE)
+        s.send("list the files")
+        s.send("open the first one")
+        messages = s.messages
+        assert (tmp_path / "a" / "sessions").is_dir()  # the local session_dir
+    assert sorted(s3.keys("sessions-a/")) == ["sessions-a/agent-1.kvs"]  # its log replaced
+    machine(monkeypatch, tmp_path, "b")
+    with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
+             **SESSION_LLM) as llm:
+        assert llm.sessions() == ["agent-1"]
+        s = llm.session(session_id="agent-1")
+        assert s.messages == messages
+        check_next_turn(llama_dir, s)
+        s.close(delete=True)
+    assert s3.keys("sessions-a/") == []  # deleted everywhere
+
+
+def test_turns_acknowledged_before_a_crash_resume_on_another_machine(llama_dir, s3, tmp_path,
+                                                                   monkeypatch):
+    """A process SIGKILLed right after two acknowledged turns (no close): each turn's log
+    was put in the store before the turn returned, so another machine resumes both."""
+    import json
+    import subprocess
+    import sys
+
+    from internals import CHILD_PRELUDE
+
+    url = f"s3://{BUCKET}/sessions-b"
+    machine(monkeypatch, tmp_path, "a")
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD_PRELUDE + CRASHING_CHILD, str(llama_dir), url,
+         json.dumps(s3.options), json.dumps(SESSION_LLM)],
+        capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9 and child.stdout.count("ack") == 2, child.stderr[-2000:]
+    assert SECRET not in child.stderr
+    machine(monkeypatch, tmp_path, "b")
+    with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
+             **SESSION_LLM) as llm:
+        s = llm.session(session_id="crashed")
+        assert [m["content"] for m in s.messages if m["role"] == "user"] == [
+            "list the files", "open the first one"]
+        check_next_turn(llama_dir, s)

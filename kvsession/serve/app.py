@@ -79,8 +79,10 @@ class Server:
         self.requests: Counter = Counter()  # (route, status) -> count
         self.tokens: Counter = Counter()  # prompt / cached / completion
         self.decode = llm.tokenizer.decode
-        # the Responses API's stored responses (written beside the sessions in session_dir)
-        self.stored = R.ResponseStore(session_dir)
+        # the Responses API's stored responses (written beside the sessions in session_dir:
+        # the LLM's directory, the local one where session_dir is an object-store URL)
+        local = llm.config.session_dir if session_dir is not None else None
+        self.stored = R.ResponseStore(str(local) if local is not None else None)
         # agent hints: what the server learns of conversations' tool waits, and the
         # engine's decisions on the sessions it suspended for them
         self.gaps = H.ToolGaps()

@@ -106,8 +106,8 @@ def run_replicated(args, parser: argparse.ArgumentParser, llm_cls) -> int:
             gpus = 1.0 if args.device in ("cuda", "auto") and ray.cluster_resources().get(
                 "GPU", 0) else 0.0
         kwargs = llm_kwargs(args, llm_cls)
-        if args.session_dir is not None:
-            kwargs["session_dir"] = str(Path(args.session_dir).resolve())
+        if args.session_dir is not None and "://" not in args.session_dir:
+            kwargs["session_dir"] = str(Path(args.session_dir).resolve())  # (a URL: as is)
         server_kwargs = dict(model_name=args.served_model_name or Path(args.model).name,
                              api_key=args.api_key,
                              max_concurrent=args.max_concurrent_requests,

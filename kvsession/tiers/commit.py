@@ -32,6 +32,7 @@ import uuid
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from kvsession.cache.identity import StorageIdentity
 from kvsession.cache.prefix import common_prefix_len
@@ -152,11 +153,20 @@ class _Request:
     error: BaseException | None = None
 
 
+class LogMirror(Protocol):
+    """Where logs are copied once durable here (tiers/session_mirror.py: an object store),
+    before their turns are acknowledged."""
+
+    def logs_changed(self, written: list[Path], deleted: list[Path]) -> None: ...
+
+
 class GroupCommit:
     """The commit thread (see the module docstring)."""
 
-    def __init__(self, root: Path):
-        self.root = Path(root)
+    def __init__(self, root: Path, mirror: LogMirror | None = None):
+        """mirror: told of every batch's logs written and deleted, after the batch is
+        durable and before its futures resolve (bounded by the mirror)."""
+        self.root, self.mirror = Path(root), mirror
         self._cv = threading.Condition()
         self._pending: list[_Request] = []
         self._expected: dict[SessionLog, float] = {}  # announced records -> when forgotten
@@ -259,6 +269,11 @@ class GroupCommit:
                 for r in batch:
                     if r.op in (Op.REWRITE, Op.DELETE) and r.error is None:
                         r.error = e
+        if self.mirror is not None:
+            done = [r for r in batch if r.error is None]
+            self.mirror.logs_changed(
+                [r.log.path for r in done if r.op in (Op.APPEND, Op.REWRITE)],
+                [r.log.path for r in done if r.op is Op.DELETE])
         for r in batch:
             self._finish(r)
 

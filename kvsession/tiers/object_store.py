@@ -87,6 +87,11 @@ def public_url(url: str) -> str:
     return re.sub(r"^([a-z0-9+.-]+://)[^/@]*@", r"\1", url, flags=re.IGNORECASE)
 
 
+def is_url(value) -> bool:
+    """Whether a session_dir (or object_store) names a store rather than a directory."""
+    return isinstance(value, str) and "://" in value
+
+
 def check_url(url) -> str:
     if not isinstance(url, str) or not url.lower().startswith(SCHEMES):
         shown = public_url(url) if isinstance(url, str) else type(url).__name__

@@ -1,0 +1,171 @@
+"""Sessions in an object store: `LLM(session_dir="s3://bucket/sessions")`, so that a
+session resumes on any machine that names the same store (a replica that died, another
+host behind the router).
+
+The session directory stays a local directory (`$KVSESSION_CACHE/sessions/<digest of the
+URL>`): every file operation, lock, write-behind segment and start-up recovery works on it
+as on any session_dir (tiers/disk.py). The store holds a mirror of each session's two files
+that carry it across machines, put whole as `<prefix>/<id>.log` and `<prefix>/<id>.kvs`:
+
+- the log (the truth about the conversation, durability="turn"): put by the commit thread
+  after a batch of turns is durable here and before those turns are acknowledged
+  (`GroupCommit` calls `logs_changed`), so an acknowledged turn is in the store unless the
+  put failed (logged: the turn is still acknowledged, the local log holding it, and the
+  next put of that log carries it);
+- the snapshot (its KV, and the whole session with durability="close"): put when it is
+  written at close, before the log it replaces is removed there (`put`), and the files
+  as they are when the session closes (`sync`);
+- a session closed with delete=True: both removed from the store too.
+
+Resuming a session that has no file here fetches its files from the store first (`fetch`,
+into temporary names renamed into place), then resumes it as if this process had written
+them: the log is replayed, the snapshot's KV attached or recomputed by the cost model
+(blocks of its history that the object-store tier holds are loaded from there).
+`llm.sessions()` lists the store's sessions too. Segments (KV written behind turns) stay
+local: a session resumed elsewhere takes its KV from the snapshot, the tiers, or recompute.
+
+Ownership across machines is the router's (a session is sticky to one replica; the lock
+file is per machine): two processes writing one session at once through one store is not
+prevented here. A store that is down or failing makes puts and fetches fail, logged with
+credentials scrubbed; sessions keep working from the local directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvsession.tiers.object_store import Scrubber, open_store, public_url
+
+log = logging.getLogger("kvsession")
+SUFFIXES = (".log", ".kvs")
+# puts of one commit batch in flight at once
+PUT_CONCURRENCY = 8
+# a batch's puts are waited for at most this long before its turns are acknowledged anyway
+# (the client's own timeouts bound each request; this bounds the whole batch)
+PUT_WAIT_S = 60.0
+
+
+def local_root(url: str, cache_root: Path) -> Path:
+    """The local session directory that mirrors `url` (one per store URL)."""
+    digest = hashlib.blake2b(public_url(url).encode(), digest_size=8).hexdigest()
+    return cache_root / "sessions" / digest
+
+
+class SessionMirror:
+    def __init__(self, url: str, options: dict):
+        """Raises ConfigError when the store cannot be opened (tiers/object_store.py)."""
+        import obstore
+
+        self.obs, self.url = obstore, public_url(url)
+        self.scrub = Scrubber(options)
+        self.store = open_store(url, options)
+        self.puts = ThreadPoolExecutor(PUT_CONCURRENCY, thread_name_prefix="kvs-mirror-put")
+        self.errors = 0
+
+    def close(self) -> None:
+        self.puts.shutdown(wait=True, cancel_futures=False)
+
+    # ---- putting -------------------------------------------------------------------------
+
+    def logs_changed(self, written: list[Path], deleted: list[Path]) -> None:
+        """Commit thread, a batch durable here: its logs put (concurrently) and deleted
+        ones removed, waited for (bounded) before the batch's turns are acknowledged."""
+        jobs = [self.puts.submit(self._put, p) for p in written] + \
+            [self.puts.submit(self._delete, p.name) for p in deleted]
+        for job in jobs:
+            with contextlib.suppress(Exception):  # logged by the job; the wait is bounded
+                job.result(timeout=PUT_WAIT_S)
+
+    def sync(self, root: Path, session_id: str) -> None:
+        """The session's files as they are here now: each put, or removed from the store
+        where it is gone here."""
+        for suffix in SUFFIXES:
+            path = root / f"{session_id}{suffix}"
+            if path.is_file():
+                self._put(path)
+            else:
+                self._delete(path.name)
+
+    def put(self, path: Path) -> bool:
+        """One file put whole under its name (a snapshot just written). Returns whether it
+        was."""
+        return self._put(path)
+
+    def _put(self, path: Path) -> bool:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return False  # removed since (its removal is mirrored by whoever removed it)
+        except OSError as e:
+            return self._failed(f"reading {path}: {e}")
+        try:
+            self.obs.put(self.store, path.name, data)
+        except Exception as e:  # noqa: BLE001 - logged; the local file still holds it
+            return self._failed(f"putting {path.name}: {e}")
+        return True
+
+    def _delete(self, name: str) -> bool:
+        try:
+            self.obs.delete(self.store, name)
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001 - a stale copy there; retried at the next sync
+            return self._failed(f"deleting {name}: {e}")
+        return True
+
+    def _failed(self, what: str) -> bool:
+        self.errors += 1
+        log.warning("session store %s: %s", self.url, self.scrub(what))
+        return False
+
+    # ---- getting -------------------------------------------------------------------------
+
+    def fetch(self, root: Path, session_id: str) -> bool:
+        """The session's files from the store into `root` (which holds none of them: the
+        caller holds the session's lock), each written to a temporary name and renamed
+        into place, the snapshot first (a log is the truth once it is there). Returns
+        whether any was found."""
+        found = False
+        for suffix in (".kvs", ".log"):
+            name = f"{session_id}{suffix}"
+            try:
+                data = self.obs.get(self.store, name).bytes()
+            except FileNotFoundError:
+                continue
+            except Exception as e:  # noqa: BLE001 - resumed from what is here (or new)
+                self._failed(f"getting {name}: {e}")
+                continue
+            tmp = root / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(memoryview(data))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, root / name)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                self._failed(f"writing {root / name}: {e}")
+                continue
+            found = True
+        return found
+
+    def session_ids(self) -> set[str]:
+        """The ids of the sessions the store holds (empty when it cannot be listed)."""
+        ids = set()
+        try:
+            for batch in self.obs.list(self.store, chunk_size=1000):
+                for meta in batch:
+                    name = meta["path"].rsplit("/", 1)[-1]
+                    for suffix in SUFFIXES:
+                        if name.endswith(suffix) and not name.startswith("."):
+                            ids.add(name[: -len(suffix)])
+        except Exception as e:  # noqa: BLE001 - listed from here only
+            self._failed(f"listing: {e}")
+        return ids
