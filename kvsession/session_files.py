@@ -289,12 +289,12 @@ class SessionFiles:
 
     # ---- session_dir in an object store (tiers/session_mirror.py) --------------------------
 
-    def fetch_missing(self, session_id: str) -> None:
-        """A session resumed with no file here: its files fetched from the store (the
-        caller holds its lock)."""
+    def fetch_newer(self, session_id: str) -> None:
+        """A session about to be resumed or created: its files fetched from the store where
+        they differ from the ones here (another machine had it since; the caller holds its
+        lock)."""
         disk, mirror = self.rt.disk, self.rt.mirror
-        if mirror is None or disk.log_path(session_id).is_file() or \
-                disk.path_for(session_id).is_file():
+        if mirror is None:
             return
         if mirror.fetch(disk.root, session_id):
             log.info("session %s: fetched from %s", session_id, mirror.url)

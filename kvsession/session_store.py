@@ -85,7 +85,7 @@ class SessionStore:
         check_session_id(session_id)
         lock = self.files.lock(session_id)  # first: the files are only ours to read once held
         try:
-            self.files.fetch_missing(session_id)  # from the store session_dir names, if one
+            self.files.fetch_newer(session_id)  # from the store session_dir names, if one
             has_log = disk.log_path(session_id).is_file()
             has_snapshot = disk.path_for(session_id).is_file()
             if fresh and (has_log or has_snapshot):

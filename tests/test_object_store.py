@@ -450,6 +450,19 @@ def test_turns_acknowledged_before_a_crash_resume_on_another_machine(llama_dir, 
     with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
              **SESSION_LLM) as llm:
         s = llm.session(session_id="crashed")
-        assert [m["content"] for m in s.messages if m["role"] == "user"] == [
-            "list the files", "open the first one"]
+        assert users(s) == ["list the files", "open the first one"]
         check_next_turn(llama_dir, s)
+        s.send("and fix the bug")
+    # back on the first machine, whose directory still holds the log of two turns: the
+    # session closed elsewhere since is fetched, never its older state resumed
+    machine(monkeypatch, tmp_path, "a")
+    with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
+             **SESSION_LLM) as llm:
+        s = llm.session(session_id="crashed")
+        assert users(s) == ["list the files", "open the first one", "now run the tests",
+                            "and fix the bug"]
+        check_next_turn(llama_dir, s)
+
+
+def users(s) -> list[str]:
+    return [m["content"] for m in s.messages if m["role"] == "user"]

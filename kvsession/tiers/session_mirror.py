@@ -17,10 +17,13 @@ that carry it across machines, put whole as `<prefix>/<id>.log` and `<prefix>/<i
   as they are when the session closes (`sync`);
 - a session closed with delete=True: both removed from the store too.
 
-Resuming a session that has no file here fetches its files from the store first (`fetch`,
-into temporary names renamed into place), then resumes it as if this process had written
-them: the log is replayed, the snapshot's KV attached or recomputed by the cost model
-(blocks of its history that the object-store tier holds are loaded from there).
+Resuming a session fetches its files from the store first where the store's copy differs
+from the one here (`fetch`: another machine continued it; a log here that extends the
+store's is kept), into temporary names renamed into place, then resumes it as if this
+process had written them: the log is replayed, the snapshot's KV attached or recomputed by
+the cost model (blocks of its history that the object-store tier holds are loaded from
+there). A session deleted elsewhere but still here is kept (nothing tells it from one
+whose puts failed).
 `llm.sessions()` lists the store's sessions too. Segments (KV written behind turns) stay
 local: a session resumed elsewhere takes its KV from the snapshot, the tiers, or recompute.
 
@@ -127,34 +130,48 @@ class SessionMirror:
     # ---- getting -------------------------------------------------------------------------
 
     def fetch(self, root: Path, session_id: str) -> bool:
-        """The session's files from the store into `root` (which holds none of them: the
-        caller holds the session's lock), each written to a temporary name and renamed
-        into place, the snapshot first (a log is the truth once it is there). Returns
-        whether any was found."""
-        found = False
+        """The session's files from the store into `root` wherever the store's copy is not
+        the one here (the caller holds the session's lock): another machine continued or
+        closed the session since this one last had it. A log here that extends the store's
+        is kept (a put that failed: this machine is ahead). Each file is written to a
+        temporary name and renamed into place, the snapshot first (a log is the truth once
+        it is there). A snapshot fetched where the store holds no log (the session was
+        closed elsewhere) makes the log here, and its segment, an older state: removed.
+        Returns whether any was fetched."""
+        fetched, stored = [], []
         for suffix in (".kvs", ".log"):
             name = f"{session_id}{suffix}"
             try:
-                data = self.obs.get(self.store, name).bytes()
+                data = memoryview(self.obs.get(self.store, name).bytes())
             except FileNotFoundError:
                 continue
             except Exception as e:  # noqa: BLE001 - resumed from what is here (or new)
                 self._failed(f"getting {name}: {e}")
                 continue
+            stored.append(suffix)
+            path = root / name
+            if _same_or_ahead(path, data, suffix == ".log"):
+                continue
             tmp = root / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
             try:
                 with open(tmp, "wb") as f:
-                    f.write(memoryview(data))
+                    f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                os.replace(tmp, root / name)
+                os.replace(tmp, path)
             except OSError as e:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
-                self._failed(f"writing {root / name}: {e}")
+                self._failed(f"writing {path}: {e}")
                 continue
-            found = True
-        return found
+            fetched.append(suffix)
+        if ".kvs" in fetched and ".log" not in stored:
+            # closed elsewhere since: its snapshot replaced its log there, so a log (and the
+            # KV segment written behind it) here is an older state
+            for stale in (f"{session_id}.log", f"{session_id}.seg"):
+                with contextlib.suppress(FileNotFoundError):
+                    (root / stale).unlink()
+        return bool(fetched)
 
     def session_ids(self) -> set[str]:
         """The ids of the sessions the store holds (empty when it cannot be listed)."""
@@ -169,3 +186,15 @@ class SessionMirror:
         except Exception as e:  # noqa: BLE001 - listed from here only
             self._failed(f"listing: {e}")
         return ids
+
+
+def _same_or_ahead(path: Path, stored: memoryview, append_only: bool) -> bool:
+    """Whether the file here is the store's copy, or (`append_only`: a log) extends it."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return False
+    if size < len(stored) or (size > len(stored) and not append_only):
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(stored)) == stored
