@@ -6,7 +6,9 @@ address joins a running one (`ray start --head` on one machine, `ray start --add
 the others). Replicas on other nodes listen on their node's address, so give them an
 `--api-key` (the ingress forwards the client's key, and uses it for its own calls). All
 replicas share --session-dir: it must be one directory every node sees (a shared
-filesystem with working flock), which is how a session resumes on another replica.
+filesystem with working flock), or an object store's URL (`s3://bucket/sessions`: each
+replica keeps a local directory whose sessions' logs and snapshots are mirrored there,
+kvsession/tiers/session_mirror.py), which is how a session resumes on another replica.
 """
 
 from __future__ import annotations
