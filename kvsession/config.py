@@ -296,7 +296,7 @@ class EngineConfig:
         reject_unknown("LLM()", unknown, ENGINE_ARG_NAMES)
         session_store = local_session_dir = None
         if is_url(session_dir):  # sessions in an object store, through a local directory
-            session_store = ObjectStoreConfig(check_url(session_dir),
+            session_store = ObjectStoreConfig(check_url(session_dir, "session_dir"),
                                               check_options(object_store_options), 0)
             local_session_dir = local_root(session_dir, cache_root())
         check_str("revision", revision, allow_none=True)

@@ -203,6 +203,9 @@ def test_what_one_process_writes_stays_within_its_budget(llama_dir, s3):
      "do not apply"),
     (dict(object_store="s3://b/p", object_store_options={"no_such_option": SECRET}),
      "object_store='s3://b/p'"),
+    (dict(session_dir="ftp://host/sessions"), "session_dir must be a URL"),
+    (dict(session_dir="s3://b/s", object_store_options={"no_such_option": SECRET}),
+     "session_dir='s3://b/s'"),
 ])
 def test_bad_object_store_arguments_are_config_errors(llama_dir, kw, match):
     with pytest.raises(ConfigError, match=match) as e:

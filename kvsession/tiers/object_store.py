@@ -92,10 +92,10 @@ def is_url(value) -> bool:
     return isinstance(value, str) and "://" in value
 
 
-def check_url(url) -> str:
+def check_url(url, name: str = "object_store") -> str:
     if not isinstance(url, str) or not url.lower().startswith(SCHEMES):
         shown = public_url(url) if isinstance(url, str) else type(url).__name__
-        raise ConfigError(f"object_store must be a URL starting with one of "
+        raise ConfigError(f"{name} must be a URL starting with one of "
                           f"{', '.join(SCHEMES)}; got {shown!r}")
     return url
 
@@ -124,7 +124,7 @@ class Scrubber:
         return text.splitlines()[0][:300] if text else text
 
 
-def open_store(url: str, options: dict):
+def open_store(url: str, options: dict, name: str = "object_store"):
     """An obstore store for `url` with `options` (the store's own config keys, and its
     HTTP client's: CLIENT_KEYS), requests bounded by this module's timeouts and retries.
     Raises ConfigError when obstore is missing or the URL and options are refused."""
@@ -149,7 +149,7 @@ def open_store(url: str, options: dict):
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - obstore raises several kinds for bad config
-        raise ConfigError(f"object_store={public_url(url)!r}: {scrub(e)}") from None
+        raise ConfigError(f"{name}={public_url(url)!r}: {scrub(e)}") from None
 
 
 class ObjectCache:
@@ -158,11 +158,11 @@ class ObjectCache:
         """records: this engine's block record layout (its identity names the objects).
         budget_bytes: the most this process keeps written there (`object_store_memory`).
         Raises ConfigError (see `open_store`)."""
+        self.store = open_store(url, options)
         import obstore
 
         self.obs, self.records, self.url = obstore, records, public_url(url)
         self.scrub = Scrubber(options)
-        self.store = open_store(url, options)
         self.prefix = f"kv/{records.identity.hex()}/"
         self.budget_blocks = budget_bytes // records.record_bytes
         self.list_interval_s = list_interval_s

@@ -63,11 +63,11 @@ def local_root(url: str, cache_root: Path) -> Path:
 class SessionMirror:
     def __init__(self, url: str, options: dict):
         """Raises ConfigError when the store cannot be opened (tiers/object_store.py)."""
+        self.store = open_store(url, options, "session_dir")
         import obstore
 
         self.obs, self.url = obstore, public_url(url)
         self.scrub = Scrubber(options)
-        self.store = open_store(url, options)
         self.puts = ThreadPoolExecutor(PUT_CONCURRENCY, thread_name_prefix="kvs-mirror-put")
         self.errors = 0
 
