@@ -41,7 +41,8 @@ Configurations:
 - shared: both on the same moto bucket prefix (a fresh one per round): what one replica's
   device evicts after two uses goes there, the other finds it at its next listing (5 s).
 Reports prompt tokens computed (both replicas), object-store hit tokens, TTFT p50 / p99
-over all requests, the makespan (the common start to the last answer), and shared / alone.
+over all requests, the makespan (the common start to the last answer), the bytes both
+replicas put in the store, and shared / alone.
 
 Each configuration runs in fresh processes; medians of `--rounds` rounds with their range,
 the order of the configurations rotating between rounds. `--quick`: tiny sizes (512-token
@@ -222,20 +223,14 @@ def plain_read_bytes_per_s(num_bytes: int, directory: str) -> float:
     return num_bytes / statistics.median(times)
 
 
-def engine_load_s(llm, tier: str, num_bytes: int) -> tuple[float | None, int]:
-    """The load's seconds as the engine measured them (its rate estimate for the tier, and
-    the object store's first-byte latency), and the number of loads behind the estimate
-    (0: none measured). Reads the engine's private mover: no public stat has it."""
-    mover = getattr(getattr(llm, "_rt", None), "mover", None)
-    if mover is None or not num_bytes:
-        return None, 0
-    if tier == "disk":
-        rate = mover.disk_read_bytes_per_s
-        return (num_bytes / rate.value if rate.num_samples else None), rate.num_samples
-    rate, lat = mover.object_read_bytes_per_s, mover.object_latency_s
-    if not rate.num_samples:
-        return None, 0
-    return lat.value + num_bytes / rate.value, rate.num_samples
+def engine_load_s(st, tier: str, num_bytes: int) -> float | None:
+    """The load's seconds as the engine measured them (`stats().tiers[tier]`: the rate the
+    cost model learned, and an object store's first-byte latency); None before any load
+    was timed."""
+    ts = st.tiers[tier]
+    if not num_bytes or not ts.read_bytes_per_s:
+        return None
+    return ts.latency_s + num_bytes / ts.read_bytes_per_s
 
 
 def reader(job: dict) -> dict:
@@ -255,12 +250,12 @@ def reader(job: dict) -> dict:
     num_bytes = 0
     if tier is not None:
         num_bytes = st.tiers[tier].bytes_read - (st0.tiers[tier].bytes_read or 0)
-    load_s, samples = engine_load_s(llm, tier, num_bytes) if tier else (None, 0)
+    load_s = engine_load_s(st, tier, num_bytes) if tier else None
     llm.close()
     res = {"ttft_s": out.metrics.ttft_s, "prefill_tokens": st.prefill_tokens
            - st0.prefill_tokens, "cached_tokens": out.num_cached_tokens,
            "prompt_tokens": sz["doc"] + sz["question"], "bytes_read": num_bytes,
-           "load_s": load_s, "load_samples": samples,
+           "load_s": load_s,
            **{f"{k}_hit_tokens": v for k, v in hits.items()}}
     if num_bytes:
         res["load_bytes_per_s"] = num_bytes / (load_s if load_s else out.metrics.ttft_s)
@@ -290,10 +285,11 @@ def replica(job: dict) -> dict:
     start = json.loads(sys.stdin.readline())["start"]
     sp = params()
     ttfts: dict[int, float] = {}
+    cached: dict[int, int] = {}
 
     def one(i: int, q: dict) -> None:
         out = gen(llm, docs[q["doc"]] + q["question"][:sz["rag_question"]], sp)
-        ttfts[i] = out.metrics.ttft_s
+        ttfts[i], cached[i] = out.metrics.ttft_s, out.num_cached_tokens
 
     time.sleep(max(0.0, start - time.time()))
     with ThreadPoolExecutor(sz["in_flight"]) as pool:
@@ -309,7 +305,7 @@ def replica(job: dict) -> dict:
     llm.close()
     obj = st.tiers.get("object")
     return {"replica": job["replica"], "end": end, "close_s": time.perf_counter() - t0,
-            "ttfts": ttfts, "prefill_tokens": st.prefill_tokens,
+            "ttfts": ttfts, "cached_tokens": cached, "prefill_tokens": st.prefill_tokens,
             "object_bytes_read": obj.bytes_read if obj else 0,
             "object_bytes_written": obj.bytes_written if obj else 0,
             "object_cached_blocks": obj.cached_blocks if obj else 0,
@@ -396,6 +392,8 @@ def part_restore(args, sz: dict, model: str, s3: MotoServer) -> dict:
         if all("load_bytes_per_s" in x for x in runs[c]):
             for k in ("load_bytes_per_s", "plain_read_bytes_per_s", "load_vs_plain_read"):
                 s[k] = median_range(runs[c], k)
+        if all(x["load_s"] for x in runs[c]):
+            s["load_s"] = median_range(runs[c], "load_s")
         summary[c] = s
     return {"rounds": runs, "summary": summary}
 
@@ -457,7 +455,7 @@ def replicas_round(config: str, sz: dict, model: str, s3: MotoServer, r: int) ->
 def part_replicas(args, sz: dict, model: str, s3: MotoServer) -> dict:
     runs: dict[str, list[dict]] = {c: [] for c in REPLICA_CONFIGS}
     keys = ("prefill_tokens", "object_hit_tokens", "device_hit_tokens", "host_hit_tokens",
-            "ttft_p50_s", "ttft_p99_s", "makespan_s")
+            "ttft_p50_s", "ttft_p99_s", "makespan_s", "object_bytes_written")
     for r in range(args.rounds):
         for c in REPLICA_CONFIGS if r % 2 == 0 else REPLICA_CONFIGS[::-1]:
             res = replicas_round(c, sz, model, s3, r)
@@ -485,26 +483,28 @@ def report(results: dict) -> None:
         s = results["restore"]["summary"]
         print("\nPart 1, restore: document + question, a reader with nothing on its device")
         print(f"{'config':10s} {'TTFT ms':>20s} {'x recompute':>18s} {'computed':>9s} "
-              f"{'disk hit':>9s} {'obj hit':>8s} {'load MB/s':>18s} {'file MB/s':>20s} "
-              f"{'load/file':>8s}")
+              f"{'disk hit':>9s} {'obj hit':>8s} {'load ms':>16s} {'load MB/s':>16s} "
+              f"{'file MB/s':>20s} {'load/file':>9s}")
         for c, x in s.items():
             bw = "load_bytes_per_s" in x
             print(f"{c:10s} {rng3(x['ttft_s'], 1e3):>20s} "
                   f"{rng3(x['ttft_vs_recompute'], 1, '.2f'):>18s} "
                   f"{x['prefill_tokens'][0]:9.0f} {x['disk_hit_tokens'][0]:9.0f} "
                   f"{x['object_hit_tokens'][0]:8.0f} "
-                  f"{rng3(x['load_bytes_per_s'], 1e-6) if bw else '-':>18s} "
+                  f"{rng3(x['load_s'], 1e3) if 'load_s' in x else '-':>16s} "
+                  f"{rng3(x['load_bytes_per_s'], 1e-6) if bw else '-':>16s} "
                   f"{rng3(x['plain_read_bytes_per_s'], 1e-6) if bw else '-':>20s} "
-                  f"{x['load_vs_plain_read'][0] if bw else float('nan'):8.3f}")
+                  f"{x['load_vs_plain_read'][0] if bw else float('nan'):9.3f}")
     if "replicas" in results:
         s = results["replicas"]["summary"]
         print("\nPart 2, replicas: 2 replica processes, requests dealt round-robin")
         print(f"{'config':8s} {'computed':>22s} {'object hit':>20s} {'TTFT p50 ms':>18s} "
-              f"{'TTFT p99 ms':>20s} {'makespan s':>18s}")
+              f"{'TTFT p99 ms':>20s} {'makespan s':>18s} {'MiB uploaded':>16s}")
         for c, x in s.items():
             print(f"{c:8s} {rng3(x['prefill_tokens']):>22s} {rng3(x['object_hit_tokens']):>20s} "
                   f"{rng3(x['ttft_p50_s'], 1e3):>18s} {rng3(x['ttft_p99_s'], 1e3):>20s} "
-                  f"{rng3(x['makespan_s'], 1, '.1f'):>18s}")
+                  f"{rng3(x['makespan_s'], 1, '.1f'):>18s} "
+                  f"{rng3(x['object_bytes_written'], 2**-20):>16s}")
         ratio = results["replicas"]["shared_vs_alone"]
         print("shared / alone: " + ", ".join(f"{k} {v:.2f}" for k, v in ratio.items()))
 

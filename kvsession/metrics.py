@@ -61,6 +61,11 @@ class TierStats(msgspec.Struct):
     # thread, the step waiting), and those copied ahead of their eviction (on the copier)
     blocks_copied_at_eviction: int = 0
     blocks_copied_ahead: int = 0
+    # what the cost model has measured of loading from here (0.0 until a load is timed):
+    # bytes/s once the bytes flow, and the seconds before they do (an object store's round
+    # trip)
+    read_bytes_per_s: float = 0.0
+    latency_s: float = 0.0
 
 
 class PrefixStats(msgspec.Struct):

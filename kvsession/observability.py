@@ -5,6 +5,7 @@ thread (`add_disk_room`: a slow mount must not stall decoding)."""
 
 from __future__ import annotations
 
+from kvsession import costmodel
 from kvsession.cache.block_pool import BlockPool, blocks_for
 from kvsession.cache.manager import Tier
 from kvsession.cache.prefix import PrefixCache
@@ -74,13 +75,17 @@ class StatsCollector:
             disk.bytes_read += dc.bytes_read
             disk.blocks_copied_at_eviction = mover.evicted_copies[Tier.DISK]
             disk.blocks_copied_ahead = mover.cleaned_blocks[Tier.DISK]
+        host.read_bytes_per_s = _measured(mover.host_bytes_per_s)
+        disk.read_bytes_per_s = _measured(mover.disk_read_bytes_per_s)
         tiers = {"device": device, "host": host, "disk": disk}
         if self.objects is not None:
             ob = self.objects  # (its counters are ints: read as they are)
             tiers["object"] = TierStats(
                 bytes_per_token=bpt, cached_blocks=len(ob.known), hit_tokens=ob.hit_tokens,
                 bytes_read=ob.bytes_read, bytes_written=ob.bytes_written,
-                cache_bytes_written=ob.bytes_written)
+                cache_bytes_written=ob.bytes_written,
+                read_bytes_per_s=_measured(mover.object_read_bytes_per_s),
+                latency_s=_measured(mover.object_latency_s))
         q, h = self.prefix.queried_tokens, self.prefix.hit_tokens
         lat, goodput, attainment = self.latency.summary(slo)
         return Stats(
@@ -115,3 +120,8 @@ class StatsCollector:
             d.tokens_capacity = d.blocks_total * bs
             st.recovery = list(self.disk.recoveries)
         return st
+
+
+def _measured(rate: costmodel.RateEstimator) -> float:
+    """A rate the cost model uses, once measured (0.0 while it is the prior)."""
+    return rate.value if rate.num_samples or rate.fixed else 0.0

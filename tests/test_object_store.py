@@ -98,6 +98,8 @@ def test_a_prefix_one_replica_computed_is_loaded_by_another(llama_dir, s3):
         assert st.tiers["object"].hit_tokens == 120
         assert st.prefill_tokens == len(q) - 120
         assert st.tiers["object"].bytes_read >= 120 * BPT
+        assert st.tiers["object"].read_bytes_per_s == 1e12  # what the cost model uses
+        assert st.tiers["object"].latency_s == 1e-9
         assert out.token_ids == gen(plain, [q], G)[0].token_ids
         assert [o.token_ids for o in first] == [
             gen(plain, [p], G)[0].token_ids for p in (doc + [7, 8, 9], doc + [10, 11])]
