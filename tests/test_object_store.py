@@ -147,6 +147,23 @@ def test_a_damaged_or_foreign_object_is_a_miss(llama_dir, s3):
         llm.check_integrity()
 
 
+def test_content_reused_goes_to_the_store_before_any_eviction(llama_dir, s3):
+    """The document found again on the device is put at once (while this process still
+    holds it), so another process loads it; content used once is not put."""
+    doc, once = random_prompts(38, [120, 120], 500)
+    with store_llm(llama_dir, s3, "reuse") as llm:
+        gen(llm, [doc + [7]], G)
+        assert gen(llm, [doc + [8]], G)[0].num_cached_tokens == 120
+        gen(llm, [once + [7]], G)
+        assert llm.stats().prefix.evictions == 0
+    assert len(s3.keys("reuse/kv/")) == 15  # the document's blocks, none of `once`'s
+    with store_llm(llama_dir, s3, "reuse") as other, \
+            LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+        out = gen(other, [doc + [9]], G)[0]
+        assert out.num_cached_tokens == 120
+        assert out.token_ids == gen(plain, [doc + [9]], G)[0].token_ids
+
+
 def test_without_a_host_tier_the_device_evicts_to_the_store(llama_dir, s3):
     (doc,) = random_prompts(33, [120], 500)
     q = doc + [3, 3]

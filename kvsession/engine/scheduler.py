@@ -114,6 +114,10 @@ class LowerTiers(Protocol):
         """Engine thread, the ticket's future done: publish what was loaded; returns how
         many leading blocks that is."""
 
+    def reused(self, hits: list) -> None:
+        """A prompt's device hits, just referenced: their content is used once more (a
+        tier shared with other processes may take it now, before any eviction)."""
+
 
 class LowerLoadTicket(Protocol):
     """A load started by `LowerTiers.start_lower`."""
@@ -471,6 +475,8 @@ class Scheduler:
         (their fresh blocks are there, to be computed)."""
         start = len(seq.blocks) + len(hits)
         self.manager.attach(seq, hits)
+        if hits and self.lower is not None:
+            self.lower.reused(hits)
         if lower and not in_place:
             ticket = self.lower.start_lower(seq, lower, seq.token_ids, seq.block_hashes,
                                             start)

@@ -718,6 +718,17 @@ class TierPolicy:
             found += [(tier, b) for b in run]
         return found
 
+    def reused(self, hits: list[Block]) -> None:
+        """`LowerTiers`: a prompt's device hits, just referenced. Content used at least
+        DISK_ADMIT_HITS times goes to the object store now, not at its eviction: another
+        process finds it while this one still holds it (a chain is put whole, so a run
+        whose last block is there or queued is skipped at once)."""
+        if self.objects is None or self.objects.has(hits[-1].block_hash):
+            return
+        records = [r for b in hits if not self.objects.has(b.block_hash)
+                   and (r := self.pool.cached_record(b.block_hash)) is not None]
+        self._offer_objects(records, Tier.DEVICE)
+
     def load_lower(self, holder: Holder, found: list[tuple[Tier, Block]],
                    token_ids: list[int], hashes: list[bytes], start: int) -> int:
         """`LowerTiers`: copy what `lower_hits` found into the holder's next blocks; returns
