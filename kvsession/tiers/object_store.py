@@ -9,9 +9,10 @@ never name the same object. An object is one block's record (tiers/block_record.
 verified when it is read (identity, hash, tokens, checksums): a foreign, damaged or missing
 object is a miss (the rest of the prompt is computed), never wrong KV and never an error.
 
-What goes there: content used more than once (the tier policy's `DISK_ADMIT_HITS`), as the
-device evicts it (other processes find it before this host lets it go) and, if it is not
-there yet, as the host does; whether or not a disk cache keeps it too; with its cached
+What goes there: content used more than once (the tier policy's `DISK_ADMIT_HITS`), when a
+prompt finds it on the device again (other processes find it while this one holds it),
+and, if it is not there yet, as the device or the host evicts it; whether or not a disk
+cache keeps it too; with its cached
 ancestors the store lacks (another process finds a run only from its first miss). The
 engine thread encodes the record (one memory copy of the block) and queues it; the
 uploader thread puts it. The queue is bounded (UPLOAD_QUEUE_BLOCKS): what does not fit is
