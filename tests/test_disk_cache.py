@@ -107,6 +107,32 @@ def test_the_next_process_finds_the_cache(llama_dir, tmp_path):
         llm.check_integrity()
 
 
+def test_a_prefix_whose_head_stays_on_the_device_is_found_by_the_next_process(llama_dir,
+                                                                           tmp_path):
+    """The document's first blocks, used most, stay on the device while its tail is evicted:
+    the tail goes to disk with its cached ancestors, so the next process finds all of it
+    (without them it would find nothing: a lookup starts at the first block it misses)."""
+    (doc,) = random_prompts(9, [120], 500)
+    kw = dict(session_dir=tmp_path, disk_cache_memory=64 * SLOT, host_cache_memory=0,
+              **DEVICE)
+    with fixed_rates(LLM(llama_dir, **kw)) as llm:
+        for i in range(6):  # the head (6 blocks): used eight times; the tail twice
+            gen(llm, [doc[:48] + [i]], G)
+        gen(llm, [doc + [7]], G)
+        gen(llm, [doc + [8]], G)
+        flood(llm, 230, length=180)
+        before = llm.stats()
+        assert gen(llm, [doc[:48] + [9]], G)[0].num_cached_tokens == 48
+        assert llm.stats().prefix.hit_tokens - before.prefix.hit_tokens == 48  # on device
+        assert llm.stats().tiers["disk"].cached_blocks >= 15
+    with fixed_rates(LLM(llama_dir, **kw)) as llm, \
+            LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+        out = gen(llm, [doc + [5]], G)[0]
+        assert out.num_cached_tokens == 120
+        assert llm.stats().tiers["disk"].hit_tokens == 120
+        assert out.token_ids == gen(plain, [doc + [5]], G)[0].token_ids
+
+
 def test_a_damaged_slot_is_recomputed_from_there(llama_dir, tmp_path):
     (doc,) = random_prompts(7, [120], 500)
     q = doc + [3, 1]

@@ -127,6 +127,10 @@ class DiskCache:
 
     # ---- slots ---------------------------------------------------------------------------
 
+    def has(self, block_hash: bytes) -> bool:
+        """Whether the cache holds content under `block_hash`."""
+        return block_hash in self.index.index
+
     def store(self, src: dict[str, torch.Tensor], entries: list[tuple[int, bytes, tuple,
                                                                        bytes | None, int]]) -> int:
         """Write blocks into cache slots and publish them, on this thread: entries are
@@ -137,6 +141,7 @@ class DiskCache:
         unpublished."""
         new = [e for e in entries if self.index.lookup(e[1], e[2]) is None]
         slots = self.reserve(len(new))
+        new = new[:len(slots)]  # (no room for the rest: the first ones go)
         written = 0
         try:
             crcs = self.write(src, slots, [e[0] for e in new])

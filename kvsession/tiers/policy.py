@@ -560,50 +560,60 @@ class TierPolicy:
 
     def _keep_on_disk(self, victims: list[Evicted], tier: Tier) -> dict[int, str]:
         """The victims (of `tier`'s pool) the tiers below admit: written to the disk cache,
-        and queued for the object store (stored there by its uploader, so not counted as
-        kept). Returns those the disk cache holds."""
+        with their cached ancestors it lacks (`_with_ancestors`), and queued for the object
+        store (stored there by its uploader, so not counted as kept). Returns the victims
+        the disk cache holds."""
         admitted = [v for v in victims if v.hits >= DISK_ADMIT_HITS]
         self._offer_objects(admitted, tier)
         if self.disk_cache is None or not admitted:
             return {}
+        kept: set[int] = set()
         try:
-            return dict.fromkeys(self.mover.keep_on_disk(admitted, tier), Tier.DISK.value)
+            for where, records in self._with_ancestors(admitted, tier,
+                                                       self.disk_cache.has).items():
+                written = self.mover.keep_on_disk(records, where)
+                if where is tier:
+                    kept = written & {v.block_id for v in admitted}
         except (CacheFullError, RuntimeError) as e:
             log.warning("could not keep %d evicted blocks on disk: %s", len(admitted), e)
-            return {}
+        return dict.fromkeys(kept, Tier.DISK.value)
 
     def _offer_objects(self, victims: list[Evicted], tier: Tier) -> None:
         """Queue the victims (of `tier`'s pool) that the object store admits (used at
-        least DISK_ADMIT_HITS times) for it, with their cached ancestors it lacks: another
-        process finds a run only from the prompt's first block it misses on, and the hot
-        blocks of a prefix (a chat template's header, a shared document's first blocks)
-        may never be evicted here."""
+        least DISK_ADMIT_HITS times) for it, with their cached ancestors it lacks."""
         admitted = [v for v in victims if v.hits >= DISK_ADMIT_HITS]
         if self.objects is None or not admitted:
             return
-        offers: dict[Tier, dict[bytes, Evicted]] = {tier: {v.block_hash: v for v in admitted}}
-        for v in admitted:
-            for where, record in self._ancestors_to_offer(v.parent_hash):
-                offers.setdefault(where, {})[record.block_hash] = record
-        for where, records in offers.items():
-            self.mover.offer_objects(list(records.values()), where)
+        for where, records in self._with_ancestors(admitted, tier, self.objects.has).items():
+            self.mover.offer_objects(records, where)
 
-    def _ancestors_to_offer(self, parent_hash: bytes | None) -> list[tuple[Tier, Evicted]]:
-        """The cached chain above a block (on the device, else on the host), nearest
-        first, up to the first block the object store holds or has queued (or that is
-        cached in neither pool)."""
-        out: list[tuple[Tier, Evicted]] = []
+    def _with_ancestors(self, records: list[Evicted], tier: Tier,
+                        holds: Callable[[bytes], bool]) -> dict[Tier, list[Evicted]]:
+        """`records` (of `tier`'s pool) and the cached chains above them (on the device,
+        else on the host) up to the first block the tier below `holds`, by the pool each
+        is in, ancestors first. A tier below the host is searched from a prompt's first
+        block it misses on, and the hot head of a prefix (a chat template's header, a
+        shared document's first blocks) may never be evicted here: without its head, the
+        rest is found by nobody (another process, or this one after a restart)."""
         pools = [(Tier.DEVICE, self.pool)] + \
             ([(Tier.HOST, self.host.index)] if self.host is not None else [])
-        h = parent_hash
-        while h is not None and not self.objects.has(h) and len(out) < self.pool.num_blocks:
-            found = next(((t, r) for t, pool in pools
-                          if (r := pool.cached_record(h)) is not None), None)
-            if found is None:
-                break
-            out.append(found)
-            h = found[1].parent_hash
-        return out
+        chains: dict[Tier, dict[bytes, Evicted]] = {}
+        for v in records:
+            h, chain = v.parent_hash, []
+            while h is not None and not holds(h) and len(chain) < self.pool.num_blocks:
+                found = next(((t, r) for t, pool in pools
+                              if (r := pool.cached_record(h)) is not None), None)
+                if found is None:
+                    break
+                chain.append(found)
+                h = found[1].parent_hash
+            for where, r in reversed(chain):  # root first: parents before children
+                chains.setdefault(where, {})[r.block_hash] = r
+        for v in records:
+            chains.setdefault(tier, {}).setdefault(v.block_hash, v)
+        # the device's first: a chain's hot head is there, and parents go first
+        return {where: list(chains[where].values()) for where in (Tier.DEVICE, Tier.HOST)
+                if where in chains}
 
     def _clean_ahead(self) -> None:
         """A buffer pool's background writer, for the device pool and the host's: the
