@@ -598,14 +598,17 @@ class TierPolicy:
         pools = [(Tier.DEVICE, self.pool)] + \
             ([(Tier.HOST, self.host.index)] if self.host is not None else [])
         chains: dict[Tier, dict[bytes, Evicted]] = {}
+        seen = {v.block_hash for v in records}  # a chain walked once is not walked again
         for v in records:
             h, chain = v.parent_hash, []
-            while h is not None and not holds(h) and len(chain) < self.pool.num_blocks:
+            while h is not None and h not in seen and not holds(h) and \
+                    len(chain) < self.pool.num_blocks:
                 found = next(((t, r) for t, pool in pools
                               if (r := pool.cached_record(h)) is not None), None)
                 if found is None:
                     break
                 chain.append(found)
+                seen.add(h)
                 h = found[1].parent_hash
             for where, r in reversed(chain):  # root first: parents before children
                 chains.setdefault(where, {})[r.block_hash] = r
