@@ -12,12 +12,12 @@ object is a miss (the rest of the prompt is computed), never wrong KV and never 
 What goes there: content used more than once (the tier policy's `DISK_ADMIT_HITS`), when a
 prompt finds it on the device again (other processes find it while this one holds it),
 and, if it is not there yet, as the device or the host evicts it; whether or not a disk
-cache keeps it too; with its cached
-ancestors the store lacks (another process finds a run only from its first miss). The
-engine thread encodes the record (one memory copy of the block) and queues it; the
-uploader thread puts it. The queue is bounded (UPLOAD_QUEUE_BLOCKS): what does not fit is
-not stored (a later miss recomputes it). What this process wrote is bounded by
-`object_store_memory`: beyond it, its least recently used objects are deleted.
+cache keeps it too; with its cached ancestors the store lacks (another process finds a run
+only from its first miss). The engine thread encodes the record (one memory copy of the
+block) and queues it; the uploader thread puts it. The queue is bounded
+(UPLOAD_QUEUE_BLOCKS): what does not fit is not stored (a later miss recomputes it).
+What this process wrote is bounded by `object_store_memory`: beyond it, its least recently
+used objects are deleted.
 
 What is there: `known`, the hashes this process wrote or saw listed. The store's objects of
 this identity are listed at start-up (before the first request), and again by the uploader
@@ -25,7 +25,8 @@ every LIST_INTERVAL_S (at least ten times the last listing's duration), so block
 processes wrote are found by a lookup on the engine thread without a request to the store.
 A block listed but gone since is a miss when it is read.
 
-Concurrency: `lookup_run`, `offer` and `close` run on the engine thread (any one caller);
+Concurrency: `lookup_run`, `has`, `offer` run on the engine thread, `flush` and `close` on
+its owner's (the runtime's, at close);
 `load` on the copier; the uploader thread puts, deletes and lists. `known` and the
 counters are under `_lock`; nothing else is shared. Every request to the store is bounded
 (the client's timeouts and retries: REQUEST_TIMEOUT_S, CONNECT_TIMEOUT_S, MAX_RETRIES), and
