@@ -40,12 +40,12 @@ from kvsession.tiers.writeback import WriteOp
 from kvsession.tools import ToolSpec
 from kvsession.turns import SessionOptions, TurnExecutor
 
+log = logging.getLogger("kvsession")
 # restore tokenizes a snapshot's system prompt (to share its pinned blocks); longer than this
 # many characters per token of max_model_len it could not fit a turn with any real
 # tokenizer, and is refused before it costs the tokenizer's time and memory
 SYSTEM_CHARS_PER_TOKEN = 64
 # bound on waiting for the commit thread to close or delete a session's log
-log = logging.getLogger("kvsession")
 LOG_OP_TIMEOUT_S = 60.0
 
 
