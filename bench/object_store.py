@@ -44,6 +44,16 @@ Reports prompt tokens computed (both replicas), object-store hit tokens, TTFT p5
 over all requests, the makespan (the common start to the last answer), the bytes both
 replicas put in the store, and shared / alone.
 
+`--part sessions`: a session whose first turn carries a ~4,096-token message, written on one
+"machine" (a process with its own KVSESSION_CACHE) and closed (its snapshot persisted), then
+its next turn (a 64-token message) sent by a fresh process. Configurations:
+- recompute: the same conversation as one stateless chat request (its history computed);
+- disk: the same machine and session_dir (a local directory): the snapshot's KV loaded;
+- s3: `session_dir="s3://..."` on the moto server, the reader on another machine (its own
+  KVSESSION_CACHE, nothing local): the snapshot fetched from the store, then loaded.
+Reports the resume (`llm.session(session_id=...)`: the fetch from the store, the snapshot's
+header), the turn's TTFT (the KV loaded or computed), their sum, and its ratio to recompute.
+
 Each configuration runs in fresh processes; medians of `--rounds` rounds with their range,
 the order of the configurations rotating between rounds. `--quick`: tiny sizes (512-token
 document, 12 requests over 512-token documents), one round, for a smoke test. JSON:
@@ -70,7 +80,16 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import MID_SIZE, RESULTS, median_range, mid_model, pyplot, save_figure, write_result
+from common import (
+    MID_SIZE,
+    RESULTS,
+    median_range,
+    mid_model,
+    pyplot,
+    save_figure,
+    text_of,
+    write_result,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "kvs-bench"
@@ -313,14 +332,75 @@ def replica(job: dict) -> dict:
             **{f"{k}_hit_tokens": v for k, v in tier_hits(st).items()}}
 
 
-ROLES = {"writer": writer, "reader": reader, "replica": replica}
+SESSION_ID = "bench-session"
 
 
-def child(role: str, job: dict) -> dict:
-    """`role` in a fresh process; its result."""
+def session_texts(tokenizer, sz: dict, seed: int) -> dict:
+    rng = random.Random(seed)
+    return {"history": text_of(tokenizer, rng, sz["doc"]),
+            "next": text_of(tokenizer, rng, sz["question"])}
+
+
+def session_writer(job: dict) -> dict:
+    """A fresh process (its own KVSESSION_CACHE: a machine): a session whose first turn
+    carries a ~doc-token message, closed (its snapshot written, and put in the store when
+    session_dir is one)."""
+    from kvsession import LLM
+
+    llm = LLM(job["model"], **job["llm"])
+    t = session_texts(llm.tokenizer, job["sizes"], job["seed"])
+    s = llm.session(session_id=SESSION_ID, sampling=params())
+    reply = s.send(t["history"]).text
+    tokens = len(s.token_ids)
+    t0 = time.perf_counter()
+    llm.close()  # persists the live session
+    return {"history_tokens": tokens, "close_s": time.perf_counter() - t0, "reply": reply}
+
+
+def session_reader(job: dict) -> dict:
+    """A fresh process: the session resumed (from session_dir, fetched from the store on
+    another machine) and its next turn sent; or, with no session_dir, the same conversation
+    as one stateless chat request (everything computed)."""
+    from kvsession import LLM
+
+    llm = LLM(job["model"], **job["llm"])
+    t = session_texts(llm.tokenizer, job["sizes"], job["seed"])
+    gen(llm, list(range(10, 10 + WARMUP_TOKENS)))  # the process's first prefill
+    st0 = llm.stats()
+    t0 = time.perf_counter()
+    if "session_dir" in job["llm"]:
+        s = llm.session(session_id=SESSION_ID)
+        open_s = time.perf_counter() - t0
+        assert len(s.messages) == 2, s.messages
+        r = s.send(t["next"])
+        ttft = r.metrics.ttft_s
+    else:
+        open_s = 0.0
+        history = job["history"]
+        r = llm.chat([{"role": "user", "content": t["history"]},
+                      {"role": "assistant", "content": history},
+                      {"role": "user", "content": t["next"]}], params(), use_tqdm=False)[0]
+        ttft = r.metrics.ttft_s
+    total = time.perf_counter() - t0
+    st = llm.stats()
+    llm.close()
+    h0, h1 = tier_hits(st0), tier_hits(st)
+    return {"open_s": open_s, "ttft_s": ttft, "resume_to_first_token_s": open_s + ttft,
+            "total_s": total, "prefill_tokens": st.prefill_tokens - st0.prefill_tokens,
+            **{f"{k}_hit_tokens": h1[k] - h0[k] for k in h1}}
+
+
+ROLES = {"writer": writer, "reader": reader, "replica": replica,
+         "session_writer": session_writer, "session_reader": session_reader}
+
+
+def child(role: str, job: dict, cache: str | None = None) -> dict:
+    """`role` in a fresh process (`cache`: its KVSESSION_CACHE, a machine of its own);
+    its result."""
+    env = {**os.environ, **({"KVSESSION_CACHE": cache} if cache else {})}
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run([sys.executable, __file__, "--role", role, "--job", json.dumps(job),
-                        "--out", out.name], check=True, cwd=ROOT)
+                        "--out", out.name], check=True, cwd=ROOT, env=env)
         return json.loads(Path(out.name).read_text())
 
 
@@ -395,6 +475,61 @@ def part_restore(args, sz: dict, model: str, s3: MotoServer) -> dict:
         if all(x["load_s"] for x in runs[c]):
             s["load_s"] = median_range(runs[c], "load_s")
         summary[c] = s
+    return {"rounds": runs, "summary": summary}
+
+
+# ---- part 3: sessions -------------------------------------------------------------------------
+
+SESSION_CONFIGS = ("recompute", "disk", "s3")
+
+
+def sessions_round(config: str, sz: dict, model: str, s3: MotoServer, seed: int,
+                   r: int) -> dict:
+    """One configuration: a session written on one machine, resumed (or recomputed)."""
+    base = {"max_model_len": sz["max_len"] + 2 * OUT_TOKENS + 64,
+            "kv_cache_memory": sz["pool"] * 2 * BPT, "host_cache_memory": 0}
+    scratch = tempfile.mkdtemp(prefix="kvs-objbench-")
+    try:
+        job = {"model": model, "sizes": sz, "seed": seed}
+        if config == "disk":  # the same machine, the same directory
+            job["llm"] = {**base, "session_dir": str(Path(scratch) / "sessions")}
+            wrote = child("session_writer", job, str(Path(scratch) / "a"))
+            res = child("session_reader", job, str(Path(scratch) / "a"))
+        elif config == "s3":  # another machine: nothing local, the store's copy fetched
+            url = f"s3://{BUCKET}/sessions-{r}-{uuid.uuid4().hex[:8]}"
+            job["llm"] = {**base, "session_dir": url, "object_store_options": s3.options}
+            wrote = child("session_writer", job, str(Path(scratch) / "a"))
+            res = child("session_reader", job, str(Path(scratch) / "b"))
+        else:  # the same conversation, stateless: its history computed
+            job["llm"] = {**base, "session_dir": str(Path(scratch) / "sessions")}
+            wrote = child("session_writer", job, str(Path(scratch) / "a"))
+            job["llm"] = base
+            job["history"] = wrote["reply"]
+            res = child("session_reader", job, str(Path(scratch) / "b"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"config": config, **res, "writer": wrote}
+
+
+def part_sessions(args, sz: dict, model: str, s3: MotoServer) -> dict:
+    runs: dict[str, list[dict]] = {c: [] for c in SESSION_CONFIGS}
+    for r in range(args.rounds):
+        k = r % len(SESSION_CONFIGS)
+        order = SESSION_CONFIGS[k:] + SESSION_CONFIGS[:k]
+        for c in order if r % 2 == 0 else order[::-1]:
+            res = sessions_round(c, sz, model, s3, args.seed, r)
+            runs[c].append(res)
+            print(f"sessions round {r + 1} {c:9s} open {res['open_s'] * 1e3:6.0f} ms, TTFT "
+                  f"{res['ttft_s'] * 1e3:6.0f} ms, computed {res['prefill_tokens']} tokens",
+                  flush=True)
+    rec = statistics.median(x["resume_to_first_token_s"] for x in runs["recompute"])
+    summary = {}
+    for c in SESSION_CONFIGS:
+        for x in runs[c]:
+            x["vs_recompute"] = x["resume_to_first_token_s"] / rec
+        summary[c] = {k: median_range(runs[c], k) for k in
+                      ("open_s", "ttft_s", "resume_to_first_token_s", "vs_recompute",
+                       "prefill_tokens")}
     return {"rounds": runs, "summary": summary}
 
 
@@ -479,6 +614,15 @@ def rng3(m: tuple, scale: float = 1.0, fmt: str = ".0f") -> str:
 
 
 def report(results: dict) -> None:
+    if "sessions" in results:
+        s = results["sessions"]["summary"]
+        print("\nPart 3, sessions: a session written on one machine, its next turn on another")
+        print(f"{'config':10s} {'open ms':>16s} {'TTFT ms':>18s} {'open + TTFT ms':>18s} "
+              f"{'x recompute':>16s} {'computed':>9s}")
+        for c, x in s.items():
+            print(f"{c:10s} {rng3(x['open_s'], 1e3):>16s} {rng3(x['ttft_s'], 1e3):>18s} "
+                  f"{rng3(x['resume_to_first_token_s'], 1e3):>18s} "
+                  f"{rng3(x['vs_recompute'], 1, '.2f'):>16s} {x['prefill_tokens'][0]:9.0f}")
     if "restore" in results:
         s = results["restore"]["summary"]
         print("\nPart 1, restore: document + question, a reader with nothing on its device")
@@ -542,7 +686,8 @@ def plot(results: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("restore", "replicas", "all"), default="all")
+    ap.add_argument("--part", choices=("restore", "replicas", "sessions", "all"),
+                    default="all")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one round (a smoke test)")
@@ -566,6 +711,8 @@ def main() -> None:
             results["restore"] = part_restore(args, sz, model, s3)
         if args.part in ("replicas", "all"):
             results["replicas"] = part_replicas(args, sz, model, s3)
+        if args.part in ("sessions", "all"):
+            results["sessions"] = part_sessions(args, sz, model, s3)
     finally:
         s3.close()
     print(f"\n{args.rounds} round(s) in {time.perf_counter() - t0:.0f} s")
