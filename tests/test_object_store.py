@@ -488,3 +488,81 @@ def test_turns_acknowledged_before_a_crash_resume_on_another_machine(llama_dir, 
 
 def users(s) -> list[str]:
     return [m["content"] for m in s.messages if m["role"] == "user"]
+
+
+class Proxy:
+    """A TCP proxy on 127.0.0.1 in front of the S3 server that can go silent: connections
+    made after `stall()` are accepted and never answered (a store that hangs)."""
+
+    def __init__(self, target: str):
+        import socket
+        import threading
+
+        host, port = target.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.silent = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.held: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def stall(self):
+        self.silent.set()
+
+    def _accept(self):
+        import socket
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            if self.silent.is_set():
+                self.held.append(conn)  # accepted, never answered
+                continue
+            upstream = socket.create_connection(self.target)
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst):
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(1)
+
+    def close(self):
+        self.server.close()
+        for c in self.held:
+            c.close()
+
+
+def test_a_store_that_hangs_is_waited_for_within_its_timeout_then_recomputed(llama_dir, s3,
+                                                                              caplog):
+    """The store stops answering (connections accepted, nothing sent back) after a replica
+    listed it: the load gives up at the client's timeout (1 s here, with its retries) and
+    the prompt is computed, with the same tokens."""
+    caplog.set_level(logging.WARNING, logger="kvsession")
+    (doc,) = random_prompts(39, [120], 500)
+    computed_and_stored(llama_dir, s3, "hang", doc, 390)
+    proxy = Proxy(s3.endpoint)
+    options = {**s3.options, "endpoint": proxy.endpoint, "timeout": "1s",
+               "connect_timeout": "1s"}
+    try:
+        llm = fixed_rates(LLM(llama_dir, object_store=f"s3://{BUCKET}/hang",
+                              object_store_options=options, **{**HOST, **DEVICE}))
+        with llm, LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+            Internals(llm).fix_rate("object_read", 1e12)
+            Internals(llm).fix_rate("object_latency", 1e-9)
+            assert llm.stats().tiers["object"].cached_blocks >= 15  # listed through it
+            proxy.stall()
+            for q in (doc + [1], doc + [2]):
+                out = gen(llm, [q], G)[0]
+                assert out.token_ids == gen(plain, [q], G)[0].token_ids
+            assert llm.stats().tiers["object"].hit_tokens == 0
+            llm.check_integrity()
+        assert "object store s3://kvs-test/hang: reading kv/" in caplog.text  # it was tried
+    finally:
+        proxy.close()
