@@ -446,12 +446,17 @@ def restore_round(config: str, sz: dict, model: str, s3: MotoServer, seed: int,
     return res
 
 
+def round_order(configs: tuple[str, ...], r: int) -> tuple[str, ...]:
+    """Round r's order: rotated by r, reversed every other round."""
+    k = r % len(configs)
+    order = configs[k:] + configs[:k]
+    return order if r % 2 == 0 else order[::-1]
+
+
 def part_restore(args, sz: dict, model: str, s3: MotoServer) -> dict:
     runs: dict[str, list[dict]] = {c: [] for c in RESTORE_CONFIGS}
     for r in range(args.rounds):
-        k = r % len(RESTORE_CONFIGS)
-        order = RESTORE_CONFIGS[k:] + RESTORE_CONFIGS[:k]
-        for c in order if r % 2 == 0 else order[::-1]:
+        for c in round_order(RESTORE_CONFIGS, r):
             res = restore_round(c, sz, model, s3, args.seed, r)
             runs[c].append(res)
             bw = res.get("load_bytes_per_s")
@@ -514,9 +519,7 @@ def sessions_round(config: str, sz: dict, model: str, s3: MotoServer, seed: int,
 def part_sessions(args, sz: dict, model: str, s3: MotoServer) -> dict:
     runs: dict[str, list[dict]] = {c: [] for c in SESSION_CONFIGS}
     for r in range(args.rounds):
-        k = r % len(SESSION_CONFIGS)
-        order = SESSION_CONFIGS[k:] + SESSION_CONFIGS[:k]
-        for c in order if r % 2 == 0 else order[::-1]:
+        for c in round_order(SESSION_CONFIGS, r):
             res = sessions_round(c, sz, model, s3, args.seed, r)
             runs[c].append(res)
             print(f"sessions round {r + 1} {c:9s} open {res['open_s'] * 1e3:6.0f} ms, TTFT "

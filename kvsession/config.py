@@ -21,6 +21,7 @@ import torch
 from kvsession.cache.eviction import EvictionPolicy
 from kvsession.errors import ConfigError
 from kvsession.kernels import bf16_rows
+from kvsession.kernels.cpp_build import cache_root
 from kvsession.kernels.reference import is_fp8
 from kvsession.model.config import checkpoint_dtype
 from kvsession.model.hub import fetch, is_hub_id
@@ -448,11 +449,6 @@ def _disk_cache_bytes(value, session_dir) -> int | None:
         raise ConfigError("disk_cache_memory needs a session_dir (the disk cache is a file "
                           "there)")
     return n
-
-
-def cache_root() -> Path:
-    """kvsession's cache directory: $KVSESSION_CACHE, else ~/.cache/kvsession."""
-    return Path(os.environ.get("KVSESSION_CACHE", Path.home() / ".cache" / "kvsession"))
 
 
 def _object_store(url, options, memory, session_store) -> ObjectStoreConfig | None:
