@@ -10,6 +10,7 @@ from kvsession.errors import (
     SessionClosedError,
     SessionLockedError,
     SessionLostError,
+    SessionStoreError,
     SnapshotError,
     UnsupportedArchitectureError,
 )
@@ -27,6 +28,6 @@ __all__ = [
     "AsyncTextStream", "RequestMetrics", "Stats", "SLO",
     "KVSessionError", "ConfigError", "ModelLoadError", "CacheFullError", "SnapshotError",
     "SessionClosedError", "EngineClosedError", "SessionLockedError", "SessionLostError",
-    "RemotePrefillError", "UnsupportedArchitectureError",
+    "SessionStoreError", "RemotePrefillError", "UnsupportedArchitectureError",
 ]
 __version__ = "0.1.0"

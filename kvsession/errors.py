@@ -55,3 +55,10 @@ class SessionLostError(SnapshotError):
 
     def __reduce__(self):  # (pickles whole: the default would drop session_id)
         return type(self), (str(self), self.session_id)
+
+
+class SessionStoreError(KVSessionError):
+    """`session_dir` is an object store that could not be read for this session (down,
+    failing, a transfer cut short) and this machine has no copy of what it holds: whether
+    the session exists there is unknown, so it is neither resumed nor started anew (a new
+    one would replace the store's copy). Retry once the store answers."""

@@ -53,6 +53,7 @@ from kvsession.requests import (
 from kvsession.runtime import Runtime
 from kvsession.session import Session
 from kvsession.session_store import SessionStore
+from kvsession.side_files import SideFiles
 from kvsession.validation import (
     check_bool,
     check_float,
@@ -150,6 +151,7 @@ class LLM:
         release_stale(self.config.model, _LIVE, _model_of)
         self._rt = Runtime(self.config)
         self._store = SessionStore(self._rt)
+        self._files = SideFiles(self.config.session_dir, self._rt.mirror)
         self._requests = RequestBuilder(self._rt)
         self.tokenizer = self._rt.tokenizer
         self.runtime = self._rt.info
@@ -372,6 +374,25 @@ class LLM:
         sess = self._store.session(system, session_id, pin_system, sampling, options, fresh)
         sess.priority = priority
         return sess
+
+    def put_file(self, name: str, data: bytes) -> None:
+        """Keep `data` beside the sessions as `name` ('<folder>/<file>'): in session_dir,
+        and in its store where session_dir is a URL, so that any machine naming it reads
+        it (kvsession/side_files.py). Written whole: a reader sees the old content or the
+        new. ConfigError without a session_dir or for a bad name; up to 64 MiB."""
+        self._rt.check_open()
+        self._files.put(name, data)
+
+    def get_file(self, name: str) -> bytes | None:
+        """A file `put_file` kept (by this process or, through the store, any other);
+        None where there is none."""
+        self._rt.check_open()
+        return self._files.get(name)
+
+    def delete_file(self, name: str) -> bool:
+        """Remove a kept file here and from the store. Returns whether it was here."""
+        self._rt.check_open()
+        return self._files.delete(name)
 
     def sessions(self) -> list[str]:
         """Ids of the sessions persisted in session_dir: each snapshot file's name

@@ -31,7 +31,7 @@ API = {"kvsession.llm", "kvsession.session", "kvsession.session_store", "kvsessi
        "kvsession.runtime", "kvsession.system_pins", "kvsession.sizing",
        "kvsession.remote_offload", "kvsession.sequence_factory", "kvsession.pinning",
        "kvsession.observability", "kvsession.integrity", "kvsession.turns",
-       "kvsession.session_files",
+       "kvsession.session_files", "kvsession.side_files",
        "kvsession.numerics", "kvsession.requests", "kvsession.handles", "kvsession",
        "kvsession.serve", "kvsession.openai_compat", "kvsession.choices"}
 # module prefix -> the kvsession modules (by prefix) it must not import

@@ -17,7 +17,7 @@ from internals import Internals
 from test_prefix_cache import gen
 from test_shared_tiers import BPT, DEVICE, G, fixed_rates, flood
 
-from kvsession import LLM, ConfigError, SamplingParams
+from kvsession import LLM, ConfigError, SamplingParams, SessionStoreError
 from oracle import expected_turn, random_prompts
 
 moto_server = pytest.importorskip("moto.server")
@@ -491,8 +491,11 @@ def users(s) -> list[str]:
 
 
 class Proxy:
-    """A TCP proxy on 127.0.0.1 in front of the S3 server that can go silent: connections
-    made after `stall()` are accepted and never answered (a store that hangs)."""
+    """A TCP proxy on 127.0.0.1 in front of the S3 server that can fail the way a store
+    does: `stall()` makes connections made after it accepted and never answered (a store
+    that hangs); `cut(n)` makes every answer (on connections old and new) stop after n
+    bytes, the connection closed (the server killed mid-transfer); `heal()`
+    ends either."""
 
     def __init__(self, target: str):
         import socket
@@ -501,6 +504,8 @@ class Proxy:
         host, port = target.removeprefix("http://").split(":")
         self.target = (host, int(port))
         self.silent = threading.Event()
+        self.cut_bytes: int | None = None
+        self.cuts = 0  # answers cut short
         self.server = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         self.held: list = []
@@ -508,6 +513,13 @@ class Proxy:
 
     def stall(self):
         self.silent.set()
+
+    def cut(self, n_bytes: int):
+        self.cut_bytes = n_bytes
+
+    def heal(self):
+        self.silent.clear()
+        self.cut_bytes = None
 
     def _accept(self):
         import socket
@@ -522,8 +534,9 @@ class Proxy:
                 self.held.append(conn)  # accepted, never answered
                 continue
             upstream = socket.create_connection(self.target)
-            for a, b in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(conn, upstream), daemon=True).start()
+            threading.Thread(target=self._answers, args=(upstream, conn),
+                             daemon=True).start()
 
     @staticmethod
     def _pipe(src, dst):
@@ -532,6 +545,28 @@ class Proxy:
                 dst.sendall(data)
         with contextlib.suppress(OSError):
             dst.shutdown(1)
+
+    def _answers(self, upstream, conn):
+        """The server's bytes to the client; once cutting, at most `cut_bytes` more, then
+        both sockets reset."""
+        import socket
+
+        sent = 0
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                if self.cut_bytes is None:
+                    conn.sendall(data)
+                    continue
+                conn.sendall(data[:max(0, self.cut_bytes - sent)])
+                sent += len(data)
+                if sent >= self.cut_bytes:
+                    self.cuts += 1
+                    for sock in (conn, upstream):  # closed, as by a killed server's kernel
+                        sock.shutdown(socket.SHUT_RDWR)  # (wakes the other direction's recv)
+                        sock.close()
+                    return
+        with contextlib.suppress(OSError):
+            conn.shutdown(1)
 
     def close(self):
         self.server.close()
@@ -566,3 +601,119 @@ def test_a_store_that_hangs_is_waited_for_within_its_timeout_then_recomputed(lla
         assert "object store s3://kvs-test/hang: reading kv/" in caplog.text  # it was tried
     finally:
         proxy.close()
+
+
+def test_a_store_killed_mid_transfer_means_recompute(llama_dir, s3, caplog):
+    """Every answer of the store stops part way through a block's object, the connection
+    reset (a server killed mid-transfer; each retry the same): the load fails, is never
+    used in part, and the prompt is computed with the same tokens."""
+    caplog.set_level(logging.WARNING, logger="kvsession")
+    (doc,) = random_prompts(40, [120], 500)
+    computed_and_stored(llama_dir, s3, "cut", doc, 400)
+    sizes = [o["Size"] for o in s3.client.list_objects_v2(Bucket=BUCKET,
+                                                          Prefix="cut/kv/")["Contents"]]
+    assert min(sizes) > 4000  # a block's record: the cut below falls inside its body
+    proxy = Proxy(s3.endpoint)
+    try:
+        llm = fixed_rates(LLM(llama_dir, object_store=f"s3://{BUCKET}/cut",
+                              object_store_options={**s3.options, "endpoint": proxy.endpoint,
+                                                    "timeout": "1s", "connect_timeout": "1s"},
+                              **{**HOST, **DEVICE}))
+        with llm, LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+            Internals(llm).fix_rate("object_read", 1e12)
+            Internals(llm).fix_rate("object_latency", 1e-9)
+            assert llm.stats().tiers["object"].cached_blocks >= 15  # listed through it
+            proxy.cut(1500)  # the answer's headers and a part of its body
+            q = doc + [5]
+            out = gen(llm, [q], G)[0]
+            assert out.token_ids == gen(plain, [q], G)[0].token_ids
+            st = llm.stats()
+            assert st.tiers["object"].hit_tokens == 0 and st.prefill_tokens == len(q)
+            assert proxy.cuts >= 1
+            llm.check_integrity()
+        assert "object store s3://kvs-test/cut: reading kv/" in caplog.text
+        assert SECRET not in caplog.text
+    finally:
+        proxy.close()
+
+
+def test_a_session_not_here_is_refused_while_the_store_cannot_be_read(llama_dir, s3, tmp_path,
+                                                                      monkeypatch):
+    """A session closed on machine a; machine b has nothing of it and every answer of the
+    store is cut short: opening it is a SessionStoreError (not a new session that would
+    replace the store's copy), and the store's copy is untouched. Machine a, which has it,
+    resumes it meanwhile; b resumes it once the store answers again."""
+    url = f"s3://{BUCKET}/sessions-c"
+    machine(monkeypatch, tmp_path, "a")
+    with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
+             **SESSION_LLM) as llm:
+        s = llm.session(session_id="agent-9", system="You are terse.", sampling=TERSE)
+        s.send("list the files")
+        messages = s.messages
+
+    def stored():
+        return s3.client.get_object(Bucket=BUCKET, Key="sessions-c/agent-9.kvs")["Body"].read()
+
+    before = stored()
+    proxy = Proxy(s3.endpoint)
+    options = {**s3.options, "endpoint": proxy.endpoint, "timeout": "1s",
+               "connect_timeout": "1s"}
+    try:
+        proxy.cut(200)  # within the headers: nothing can be read
+        machine(monkeypatch, tmp_path, "b")
+        with LLM(llama_dir, session_dir=url, object_store_options=options,
+                 **SESSION_LLM) as llm:
+            with pytest.raises(SessionStoreError, match="agent-9") as e:
+                llm.session(session_id="agent-9")
+            assert SECRET not in str(e.value)
+            # nothing was put in its place
+            assert s3.keys("sessions-c/") == ["sessions-c/agent-9.kvs"]
+            assert stored() == before
+            assert llm.sessions() == []  # (the listing failed too: nothing here)
+            machine(monkeypatch, tmp_path, "a")
+            with LLM(llama_dir, session_dir=url, object_store_options=options,
+                     **SESSION_LLM) as here:
+                assert here.session(session_id="agent-9").messages == messages
+            assert proxy.cuts >= 2
+            proxy.heal()
+            s = llm.session(session_id="agent-9")  # b again, the store answering
+            assert s.messages == messages
+            check_next_turn(llama_dir, s)
+    finally:
+        proxy.close()
+
+
+def test_files_kept_beside_sessions_are_read_on_another_machine(llama_dir, s3, tmp_path,
+                                                                monkeypatch):
+    """`put_file` keeps a document beside the sessions, in the store too: another machine
+    reads it, replaces it, deletes it everywhere; it is never listed as a session."""
+    url = f"s3://{BUCKET}/sessions-d"
+    machine(monkeypatch, tmp_path, "a")
+    with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
+             **SESSION_LLM) as llm:
+        llm.put_file("notes/plan.json", b'{"step": 1}')
+        assert llm.get_file("notes/plan.json") == b'{"step": 1}'
+        assert len(list((tmp_path / "a").rglob("notes/plan.json"))) == 1  # here too
+        for bad in ("plan.json", "../x", "notes/../x", ".hidden/x", "a/b/c", "a/.x", 7):
+            with pytest.raises(ConfigError, match="name"):
+                llm.put_file(bad, b"x")
+        with pytest.raises(ConfigError, match="bytes"):
+            llm.put_file("notes/x", "text")
+        s = llm.session(session_id="agent-x", sampling=TERSE)
+        s.send("hello")
+    assert sorted(s3.keys("sessions-d/")) == ["sessions-d/agent-x.kvs",
+                                              "sessions-d/notes/plan.json"]
+    machine(monkeypatch, tmp_path, "b")
+    with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
+             **SESSION_LLM) as llm:
+        assert llm.sessions() == ["agent-x"]  # the folder is no session
+        assert llm.get_file("notes/plan.json") == b'{"step": 1}'  # from the store
+        assert llm.get_file("notes/other.json") is None
+        llm.put_file("notes/plan.json", b'{"step": 2}')
+        assert s3.client.get_object(Bucket=BUCKET, Key="sessions-d/notes/plan.json")[
+            "Body"].read() == b'{"step": 2}'
+        assert llm.delete_file("notes/plan.json") is True
+        assert llm.get_file("notes/plan.json") is None
+    assert s3.keys("sessions-d/") == ["sessions-d/agent-x.kvs"]
+    with LLM(llama_dir, **SESSION_LLM) as llm, pytest.raises(ConfigError, match="session_dir"):
+        llm.put_file("notes/plan.json", b"x")

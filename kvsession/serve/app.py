@@ -79,10 +79,9 @@ class Server:
         self.requests: Counter = Counter()  # (route, status) -> count
         self.tokens: Counter = Counter()  # prompt / cached / completion
         self.decode = llm.tokenizer.decode
-        # the Responses API's stored responses (written beside the sessions in session_dir:
-        # the LLM's directory, the local one where session_dir is an object-store URL)
-        local = llm.config.session_dir if session_dir is not None else None
-        self.stored = R.ResponseStore(str(local) if local is not None else None)
+        # the Responses API's stored responses: kept beside the sessions (LLM.put_file: in
+        # session_dir, and in its store where that is a URL, so any replica finds them)
+        self.stored = R.ResponseStore(llm if session_dir is not None else None)
         # agent hints: what the server learns of conversations' tool waits, and the
         # engine's decisions on the sessions it suspended for them
         self.gaps = H.ToolGaps()
@@ -520,8 +519,8 @@ class Server:
             history = system + [m for m in history if m.get("role") != "system"]
         full = history + new
         chain = prev.chain
-        if same and chain is not None and self.stored.is_latest(req.previous_response_id,
-                                                                 prev) \
+        if same and chain is not None and await asyncio.to_thread(
+                self.stored.is_latest, req.previous_response_id, prev) \
                 and (chain in self.conversations.named_ids()
                      or chain in await asyncio.to_thread(self.llm.sessions)):
             # the chain's next turn: only what is new, its id in the chain
@@ -554,8 +553,9 @@ class Server:
                 encoder = R.ResponseEvents(rid, req, self.model_name, created)
                 return await self._encoded_stream(
                     request, "/v1/responses", plan, events, slot, encoder,
-                    lambda res, reply: self._store_response(req, rid, encoder.response,
-                                                            chain, full + [reply]))
+                    lambda res, reply: asyncio.to_thread(
+                        self._store_response, req, rid, encoder.response, chain,
+                        full + [reply]))
             else:
                 res = await self._run_turn(request, plan, params, tool_kwargs, per_turn)
         except BaseException:
@@ -565,11 +565,14 @@ class Server:
             raise
         reply = self._answered(request, plan, res, slot)
         response = R.response_object(rid, req, self.model_name, created, res)
-        self._store_response(req, rid, response, chain, full + [reply])
+        await asyncio.to_thread(self._store_response, req, rid, response, chain,
+                                full + [reply])
         return JSONResponse(response)
 
     def _store_response(self, req: R.ResponsesRequest, rid: str, response: dict,
                         chain: str | None, conversation: list[dict]) -> None:
+        """A worker thread (the files may be in an object store): stored before the
+        response is answered, so the client's next request finds it on any replica."""
         if req.store:
             instructions = req.instructions
             if req.previous_response_id is not None and instructions is None:
@@ -582,7 +585,8 @@ class Server:
         """A turn streamed in another API's events: `encoder` (openai_responses'
         ResponseEvents, anthropic_messages' MessageEvents) turns the turn's pieces into
         them (`start()`, `delta(chunk)`, `finish(result)`, `error(api_error)`: lists of
-        SSE events, error one); `finished(result, reply message)` runs once it is done."""
+        SSE events, error one); `finished(result, reply message)` is awaited once it is
+        done (before the stream ends)."""
         turn = events if isinstance(events, SessionTurn) else None
         source = turn.events() if turn else events
         first = await self._first(request, source)
@@ -604,7 +608,7 @@ class Server:
                 reply = P.assistant_message(res.choices[0])
                 self._finished(plan, reply)
                 if finished is not None:
-                    finished(res, reply)
+                    await finished(res, reply)
                 self._count(res)
                 self.requests[(route, 200)] += 1
             except KVSessionError as e:  # mid-stream: the error is the last event

@@ -26,16 +26,12 @@ written beside them (`responses/<id>.json`), so a restarted server continues the
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -410,27 +406,41 @@ class Stored:
     instructions: str | None
 
 
-class ResponseStore:
-    """Stored responses by id, and the latest response of each chain; with a directory
-    (--session-dir), each is written to `<dir>/responses/<id>.json` (atomically) and read
-    back on a miss, so a restarted server finds them. Event-loop side only."""
+class KeptFiles(Protocol):
+    """Where stored responses persist: the LLM's files beside its sessions (`LLM.put_file`
+    and friends: in session_dir, and in its object store where it is a URL)."""
 
-    def __init__(self, directory: str | None):
-        self.dir = Path(directory) / "responses" if directory else None
+    def put_file(self, name: str, data: bytes) -> None: ...
+
+    def get_file(self, name: str) -> bytes | None: ...
+
+    def delete_file(self, name: str) -> bool: ...
+
+
+class ResponseStore:
+    """Stored responses by id, and the latest response of each chain; with `files`
+    (--session-dir), each is kept as `responses/<id>.json` (and a chain's latest id as
+    `responses/<chain>.latest`) and read back on a miss, so a restarted server, or another
+    replica naming the same session store, finds them. Thread-safe (the server calls it
+    from worker threads: files may be in an object store): each dict update is one
+    operation, each file written whole."""
+
+    def __init__(self, files: KeptFiles | None):
+        self.files = files
         self._by_id: dict[str, Stored] = {}
         self._latest: dict[str, str] = {}  # chain -> its latest response id
 
     def get(self, rid: str) -> Stored | None:
         if rid in self._by_id:
             return self._by_id[rid]
-        if self.dir is None or not _ID.fullmatch(rid):
+        if self.files is None or not _ID.fullmatch(rid):
             return None
         try:
-            data = json.loads((self.dir / f"{rid}.json").read_text())
-        except (OSError, ValueError):
-            return None
-        stored = Stored(data["response"], data["chain"], data["messages"],
-                        data.get("instructions"))
+            data = json.loads(self.files.get_file(f"responses/{rid}.json") or b"null")
+            stored = Stored(data["response"], data["chain"], data["messages"],
+                            data.get("instructions"))
+        except (ValueError, KeyError, TypeError):
+            return None  # none, or not one of ours
         self._by_id[rid] = stored
         return stored
 
@@ -438,38 +448,32 @@ class ResponseStore:
         """Whether `rid` is the latest response of its chain: what the chain's Session
         holds (a continuation of any other is a branch)."""
         chain = stored.chain
-        if chain not in self._latest and self.dir is not None:
-            with contextlib.suppress(OSError):  # the chain's, as a restarted server left it
-                self._latest[chain] = (self.dir / f"{chain}.latest").read_text().strip()
+        if chain not in self._latest and self.files is not None and chain is not None:
+            # the chain's, as a restarted server (or another replica) left it
+            latest = self.files.get_file(f"responses/{chain}.latest")
+            if latest is not None:
+                self._latest[chain] = latest.decode(errors="replace").strip()
         return self._latest.get(chain) == rid
 
     def put(self, rid: str, stored: Stored) -> None:
         self._by_id[rid] = stored
         if stored.chain is not None:
             self._latest[stored.chain] = rid
-        if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._write(f"{rid}.json", json.dumps({
+        if self.files is not None:
+            self.files.put_file(f"responses/{rid}.json", json.dumps({
                 "response": stored.response, "chain": stored.chain,
                 "messages": stored.messages, "instructions": stored.instructions},
-                ensure_ascii=False))
+                ensure_ascii=False).encode())
             if stored.chain is not None:
-                self._write(f"{stored.chain}.latest", rid)
-
-    def _write(self, name: str, text: str) -> None:
-        """Atomically: a reader sees the old file or the new one, never half of one."""
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, self.dir / name)
+                self.files.put_file(f"responses/{stored.chain}.latest", rid.encode())
 
     def delete(self, rid: str) -> Stored | None:
         stored = self.get(rid)
         if stored is None:
             return None
-        del self._by_id[rid]
-        if self.dir is not None:
-            (self.dir / f"{rid}.json").unlink(missing_ok=True)
+        self._by_id.pop(rid, None)
+        if self.files is not None:
+            self.files.delete_file(f"responses/{rid}.json")
         return stored
 
 

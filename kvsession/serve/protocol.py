@@ -30,6 +30,7 @@ from kvsession import (
     SessionClosedError,
     SessionLockedError,
     SessionLostError,
+    SessionStoreError,
     ToolCall,
 )
 
@@ -90,6 +91,9 @@ def from_engine_error(e: Exception, fields: tuple[str, ...] = ()) -> APIError:
     if isinstance(e, CacheFullError):
         return APIError(503, msg, type="server_error", code="cache_full",
                         headers={"Retry-After": "1"})
+    if isinstance(e, SessionStoreError):  # the store may answer again: worth a retry
+        return APIError(503, msg, type="server_error", code="session_store_unavailable",
+                        headers={"Retry-After": "2"})
     if isinstance(e, KVSessionError):
         return APIError(500, f"{type(e).__name__}: {msg}", type="server_error")
     # a bug of ours: say what it was (the traceback is in the server's log)

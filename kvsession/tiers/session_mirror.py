@@ -30,7 +30,13 @@ local: a session resumed elsewhere takes its KV from the snapshot, the tiers, or
 Ownership across machines is the router's (a session is sticky to one replica; the lock
 file is per machine): two processes writing one session at once through one store is not
 prevented here. A store that is down or failing makes puts and fetches fail, logged with
-credentials scrubbed; sessions keep working from the local directory.
+credentials scrubbed; sessions keep working from the local directory. A session of which
+nothing is here while the store cannot be read is refused (SessionStoreError), never
+started anew over the store's copy.
+
+The server's stored Responses (serve/openai_responses.py) go through a mirror of their own
+under `<prefix>/responses/` (`put`, `fetch_file`, `delete`), so a chain continues on any
+replica; listing sessions looks at the top level only.
 """
 
 from __future__ import annotations
@@ -38,11 +44,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvsession.errors import SessionStoreError, SnapshotError
+from kvsession.tiers.files import atomic_write
 from kvsession.tiers.object_store import Scrubber, open_store, public_url
 
 log = logging.getLogger("kvsession")
@@ -79,7 +85,7 @@ class SessionMirror:
     def logs_changed(self, written: list[Path], deleted: list[Path]) -> None:
         """Commit thread, a batch durable here: its logs put (concurrently) and deleted
         ones removed, waited for (bounded) before the batch's turns are acknowledged."""
-        jobs = [self.puts.submit(self._put, p) for p in written] + \
+        jobs = [self.puts.submit(self.put, p) for p in written] + \
             [self.puts.submit(self._delete, p.name) for p in deleted]
         for job in jobs:
             with contextlib.suppress(Exception):  # logged by the job; the wait is bounded
@@ -91,16 +97,21 @@ class SessionMirror:
         for suffix in SUFFIXES:
             path = root / f"{session_id}{suffix}"
             if path.is_file():
-                self._put(path)
+                self.put(path)
             else:
                 self._delete(path.name)
 
     def put(self, path: Path) -> bool:
         """One file put whole under its name (a snapshot just written). Returns whether it
         was."""
-        return self._put(path)
+        return self._put(path, path.name)
 
-    def _put(self, path: Path) -> bool:
+    def put_file(self, root: Path, name: str) -> bool:
+        """`root / name` put whole under `name` (a path below the prefix: a side file,
+        side_files.py). Returns whether it was."""
+        return self._put(root / name, name)
+
+    def _put(self, path: Path, key: str) -> bool:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -108,9 +119,9 @@ class SessionMirror:
         except OSError as e:
             return self._failed(f"reading {path}: {e}")
         try:
-            self.obs.put(self.store, path.name, data)
+            self.obs.put(self.store, key, data)
         except Exception as e:  # noqa: BLE001 - logged; the local file still holds it
-            return self._failed(f"putting {path.name}: {e}")
+            return self._failed(f"putting {key}: {e}")
         return True
 
     def _delete(self, name: str) -> bool:
@@ -137,34 +148,34 @@ class SessionMirror:
         temporary name and renamed into place, the snapshot first (a log is the truth once
         it is there). A snapshot fetched where the store holds no log (the session was
         closed elsewhere) makes the log here, and its segment, an older state: removed.
-        Returns whether any was fetched."""
-        fetched, stored = [], []
+        Returns whether any was fetched.
+
+        A file the store could not give (down, failing, a transfer cut short) is taken from
+        here, logged; where nothing of the session is here, SessionStoreError: whether it
+        exists is unknown, and a new session under its id would replace the store's copy."""
+        fetched, stored, unread = [], [], None
         for suffix in (".kvs", ".log"):
             name = f"{session_id}{suffix}"
             try:
-                data = memoryview(self.obs.get(self.store, name).bytes())
-            except FileNotFoundError:
+                data = self._get(name)
+            except Exception as e:  # noqa: BLE001 - resumed from what is here, if anything
+                unread = self.scrub(f"getting {name}: {e}")
+                self._failed(unread)
                 continue
-            except Exception as e:  # noqa: BLE001 - resumed from what is here (or new)
-                self._failed(f"getting {name}: {e}")
+            if data is None:
                 continue
             stored.append(suffix)
             path = root / name
             if _same_or_ahead(path, data, suffix == ".log"):
                 continue
-            tmp = root / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except OSError as e:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
-                self._failed(f"writing {path}: {e}")
-                continue
-            fetched.append(suffix)
+            if self._write(path, data):
+                fetched.append(suffix)
+        if unread is not None and not any(
+                (root / f"{session_id}{suffix}").is_file() for suffix in SUFFIXES):
+            raise SessionStoreError(
+                f"session {session_id!r}: the session store {self.url} could not be read "
+                f"({unread}) and this machine has no copy of it; retry once the store "
+                f"answers")
         if ".kvs" in fetched and ".log" not in stored:
             # closed elsewhere since: its snapshot replaced its log there, so a log (and the
             # KV segment written behind it) here is an older state
@@ -173,18 +184,58 @@ class SessionMirror:
                     (root / stale).unlink()
         return bool(fetched)
 
+    def fetch_file(self, root: Path, name: str, max_bytes: int) -> bool:
+        """One file of the store, `name`, into `root` (written whole, then renamed into
+        place). Returns whether it is there now; False where the store has none, could not
+        give it (logged) or holds more than `max_bytes` there (not read)."""
+        try:
+            data = self._get(name, max_bytes)
+        except Exception as e:  # noqa: BLE001 - a miss for the caller
+            return self._failed(f"getting {name}: {e}")
+        return data is not None and self._write(root / name, data)
+
+    def delete(self, name: str) -> bool:
+        """One file removed from the store (gone here). Returns whether the store has none
+        now."""
+        return self._delete(name)
+
+    def _get(self, name: str, max_bytes: int | None = None) -> memoryview | None:
+        """The object's bytes; None when the store has none. Raises what the client raised
+        for any other failure (a body cut short included), ValueError for an object over
+        `max_bytes` (its size is read before its body)."""
+        try:
+            result = self.obs.get(self.store, name)
+        except FileNotFoundError:
+            return None
+        if max_bytes is not None and result.meta["size"] > max_bytes:
+            raise ValueError(f"{result.meta['size']} bytes, more than {max_bytes}")
+        return memoryview(result.bytes())
+
+    def _write(self, path: Path, data: memoryview) -> bool:
+        """`data` written beside `path` and renamed into place (tiers/files.py): a reader
+        sees the old file or the whole new one."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, lambda f: f.write(data))
+        except (OSError, SnapshotError) as e:
+            return self._failed(f"writing {path}: {e}")
+        return True
+
     def session_ids(self) -> set[str]:
-        """The ids of the sessions the store holds (empty when it cannot be listed)."""
+        """The ids of the sessions the store holds (empty when it cannot be listed). Only
+        the top level is listed: folders below it (the server's stored responses) are not
+        sessions."""
         ids = set()
         try:
-            for batch in self.obs.list(self.store, chunk_size=1000):
-                for meta in batch:
-                    name = meta["path"].rsplit("/", 1)[-1]
-                    for suffix in SUFFIXES:
-                        if name.endswith(suffix) and not name.startswith("."):
-                            ids.add(name[: -len(suffix)])
+            listing = self.obs.list_with_delimiter(self.store)
         except Exception as e:  # noqa: BLE001 - listed from here only
             self._failed(f"listing: {e}")
+            return ids
+        for meta in listing["objects"]:
+            name = meta["path"].rsplit("/", 1)[-1]
+            for suffix in SUFFIXES:
+                if name.endswith(suffix) and not name.startswith("."):
+                    ids.add(name[: -len(suffix)])
         return ids
 
 
