@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
@@ -717,3 +718,131 @@ def test_files_kept_beside_sessions_are_read_on_another_machine(llama_dir, s3, t
     assert s3.keys("sessions-d/") == ["sessions-d/agent-x.kvs"]
     with LLM(llama_dir, **SESSION_LLM) as llm, pytest.raises(ConfigError, match="session_dir"):
         llm.put_file("notes/plan.json", b"x")
+
+
+def test_replicas_on_ray_share_nothing_but_the_store(llama_dir, s3, tmp_path, monkeypatch):
+    """`serve --replicas 2` on a local Ray cluster with its sessions and cache blocks in the
+    store (no --session-dir directory). A replica SIGKILLed for good (no restart; its
+    machine gone, with its local files) has its sessions and its Responses chain continued
+    by the other from the store, every turn exact, and a document it computed is loaded by
+    the other from the store instead of computed."""
+    import json
+    import os
+    import signal
+    import urllib.request
+
+    from test_scale_out import PROMPT, Cluster, _needs_ray, reference_replies, run_turns, user
+
+    from kvsession.kernels.cpp_build import cache_root
+    from kvsession.serve.process import ServerProcess
+    from kvsession.tiers.session_mirror import local_root
+
+    _needs_ray()
+    openai = pytest.importorskip("openai")
+    for name, value in (("AWS_ENDPOINT", s3.endpoint), ("AWS_REGION", "us-east-1"),
+                        ("AWS_ACCESS_KEY_ID", "kvs"), ("AWS_SECRET_ACCESS_KEY", SECRET)):
+        monkeypatch.setenv(name, value)
+    sessions_url = f"s3://{BUCKET}/ray-sessions"
+    cluster = Cluster.__new__(Cluster)  # the scale-out tests' helpers, over this process
+    cluster.proc = ServerProcess(
+        llama_dir, "--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+        "--host-cache-memory", "0", "--object-store", f"s3://{BUCKET}/ray-kv",
+        "--object-store-options", '{"allow_http": true}', "--session-dir", sessions_url,
+        "--replicas", "2", "--ray-address", "local", "--ray-num-cpus", "2",
+        "--replica-max-restarts", "0", "--summary-interval-s", "0.2",
+        stderr_path=tmp_path / "ingress.stderr", start_timeout_s=300)
+    cluster.url, cluster.model = cluster.proc.url, llama_dir.name
+    try:
+        cluster.wait_ready()
+        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0,
+                               timeout=60)
+        # a document asked about twice: computed by one replica, reused, so put in the store
+        (words,) = random_prompts(41, [150], 26)
+        doc = " ".join(chr(97 + t) * 2 for t in words)
+
+        def ask(question):
+            raw = client.chat.completions.with_raw_response.create(
+                model=cluster.model, max_tokens=6, temperature=0,
+                messages=[{"role": "user", "content": f"{doc}\n{question}"}])
+            r = raw.parse()
+            return (raw.headers["x-kvsession-replica"], r.choices[0].message.content,
+                    r.usage.prompt_tokens_details.cached_tokens)
+
+        def metric(replica: str, name: str) -> float:
+            url = next(r["url"] for r in cluster.health()["replicas"] if r["name"] == replica)
+            text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+            m = re.search(rf'^kvsession_tiers_{name}\{{tier="object"\}} (\S+)$', text, re.M)
+            return float(m.group(1)) if m else 0.0
+
+        victim = ask("first question")[0]
+        replica, _, reused = ask("second question")
+        assert replica == victim and reused >= 16
+        cluster.wait_for(lambda: metric(victim, "bytes_written") >= reused * BPT,
+                         "the reused blocks' uploads")
+        # named sessions, spread over both replicas, two turns each
+        sids = [f"kill-{i}" for i in range(6)]
+        histories = {sid: [{"role": "system", "content": PROMPT}] for sid in sids}
+        holder = {sid: run_turns(cluster, sid, histories[sid], range(2))[-1][0]
+                  for sid in sids}
+        assert victim in holder.values() and len(set(holder.values())) == 2, holder
+        # a Responses chain on the victim (a new chain goes where its id hashes)
+        for _ in range(16):
+            raw = client.responses.with_raw_response.create(
+                model=cluster.model, input="list the files", max_output_tokens=6,
+                temperature=0)
+            if raw.headers["x-kvsession-replica"] == victim:
+                break
+        first = raw.parse()
+        assert raw.headers["x-kvsession-replica"] == victim
+        second = client.responses.create(model=cluster.model, input="open the first one",
+                                         previous_response_id=first.id,
+                                         max_output_tokens=6, temperature=0)
+
+        pid = cluster.replica(victim)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        # its machine is gone: nothing of its sessions or its chain is left locally
+        local = local_root(sessions_url, cache_root())
+        chain = f"responses-{first.id[5:21]}"
+        gone = [p for sid in [chain, *(s for s in sids if holder[s] == victim)]
+                for p in local.glob(f"{sid}.*")]
+        gone += [*local.glob(f"responses/resp_{first.id[5:21]}*"),
+                 *local.glob(f"responses/{chain}.*")]
+        assert any(p.suffix == ".log" for p in gone), gone
+        for p in gone:
+            p.unlink()
+
+        for sid in sids:
+            run_turns(cluster, sid, histories[sid], range(2, 4))
+        with LLM(llama_dir, device="cpu", kv_cache_memory="64MiB", max_model_len=1024,
+                 host_cache_memory=0) as reference:
+            for sid in sids:  # no acknowledged turn lost, identical tokens
+                got = [m["content"] for m in histories[sid] if m["role"] == "assistant"]
+                assert got == reference_replies(reference, [user(sid, t) for t in range(4)]), sid
+            raw = client.responses.with_raw_response.create(
+                model=cluster.model, input="and fix the bug", max_output_tokens=6,
+                temperature=0, previous_response_id=second.id)
+            third = raw.parse()
+            other = raw.headers["x-kvsession-replica"]
+            assert other != victim
+            turns = [("list the files", first), ("open the first one", second),
+                     ("and fix the bug", third)]
+            conversation = []
+            for text, response in turns:  # the chain's history came from the store
+                conversation.append({"role": "user", "content": text})
+                want = reference.chat(conversation, SamplingParams(max_tokens=6,
+                                                                   temperature=0.0),
+                                      use_tqdm=False)[0].text
+                assert response.output_text == want
+                conversation.append({"role": "assistant", "content": want})
+            replica, text, cached = ask("third question")
+            assert replica == other and cached >= 16  # loaded, computed by the victim
+            want = reference.chat([{"role": "user", "content": f"{doc}\nthird question"}],
+                                  SamplingParams(max_tokens=6, temperature=0.0),
+                                  use_tqdm=False)[0].text
+            assert text == want
+        assert metric(other, "hit_tokens") >= 16
+        assert json.loads(urllib.request.urlopen(f"{cluster.url}/health", timeout=10).read())[
+            "ready"] == 1
+    finally:
+        assert cluster.proc.stop(timeout=90) == 0, cluster.proc.stderr_tail()
+    assert SECRET not in (tmp_path / "ingress.stderr").read_text()
