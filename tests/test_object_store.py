@@ -495,8 +495,8 @@ class Proxy:
     """A TCP proxy on 127.0.0.1 in front of the S3 server that can fail the way a store
     does: `stall()` makes connections made after it accepted and never answered (a store
     that hangs); `cut(n)` makes every answer (on connections old and new) stop after n
-    bytes, the connection closed (the server killed mid-transfer); `heal()`
-    ends either."""
+    bytes, the connection closed (the server killed mid-transfer); `fail(status)` answers
+    every request with that HTTP error (a store returning errors); `heal()` ends them."""
 
     def __init__(self, target: str):
         import socket
@@ -506,6 +506,7 @@ class Proxy:
         self.target = (host, int(port))
         self.silent = threading.Event()
         self.cut_bytes: int | None = None
+        self.status: int | None = None
         self.cuts = 0  # answers cut short
         self.server = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
@@ -518,9 +519,13 @@ class Proxy:
     def cut(self, n_bytes: int):
         self.cut_bytes = n_bytes
 
+    def fail(self, status: int):
+        """Every answer replaced by this HTTP error (a store returning errors)."""
+        self.status = status
+
     def heal(self):
         self.silent.clear()
-        self.cut_bytes = None
+        self.cut_bytes = self.status = None
 
     def _accept(self):
         import socket
@@ -549,12 +554,16 @@ class Proxy:
 
     def _answers(self, upstream, conn):
         """The server's bytes to the client; once cutting, at most `cut_bytes` more, then
-        both sockets reset."""
-        import socket
-
+        both sockets closed; once failing, the error instead."""
         sent = 0
         with contextlib.suppress(OSError):
             while data := upstream.recv(65536):
+                if self.status is not None:
+                    self.cuts += 1
+                    conn.sendall(f"HTTP/1.1 {self.status} Failing\r\nContent-Length: 0\r\n"
+                                 f"Connection: close\r\n\r\n".encode())
+                    self._close(conn, upstream)
+                    return
                 if self.cut_bytes is None:
                     conn.sendall(data)
                     continue
@@ -562,12 +571,19 @@ class Proxy:
                 sent += len(data)
                 if sent >= self.cut_bytes:
                     self.cuts += 1
-                    for sock in (conn, upstream):  # closed, as by a killed server's kernel
-                        sock.shutdown(socket.SHUT_RDWR)  # (wakes the other direction's recv)
-                        sock.close()
+                    self._close(conn, upstream)  # as a killed server's kernel does
                     return
         with contextlib.suppress(OSError):
             conn.shutdown(1)
+
+    @staticmethod
+    def _close(*socks):
+        import socket
+
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # (wakes the other direction's recv)
+            sock.close()
 
     def close(self):
         self.server.close()
@@ -604,19 +620,22 @@ def test_a_store_that_hangs_is_waited_for_within_its_timeout_then_recomputed(lla
         proxy.close()
 
 
-def test_a_store_killed_mid_transfer_means_recompute(llama_dir, s3, caplog):
+@pytest.mark.parametrize("failure", ["cut", "503"])
+def test_a_store_killed_mid_transfer_or_failing_means_recompute(llama_dir, s3, caplog,
+                                                                failure):
     """Every answer of the store stops part way through a block's object, the connection
-    reset (a server killed mid-transfer; each retry the same): the load fails, is never
-    used in part, and the prompt is computed with the same tokens."""
+    closed (a server killed mid-transfer; each retry the same), or is an HTTP 503: the
+    load fails, is never used in part, and the prompt is computed with the same tokens."""
     caplog.set_level(logging.WARNING, logger="kvsession")
-    (doc,) = random_prompts(40, [120], 500)
-    computed_and_stored(llama_dir, s3, "cut", doc, 400)
+    prefix = f"fail-{failure}"
+    (doc,) = random_prompts(40 + len(failure), [120], 500)
+    computed_and_stored(llama_dir, s3, prefix, doc, 400)
     sizes = [o["Size"] for o in s3.client.list_objects_v2(Bucket=BUCKET,
-                                                          Prefix="cut/kv/")["Contents"]]
+                                                          Prefix=f"{prefix}/kv/")["Contents"]]
     assert min(sizes) > 4000  # a block's record: the cut below falls inside its body
     proxy = Proxy(s3.endpoint)
     try:
-        llm = fixed_rates(LLM(llama_dir, object_store=f"s3://{BUCKET}/cut",
+        llm = fixed_rates(LLM(llama_dir, object_store=f"s3://{BUCKET}/{prefix}",
                               object_store_options={**s3.options, "endpoint": proxy.endpoint,
                                                     "timeout": "1s", "connect_timeout": "1s"},
                               **{**HOST, **DEVICE}))
@@ -624,7 +643,10 @@ def test_a_store_killed_mid_transfer_means_recompute(llama_dir, s3, caplog):
             Internals(llm).fix_rate("object_read", 1e12)
             Internals(llm).fix_rate("object_latency", 1e-9)
             assert llm.stats().tiers["object"].cached_blocks >= 15  # listed through it
-            proxy.cut(1500)  # the answer's headers and a part of its body
+            if failure == "cut":
+                proxy.cut(1500)  # the answer's headers and a part of its body
+            else:
+                proxy.fail(503)
             q = doc + [5]
             out = gen(llm, [q], G)[0]
             assert out.token_ids == gen(plain, [q], G)[0].token_ids
@@ -632,7 +654,7 @@ def test_a_store_killed_mid_transfer_means_recompute(llama_dir, s3, caplog):
             assert st.tiers["object"].hit_tokens == 0 and st.prefill_tokens == len(q)
             assert proxy.cuts >= 1
             llm.check_integrity()
-        assert "object store s3://kvs-test/cut: reading kv/" in caplog.text
+        assert f"object store s3://kvs-test/{prefix}: reading kv/" in caplog.text
         assert SECRET not in caplog.text
     finally:
         proxy.close()
@@ -667,6 +689,12 @@ def test_a_session_not_here_is_refused_while_the_store_cannot_be_read(llama_dir,
             with pytest.raises(SessionStoreError, match="agent-9") as e:
                 llm.session(session_id="agent-9")
             assert SECRET not in str(e.value)
+            proxy.heal()
+            proxy.fail(503)  # a store answering errors: the same
+            with pytest.raises(SessionStoreError, match="agent-9"):
+                llm.session(session_id="agent-9")
+            proxy.heal()
+            proxy.cut(200)
             # nothing was put in its place
             assert s3.keys("sessions-c/") == ["sessions-c/agent-9.kvs"]
             assert stored() == before
