@@ -227,8 +227,8 @@ class ObjectStoreConfig:
     memory_bytes: int  # the most this process keeps written there
 
 
-# what one process keeps written in the object store by default (its own least recently
-# used objects are deleted beyond it)
+# what the object store keeps of one model's blocks by default (every process's: the
+# oldest are deleted beyond it; tiers/object_store.py)
 OBJECT_STORE_MEMORY_DEFAULT = "16GiB"
 
 

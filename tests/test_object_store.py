@@ -213,6 +213,27 @@ def test_what_one_process_writes_stays_within_its_budget(llama_dir, s3):
     assert len(s3.keys("budget/kv/")) == 6
 
 
+def test_the_budget_holds_for_the_store_not_only_for_what_one_process_wrote(llama_dir, s3):
+    """One process writes a document's blocks under a large budget; the next, whose budget
+    holds six records, lists the store at start-up and deletes the oldest beyond six,
+    whoever wrote them; a listing keeps it there; outputs stay exact."""
+    (doc,) = random_prompts(42, [120], 500)
+    computed_and_stored(llama_dir, s3, "shared-budget", doc, 420)
+    before = s3.client.list_objects_v2(Bucket=BUCKET, Prefix="shared-budget/kv/")["Contents"]
+    assert len(before) >= 15
+    record = 8 * BPT + 512
+    with store_llm(llama_dir, s3, "shared-budget", object_store_memory=6 * record) as llm, \
+            LLM(llama_dir, enable_prefix_caching=False, **DEVICE) as plain:
+        kept = s3.client.list_objects_v2(Bucket=BUCKET, Prefix="shared-budget/kv/")["Contents"]
+        assert len(kept) == 6
+        newest = sorted(before, key=lambda o: (o["LastModified"], o["Key"].rsplit("/")[-1]))
+        assert {o["Key"] for o in kept} == {o["Key"] for o in newest[-6:]}
+        assert llm.stats().tiers["object"].cached_blocks == 6
+        q = doc + [9]
+        assert gen(llm, [q], G)[0].token_ids == gen(plain, [q], G)[0].token_ids
+        llm.check_integrity()
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(object_store="ftp://host/x"), "object_store must be a URL"),
     (dict(object_store_options={"region": "x"}), "apply to an object_store"),

@@ -16,8 +16,9 @@ cache keeps it too; with its cached ancestors the store lacks (another process f
 only from its first miss). The engine thread encodes the record (one memory copy of the
 block) and queues it; the uploader thread puts it. The queue is bounded
 (UPLOAD_QUEUE_BLOCKS): what does not fit is not stored (a later miss recomputes it).
-What this process wrote is bounded by `object_store_memory`: beyond it, its least recently
-used objects are deleted.
+`object_store_memory` bounds this identity's objects in the store, every process's: what
+this process wrote is kept within it as it writes (its least recently used deleted beyond
+it), and every listing deletes the oldest objects beyond it, whoever wrote them (`_trim`).
 
 What is there: `known`, the hashes this process wrote or saw listed. The store's objects of
 this identity are listed at start-up (before the first request), and again by the uploader
@@ -158,7 +159,7 @@ class ObjectCache:
     def __init__(self, url: str, options: dict, records: BlockRecords, budget_bytes: int,
                  list_interval_s: float = LIST_INTERVAL_S):
         """records: this engine's block record layout (its identity names the objects).
-        budget_bytes: the most this process keeps written there (`object_store_memory`).
+        budget_bytes: the most the store keeps of this identity (`object_store_memory`).
         Raises ConfigError (see `open_store`)."""
         self.store = open_store(url, options)
         import obstore
@@ -371,21 +372,47 @@ class ObjectCache:
                 self._failed(f"deleting {self.key(h)}: {e}")
 
     def _list(self) -> float:
-        """Learn what is there (other processes' blocks); returns the seconds it took."""
+        """Learn what is there (other processes' blocks), and keep the store's objects of
+        this identity within the budget (`_trim`); returns the seconds it took."""
         t0 = time.monotonic()
-        found = set()
+        found: dict[bytes, tuple] = {}  # hash -> (last modified, key): the trim's order
         try:
             for batch in self.obs.list(self.store, self.prefix, chunk_size=1000):
                 for meta in batch:
                     name = meta["path"].rsplit("/", 1)[-1]
                     if _HEX.fullmatch(name) and len(name) % 2 == 0 and \
                             meta["size"] == self.records.record_bytes:
-                        found.add(bytes.fromhex(name))
+                        found[bytes.fromhex(name)] = (meta["last_modified"], name)
         except Exception as e:  # noqa: BLE001 - listed again later
             self._failed(f"listing {self.prefix}: {e}")
             return time.monotonic() - t0
+        victims = self._trim(found)
         with self._lock:
             # what was listed, and this process's own (written after the listing began)
-            self.known = found | set(self.written)
+            self.known = (set(found) - victims) | (set(self.written) - victims)
+            for h in victims:
+                self.written.pop(h, None)
             self.down_until, self.backoff_s = 0.0, BACKOFF_S  # it answers again
         return time.monotonic() - t0
+
+    def _trim(self, found: dict[bytes, tuple]) -> set[bytes]:
+        """The budget over every process: where the listing holds more than
+        `budget_blocks` objects of this identity, the oldest written are deleted (ties in
+        key order; every process that lists computes the same set, so their deletes
+        agree). Reads do not refresh an object's age (the store keeps none): a block still
+        in use is put again by a process that evicts it after its reuse. Returns the
+        hashes deleted (or tried: one that failed is left there, and forgotten here)."""
+        over = len(found) - self.budget_blocks
+        if over <= 0:
+            return set()
+        victims = sorted(found, key=found.__getitem__)[:over]
+        keys = [self.key(h) for h in victims]
+        for i in range(0, len(keys), 1000):  # (a bulk delete takes up to 1000)
+            try:
+                self.obs.delete(self.store, keys[i:i + 1000])
+            except FileNotFoundError:
+                pass  # another process deleted them first
+            except Exception as e:  # noqa: BLE001 - left there; deleted at a later listing
+                self._failed(f"deleting {len(keys[i:i + 1000])} objects beyond "
+                             f"object_store_memory: {e}")
+        return set(victims)
