@@ -299,7 +299,7 @@ class EngineConfig:
         if is_url(session_dir):  # sessions in an object store, through a local directory
             session_store = ObjectStoreConfig(check_url(session_dir, "session_dir"),
                                               check_options(object_store_options), 0)
-            local_session_dir = local_root(session_dir, cache_root())
+            local_session_dir = local_root(session_dir, cache_root(), session_store.options)
         check_str("revision", revision, allow_none=True)
         download = _path(download_dir, "download_dir", allow_none=True)
         if is_hub_id(model):  # "org/name" (a local path that exists wins)

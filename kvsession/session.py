@@ -334,6 +334,7 @@ class Session:
         after the previous turn of this session finished. `priority`: the turn's (UNSET:
         the session's)."""
         self._check_open()
+        self._exec.check_owner(self.session_id)
         priority = None if priority is UNSET else check_int("priority", priority)
         # (validated once, as the turn's Sequence is built)
         return self._exec.submit(self.kv, self._render_turn(new_msgs, spec), params,

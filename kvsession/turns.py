@@ -144,6 +144,12 @@ class TurnExecutor:
 
         return seq, info, rt.submit(seq, on_update=on_update, prepare=prepare)
 
+    def check_owner(self, session_id: str | None) -> None:
+        """SessionLockedError when another process continued this session through the
+        store session_dir names since this one resumed it (tiers/session_mirror.py)."""
+        if session_id is not None and self.rt.mirror is not None:
+            self.rt.mirror.check_owner(session_id)
+
     def output(self, seq: Sequence) -> RequestOutput:
         return self.rt.sequences.output(seq, prompt=None)
 

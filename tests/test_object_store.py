@@ -18,7 +18,13 @@ from internals import Internals
 from test_prefix_cache import gen
 from test_shared_tiers import BPT, DEVICE, G, fixed_rates, flood
 
-from kvsession import LLM, ConfigError, SamplingParams, SessionStoreError
+from kvsession import (
+    LLM,
+    ConfigError,
+    SamplingParams,
+    SessionLockedError,
+    SessionStoreError,
+)
 from oracle import expected_turn, random_prompts
 
 moto_server = pytest.importorskip("moto.server")
@@ -688,21 +694,22 @@ def test_a_session_not_here_is_refused_while_the_store_cannot_be_read(llama_dir,
     replace the store's copy), and the store's copy is untouched. Machine a, which has it,
     resumes it meanwhile; b resumes it once the store answers again."""
     url = f"s3://{BUCKET}/sessions-c"
-    machine(monkeypatch, tmp_path, "a")
-    with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
-             **SESSION_LLM) as llm:
-        s = llm.session(session_id="agent-9", system="You are terse.", sampling=TERSE)
-        s.send("list the files")
-        messages = s.messages
+    # every machine reaches the store through the proxy (one endpoint: one store)
+    proxy = Proxy(s3.endpoint)
+    options = {**s3.options, "endpoint": proxy.endpoint, "timeout": "1s",
+               "connect_timeout": "1s"}
 
     def stored():
         return s3.client.get_object(Bucket=BUCKET, Key="sessions-c/agent-9.kvs")["Body"].read()
 
-    before = stored()
-    proxy = Proxy(s3.endpoint)
-    options = {**s3.options, "endpoint": proxy.endpoint, "timeout": "1s",
-               "connect_timeout": "1s"}
     try:
+        machine(monkeypatch, tmp_path, "a")
+        with LLM(llama_dir, session_dir=url, object_store_options=options,
+                 **SESSION_LLM) as llm:
+            s = llm.session(session_id="agent-9", system="You are terse.", sampling=TERSE)
+            s.send("list the files")
+            messages = s.messages
+        before = stored()
         proxy.cut(200)  # within the headers: nothing can be read
         machine(monkeypatch, tmp_path, "b")
         with LLM(llama_dir, session_dir=url, object_store_options=options,
@@ -777,8 +784,10 @@ def test_replicas_on_ray_share_nothing_but_the_store(llama_dir, s3, tmp_path, mo
     the other from the store instead of computed."""
     import json
     import os
+    import shutil
     import signal
     import urllib.request
+    import uuid
 
     from test_scale_out import PROMPT, Cluster, _needs_ray, reference_replies, run_turns, user
 
@@ -791,7 +800,10 @@ def test_replicas_on_ray_share_nothing_but_the_store(llama_dir, s3, tmp_path, mo
     for name, value in (("AWS_ENDPOINT", s3.endpoint), ("AWS_REGION", "us-east-1"),
                         ("AWS_ACCESS_KEY_ID", "kvs"), ("AWS_SECRET_ACCESS_KEY", SECRET)):
         monkeypatch.setenv(name, value)
-    sessions_url = f"s3://{BUCKET}/ray-sessions"
+    # (a prefix of its own: the local directory mirroring it, under the cache every
+    # process here shares, is this run's, and removed after it)
+    sessions_url = f"s3://{BUCKET}/ray-sessions-{uuid.uuid4().hex[:8]}"
+    local = local_root(sessions_url, cache_root())
     cluster = Cluster.__new__(Cluster)  # the scale-out tests' helpers, over this process
     cluster.proc = ServerProcess(
         llama_dir, "--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
@@ -806,7 +818,7 @@ def test_replicas_on_ray_share_nothing_but_the_store(llama_dir, s3, tmp_path, mo
         client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="x", max_retries=0,
                                timeout=60)
         # a document asked about twice: computed by one replica, reused, so put in the store
-        (words,) = random_prompts(41, [150], 26)
+        (words,) = random_prompts(41, [300], 26)
         doc = " ".join(chr(97 + t) * 2 for t in words)
 
         def ask(question):
@@ -850,7 +862,6 @@ def test_replicas_on_ray_share_nothing_but_the_store(llama_dir, s3, tmp_path, mo
         pid = cluster.replica(victim)["pid"]
         os.kill(pid, signal.SIGKILL)
         # its machine is gone: nothing of its sessions or its chain is left locally
-        local = local_root(sessions_url, cache_root())
         chain = f"responses-{first.id[5:21]}"
         gone = [p for sid in [chain, *(s for s in sids if holder[s] == victim)]
                 for p in local.glob(f"{sid}.*")]
@@ -884,7 +895,9 @@ def test_replicas_on_ray_share_nothing_but_the_store(llama_dir, s3, tmp_path, mo
                 assert response.output_text == want
                 conversation.append({"role": "assistant", "content": want})
             replica, text, cached = ask("third question")
-            assert replica == other and cached >= 16  # loaded, computed by the victim
+            assert replica == other and cached >= 16, (  # loaded, computed by the victim
+                metric(other, "cached_blocks"), metric(other, "hit_tokens"),
+                cluster.proc.stderr_tail(3000))
             want = reference.chat([{"role": "user", "content": f"{doc}\nthird question"}],
                                   SamplingParams(max_tokens=6, temperature=0.0),
                                   use_tqdm=False)[0].text
@@ -893,5 +906,94 @@ def test_replicas_on_ray_share_nothing_but_the_store(llama_dir, s3, tmp_path, mo
         assert json.loads(urllib.request.urlopen(f"{cluster.url}/health", timeout=10).read())[
             "ready"] == 1
     finally:
-        assert cluster.proc.stop(timeout=90) == 0, cluster.proc.stderr_tail()
+        try:
+            assert cluster.proc.stop(timeout=90) == 0, cluster.proc.stderr_tail()
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
     assert SECRET not in (tmp_path / "ingress.stderr").read_text()
+
+
+def test_a_session_continued_elsewhere_is_never_overwritten_from_here(llama_dir, s3, tmp_path,
+                                                                     monkeypatch, caplog):
+    """Machines a and b hold one session at once (no router between them): b resumes it
+    and takes a turn; a's next turn finds a newer version in the store, so its put is
+    refused there (conditional on the version a read) and the session is fenced on a: that
+    turn stays in a's local log, a's turn after it is a SessionLockedError, and a's close
+    neither puts nor removes anything there. The store keeps b's conversation."""
+    caplog.set_level(logging.ERROR, logger="kvsession")
+    url = f"s3://{BUCKET}/sessions-e"
+    kw = dict(session_dir=url, object_store_options=s3.options, **SESSION_LLM)
+    machine(monkeypatch, tmp_path, "a")
+    a_llm = LLM(llama_dir, **kw)
+    try:
+        a = a_llm.session(session_id="both", system="You are terse.", sampling=TERSE)
+        a.send("list the files")
+        machine(monkeypatch, tmp_path, "b")
+        with LLM(llama_dir, **kw) as b_llm:
+            b = b_llm.session(session_id="both")
+            assert users(b) == ["list the files"]
+            b.send("b: open the first one")
+            a.send("a: open the second one")  # acknowledged: a's local log holds it
+            assert "was written by another process" in caplog.text
+            with pytest.raises(SessionLockedError, match="continued by another process"):
+                a.send("a: and the third")
+            a.close()  # nothing put or removed there
+            assert sorted(s3.keys("sessions-e/")) == ["sessions-e/both.log"]
+            b.send("b: run the tests")  # b never noticed
+        machine(monkeypatch, tmp_path, "c")
+        with LLM(llama_dir, **kw) as c_llm:
+            c = c_llm.session(session_id="both")
+            assert users(c) == ["list the files", "b: open the first one", "b: run the tests"]
+            check_next_turn(llama_dir, c)
+        # back on a: the store's copy is resumed, not a's branch
+        machine(monkeypatch, tmp_path, "a")
+        with LLM(llama_dir, **kw) as again:
+            s = again.session(session_id="both")
+            assert users(s)[:3] == ["list the files", "b: open the first one",
+                                    "b: run the tests"]
+            s.send("a: from the store's copy")
+    finally:
+        a_llm.close()
+
+
+def test_a_put_whose_answer_was_lost_is_adopted_not_fenced(llama_dir, s3, tmp_path,
+                                                           monkeypatch):
+    """A turn's log reaches the store but the answer is cut (so this process does not
+    learn the new version): the next turn's put finds that version there, sees it is its
+    own log's prefix, adopts it and puts again; nothing is fenced, and another machine
+    resumes every turn."""
+    url = f"s3://{BUCKET}/sessions-f"
+    proxy = Proxy(s3.endpoint)
+    try:
+        machine(monkeypatch, tmp_path, "a")
+        with LLM(llama_dir, session_dir=url, **SESSION_LLM,
+                 object_store_options={**s3.options, "endpoint": proxy.endpoint,
+                                       "timeout": "1s", "connect_timeout": "1s"}) as llm:
+            s = llm.session(session_id="lost", sampling=TERSE)
+            s.send("list the files")
+            proxy.cut(100)  # the put arrives; its answer does not
+            s.send("open the first one")
+            proxy.heal()
+            assert proxy.cuts >= 1
+            s.send("run the tests")
+            s.send("fix the bug")  # not fenced
+    finally:
+        proxy.close()
+    machine(monkeypatch, tmp_path, "b")
+    with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
+             **SESSION_LLM) as llm:
+        assert users(llm.session(session_id="lost")) == [
+            "list the files", "open the first one", "run the tests", "fix the bug"]
+
+
+def test_one_bucket_name_on_two_servers_is_two_local_directories(tmp_path):
+    from kvsession.tiers.session_mirror import local_root
+
+    url = "s3://bucket/sessions"
+    a = local_root(url, tmp_path, {"endpoint": "http://10.0.0.1:9000", "region": "x"})
+    assert a == local_root(url, tmp_path, {"region": "y", "endpoint": "http://10.0.0.1:9000"})
+    assert a != local_root(url, tmp_path, {"endpoint": "http://10.0.0.2:9000"})
+    assert local_root(url, tmp_path) != local_root("s3://bucket/other", tmp_path)
+    # credentials in the URL or the options never change (or reach) the directory's name
+    assert local_root("s3://key:secret@bucket/sessions", tmp_path) == local_root(url, tmp_path)
+    assert local_root(url, tmp_path, {"secret_access_key": "s"}) == local_root(url, tmp_path)

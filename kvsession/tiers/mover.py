@@ -186,9 +186,11 @@ class TierMover:
         self.disk_read_bytes_per_s = costmodel.RateEstimator(prior=1e9)
         self.disk_write_bytes_per_s = costmodel.RateEstimator(prior=1e9)
         # the object store: bytes/s once its objects arrive, and seconds until the first
-        # does (a request's round trip), which every load pays once
+        # does (a request's round trip, which every load pays once: the store client's
+        # estimate, which its listings' probes time too)
         self.object_read_bytes_per_s = costmodel.RateEstimator(prior=100e6)
-        self.object_latency_s = costmodel.RateEstimator(prior=0.05)
+        self.object_latency_s = objects.latency if objects is not None else \
+            costmodel.RateEstimator(prior=0.05)
         # resumed sessions whose KV is on disk in several files (tiers/resume.py): the
         # session's tier is DISK and this says where each block is, until it is loaded
         self.plans: dict[SessionKV, DiskPlan] = {}

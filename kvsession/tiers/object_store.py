@@ -51,6 +51,7 @@ from datetime import timedelta
 
 import torch
 
+from kvsession.costmodel import RateEstimator
 from kvsession.errors import ConfigError
 from kvsession.tiers.block_record import BlockRecords
 
@@ -69,6 +70,8 @@ GET_CONCURRENCY = 8
 UPLOAD_QUEUE_BLOCKS = 1024
 # how often what other processes wrote is listed again (at least 10x the listing's time)
 LIST_INTERVAL_S = 5.0
+# the store's round trip until one is timed (S3 in the same region: tens of ms)
+LATENCY_PRIOR_S = 0.05
 # after a request to the store fails, lookups find nothing there for this long, doubled on
 # each failure up to the max and reset by a listing that succeeds: a store that is down or
 # timing out costs one load's wait per period, not every request's
@@ -181,12 +184,17 @@ class ObjectCache:
         self.errors = self.dropped_blocks = 0
         # lookups find nothing before this (time.monotonic()), after failures
         self.down_until, self.backoff_s = 0.0, BACKOFF_S
+        # seconds a request waits for the store's first byte (what every load pays once):
+        # timed by each listing's probe and by every load (the mover), so the cost model
+        # knows a fast store before its first load (a prior alone could keep a store on
+        # this host from ever being tried)
+        self.latency = RateEstimator(prior=LATENCY_PRIOR_S)
         self.uploads: queue.Queue = queue.Queue(UPLOAD_QUEUE_BLOCKS)
         self.readers = ThreadPoolExecutor(GET_CONCURRENCY, thread_name_prefix="kvs-object-get")
         self._closing = threading.Event()
         # what is there at start-up, listed before the first request (bounded by the
         # client's timeouts; a store that does not answer is logged and listed again later)
-        self.list_s = self._list()
+        self.list_s = self._list()  # (and the first round trip timed: `latency`)
         self.uploader = threading.Thread(target=self._upload_loop, name="kvs-object-put",
                                          daemon=True)
         self.uploader.start()
@@ -386,6 +394,7 @@ class ObjectCache:
         except Exception as e:  # noqa: BLE001 - listed again later
             self._failed(f"listing {self.prefix}: {e}")
             return time.monotonic() - t0
+        self._probe()
         victims = self._trim(found)
         with self._lock:
             # what was listed, and this process's own (written after the listing began)
@@ -394,6 +403,17 @@ class ObjectCache:
                 self.written.pop(h, None)
             self.down_until, self.backoff_s = 0.0, BACKOFF_S  # it answers again
         return time.monotonic() - t0
+
+    def _probe(self) -> None:
+        """Time one round trip: a HEAD of an object that is never there (its 404 carries
+        nothing but the store's latency)."""
+        t0 = time.monotonic()
+        try:
+            self.obs.head(self.store, f"{self.prefix}probe")
+        except FileNotFoundError:
+            self.latency.observe(time.monotonic() - t0, 1.0)
+        except Exception:  # noqa: BLE001 - untimed; the listing just answered
+            pass
 
     def _trim(self, found: dict[bytes, tuple]) -> set[bytes]:
         """The budget over every process: where the listing holds more than

@@ -27,9 +27,18 @@ whose puts failed).
 `llm.sessions()` lists the store's sessions too. Segments (KV written behind turns) stay
 local: a session resumed elsewhere takes its KV from the snapshot, the tiers, or recompute.
 
-Ownership across machines is the router's (a session is sticky to one replica; the lock
-file is per machine): two processes writing one session at once through one store is not
-prevented here. A store that is down or failing makes puts and fetches fail, logged with
+Ownership across machines: the router keeps a session on one replica (the lock file is per
+machine), and the store fences a second writer. Every put of a session's file is
+conditional on the version this process last read or wrote there (`versions`: If-Match,
+or If-None-Match where it had none), so a session another process continued since is never
+overwritten: the put is refused, the session is fenced here (`check_owner`: its next turn
+is a SessionLockedError; nothing more of it is put or removed from here) and the store
+keeps the other's. A put whose answer was lost (the store has the new version, this process
+does not know it) is told apart by content: the store's copy is this process's own log's
+prefix (or its own snapshot), so it is adopted and put again. Deletes are unconditional in
+stores, so a close racing another writer's put can still remove it. Stores without
+conditional puts (file://) overwrite, unfenced. A store that is down or failing makes puts
+and fetches fail, logged with
 credentials scrubbed; sessions keep working from the local directory. A session of which
 nothing is here while the store cannot be read is refused (SessionStoreError), never
 started anew over the store's copy.
@@ -44,10 +53,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvsession.errors import SessionStoreError, SnapshotError
+from kvsession.errors import SessionLockedError, SessionStoreError, SnapshotError
 from kvsession.tiers.files import atomic_write
 from kvsession.tiers.object_store import Scrubber, open_store, public_url
 
@@ -60,9 +70,14 @@ PUT_CONCURRENCY = 8
 PUT_WAIT_S = 60.0
 
 
-def local_root(url: str, cache_root: Path) -> Path:
-    """The local session directory that mirrors `url` (one per store URL)."""
-    digest = hashlib.blake2b(public_url(url).encode(), digest_size=8).hexdigest()
+def local_root(url: str, cache_root: Path, options: dict | None = None) -> Path:
+    """The local session directory that mirrors `url` (one per store: the URL and the
+    endpoint the options name, so one bucket name on two servers is two stores; where
+    the endpoint comes from the environment, one per URL)."""
+    endpoint = sorted(str(v) for k, v in (options or {}).items()
+                      if "endpoint" in k.lower() and v is not None)
+    name = "\n".join([public_url(url), *endpoint])
+    digest = hashlib.blake2b(name.encode(), digest_size=8).hexdigest()
     return cache_root / "sessions" / digest
 
 
@@ -71,14 +86,51 @@ class SessionMirror:
         """Raises ConfigError when the store cannot be opened (tiers/object_store.py)."""
         self.store = open_store(url, options, "session_dir")
         import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         self.obs, self.url = obstore, public_url(url)
         self.scrub = Scrubber(options)
         self.puts = ThreadPoolExecutor(PUT_CONCURRENCY, thread_name_prefix="kvs-mirror-put")
         self.errors = 0
+        # a session's file in the store -> the version (etag) this process last read or
+        # wrote there, None: it had none there. Its next put is conditional on that version
+        # ("create" where it had none), so a session another process wrote since is never
+        # overwritten: the put fails and the session is fenced here.
+        self.versions: dict[str, str | None] = {}
+        self.fenced: set[str] = set()
+        self.conflicts = 0
+        self._lost = (PreconditionError, AlreadyExistsError)
+        # False once the store refused a conditional put as unsupported (file://): puts
+        # overwrite, unfenced
+        self.conditional = True
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         self.puts.shutdown(wait=True, cancel_futures=False)
+
+    # ---- ownership -----------------------------------------------------------------------
+
+    def check_owner(self, session_id: str) -> None:
+        """Raises SessionLockedError when another process wrote the session in the store
+        since this one read it (a turn's put found a newer version there)."""
+        if session_id in self.fenced:
+            raise SessionLockedError(
+                f"session {session_id!r} was continued by another process through the "
+                f"store {self.url} since this one resumed it: close this Session (its turns "
+                f"since then stay in the local log only) and resume it to continue from the "
+                f"store's copy")
+
+    def _fence(self, key: str) -> None:
+        session_id = _session_of(key)
+        with self._lock:
+            self.conflicts += 1
+            new = session_id not in self.fenced
+            self.fenced.add(session_id)
+        if new:
+            log.error("session store %s: %s was written by another process since this one "
+                      "read it; nothing more of session %r is put or removed there from "
+                      "this process, and its next turn here is refused", self.url, key,
+                      session_id)
 
     # ---- putting -------------------------------------------------------------------------
 
@@ -102,16 +154,19 @@ class SessionMirror:
                 self._delete(path.name)
 
     def put(self, path: Path) -> bool:
-        """One file put whole under its name (a snapshot just written). Returns whether it
-        was."""
-        return self._put(path, path.name)
+        """One of a session's files put whole under its name (a log after a commit, a
+        snapshot just written), conditional on the version this process knows there.
+        Returns whether it was."""
+        return self._put(path, path.name, guarded=True)
 
     def put_file(self, root: Path, name: str) -> bool:
         """`root / name` put whole under `name` (a path below the prefix: a side file,
-        side_files.py). Returns whether it was."""
-        return self._put(root / name, name)
+        side_files.py; the last writer wins). Returns whether it was."""
+        return self._put(root / name, name, guarded=False)
 
-    def _put(self, path: Path, key: str) -> bool:
+    def _put(self, path: Path, key: str, guarded: bool) -> bool:
+        if guarded and _session_of(key) in self.fenced:
+            return False  # another process's now: never overwritten from here
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -119,18 +174,46 @@ class SessionMirror:
         except OSError as e:
             return self._failed(f"reading {path}: {e}")
         try:
-            self.obs.put(self.store, key, data)
+            for attempt in range(2):
+                mode = "overwrite"
+                if guarded and self.conditional and key in self.versions:
+                    known = self.versions[key]
+                    mode = "create" if known is None else {"e_tag": known}
+                try:
+                    result = self.obs.put(self.store, key, data, mode=mode)
+                    break
+                except NotImplementedError:  # (file://): no conditional puts, no fencing
+                    self.conditional = False
+                    result = self.obs.put(self.store, key, data)
+                    break
+                except (*self._lost, FileNotFoundError):
+                    # the store's version is not the one this process knows: its own put
+                    # whose answer was lost (then the store's copy is one this process
+                    # wrote: adopted, and put again), or another process's
+                    stored, version = self._get_versioned(key)
+                    if attempt or not _ours(data, stored, key.endswith(".log")):
+                        self._fence(key)
+                        return False
+                    self.versions[key] = version
         except Exception as e:  # noqa: BLE001 - logged; the local file still holds it
             return self._failed(f"putting {key}: {e}")
+        if guarded:
+            self.versions[key] = result.get("e_tag")
         return True
 
     def _delete(self, name: str) -> bool:
+        """Remove a session's file from the store (gone here), unless the session is
+        fenced. (Stores delete unconditionally: between this process's last put and this
+        delete, another process's put would be removed too; the router keeps one writer.)"""
+        if _session_of(name) in self.fenced:
+            return False
         try:
             self.obs.delete(self.store, name)
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001 - a stale copy there; retried at the next sync
             return self._failed(f"deleting {name}: {e}")
+        self.versions[name] = None
         return True
 
     def _failed(self, what: str) -> bool:
@@ -154,10 +237,12 @@ class SessionMirror:
         here, logged; where nothing of the session is here, SessionStoreError: whether it
         exists is unknown, and a new session under its id would replace the store's copy."""
         fetched, stored, unread = [], [], None
+        self.fenced.discard(session_id)  # read again: the store's copy is the one resumed
         for suffix in (".kvs", ".log"):
             name = f"{session_id}{suffix}"
+            self.versions.pop(name, None)  # unknown until read: a put would overwrite
             try:
-                data = self._get(name)
+                data, self.versions[name] = self._get_versioned(name)
             except Exception as e:  # noqa: BLE001 - resumed from what is here, if anything
                 unread = self.scrub(f"getting {name}: {e}")
                 self._failed(unread)
@@ -203,13 +288,18 @@ class SessionMirror:
         """The object's bytes; None when the store has none. Raises what the client raised
         for any other failure (a body cut short included), ValueError for an object over
         `max_bytes` (its size is read before its body)."""
+        return self._get_versioned(name, max_bytes)[0]
+
+    def _get_versioned(self, name: str, max_bytes: int | None = None
+                       ) -> tuple[memoryview | None, str | None]:
+        """(`_get`'s answer, the object's version there: None where it has none)."""
         try:
             result = self.obs.get(self.store, name)
         except FileNotFoundError:
-            return None
+            return None, None
         if max_bytes is not None and result.meta["size"] > max_bytes:
             raise ValueError(f"{result.meta['size']} bytes, more than {max_bytes}")
-        return memoryview(result.bytes())
+        return memoryview(result.bytes()), result.meta.get("e_tag")
 
     def _write(self, path: Path, data: memoryview) -> bool:
         """`data` written beside `path` and renamed into place (tiers/files.py): a reader
@@ -237,6 +327,19 @@ class SessionMirror:
                 if name.endswith(suffix) and not name.startswith("."):
                     ids.add(name[: -len(suffix)])
         return ids
+
+
+def _session_of(name: str) -> str:
+    """The session id a session's file name (`<id>.log`, `<id>.kvs`) names."""
+    return name.rsplit(".", 1)[0]
+
+
+def _ours(data: bytes, stored: memoryview | None, append_only: bool) -> bool:
+    """Whether the store's copy is one this process wrote on its way to `data`: the same
+    bytes, or (`append_only`: a log) a prefix of them."""
+    if stored is None:
+        return False
+    return bytes(stored) == (data[:len(stored)] if append_only else data)
 
 
 def _same_or_ahead(path: Path, stored: memoryview, append_only: bool) -> bool:
