@@ -278,61 +278,6 @@ def test_serve_and_the_worker_take_the_object_store_flags():
         assert kw["object_store_memory"] == "2GiB"
 
 
-def test_two_servers_without_a_shared_directory_share_a_prefix(llama_dir, s3, tmp_path,
-                                                               monkeypatch):
-    """Two `serve` processes (replicas with nothing shared but the store; credentials from
-    the environment), driven by the openai client: a document one of them computed, used
-    twice and evicted, is loaded by the other instead of computed, and the replies agree."""
-    openai = pytest.importorskip("openai")
-    pytest.importorskip("starlette")
-    from kvsession.serve.process import ServerProcess
-
-    for name, value in (("AWS_ENDPOINT", s3.endpoint), ("AWS_REGION", "us-east-1"),
-                        ("AWS_ACCESS_KEY_ID", "kvs"), ("AWS_SECRET_ACCESS_KEY", SECRET)):
-        monkeypatch.setenv(name, value)
-    flags = ["--device", "cpu", "--kv-cache-memory", str(40 * 8 * BPT), "--block-size", "8",
-             "--max-model-len", "256", "--host-cache-memory", "0",
-             "--object-store", f"s3://{BUCKET}/servers",
-             "--object-store-options", '{"allow_http": true}']
-    # ~150 tokens of document; floods of ~225 tokens, each taking most of the 40 blocks
-    doc, flood_a, flood_b = (" ".join(chr(97 + t) * 2 for t in words)
-                             for words in random_prompts(36, [60, 90, 90], 26))
-
-    def messages(document, question):  # (no system prompt: the server would pin it)
-        return [{"role": "user", "content": f"{document}\n{question}"}]
-
-    def ask(client, document, question):
-        r = client.chat.completions.create(model=llama_dir.name, max_tokens=6, temperature=0,
-                                           messages=messages(document, question))
-        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
-
-    servers = []
-    try:
-        servers.append(ServerProcess(llama_dir, *flags, stderr_path=tmp_path / "a.stderr"))
-        a = openai.OpenAI(base_url=f"{servers[0].url}/v1", api_key="x", max_retries=0)
-        ask(a, doc, "first question")
-        assert ask(a, doc, "second question")[1] > 0  # the document, found again
-        ask(a, flood_a, "something else")  # the document pushed off the device
-        ask(a, flood_b, "something else")
-        assert servers[0].stop(timeout=60) == 0  # its queued objects are stored first
-        assert len(s3.keys("servers/kv/")) >= 8
-        servers.append(ServerProcess(llama_dir, *flags, stderr_path=tmp_path / "b.stderr"))
-        b = openai.OpenAI(base_url=f"{servers[1].url}/v1", api_key="x", max_retries=0)
-        text, cached = ask(b, doc, "third question")
-        assert cached >= 8 * 8  # loaded from the store, computed by the other server
-        with LLM(llama_dir, enable_prefix_caching=False, host_cache_memory=0,
-                 max_model_len=256) as plain:
-            want = plain.chat(messages(doc, "third question"),
-                              SamplingParams(max_tokens=6, temperature=0.0),
-                              use_tqdm=False)[0].text
-        assert text == want
-    finally:
-        for srv in servers:
-            srv.stop(timeout=60)
-    for name in ("a.stderr", "b.stderr"):
-        assert SECRET not in (tmp_path / name).read_text()
-
-
 # ---- the tier on its own ---------------------------------------------------------------
 
 def small_records(identity: str = "model-a"):
@@ -778,7 +723,8 @@ def test_files_kept_beside_sessions_are_read_on_another_machine(llama_dir, s3, t
 
 def test_replicas_on_ray_share_nothing_but_the_store(llama_dir, s3, tmp_path, monkeypatch):
     """`serve --replicas 2` on a local Ray cluster with its sessions and cache blocks in the
-    store (no --session-dir directory). A replica SIGKILLed for good (no restart; its
+    store (no --session-dir directory; credentials from the environment), driven by raw
+    HTTP and the openai client. A replica SIGKILLed for good (no restart; its
     machine gone, with its local files) has its sessions and its Responses chain continued
     by the other from the store, every turn exact, and a document it computed is loaded by
     the other from the store instead of computed."""
