@@ -468,7 +468,8 @@ class Proxy:
     does: `stall()` makes connections made after it accepted and never answered (a store
     that hangs); `cut(n)` makes every answer (on connections old and new) stop after n
     bytes, the connection closed (the server killed mid-transfer); `fail(status)` answers
-    every request with that HTTP error (a store returning errors); `heal()` ends them."""
+    every request with that HTTP error, passing nothing on (a store returning errors);
+    `heal()` ends them."""
 
     def __init__(self, target: str):
         import socket
@@ -480,6 +481,7 @@ class Proxy:
         self.cut_bytes: int | None = None
         self.status: int | None = None
         self.cuts = 0  # answers cut short
+        self.relayed_bytes = 0  # the server's bytes passed on to clients
         self.server = socket.create_server(("127.0.0.1", 0))
         self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         self.held: list = []
@@ -512,32 +514,35 @@ class Proxy:
                 self.held.append(conn)  # accepted, never answered
                 continue
             upstream = socket.create_connection(self.target)
-            threading.Thread(target=self._pipe, args=(conn, upstream), daemon=True).start()
+            threading.Thread(target=self._requests, args=(conn, upstream),
+                             daemon=True).start()
             threading.Thread(target=self._answers, args=(upstream, conn),
                              daemon=True).start()
 
-    @staticmethod
-    def _pipe(src, dst):
+    def _requests(self, conn, upstream):
+        """The client's bytes to the server; once failing, refused here (never reaching
+        the server: a store that refuses stores nothing)."""
         with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(1)
-
-    def _answers(self, upstream, conn):
-        """The server's bytes to the client; once cutting, at most `cut_bytes` more, then
-        both sockets closed; once failing, the error instead."""
-        sent = 0
-        with contextlib.suppress(OSError):
-            while data := upstream.recv(65536):
+            while data := conn.recv(65536):
                 if self.status is not None:
                     self.cuts += 1
                     conn.sendall(f"HTTP/1.1 {self.status} Failing\r\nContent-Length: 0\r\n"
                                  f"Connection: close\r\n\r\n".encode())
                     self._close(conn, upstream)
                     return
+                upstream.sendall(data)
+        with contextlib.suppress(OSError):
+            upstream.shutdown(1)
+
+    def _answers(self, upstream, conn):
+        """The server's bytes to the client; once cutting, at most `cut_bytes` more, then
+        both sockets closed."""
+        sent = 0
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
                 if self.cut_bytes is None:
                     conn.sendall(data)
+                    self.relayed_bytes += len(data)
                     continue
                 conn.sendall(data[:max(0, self.cut_bytes - sent)])
                 sent += len(data)
@@ -943,3 +948,52 @@ def test_one_bucket_name_on_two_servers_is_two_local_directories(tmp_path):
     # credentials in the URL or the options never change (or reach) the directory's name
     assert local_root("s3://key:secret@bucket/sessions", tmp_path) == local_root(url, tmp_path)
     assert local_root(url, tmp_path, {"secret_access_key": "s"}) == local_root(url, tmp_path)
+
+
+def test_a_snapshot_the_store_refused_at_close_loses_nothing(llama_dir, s3, tmp_path,
+                                                             monkeypatch):
+    """Two turns reach the store's log; at close the store answers errors, so the snapshot
+    that replaced the log here is not there: the store's log stays (an older state, whole)
+    and another machine resumes both turns from it. Back on this machine, the store's copy
+    is the version this machine last synced (a conditional get: nothing read), so the
+    snapshot here is resumed; its close then puts it and removes the log there."""
+    url = f"s3://{BUCKET}/sessions-g"
+    proxy = Proxy(s3.endpoint)
+    options = {**s3.options, "endpoint": proxy.endpoint, "timeout": "1s",
+               "connect_timeout": "1s"}
+    turns = ["list the files", "open the first one"]
+    try:
+        machine(monkeypatch, tmp_path, "a")
+        with LLM(llama_dir, session_dir=url, object_store_options=options,
+                 **SESSION_LLM) as llm:
+            s = llm.session(session_id="kept", system="You are terse.", sampling=TERSE)
+            for t in turns:
+                s.send(t)
+            proxy.fail(503)
+        assert s3.keys("sessions-g/") == ["sessions-g/kept.log"]  # not removed
+        proxy.heal()
+        machine(monkeypatch, tmp_path, "b")
+        with LLM(llama_dir, session_dir=url, object_store_options=options,
+                 **SESSION_LLM) as llm:
+            assert users(llm.session(session_id="kept")) == turns
+            # (its close puts b's snapshot: b continued it)
+        machine(monkeypatch, tmp_path, "a")
+        local = next((tmp_path / "a" / "sessions").iterdir())
+        with LLM(llama_dir, session_dir=url, object_store_options=options,
+                 **SESSION_LLM) as llm:
+            s = llm.session(session_id="kept")  # b's close changed the store: fetched
+            assert users(s) == turns
+            s.send("run the tests")
+        assert sorted(p.name for p in local.iterdir() if p.name.startswith("kept")) == [
+            "kept.kvs", "kept.synced"]
+        with LLM(llama_dir, session_dir=url, object_store_options=options,
+                 **SESSION_LLM) as llm:
+            before = proxy.relayed_bytes
+            s = llm.session(session_id="kept")  # unchanged there since a's close
+            assert proxy.relayed_bytes - before < 4096 < (local / "kept.kvs").stat().st_size
+            assert users(s) == [*turns, "run the tests"]
+            s.close(delete=True)
+        assert s3.keys("sessions-g/") == []
+        assert not any(p.name.startswith("kept") for p in local.iterdir())
+    finally:
+        proxy.close()

@@ -41,7 +41,7 @@ from kvsession.tiers.copier import Contention, Copier
 from kvsession.tiers.disk import DiskTier
 from kvsession.tiers.disk_cache import DiskCache
 from kvsession.tiers.host import HostPool
-from kvsession.tiers.object_store import ObjectCache
+from kvsession.tiers.object_store import LATENCY_PRIOR_S, ObjectCache
 from kvsession.tiers.resume import DiskPlan
 from kvsession.tiers.segments import compact
 from kvsession.tiers.snapshot import write_snapshot
@@ -190,7 +190,7 @@ class TierMover:
         # estimate, which its listings' probes time too)
         self.object_read_bytes_per_s = costmodel.RateEstimator(prior=100e6)
         self.object_latency_s = objects.latency if objects is not None else \
-            costmodel.RateEstimator(prior=0.05)
+            costmodel.RateEstimator(prior=LATENCY_PRIOR_S)
         # resumed sessions whose KV is on disk in several files (tiers/resume.py): the
         # session's tier is DISK and this says where each block is, until it is loaded
         self.plans: dict[SessionKV, DiskPlan] = {}

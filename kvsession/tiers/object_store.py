@@ -380,8 +380,9 @@ class ObjectCache:
                 self._failed(f"deleting {self.key(h)}: {e}")
 
     def _list(self) -> float:
-        """Learn what is there (other processes' blocks), and keep the store's objects of
-        this identity within the budget (`_trim`); returns the seconds it took."""
+        """Learn what is there (other processes' blocks), time a round trip (`_probe`) and
+        keep the store's objects of this identity within the budget (`_trim`); returns the
+        seconds the listing took."""
         t0 = time.monotonic()
         found: dict[bytes, tuple] = {}  # hash -> (last modified, key): the trim's order
         try:
@@ -394,6 +395,7 @@ class ObjectCache:
         except Exception as e:  # noqa: BLE001 - listed again later
             self._failed(f"listing {self.prefix}: {e}")
             return time.monotonic() - t0
+        took = time.monotonic() - t0
         self._probe()
         victims = self._trim(found)
         with self._lock:
@@ -402,7 +404,7 @@ class ObjectCache:
             for h in victims:
                 self.written.pop(h, None)
             self.down_until, self.backoff_s = 0.0, BACKOFF_S  # it answers again
-        return time.monotonic() - t0
+        return took
 
     def _probe(self) -> None:
         """Time one round trip: a HEAD of an object that is never there (its 404 carries

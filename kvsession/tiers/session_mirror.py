@@ -38,21 +38,23 @@ does not know it) is told apart by content: the store's copy is this process's o
 prefix (or its own snapshot), so it is adopted and put again. Deletes are unconditional in
 stores, so a close racing another writer's put can still remove it. Stores without
 conditional puts (file://) overwrite, unfenced. A store that is down or failing makes puts
-and fetches fail, logged with
-credentials scrubbed; sessions keep working from the local directory. A session of which
-nothing is here while the store cannot be read is refused (SessionStoreError), never
-started anew over the store's copy.
+and fetches fail, logged with credentials scrubbed; sessions keep working from the local
+directory. A session of which nothing is here while the store cannot be read is refused
+(SessionStoreError), never started anew over the store's copy.
 
-The server's stored Responses (serve/openai_responses.py) go through a mirror of their own
-under `<prefix>/responses/` (`put`, `fetch_file`, `delete`), so a chain continues on any
-replica; listing sessions looks at the top level only.
+Side files (side_files.py: `<folder>/<file>`, the server's stored Responses among them) go
+to the same store under their names (`put_file`, `fetch_file`, `delete`; the last writer
+wins), so a Responses chain continues on any replica; listing sessions looks at the top
+level only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -63,6 +65,12 @@ from kvsession.tiers.object_store import Scrubber, open_store, public_url
 
 log = logging.getLogger("kvsession")
 SUFFIXES = (".log", ".kvs")
+# beside a session's files here: the store's versions of them as this machine last put,
+# fetched or removed them (JSON; a hint, rewritten without fsync: lost, the store's copy is
+# compared by content instead)
+SYNCED = ".synced"
+# a conditional get's answer: the store's copy is the version this machine last synced
+_UNCHANGED = object()
 # puts of one commit batch in flight at once
 PUT_CONCURRENCY = 8
 # a batch's puts are waited for at most this long before its turns are acknowledged anyway
@@ -86,7 +94,7 @@ class SessionMirror:
         """Raises ConfigError when the store cannot be opened (tiers/object_store.py)."""
         self.store = open_store(url, options, "session_dir")
         import obstore
-        from obstore.exceptions import AlreadyExistsError, PreconditionError
+        from obstore.exceptions import AlreadyExistsError, NotModifiedError, PreconditionError
 
         self.obs, self.url = obstore, public_url(url)
         self.scrub = Scrubber(options)
@@ -98,12 +106,14 @@ class SessionMirror:
         # overwritten: the put fails and the session is fenced here.
         self.versions: dict[str, str | None] = {}
         self.fenced: set[str] = set()
-        self.conflicts = 0
         self._lost = (PreconditionError, AlreadyExistsError)
+        self._unchanged = NotModifiedError
+        # sessions whose snapshot, written here, could not be put there: their logs stay
+        self.unsent: set[str] = set()
+        self._lock = threading.Lock()  # (SYNCED files: one writer at a time)
         # False once the store refused a conditional put as unsupported (file://): puts
         # overwrite, unfenced
         self.conditional = True
-        self._lock = threading.Lock()
 
     def close(self) -> None:
         self.puts.shutdown(wait=True, cancel_futures=False)
@@ -122,11 +132,8 @@ class SessionMirror:
 
     def _fence(self, key: str) -> None:
         session_id = _session_of(key)
-        with self._lock:
-            self.conflicts += 1
-            new = session_id not in self.fenced
+        if session_id not in self.fenced:  # (two threads racing here only log it twice)
             self.fenced.add(session_id)
-        if new:
             log.error("session store %s: %s was written by another process since this one "
                       "read it; nothing more of session %r is put or removed there from "
                       "this process, and its next turn here is refused", self.url, key,
@@ -138,20 +145,21 @@ class SessionMirror:
         """Commit thread, a batch durable here: its logs put (concurrently) and deleted
         ones removed, waited for (bounded) before the batch's turns are acknowledged."""
         jobs = [self.puts.submit(self.put, p) for p in written] + \
-            [self.puts.submit(self._delete, p.name) for p in deleted]
+            [self.puts.submit(self._delete, p.name, p.parent) for p in deleted]
         for job in jobs:
             with contextlib.suppress(Exception):  # logged by the job; the wait is bounded
                 job.result(timeout=PUT_WAIT_S)
 
     def sync(self, root: Path, session_id: str) -> None:
         """The session's files as they are here now: each put, or removed from the store
-        where it is gone here."""
-        for suffix in SUFFIXES:
+        where it is gone here (the snapshot first: a log goes only once the snapshot that
+        replaced it is there)."""
+        for suffix in (".kvs", ".log"):
             path = root / f"{session_id}{suffix}"
             if path.is_file():
                 self.put(path)
             else:
-                self._delete(path.name)
+                self._delete(path.name, root)
 
     def put(self, path: Path) -> bool:
         """One of a session's files put whole under its name (a log after a commit, a
@@ -186,26 +194,37 @@ class SessionMirror:
                     self.conditional = False
                     result = self.obs.put(self.store, key, data)
                     break
-                except (*self._lost, FileNotFoundError):
-                    # the store's version is not the one this process knows: its own put
-                    # whose answer was lost (then the store's copy is one this process
-                    # wrote: adopted, and put again), or another process's
+                except (*self._lost, FileNotFoundError) as e:
+                    if isinstance(e, FileNotFoundError) and not isinstance(mode, dict):
+                        raise  # (no bucket: not a version's question)
+                    # the store's version is not the one this process knows (or the object
+                    # is gone): its own put whose answer was lost (then the store's copy is
+                    # one this process wrote: adopted, and put again), or another process's
                     stored, version = self._get_versioned(key)
                     if attempt or not _ours(data, stored, key.endswith(".log")):
                         self._fence(key)
                         return False
                     self.versions[key] = version
         except Exception as e:  # noqa: BLE001 - logged; the local file still holds it
+            if guarded and key.endswith(".kvs"):
+                self.unsent.add(_session_of(key))  # its log stays there (`_delete`)
             return self._failed(f"putting {key}: {e}")
         if guarded:
             self.versions[key] = result.get("e_tag")
+            self.unsent.discard(_session_of(key))
+            self._save_synced(path.parent, _session_of(key))
         return True
 
-    def _delete(self, name: str) -> bool:
-        """Remove a session's file from the store (gone here), unless the session is
-        fenced. (Stores delete unconditionally: between this process's last put and this
-        delete, another process's put would be removed too; the router keeps one writer.)"""
-        if _session_of(name) in self.fenced:
+    def _delete(self, name: str, root: Path | None = None) -> bool:
+        """Remove a file from the store (gone here). A session's (`root`: where it was)
+        stays while the session is fenced, and its log stays while the snapshot that
+        replaced it here could not be put there (the store keeps an older state whole;
+        the next sync retries both). (Stores delete unconditionally: between this
+        process's last put and this delete, another process's put would be removed too;
+        the router keeps one writer.)"""
+        sid = _session_of(name)
+        if root is not None and (sid in self.fenced or (
+                name.endswith(".log") and sid in self.unsent)):
             return False
         try:
             self.obs.delete(self.store, name)
@@ -213,8 +232,42 @@ class SessionMirror:
             pass
         except Exception as e:  # noqa: BLE001 - a stale copy there; retried at the next sync
             return self._failed(f"deleting {name}: {e}")
-        self.versions[name] = None
+        if root is not None:
+            self.versions[name] = None
+            self._save_synced(root, sid)
         return True
+
+    def _load_synced(self, root: Path, session_id: str) -> None:
+        """The versions this machine last synced of the session's files (its `SYNCED`
+        file), where this process knows none."""
+        names = [f"{session_id}{suffix}" for suffix in SUFFIXES]
+        if all(n in self.versions for n in names):
+            return
+        try:
+            record = json.loads((root / f"{session_id}{SYNCED}").read_bytes()[:4096])
+        except (OSError, ValueError):
+            return
+        if not isinstance(record, dict):
+            return
+        for n in names:
+            v = record.get(n, "")
+            if n not in self.versions and (v is None or (isinstance(v, str) and v)):
+                self.versions[n] = v
+
+    def _save_synced(self, root: Path, session_id: str) -> None:
+        """Record the versions of the session's files (removed once it has none here or
+        there)."""
+        names = [f"{session_id}{suffix}" for suffix in SUFFIXES]
+        record = {n: self.versions[n] for n in names if n in self.versions}
+        path = root / f"{session_id}{SYNCED}"
+        gone = not any(record.values()) and not any((root / n).exists() for n in names)
+        with self._lock, contextlib.suppress(OSError):  # a hint (SYNCED)
+            if gone:
+                path.unlink(missing_ok=True)
+                return
+            tmp = root / f".{path.name}.{threading.get_ident()}.tmp"
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, path)
 
     def _failed(self, what: str) -> bool:
         self.errors += 1
@@ -238,11 +291,14 @@ class SessionMirror:
         exists is unknown, and a new session under its id would replace the store's copy."""
         fetched, stored, unread = [], [], None
         self.fenced.discard(session_id)  # read again: the store's copy is the one resumed
+        self._load_synced(root, session_id)
         for suffix in (".kvs", ".log"):
             name = f"{session_id}{suffix}"
-            self.versions.pop(name, None)  # unknown until read: a put would overwrite
+            # the version this machine last synced: where the store still holds it, what
+            # is here is that or newer (a put that failed), so nothing is read
+            known = self.versions.pop(name, None)  # (unknown until read: puts overwrite)
             try:
-                data, self.versions[name] = self._get_versioned(name)
+                data, self.versions[name] = self._get_versioned(name, unless=known)
             except Exception as e:  # noqa: BLE001 - resumed from what is here, if anything
                 unread = self.scrub(f"getting {name}: {e}")
                 self._failed(unread)
@@ -250,6 +306,8 @@ class SessionMirror:
             if data is None:
                 continue
             stored.append(suffix)
+            if data is _UNCHANGED:
+                continue
             path = root / name
             if _same_or_ahead(path, data, suffix == ".log"):
                 continue
@@ -267,6 +325,8 @@ class SessionMirror:
             for stale in (f"{session_id}.log", f"{session_id}.seg"):
                 with contextlib.suppress(FileNotFoundError):
                     (root / stale).unlink()
+        if unread is None:
+            self._save_synced(root, session_id)
         return bool(fetched)
 
     def fetch_file(self, root: Path, name: str, max_bytes: int) -> bool:
@@ -290,13 +350,18 @@ class SessionMirror:
         `max_bytes` (its size is read before its body)."""
         return self._get_versioned(name, max_bytes)[0]
 
-    def _get_versioned(self, name: str, max_bytes: int | None = None
-                       ) -> tuple[memoryview | None, str | None]:
-        """(`_get`'s answer, the object's version there: None where it has none)."""
+    def _get_versioned(self, name: str, max_bytes: int | None = None,
+                       unless: str | None = None) -> tuple[object, str | None]:
+        """(`_get`'s answer, the object's version there: None where it has none); with
+        `unless`, a version: (_UNCHANGED, it) where the store still holds that one (a
+        conditional get: nothing read)."""
         try:
-            result = self.obs.get(self.store, name)
+            result = self.obs.get(self.store, name,
+                                  options={"if_none_match": unless} if unless else None)
         except FileNotFoundError:
             return None, None
+        except self._unchanged:
+            return _UNCHANGED, unless
         if max_bytes is not None and result.meta["size"] > max_bytes:
             raise ValueError(f"{result.meta['size']} bytes, more than {max_bytes}")
         return memoryview(result.bytes()), result.meta.get("e_tag")
