@@ -14,16 +14,23 @@ that carry it across machines, put whole as `<prefix>/<id>.log` and `<prefix>/<i
   next put of that log carries it);
 - the snapshot (its KV, and the whole session with durability="close"): put when it is
   written at close, before the log it replaces is removed there (`put`), and the files
-  as they are when the session closes (`sync`);
+  as they are when the session closes (`sync`, snapshot first). Where the snapshot could
+  not be put, the log stays there (`unsent`): the store keeps an older state whole, and
+  the next sync retries both;
 - a session closed with delete=True: both removed from the store too.
 
-Resuming a session fetches its files from the store first where the store's copy differs
-from the one here (`fetch`: another machine continued it; a log here that extends the
-store's is kept), into temporary names renamed into place, then resumes it as if this
-process had written them: the log is replayed, the snapshot's KV attached or recomputed by
-the cost model (blocks of its history that the object-store tier holds are loaded from
-there). A session deleted elsewhere but still here is kept (nothing tells it from one
-whose puts failed).
+Beside a session's files, `<id>.synced` records the store's version (etag) of each as this
+machine last put, fetched or removed it (`SYNCED`; a hint, rewritten without fsync).
+Resuming a session asks the store for each file unless it still holds that version (a
+conditional get: where it does, nothing is read, and what is here, that version or newer,
+is resumed); a file that changed there (another machine continued or closed the session)
+is fetched, unless it is a log that the one here extends (a put that failed: this machine
+is ahead), into a temporary name renamed into place, the snapshot first; then the session
+is resumed as if this process had written them: the log is replayed, the snapshot's KV
+attached or recomputed by the cost model (blocks of its history that the object-store tier
+holds are loaded from there). Without the record, the store's copy is compared by content.
+A session deleted elsewhere but still here is kept (nothing tells it from one whose puts
+failed).
 `llm.sessions()` lists the store's sessions too. Segments (KV written behind turns) stay
 local: a session resumed elsewhere takes its KV from the snapshot, the tiers, or recompute.
 
