@@ -21,9 +21,9 @@ that carry it across machines, put whole as `<prefix>/<id>.log` and `<prefix>/<i
 
 Beside a session's files, `<id>.synced` records the store's version (etag) of each as this
 machine last put, fetched or removed it (`SYNCED`; a hint, rewritten without fsync).
-Resuming a session asks the store for each file unless it still holds that version (a
-conditional get: where it does, nothing is read, and what is here, that version or newer,
-is resumed); a file that changed there (another machine continued or closed the session)
+Resuming a session asks the store for each file here unless it still holds that version
+(a conditional get: where it does, nothing is read, and the file here, that version or
+newer, is resumed); a file that changed there (another machine continued or closed the session)
 is fetched, unless it is a log that the one here extends (a put that failed: this machine
 is ahead), into a temporary name renamed into place, the snapshot first; then the session
 is resumed as if this process had written them: the log is replayed, the snapshot's KV
@@ -301,11 +301,13 @@ class SessionMirror:
         self._load_synced(root, session_id)
         for suffix in (".kvs", ".log"):
             name = f"{session_id}{suffix}"
-            # the version this machine last synced: where the store still holds it, what
-            # is here is that or newer (a put that failed), so nothing is read
+            # the version this machine last synced: where the store still holds it, the
+            # file here is that or newer (a put that failed), so nothing is read (a file
+            # gone here, e.g. a torn log recovery removed, is read again)
             known = self.versions.pop(name, None)  # (unknown until read: puts overwrite)
+            unless = known if (root / name).is_file() else None
             try:
-                data, self.versions[name] = self._get_versioned(name, unless=known)
+                data, self.versions[name] = self._get_versioned(name, unless=unless)
             except Exception as e:  # noqa: BLE001 - resumed from what is here, if anything
                 unread = self.scrub(f"getting {name}: {e}")
                 self._failed(unread)
