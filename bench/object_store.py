@@ -50,7 +50,10 @@ its next turn (a 64-token message) sent by a fresh process. Configurations:
 - recompute: the same conversation as one stateless chat request (its history computed);
 - disk: the same machine and session_dir (a local directory): the snapshot's KV loaded;
 - s3: `session_dir="s3://..."` on the moto server, the reader on another machine (its own
-  KVSESSION_CACHE, nothing local): the snapshot fetched from the store, then loaded.
+  KVSESSION_CACHE, nothing local): the snapshot fetched from the store, then loaded;
+- s3-here: the same store, the reader on the writer's machine: its files carry the store
+  versions it last synced, so the resume's conditional gets read nothing and the local
+  snapshot is loaded (before they did, it fetched the whole snapshot as 's3' does).
 Reports the resume (`llm.session(session_id=...)`: the fetch from the store, the snapshot's
 header), the turn's TTFT (the KV loaded or computed), their sum, and its ratio to recompute.
 
@@ -485,7 +488,7 @@ def part_restore(args, sz: dict, model: str, s3: MotoServer) -> dict:
 
 # ---- part 3: sessions -------------------------------------------------------------------------
 
-SESSION_CONFIGS = ("recompute", "disk", "s3")
+SESSION_CONFIGS = ("recompute", "disk", "s3", "s3-here")
 
 
 def sessions_round(config: str, sz: dict, model: str, s3: MotoServer, seed: int,
@@ -500,11 +503,15 @@ def sessions_round(config: str, sz: dict, model: str, s3: MotoServer, seed: int,
             job["llm"] = {**base, "session_dir": str(Path(scratch) / "sessions")}
             wrote = child("session_writer", job, str(Path(scratch) / "a"))
             res = child("session_reader", job, str(Path(scratch) / "a"))
-        elif config == "s3":  # another machine: nothing local, the store's copy fetched
+        elif config in ("s3", "s3-here"):
+            # s3: another machine, nothing local: the store's copy fetched; s3-here: the
+            # same machine, whose copy is the store's version (conditional gets: nothing
+            # read)
             url = f"s3://{BUCKET}/sessions-{r}-{uuid.uuid4().hex[:8]}"
             job["llm"] = {**base, "session_dir": url, "object_store_options": s3.options}
             wrote = child("session_writer", job, str(Path(scratch) / "a"))
-            res = child("session_reader", job, str(Path(scratch) / "b"))
+            res = child("session_reader", job,
+                        str(Path(scratch) / ("a" if config == "s3-here" else "b")))
         else:  # the same conversation, stateless: its history computed
             job["llm"] = {**base, "session_dir": str(Path(scratch) / "sessions")}
             wrote = child("session_writer", job, str(Path(scratch) / "a"))

@@ -2,8 +2,12 @@
 content the host evicts after it was used more than once is put there, content-addressed;
 another LLM (another replica: nothing in its device, host or disk) finds it by hash and
 loads it instead of computing it; every object is verified when read, so a damaged or
-foreign object is a miss; the server going away means recompute, never a hang; no
-credential appears in a message. Every output is the one an engine without caching gives."""
+foreign object is a miss; the server going away, hanging, answering errors or cut off
+mid-transfer means recompute, never a hang; no credential appears in a message. Sessions
+in the store (session_dir="s3://..."): resumed on another machine, after a crash too;
+refused where nothing of them is here and the store cannot be read; a second writer
+fenced; app files beside them. Replicas on a local Ray cluster sharing nothing but the
+store. Every output is the one an engine without caching gives."""
 
 from __future__ import annotations
 
