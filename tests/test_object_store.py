@@ -518,12 +518,12 @@ class Proxy:
                 self.held.append(conn)  # accepted, never answered
                 continue
             upstream = socket.create_connection(self.target)
-            threading.Thread(target=self._requests, args=(conn, upstream),
+            threading.Thread(target=self._to_server, args=(conn, upstream),
                              daemon=True).start()
-            threading.Thread(target=self._answers, args=(upstream, conn),
+            threading.Thread(target=self._to_client, args=(upstream, conn),
                              daemon=True).start()
 
-    def _requests(self, conn, upstream):
+    def _to_server(self, conn, upstream):
         """The client's bytes to the server; once failing, refused here (never reaching
         the server: a store that refuses stores nothing)."""
         with contextlib.suppress(OSError):
@@ -538,7 +538,7 @@ class Proxy:
         with contextlib.suppress(OSError):
             upstream.shutdown(1)
 
-    def _answers(self, upstream, conn):
+    def _to_client(self, upstream, conn):
         """The server's bytes to the client; once cutting, at most `cut_bytes` more, then
         both sockets closed."""
         sent = 0
