@@ -6,10 +6,12 @@ A side file is named `<folder>/<file>` (two segments of letters, digits, `_`, `-
 neither starting with a dot), so it never collides with a session's own files, which sit
 at the top level of session_dir. It lives in session_dir, written whole and renamed into
 place (a reader sees the old content or the new, never half). Where session_dir is an
-object store's URL it is put in the store under the same name as it is written, read from
-there on a local miss (another machine wrote it) and removed there with it, so every
-machine naming the store sees it (tiers/session_mirror.py). A store that fails is logged:
-the local copy stands, and a read that finds nothing anywhere is a miss.
+object store's URL it is put in the store under the same name as it is written (the last
+writer wins) and removed there with it; a read first asks the store whether its copy
+changed since this process last put or read it (a conditional get) and takes the store's
+where it did, so every machine naming the store sees the latest (tiers/session_mirror.py).
+A store that fails is logged: the local copy stands, and a read that finds nothing
+anywhere is a miss.
 
 Thread-safe: each call touches only its own file; the last writer of a name wins.
 """
@@ -66,20 +68,20 @@ class SideFiles:
             self.mirror.put_file(self.root, name)
 
     def get(self, name: str) -> bytes | None:
-        """The file's bytes: the copy here, else the store's (fetched here first); None
-        where neither has it (or the store cannot be read: logged)."""
+        """The file's bytes, None where there is none. With a store, the copy here is
+        first made the store's where that changed since this process last put or read it
+        (another machine wrote or removed it: a conditional get, nothing read where it did
+        not); while the store cannot be read, the copy here (logged)."""
         path = self._path(name)
-        for attempt in range(2):
-            try:
-                if path.stat().st_size > MAX_SIDE_FILE_BYTES:
-                    raise ConfigError(f"{path} is larger than a side file may be "
-                                      f"({MAX_SIDE_FILE_BYTES} bytes)")
-                return path.read_bytes()
-            except (FileNotFoundError, NotADirectoryError):
-                if attempt or self.mirror is None or \
-                        not self.mirror.fetch_file(self.root, name, MAX_SIDE_FILE_BYTES):
-                    return None
-        return None
+        if self.mirror is not None:
+            self.mirror.refresh_file(self.root, name, MAX_SIDE_FILE_BYTES)
+        try:
+            if path.stat().st_size > MAX_SIDE_FILE_BYTES:
+                raise ConfigError(f"{path} is larger than a side file may be "
+                                  f"({MAX_SIDE_FILE_BYTES} bytes)")
+            return path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def delete(self, name: str) -> bool:
         """Remove the file here and from the store. Returns whether it was here."""

@@ -697,35 +697,39 @@ def test_a_session_not_here_is_refused_while_the_store_cannot_be_read(llama_dir,
 def test_files_kept_beside_sessions_are_read_on_another_machine(llama_dir, s3, tmp_path,
                                                                 monkeypatch):
     """`put_file` keeps a document beside the sessions, in the store too: another machine
-    reads it, replaces it, deletes it everywhere; it is never listed as a session."""
+    reads it, replaces it, deletes it everywhere, and the first machine, open all along
+    with its copy, reads each change; it is never listed as a session."""
     url = f"s3://{BUCKET}/sessions-d"
+    kw = dict(session_dir=url, object_store_options=s3.options, **SESSION_LLM)
     machine(monkeypatch, tmp_path, "a")
-    with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
-             **SESSION_LLM) as llm:
-        llm.put_file("notes/plan.json", b'{"step": 1}')
-        assert llm.get_file("notes/plan.json") == b'{"step": 1}'
+    with LLM(llama_dir, **kw) as a:
+        a.put_file("notes/plan.json", b'{"step": 1}')
+        assert a.get_file("notes/plan.json") == b'{"step": 1}'
         assert len(list((tmp_path / "a").rglob("notes/plan.json"))) == 1  # here too
         for bad in ("plan.json", "../x", "notes/../x", ".hidden/x", "a/b/c", "a/.x", 7):
             with pytest.raises(ConfigError, match="name"):
-                llm.put_file(bad, b"x")
+                a.put_file(bad, b"x")
         with pytest.raises(ConfigError, match="bytes"):
-            llm.put_file("notes/x", "text")
-        s = llm.session(session_id="agent-x", sampling=TERSE)
+            a.put_file("notes/x", "text")
+        s = a.session(session_id="agent-x", sampling=TERSE)
         s.send("hello")
-    assert sorted(s3.keys("sessions-d/")) == ["sessions-d/agent-x.kvs",
-                                              "sessions-d/notes/plan.json"]
-    machine(monkeypatch, tmp_path, "b")
-    with LLM(llama_dir, session_dir=url, object_store_options=s3.options,
-             **SESSION_LLM) as llm:
-        assert llm.sessions() == ["agent-x"]  # the folder is no session
-        assert llm.get_file("notes/plan.json") == b'{"step": 1}'  # from the store
-        assert llm.get_file("notes/other.json") is None
-        llm.put_file("notes/plan.json", b'{"step": 2}')
-        assert s3.client.get_object(Bucket=BUCKET, Key="sessions-d/notes/plan.json")[
-            "Body"].read() == b'{"step": 2}'
-        assert llm.delete_file("notes/plan.json") is True
-        assert llm.get_file("notes/plan.json") is None
-    assert s3.keys("sessions-d/") == ["sessions-d/agent-x.kvs"]
+        s.close()
+        assert "sessions-d/notes/plan.json" in s3.keys("sessions-d/")
+        machine(monkeypatch, tmp_path, "b")
+        with LLM(llama_dir, **kw) as b:
+            assert b.sessions() == ["agent-x"]  # the folder is no session
+            assert b.get_file("notes/plan.json") == b'{"step": 1}'  # from the store
+            assert b.get_file("notes/other.json") is None
+            b.put_file("notes/plan.json", b'{"step": 2}')
+            assert s3.client.get_object(Bucket=BUCKET, Key="sessions-d/notes/plan.json")[
+                "Body"].read() == b'{"step": 2}'
+            assert a.get_file("notes/plan.json") == b'{"step": 2}'  # changed there
+            assert a.get_file("notes/plan.json") == b'{"step": 2}'  # (unchanged since)
+            assert b.delete_file("notes/plan.json") is True
+            assert b.get_file("notes/plan.json") is None
+            assert a.get_file("notes/plan.json") is None  # removed there: here too
+            assert not list((tmp_path / "a").rglob("notes/plan.json"))
+    assert not [k for k in s3.keys("sessions-d/") if "plan" in k]
     with LLM(llama_dir, **SESSION_LLM) as llm, pytest.raises(ConfigError, match="session_dir"):
         llm.put_file("notes/plan.json", b"x")
 

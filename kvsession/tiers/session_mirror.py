@@ -50,9 +50,9 @@ directory. A session of which nothing is here while the store cannot be read is 
 (SessionStoreError), never started anew over the store's copy.
 
 Side files (side_files.py: `<folder>/<file>`, the server's stored Responses among them) go
-to the same store under their names (`put_file`, `fetch_file`, `delete`; the last writer
-wins), so a Responses chain continues on any replica; listing sessions looks at the top
-level only.
+to the same store under their names (`put_file`, `refresh_file`, `delete`; the last writer
+wins; a read asks the store whether its copy changed), so a Responses chain continues on
+any replica; listing sessions looks at the top level only.
 """
 
 from __future__ import annotations
@@ -216,8 +216,8 @@ class SessionMirror:
             if guarded and key.endswith(".kvs"):
                 self.unsent.add(_session_of(key))  # its log stays there (`_delete`)
             return self._failed(f"putting {key}: {e}")
+        self.versions[key] = result.get("e_tag")
         if guarded:
-            self.versions[key] = result.get("e_tag")
             self.unsent.discard(_session_of(key))
             self._save_synced(path.parent, _session_of(key))
         return True
@@ -239,8 +239,8 @@ class SessionMirror:
             pass
         except Exception as e:  # noqa: BLE001 - a stale copy there; retried at the next sync
             return self._failed(f"deleting {name}: {e}")
+        self.versions[name] = None
         if root is not None:
-            self.versions[name] = None
             self._save_synced(root, sid)
         return True
 
@@ -338,15 +338,30 @@ class SessionMirror:
             self._save_synced(root, session_id)
         return bool(fetched)
 
-    def fetch_file(self, root: Path, name: str, max_bytes: int) -> bool:
-        """One file of the store, `name`, into `root` (written whole, then renamed into
-        place). Returns whether it is there now; False where the store has none, could not
-        give it (logged) or holds more than `max_bytes` there (not read)."""
+    def refresh_file(self, root: Path, name: str, max_bytes: int) -> None:
+        """`root / name` made the store's `name` where the store's changed since this
+        process last put or read it (a conditional get where there is a copy here): fetched
+        (written whole, then renamed into place), or removed here where another process
+        removed it there. A copy here the store never had (its put failed) stays; so does
+        any copy while the store cannot be read (logged), or holds more than `max_bytes`
+        there."""
+        path = root / name
+        known = self.versions.get(name) if path.is_file() else None
         try:
-            data = self._get(name, max_bytes)
-        except Exception as e:  # noqa: BLE001 - a miss for the caller
-            return self._failed(f"getting {name}: {e}")
-        return data is not None and self._write(root / name, data)
+            data, version = self._get_versioned(name, max_bytes, unless=known)
+        except Exception as e:  # noqa: BLE001 - the copy here, if any, stands
+            self._failed(f"getting {name}: {e}")
+            return
+        if data is _UNCHANGED:
+            return
+        if data is None:
+            if known is not None:  # removed there since this process had it
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                self.versions[name] = None
+            return
+        if self._write(path, data):
+            self.versions[name] = version
 
     def delete(self, name: str) -> bool:
         """One file removed from the store (gone here). Returns whether the store has none
