@@ -368,17 +368,13 @@ class SessionMirror:
         now."""
         return self._delete(name)
 
-    def _get(self, name: str, max_bytes: int | None = None) -> memoryview | None:
-        """The object's bytes; None when the store has none. Raises what the client raised
-        for any other failure (a body cut short included), ValueError for an object over
-        `max_bytes` (its size is read before its body)."""
-        return self._get_versioned(name, max_bytes)[0]
-
     def _get_versioned(self, name: str, max_bytes: int | None = None,
                        unless: str | None = None) -> tuple[object, str | None]:
-        """(`_get`'s answer, the object's version there: None where it has none); with
-        `unless`, a version: (_UNCHANGED, it) where the store still holds that one (a
-        conditional get: nothing read)."""
+        """(the object's bytes, its version there); (None, None) where the store has none;
+        with `unless`, a version: (_UNCHANGED, it) where the store still holds that one (a
+        conditional get: nothing read). Raises what the client raised for any other
+        failure (a body cut short included), ValueError for an object over `max_bytes`
+        (its size is read before its body)."""
         try:
             result = self.obs.get(self.store, name,
                                   options={"if_none_match": unless} if unless else None)
