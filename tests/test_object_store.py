@@ -1005,3 +1005,31 @@ def test_a_snapshot_the_store_refused_at_close_loses_nothing(llama_dir, s3, tmp_
         assert not any(p.name.startswith("kept") for p in local.iterdir())
     finally:
         proxy.close()
+
+
+def test_a_process_that_lost_a_session_closes_it_without_touching_the_store(
+        llama_dir, s3, tmp_path, monkeypatch):
+    """Machine a holds a session and goes quiet (a replica taken for dead); b resumes it
+    and takes a turn. a then closes (its LLM, so its live session is persisted) without
+    another turn: its close finds the store's
+    log is not the one it put, so it neither puts its snapshot nor removes b's log; b,
+    the owner, goes on and closes it normally, and a third machine resumes b's history."""
+    url = f"s3://{BUCKET}/sessions-h"
+    kw = dict(session_dir=url, object_store_options=s3.options, **SESSION_LLM)
+    machine(monkeypatch, tmp_path, "a")
+    with LLM(llama_dir, **kw) as a_llm:
+        a = a_llm.session(session_id="moved", system="You are terse.", sampling=TERSE)
+        a.send("list the files")
+        machine(monkeypatch, tmp_path, "b")
+        with LLM(llama_dir, **kw) as b_llm:
+            b = b_llm.session(session_id="moved")
+            b.send("b: open the first one")
+            a_llm.close()  # the stale holder's close: its live session persisted
+            assert s3.keys("sessions-h/") == ["sessions-h/moved.log"]  # b's log, alone
+            b.send("b: run the tests")  # not fenced: its version is the store's
+    assert s3.keys("sessions-h/") == ["sessions-h/moved.kvs"]  # b's close
+    machine(monkeypatch, tmp_path, "c")
+    with LLM(llama_dir, **kw) as llm:
+        s = llm.session(session_id="moved")
+        assert users(s) == ["list the files", "b: open the first one", "b: run the tests"]
+        check_next_turn(llama_dir, s)

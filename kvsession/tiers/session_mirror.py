@@ -42,9 +42,11 @@ overwritten: the put is refused, the session is fenced here (`check_owner`: its 
 is a SessionLockedError; nothing more of it is put or removed from here) and the store
 keeps the other's. A put whose answer was lost (the store has the new version, this process
 does not know it) is told apart by content: the store's copy is this process's own log's
-prefix (or its own snapshot), so it is adopted and put again. Deletes are unconditional in
-stores, so a close racing another writer's put can still remove it. Stores without
-conditional puts (file://) overwrite, unfenced. A store that is down or failing makes puts
+prefix (or its own snapshot), so it is adopted and put again. A close checks the store's
+log first (`_log_still_ours`): a process that lost the session (a replica taken for dead)
+neither puts its snapshot nor removes the new owner's log. Deletes are unconditional in
+stores, so only a put landing between that check and the delete is lost with it. Stores
+without conditional puts (file://) overwrite, unfenced. A store that is down or failing makes puts
 and fetches fail, logged with credentials scrubbed; sessions keep working from the local
 directory. A session of which nothing is here while the store cannot be read is refused
 (SessionStoreError), never started anew over the store's copy.
@@ -182,6 +184,8 @@ class SessionMirror:
     def _put(self, path: Path, key: str, guarded: bool) -> bool:
         if guarded and _session_of(key) in self.fenced:
             return False  # another process's now: never overwritten from here
+        if guarded and key.endswith(".kvs") and not self._log_still_ours(_session_of(key)):
+            return False  # (a close's snapshot: the session was continued elsewhere)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -226,12 +230,14 @@ class SessionMirror:
         """Remove a file from the store (gone here). A session's (`root`: where it was)
         stays while the session is fenced, and its log stays while the snapshot that
         replaced it here could not be put there (the store keeps an older state whole;
-        the next sync retries both). (Stores delete unconditionally: between this
-        process's last put and this delete, another process's put would be removed too;
-        the router keeps one writer.)"""
+        the next sync retries both) or while the store's log is not the one this process
+        last put (`_log_still_ours`). (Stores delete unconditionally: only a put by
+        another process between that check and this delete is removed with it.)"""
         sid = _session_of(name)
         if root is not None and (sid in self.fenced or (
                 name.endswith(".log") and sid in self.unsent)):
+            return False
+        if root is not None and name.endswith(".log") and not self._log_still_ours(sid):
             return False
         try:
             self.obs.delete(self.store, name)
@@ -243,6 +249,26 @@ class SessionMirror:
         if root is not None:
             self._save_synced(root, sid)
         return True
+
+    def _log_still_ours(self, session_id: str) -> bool:
+        """Before a close's snapshot put and log removal (stores delete unconditionally):
+        whether the store's log is still the version this process last put or read. One
+        another process wrote since fences the session here (False); so the close of a
+        process that lost the session (a replica taken for dead) neither shadows nor
+        removes the new owner's log. True where this process knows no version of it, or
+        the store has none or cannot be asked (the snapshot's own put is conditional)."""
+        log_name = f"{session_id}.log"
+        known = self.versions.get(log_name)
+        if not isinstance(known, str) or not self.conditional:
+            return True
+        try:
+            version = self.obs.head(self.store, log_name).get("e_tag")
+        except Exception:  # noqa: BLE001 - none there, or unknown: the puts decide
+            return True
+        if version == known:
+            return True
+        self._fence(log_name)
+        return False
 
     def _load_synced(self, root: Path, session_id: str) -> None:
         """The versions this machine last synced of the session's files (its `SYNCED`
