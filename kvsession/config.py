@@ -25,7 +25,7 @@ from kvsession.kernels.cpp_build import cache_root
 from kvsession.kernels.reference import is_fp8
 from kvsession.model.config import checkpoint_dtype
 from kvsession.model.hub import fetch, is_hub_id
-from kvsession.tiers.object_store import check_options, check_url, is_url
+from kvsession.tiers.object_store import check_options, check_url, is_url, open_store
 from kvsession.tiers.session_mirror import local_root
 from kvsession.validation import (
     SEED_RANGE,
@@ -299,6 +299,8 @@ class EngineConfig:
         if is_url(session_dir):  # sessions in an object store, through a local directory
             session_store = ObjectStoreConfig(check_url(session_dir, "session_dir"),
                                               check_options(object_store_options), 0)
+            # (refused options fail here, before the model loads or a directory is made)
+            open_store(session_store.url, session_store.options, "session_dir")
             local_session_dir = local_root(session_dir, cache_root(), session_store.options)
         check_str("revision", revision, allow_none=True)
         download = _path(download_dir, "download_dir", allow_none=True)
@@ -459,8 +461,10 @@ def _object_store(url, options, memory, session_store) -> ObjectStoreConfig | No
                               "object_store (its URL; the options also to a session_dir "
                               "that is one)")
         return None
-    return ObjectStoreConfig(check_url(url), check_options(options), parse_num_bytes(
+    cfg = ObjectStoreConfig(check_url(url), check_options(options), parse_num_bytes(
         OBJECT_STORE_MEMORY_DEFAULT if memory is None else memory, "object_store_memory"))
+    open_store(cfg.url, cfg.options)  # refused options fail here, before the model loads
+    return cfg
 
 
 def _chat_template(value) -> str | None:

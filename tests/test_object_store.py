@@ -264,6 +264,18 @@ def test_bad_object_store_arguments_are_config_errors(llama_dir, kw, match):
     assert SECRET not in str(e.value)
 
 
+def test_refused_session_store_options_fail_before_anything_is_done(tmp_path, monkeypatch):
+    """A session store's refused options are a ConfigError before anything else is done:
+    the model is not read (here it does not even exist) and no local directory is made.
+    (An object_store's are refused as the arguments are read, before the model loads.)"""
+    monkeypatch.setenv("KVSESSION_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ConfigError, match="session_dir='s3://b/s'.*no_such_option") as e:
+        LLM(tmp_path / "no-model", session_dir="s3://b/s",
+            object_store_options={"no_such_option": SECRET})
+    assert SECRET not in str(e.value)
+    assert not (tmp_path / "cache").exists()
+
+
 def test_serve_and_the_worker_take_the_object_store_flags():
     import argparse
 
