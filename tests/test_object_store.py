@@ -830,6 +830,7 @@ def test_replicas_on_ray_share_nothing_but_the_store(llama_dir, s3, tmp_path, mo
                                          previous_response_id=first.id,
                                          max_output_tokens=6, temperature=0)
 
+        stored = len(s3.keys("ray-kv/kv/"))  # everything the store holds now
         pid = cluster.replica(victim)["pid"]
         os.kill(pid, signal.SIGKILL)
         # its machine is gone: nothing of its sessions or its chain is left locally
@@ -865,6 +866,10 @@ def test_replicas_on_ray_share_nothing_but_the_store(llama_dir, s3, tmp_path, mo
                                       use_tqdm=False)[0].text
                 assert response.output_text == want
                 conversation.append({"role": "assistant", "content": want})
+            # the survivor lists the store every 5 s, or 10x a listing's time if slower
+            # (a loaded machine): it knows what the victim put once it listed since
+            cluster.wait_for(lambda: metric(other, "cached_blocks") >= stored,
+                             "the survivor's listing", timeout=120)
             replica, text, cached = ask("third question")
             assert replica == other and cached >= 16, (  # loaded, computed by the victim
                 metric(other, "cached_blocks"), metric(other, "hit_tokens"),
