@@ -213,9 +213,75 @@ class StallRatio:
         return self.pure_s[min(self.pure_s, key=lambda k: (abs(k - kind), k))]
 
 
-def slo_prefill_tokens(tpot_slo_s: float, pure_step_s: float, token_s: float) -> int:
-    """Prompt tokens a step with decodes may add and still end within the TPOT target: the
-    time the decodes leave (`tpot_slo_s - pure_step_s`) over what a prompt token adds to
-    such a step (`StallRatio.token_s`); 0 when the decodes alone take the target."""
-    return max(0, int((tpot_slo_s - pure_step_s) / max(token_s, 1e-9)))
+def key_reads(num_tokens: int, context_tokens: int) -> int:
+    """The (query, key) pairs causal attention scores for `num_tokens` new tokens after
+    `context_tokens` cached ones: new token j (from 0) sees context_tokens + j + 1 keys.
 
+        keys:        | context (c)            | new tokens (n)          |
+        new token j: |<------- c + j + 1 ------->|
+        sum over j < n: n * c + n * (n + 1) / 2
+    """
+    return num_tokens * context_tokens + num_tokens * (num_tokens + 1) // 2
+
+
+class PromptCost:
+    """What prompt tokens add to a step, measured: seconds = a * tokens + b * key reads (the
+    attention pairs, `key_reads`), fitted by exponentially weighted least squares over the
+    steps that computed prompt tokens (their time less the step's fixed cost: its decodes'
+    pure step, or a one-decode step's weights read for a step of prompts alone).
+
+    Why two terms: per token, a prompt's chunk costs its projections and MLP (`a`, the same
+    at any position) plus attention over everything before it (`b` times the context). On
+    the 2-core bench CPU (bench/goodput.py's model) a 16-token chunk over a 15k-token
+    context costs ~8x what 16 tokens of a short turn do, so one rate per token, fitted on a
+    mix of both, sized a document's chunks several times too large after a run of short
+    turns. Engine thread only."""
+
+    DECAY = 0.9  # a memory of ~10 steps: a document's context grows step by step
+    RIDGE = 1e-6  # of each feature's own weight: a fit of steps all alike stays defined
+
+    def __init__(self) -> None:
+        self._tt = self._tk = self._kk = self._ty = self._ky = 0.0
+        self.a_s: float | None = None  # seconds per prompt token; None: nothing measured
+        self.b_s = 0.0  # seconds per key read
+
+    def observe(self, tokens: int, reads: int, seconds: float) -> None:
+        """One step's prompt `tokens`, their `key_reads`, and the `seconds` they added."""
+        if tokens <= 0:
+            return
+        d, t, k, y = self.DECAY, float(tokens), float(reads), max(seconds, 0.0)
+        self._tt = d * self._tt + t * t
+        self._tk = d * self._tk + t * k
+        self._kk = d * self._kk + k * k
+        self._ty = d * self._ty + t * y
+        self._ky = d * self._ky + k * y
+        tt, kk = self._tt * (1 + self.RIDGE), self._kk * (1 + self.RIDGE)
+        det = tt * kk - self._tk * self._tk
+        a = (self._ty * kk - self._tk * self._ky) / det if det > 0 else -1.0
+        b = (tt * self._ky - self._tk * self._ty) / det if det > 0 else -1.0
+        if a < 0 or b < 0:  # one term explains the steps better: fit it alone
+            a, b = (self._ty / tt, 0.0) if b < 0 or kk == 0 else (0.0, self._ky / kk)
+        self.a_s, self.b_s = max(a, 0.0), max(b, 0.0)
+
+    def seconds(self, tokens: int, context_tokens: int) -> float | None:
+        """What `tokens` prompt tokens after `context_tokens` add to a step; None before any
+        step was measured."""
+        if self.a_s is None:
+            return None
+        return self.a_s * tokens + self.b_s * key_reads(tokens, context_tokens)
+
+    def tokens_within(self, seconds: float, context_tokens: int) -> int | None:
+        """The most prompt tokens after `context_tokens` that add at most `seconds` (0 when
+        not even one does); None before any step was measured, or where they cost nothing.
+
+        The largest n with a n + b (n c + n (n + 1) / 2) <= s: the positive root of
+        (b / 2) n^2 + (a + b (c + 1/2)) n - s = 0, floored."""
+        if self.a_s is None:
+            return None
+        if seconds <= 0:
+            return 0
+        a, b = self.a_s, self.b_s
+        lin = a + b * (context_tokens + 0.5)
+        if b <= 0:
+            return None if lin <= 0 else int(seconds / lin)
+        return max(0, int((-lin + math.sqrt(lin * lin + 2.0 * b * seconds)) / b))

@@ -450,9 +450,11 @@ class LLM:
     def slo(self):
         """The latency targets (`SLO`) that goodput and attainment in `stats()` are
         measured against; replace them with `llm.slo = SLO(...)`. Once set, the scheduler
-        also keeps running decodes within its `tpot_s` where the hardware allows: a long
-        prompt's chunk in a step that decodes shrinks to what the target leaves
-        (`stats().slo_unmet_steps` counts the steps where nothing was left)."""
+        also keeps both targets where the hardware allows: a long prompt's chunk in a step
+        that decodes shrinks to what `tpot_s` leaves, or sits the step out where less than a
+        block fits (`stats().slo_held_steps`; `slo_unmet_steps` counts the steps where the
+        target was out of reach), and a step without decodes lasts at most a quarter of
+        `ttft_s` (a request arriving meanwhile waits for it)."""
         return self._rt.slo
 
     @slo.setter

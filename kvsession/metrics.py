@@ -176,9 +176,14 @@ class Stats(msgspec.Struct):
     # the cuts crash recovery made to session logs in session_dir: the start-up scan's and
     # those of sessions this LLM resumed (tiers/recovery.py)
     recovery: list[LogRecovery] = msgspec.field(default_factory=list)
-    # steps where the TPOT target of `llm.slo` left no room for a long prompt's tokens beside
-    # the decodes (a block was given anyway): the target is beyond this hardware at that load
+    # steps where the TPOT target of `llm.slo` was out of reach beside the decodes (the
+    # decodes alone took it, or a block of a long prompt would take more than 8 steps'
+    # room): long prompts kept the prefill caps' chunk; the target is beyond this hardware
+    # at that load
     slo_unmet_steps: int = 0
+    # steps in which a long prompt sat out so that the decodes kept the TPOT target (less
+    # than a block fitted; the room banked pays for its next block)
+    slo_held_steps: int = 0
     # spills to disk that failed (a full or failing disk): each session kept its KV where
     # it was, and the failure was logged
     spill_failures: int = 0

@@ -106,6 +106,7 @@ class StatsCollector:
             prefill_tokens=self.engine.prefill_tokens,
             generated_tokens=self.engine.generated_tokens,
             slo_unmet_steps=self.slo_chunking.unmet_steps,
+            slo_held_steps=self.slo_chunking.held_steps,
             spill_failures=self.policy.spill_failures,
             draft_tokens_proposed=drafter.proposed_tokens if drafter is not None else 0,
             draft_tokens_accepted=drafter.accepted_tokens if drafter is not None else 0)

@@ -180,7 +180,7 @@ class Runtime:
                              self.latency, prefill_tps, timers=[self.policy.housekeeping],
                              connector=self.connector, stall_ratio=stall_ratio,
                              remote_required=cfg.remote_prefill is RemotePrefillMode.REQUIRED,
-                             drafter=self.drafter)
+                             drafter=self.drafter, chunking=self.slo_chunking)
         # ---- durability="turn": session logs, group-committed by one thread
         durable = self.disk is not None and cfg.durability is Durability.TURN
         self.journal = GroupCommit(cfg.session_dir, self.mirror) if durable else None
@@ -229,10 +229,10 @@ class Runtime:
         return self.check_open().call(fn)
 
     def set_slo(self, slo: SLO) -> None:
-        """`llm.slo = ...`: the targets stats() measures against, and the TPOT target the
+        """`llm.slo = ...`: the targets stats() measures against, and the ones the
         scheduler's chunking keeps (engine/slo_chunking.py) from the next step on."""
         self.slo = slo
-        self.call(partial(self.slo_chunking.set_target, slo.tpot_s)).result()
+        self.call(partial(self.slo_chunking.set_target, slo.ttft_s, slo.tpot_s)).result()
 
     def submit(self, seq: Sequence, on_update: OnUpdate | None = None,
                prepare: Callable[[], Generator[Future, None, None] | None] | None = None

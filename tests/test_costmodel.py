@@ -147,3 +147,33 @@ def test_stall_ratio_is_measured_from_mixed_steps():
     assert s.value < stalled / total
     s.fix(0.15)
     assert s.value == 0.15
+
+
+def test_key_reads_counts_each_new_tokens_keys():
+    # 3 new tokens after 5: they see 6, 7 and 8 keys
+    assert cm.key_reads(3, 5) == 6 + 7 + 8
+    assert cm.key_reads(1, 0) == 1 and cm.key_reads(0, 100) == 0
+
+
+def test_prompt_cost_recovers_per_token_and_per_pair_costs():
+    """Steps whose prompt tokens add exactly a per token and b per attention pair, at
+    various chunk sizes and contexts: both recovered; `tokens_within` inverts `seconds`;
+    nothing measured: None; a fit that would make one term negative keeps the other."""
+    pc = cm.PromptCost()
+    assert pc.seconds(16, 0) is None and pc.tokens_within(1.0, 0) is None
+    a, b = 1e-3, 2e-7
+    for n, c in [(16, 0), (48, 300), (16, 8000), (64, 12000), (32, 2000), (16, 15000)]:
+        pc.observe(n, cm.key_reads(n, c), a * n + b * cm.key_reads(n, c))
+    assert pc.a_s == pytest.approx(a, rel=1e-3) and pc.b_s == pytest.approx(b, rel=1e-3)
+    for n, c in [(1, 0), (16, 15000), (100, 4000), (700, 0)]:
+        s = pc.seconds(n, c)
+        assert pc.tokens_within(s * (1 + 1e-6), c) == n  # exactly n fit, n + 1 do not
+        assert pc.tokens_within(s * (1 - 1e-6), c) == n - 1
+    assert pc.tokens_within(0.0, 100) == 0
+    # a 16-token chunk 15k tokens in costs ~3x what it does at the start of a prompt
+    assert pc.seconds(16, 15000) > 3 * pc.seconds(16, 0)
+    odd = cm.PromptCost()  # cheaper further in (noise, another step's work): b would be < 0
+    odd.observe(16, cm.key_reads(16, 0), 0.032)
+    odd.observe(16, cm.key_reads(16, 9000), 0.016)
+    assert odd.b_s == 0.0 and 1e-3 < odd.a_s < 2e-3  # the per-token rate of both steps
+    assert odd.tokens_within(20.5 * odd.a_s, 5000) == 20

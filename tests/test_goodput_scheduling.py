@@ -10,7 +10,7 @@ import pytest
 from llms import tiny_llm
 
 from kvsession import SamplingParams
-from kvsession.costmodel import StallRatio
+from kvsession.costmodel import StallRatio, key_reads
 from kvsession.engine.slo_chunking import SloChunking
 from kvsession.errors import ConfigError
 from kvsession.metrics import SLO
@@ -122,29 +122,86 @@ def test_the_priority_hint_is_kept_with_the_conversation(llama_dir):
         assert seen == {4, -2, 7, 8, 9}
 
 
+A = 1 / 1024  # seconds a prompt token adds (attention pairs free in these tests)
+
+
+def measured(pure_s: float = 0.020) -> SloChunking:
+    """Chunking whose steps were measured: 4 decodes alone `pure_s` (1 decode too), a
+    prompt token adds A."""
+    stall = StallRatio()
+    stall.observe(4, 0, pure_s)
+    stall.observe(1, 0, pure_s)
+    chunking = SloChunking(stall)
+    for n, c in [(16, 0), (48, 300), (16, 900)]:
+        chunking.observe(4, n, key_reads(n, c), pure_s + A * n)
+    return chunking
+
+
 def test_slo_chunking_leaves_the_decodes_their_target():
-    """A pure step of 4 decodes measured at 20 ms, then one with 20 prompt tokens at 40 ms:
-    a token adds 1 ms, so a 50 ms target leaves 30 ms, 30 tokens; a target the decodes
-    alone is out of reach: no limit, the step counted; no target, no decode, or nothing
-    measured yet: no limit."""
+    """A 20 ms pure step and a target 32.5 tokens above it: 32 tokens; no target, nothing
+    measured, or decodes alone past the target: no limit (the last counted)."""
     stall = StallRatio()
     chunking = SloChunking(stall)
-    chunking.set_target(0.050)
-    assert chunking.prefill_tokens(4, 16) is None  # nothing measured yet
-    stall.observe(4, 0, 0.020)
-    assert chunking.prefill_tokens(4, 16) is None  # no step with prompt tokens yet
-    stall.observe(4, 20, 0.040)
-    assert stall.token_s == pytest.approx(0.001)
-    chunking.set_target(None)
-    assert chunking.prefill_tokens(4, 16) is None  # no target
-    chunking.set_target(0.050)
-    assert chunking.prefill_tokens(4, 16) == 30
-    assert chunking.prefill_tokens(0, 16) is None
-    assert chunking.prefill_tokens(8, 16) == 30  # not measured: the nearest size's step
-    chunking.set_target(0.010)
-    assert chunking.prefill_tokens(4, 16) is None and chunking.unmet_steps == 1
-    chunking.set_target(float("inf"))
-    assert chunking.prefill_tokens(4, 16) is None
+    chunking.set_target(None, 0.020 + 32.5 * A)
+    assert chunking.prefill_tokens(4, 16, 0) is None  # nothing measured yet
+    chunking = measured()
+    assert chunking.cost.a_s == pytest.approx(A, rel=1e-4) and chunking.cost.b_s < 1e-10
+    assert chunking.prefill_tokens(4, 16, 0) is None  # no target
+    chunking.set_target(None, 0.020 + 32.5 * A)
+    assert chunking.prefill_tokens(4, 16, 5000) == 32
+    assert chunking.prefill_tokens(8, 16, 0) == 32  # not measured: the nearest size's step
+    assert chunking.prefill_tokens(0, 16, 0) is None  # alone, no TTFT target
+    chunking.set_target(None, 0.010)  # the decodes alone take 20 ms
+    assert chunking.prefill_tokens(4, 16, 0) is None and chunking.unmet_steps == 1
+    chunking.set_target(None, 0.020 + 1.9 * A)  # 16 tokens: more than 8 steps' room
+    assert chunking.prefill_tokens(4, 16, 0) is None and chunking.unmet_steps == 2
+    chunking.set_target(float("inf"), float("inf"))
+    assert chunking.prefill_tokens(4, 16, 0) is None and chunking.held_steps == 0
+
+
+def test_a_block_the_target_cannot_hold_is_paid_for_by_held_steps():
+    """Room for 6.5 tokens a step, a block is 16: the long prompt sits out steps banking
+    their room, then takes what the bank and the step's room pay for (19: the step runs
+    over the target by what was banked), and sits out again; a step longer than predicted
+    is a debt the next holds repay (3.5 tokens' time: then exactly a block); room banked
+    while nothing was held back is not kept."""
+    chunking = measured()
+    tpot = 0.020 + 6.5 * A
+    chunking.set_target(None, tpot)
+    answers = []
+    for _ in range(9):
+        n = chunking.prefill_tokens(4, 16, 0)
+        answers.append(n)
+        chunking.observe(4, n, key_reads(n, 0), 0.020 + A * n)
+    assert answers == [0, 0, 19, 0, 0, 19, 0, 0, 19] and chunking.held_steps == 6
+    # a held step 10 token-times long: 3.5 more than the target
+    assert chunking.prefill_tokens(4, 16, 0) == 0
+    chunking.observe(4, 0, 0, 0.020 + 10 * A)
+    answers = []
+    for _ in range(4):
+        n = chunking.prefill_tokens(4, 16, 0)
+        answers.append(n)
+        chunking.observe(4, n, key_reads(n, 0), 0.020 + A * n)
+    assert answers == [0, 0, 16, 0]
+    for _ in range(5):  # no long prompt: fast steps bank nothing
+        chunking.observe(4, 0, 0, 0.020)
+    assert chunking.prefill_tokens(4, 16, 0) == 0
+
+
+def test_alone_a_long_prompt_takes_a_quarter_of_the_ttft_target():
+    """No decode: a step of prompts alone lasts at most a quarter of the TTFT target past a
+    one-decode step's time (20 ms), at least a block; so does a step whose decodes leave
+    their TPOT target out of reach."""
+    chunking = measured()
+    chunking.set_target(0.080 + 4 * 100.5 * A, None)
+    assert chunking.prefill_tokens(0, 16, 0) == 100
+    chunking.set_target(0.080, None)  # a quarter is the fixed cost alone: a block
+    assert chunking.prefill_tokens(0, 16, 0) == 16
+    assert chunking.prefill_tokens(4, 16, 0) is None  # no TPOT target
+    # a TPOT target out of reach beside 4 decodes (20 ms): their step is bounded as one
+    # alone, its decodes' time included
+    chunking.set_target(4 * (0.020 + 50.5 * A), 0.010)
+    assert chunking.prefill_tokens(4, 16, 0) == 50 and chunking.unmet_steps == 1
 
 
 def test_a_tpot_target_shrinks_a_long_prompts_chunks_beside_decodes(llama_dir):
@@ -170,3 +227,23 @@ def test_a_tpot_target_shrinks_a_long_prompts_chunks_beside_decodes(llama_dir):
             assert rest
     assert outs[True] == outs[False]
     assert unmet[True] == 0 and unmet[False] >= 2
+
+
+def test_a_ttft_target_bounds_a_long_prompts_steps_alone(llama_dir):
+    """Nothing decodes: with a TTFT target no step can meet (1 us) a long prompt alone
+    takes a block a step (what a request arriving meanwhile waits for), where without one
+    the top-up gives it the whole budget; its tokens unchanged."""
+    long, short, other = random_prompts(12, [300, 10, 12], 256)
+    runs = {}
+    for target in (None, SLO(ttft_s=1e-6, tpot_s=60.0)):
+        with tiny_llm(llama_dir, max_num_batched_tokens=64, block_size=16) as llm:
+            if target is not None:
+                llm.slo = target
+            # steps measured first: decodes (a step's fixed cost), then a prompt (its cost)
+            for warm in (short, other):
+                llm.generate(prompt_token_ids=[warm], sampling_params=G, use_tqdm=False)
+            got = llm.generate(prompt_token_ids=[long], sampling_params=G, use_tqdm=False)[0]
+            runs[target is None] = (got.outputs[0].token_ids, got.metrics.forward_passes)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == -(-300 // 64) + G.max_tokens - 1
+    assert runs[False][1] == -(-300 // 16) + G.max_tokens - 1

@@ -387,23 +387,67 @@ def test_admission_leaves_headroom_for_running_sequences_to_grow():
     m.check_integrity()
 
 
-def test_a_tpot_target_shrinks_a_long_prompts_chunk_beside_a_decode():
-    """SLO-aware chunking (engine/slo_chunking.py) with measured times: a pure step of one
-    decode 0.5 s, a prompt token adds 0.25 s; a 2 s target leaves 1.5 s, 6 tokens, below the
-    threshold of 8: the long prompt takes 6 beside the decode (and 8 + the rest alone)."""
-    m, sched = build(num_blocks=16, budget=16, caps=PrefillCaps(2, 1, 8))
+def slo_chunking(ttft_s=None, tpot_s=None) -> SloChunking:
+    """SLO-aware chunking with measured times: a pure step of one decode 0.5 s, a prompt
+    token adds 0.25 s (attention pairs free)."""
     stall = StallRatio()
     stall.observe(1, 0, 0.5)
-    stall.observe(1, 4, 1.5)
     chunking = SloChunking(stall)
-    chunking.set_target(2.0)
-    sched.attach_chunk_limit(chunking)
+    for n in (4, 8, 12):
+        chunking.observe(1, n, costmodel.key_reads(n, 0), 0.5 + 0.25 * n)
+    chunking.set_target(ttft_s, tpot_s)
+    return chunking
+
+
+def test_a_tpot_target_shrinks_a_long_prompts_chunk_beside_a_decode():
+    """SLO-aware chunking (engine/slo_chunking.py): a 2 s target leaves 1.5 s beside the
+    decode, 6 tokens, below the threshold of 8: the long prompt takes 6 beside it."""
+    m, sched = build(num_blocks=16, budget=16, caps=PrefillCaps(2, 1, 8))
+    sched.attach_chunk_limit(slo_chunking(tpot_s=2.0))
     b, a = seq(range(100, 102)), seq(range(20))
     sched.add(b)
     scheduled, _ = sched.schedule()
-    assert work(scheduled) == [(b, 2)]  # nothing decodes yet: no limit
+    assert work(scheduled) == [(b, 2)]  # nothing decodes yet, no TTFT target: no limit
     run(sched, scheduled)
     sched.add(a)
     scheduled, _ = sched.schedule()
     assert work(scheduled) == [(b, 1), (a, 6)] and ids(a) == [1, 2]
+    m.check_integrity()
+
+
+def test_a_long_prompt_sits_out_steps_its_block_does_not_fit_beside_a_decode():
+    """A 1.05 s target leaves 0.55 s, 2.2 tokens, less than a block (4): the waiting long
+    prompt is not admitted and the decode runs alone; with the held step's room banked (1.1
+    s: 4.4 tokens) it takes a block, then sits out again while running, through its last
+    chunks (below the threshold: a long prompt's tail is as costly). Steps timed as
+    predicted."""
+    m, sched = build(num_blocks=16, budget=16, caps=PrefillCaps(2, 1, 8))
+    chunking = slo_chunking(tpot_s=1.05)
+    sched.attach_chunk_limit(chunking)
+    b, a = seq(range(100, 102)), seq(range(20))
+    sched.add(b)
+    run(sched, sched.schedule()[0])
+    sched.add(a)
+    steps = []
+    for _ in range(10):
+        scheduled, _ = sched.schedule()
+        steps.append([n for s, n in work(scheduled) if s is a])
+        n = sum(item.num_new_tokens for item in scheduled if item.seq is a)
+        chunking.observe(1, n, costmodel.key_reads(n, 0), 0.5 + 0.25 * n)
+        run(sched, scheduled)
+    # a block every other step, its last 8 tokens (below the threshold) too
+    assert steps == [[], [4], [], [4], [], [4], [], [4], [], [4]]
+    assert a.num_computed_tokens == 20 and chunking.held_steps == 5
+    m.check_integrity()
+
+
+def test_alone_a_long_prompt_takes_what_a_quarter_of_the_ttft_target_holds():
+    """Nothing decodes: the top-up stops at what a quarter of the TTFT target holds past a
+    one-decode step's time (0.5 s + 10 tokens' 2.5 s: 10 tokens), not the whole budget."""
+    m, sched = build(num_blocks=16, budget=16, caps=PrefillCaps(2, 1, 4))
+    sched.attach_chunk_limit(slo_chunking(ttft_s=4 * 3.1))
+    a = seq(range(30))
+    sched.add(a)
+    scheduled, _ = sched.schedule()
+    assert work(scheduled) == [(a, 10)] and ids(a) == [0, 1, 2]
     m.check_integrity()

@@ -19,13 +19,14 @@ from concurrent.futures import CancelledError, Future, InvalidStateError
 
 import torch
 
-from kvsession.costmodel import RateEstimator, StallRatio
+from kvsession.costmodel import RateEstimator, StallRatio, key_reads
 from kvsession.engine.drafts import Drafter
 from kvsession.engine.remote import RemotePrefillDriver, RemotePrefills
 from kvsession.engine.runner import ModelRunner
 from kvsession.engine.sampler import Sampled, Sampler, top_logprobs
 from kvsession.engine.scheduler import ScheduledSeq, Scheduler
 from kvsession.engine.sequence import Sequence, SequenceStatus
+from kvsession.engine.slo_chunking import SloChunking
 from kvsession.errors import CacheFullError, EngineClosedError
 from kvsession.metrics import LatencyTracker, RequestMetrics
 from kvsession.model.tokenizer import IncrementalText
@@ -74,8 +75,10 @@ class Engine:
                  prefill_tps: RateEstimator, timers: list[Timer] | None = None,
                  connector: RemotePrefills | None = None,
                  stall_ratio: StallRatio | None = None, remote_required: bool = False,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, chunking: SloChunking | None = None):
         self.scheduler, self.runner, self.sampler = scheduler, runner, sampler
+        # SLO-aware chunking learns each step's cost from the times measured here
+        self.chunking = chunking
         # what verifications kept goes back to it (the scheduler asks it for drafts)
         self.drafter = drafter
         self.new_text, self.latency = new_text, latency
@@ -160,8 +163,10 @@ class Engine:
                 f"{self.scheduler.pool.num_blocks})"))
         if not batch:
             return
-        prompt_tokens = sum(min(item.num_new_tokens, max(
-            0, item.seq.num_prompt_tokens - item.seq.num_computed_tokens)) for item in batch)
+        prompt_items = [(n, item.seq.num_computed_tokens) for item in batch if (n := min(
+            item.num_new_tokens, max(0, item.seq.num_prompt_tokens
+                                     - item.seq.num_computed_tokens))) > 0]
+        prompt_tokens = sum(n for n, _ in prompt_items)
         decodes = sum(item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
                       for item in batch)
         draft_tokens = sum(item.num_draft_tokens for item in batch)
@@ -186,6 +191,9 @@ class Engine:
             self.prefill_tps.observe(prompt_tokens, elapsed_s)
         # drafts are tokens a decode step carries beyond its decodes, as prompt tokens are
         self.stall_ratio.observe(decodes, prompt_tokens + draft_tokens, elapsed_s)
+        if self.chunking is not None:
+            self.chunking.observe(decodes, prompt_tokens, sum(
+                key_reads(n, c) for n, c in prompt_items), elapsed_s)
         self.num_steps += 1
         for item in batch:
             item.seq.num_forward_passes += 1
