@@ -262,12 +262,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(_to_compute(seq), budget, long_chunk if _to_compute(seq) > threshold
-                    else slo_limit if slo_limit is not None and _to_compute(seq) > 1
-                    else budget)
-            if n == 0:  # a long prompt sitting this step out (SLO-aware chunking)
+            cap = long_chunk if _to_compute(seq) > threshold \
+                else slo_limit if slo_limit is not None and _to_compute(seq) > 1 else budget
+            if cap == 0:  # a long prompt sitting this step out (SLO-aware chunking)
                 i += 1
                 continue
+            n = min(_to_compute(seq), budget, cap)
             need = blocks_for(seq.num_computed_tokens + n, self.pool.block_size) - len(seq.blocks)
             drafts = self._drafts(seq, n, budget, need, num_decodes)
             if drafts:
