@@ -92,8 +92,9 @@ class SloChunking:
         """The tokens a long prompt `context_tokens` into its prefill may take in a step
         with `num_decodes` decodes: at least `min_tokens`, or 0 (it sits this step out);
         None: no limit (no target, or nothing measured yet)."""
-        if num_decodes <= 0:
-            return self._alone(min_tokens, context_tokens)
+        if num_decodes <= 0:  # past a one-decode step's time: the weights read once
+            return self._within_ttft(min_tokens, context_tokens,
+                                     self.stall.pure_step_s(1) or 0.0)
         if self.tpot_s is None:
             return None
         pure = self.stall.pure_step_s(num_decodes)
@@ -112,11 +113,6 @@ class SloChunking:
         self._holding = True
         self.held_steps += 1
         return 0
-
-    def _alone(self, min_tokens: int, context_tokens: int) -> int | None:
-        """A step without decodes: what 1 / ALONE_SHARE of the TTFT target holds past the
-        step's fixed cost (a one-decode step's: the weights read once)."""
-        return self._within_ttft(min_tokens, context_tokens, self.stall.pure_step_s(1) or 0.0)
 
     def _within_ttft(self, min_tokens: int, context_tokens: int, fixed_s: float
                      ) -> int | None:
